@@ -1,0 +1,29 @@
+# Developer shortcuts. `make test` is what CI runs (through .ci/run).
+PYTHON ?= python
+RECIPE ?= recipes/demo/tiny_sft_cpu.yaml
+
+.PHONY: test test-fast lint format demo bench clean
+
+test:            ## the whole suite (CPU; GPU tests skip themselves)
+	$(PYTHON) -m pytest
+
+test-fast:       ## unit tests only
+	$(PYTHON) -m pytest tests/unit -q
+
+lint:            ## ruff lint + format check
+	ruff check .
+	ruff format --check .
+
+format:          ## apply ruff fixes and formatting
+	ruff check --fix .
+	ruff format .
+
+demo:            ## LoRA on a tiny random-init Llama, CPU, offline
+	finetune train $(RECIPE)
+
+bench:           ## benchmarks (figures go to benchmarks/RESULTS.md)
+	$(PYTHON) benchmarks/bench_prepare.py
+	$(PYTHON) benchmarks/bench_loop.py
+
+clean:
+	rm -rf outputs prepared .pytest_cache .ruff_cache

@@ -1,0 +1,207 @@
+"""The `finetune` command: thin subcommands that parse, validate the recipe and call one function.
+
+Heavy libraries (torch, transformers, datasets) are imported inside the subcommands that need
+them, so `finetune validate` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from finetune.errors import FinetuneError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ACCELERATE_CONFIGS = REPO_ROOT / "accelerate_configs"
+TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
+
+OVERRIDES_HELP = (
+    "Any recipe field can be overridden after the recipe path: --section.field VALUE or "
+    "--section.field=VALUE (list items by index: --data.datasets.0.path x.jsonl). "
+    "Values are parsed as YAML: true, null, [a, b], 3e-5."
+)
+
+
+def _recipe_parser(sub, name: str, help_text: str, *, optional: bool = False) -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, help=help_text, description=f"{help_text} {OVERRIDES_HELP}")
+    parser.add_argument("recipe", nargs="?" if optional else None, help="path to the recipe YAML")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="finetune",
+        description="Fine-tune LLMs (full, LoRA, QLoRA) from one YAML recipe on the Hugging Face stack.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    validate = _recipe_parser(sub, "validate", "Validate a recipe and print it resolved (no heavy imports).")
+    validate.add_argument("--explain", action="store_true", help="print each field's description too")
+
+    prepare = _recipe_parser(sub, "prepare-dataset", "Load, format, tokenize, pack and cache the datasets.")
+    prepare.add_argument(
+        "--push", action="store_true", help="push the prepared dataset to data.push_dataset_to_hub"
+    )
+
+    # The recipe is optional here only so that `finetune train --list-configs` works; main()
+    # requires it otherwise.
+    train = _recipe_parser(
+        sub, "train", "Train: runs `accelerate launch finetune/train.py RECIPE ...`.", optional=True
+    )
+    train.add_argument(
+        "--accelerate-config",
+        metavar="NAME|PATH",
+        help="a config name from accelerate_configs/ (see --list-configs) or a path; "
+        "default: train.accelerate_config, else a single process",
+    )
+    train.add_argument(
+        "--list-configs", action="store_true", help="list the shipped accelerate configs and exit"
+    )
+
+    sub.add_parser("list-configs", help="List the accelerate configs shipped in accelerate_configs/.")
+
+    merge = sub.add_parser(
+        "merge-lora", help="Merge a LoRA adapter into its base model and save full weights."
+    )
+    merge.add_argument("adapter_dir", help="folder holding adapter_config.json and the adapter weights")
+    merge.add_argument("--output", required=True, help="folder to write the merged model to")
+    merge.add_argument("--base", help="base model path (default: base_model_name_or_path of the adapter)")
+    merge.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
+    return parser
+
+
+def _print_recipe(recipe, explain: bool) -> None:
+    from finetune.config import recipe_to_dict
+    from finetune.yaml_io import dump_yaml
+
+    if not explain:
+        print(dump_yaml(recipe_to_dict(recipe)), end="")
+        return
+    for line in explain_lines(recipe):
+        print(line)
+
+
+def explain_lines(recipe) -> list[str]:
+    """The resolved recipe as YAML with each field's description as a comment above it."""
+    from pydantic import BaseModel
+
+    from finetune.yaml_io import dump_yaml
+
+    out: list[str] = []
+
+    def walk(model: BaseModel, indent: str) -> None:
+        data = model.model_dump(mode="json")
+        for name, field in type(model).model_fields.items():
+            value = getattr(model, name)
+            if field.description:
+                out.append(f"{indent}# {field.description}")
+            if isinstance(value, BaseModel):
+                out.append(f"{indent}{name}:")
+                walk(value, indent + "  ")
+            elif value and isinstance(value, list) and all(isinstance(v, BaseModel) for v in value):
+                out.append(f"{indent}{name}:")
+                for item in value:  # `-` alone, then the item's fields with their comments
+                    out.append(f"{indent}-")
+                    walk(item, indent + "  ")
+            else:
+                dumped = dump_yaml({name: data[name]})
+                out.extend(indent + line for line in dumped.rstrip("\n").splitlines())
+
+    walk(recipe, "")
+    return out
+
+
+def resolve_accelerate_config(name_or_path: str | None) -> Path | None:
+    """A config name from accelerate_configs/ (with or without .yaml) or a path to a file."""
+    if name_or_path is None:
+        return None
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    for candidate in (ACCELERATE_CONFIGS / name_or_path, ACCELERATE_CONFIGS / f"{name_or_path}.yaml"):
+        if candidate.is_file():
+            return candidate
+    names = ", ".join(sorted(p.stem for p in ACCELERATE_CONFIGS.glob("*.yaml")))
+    raise FinetuneError(
+        f"accelerate config {name_or_path!r} is neither a file nor a name in {ACCELERATE_CONFIGS} "
+        f"(available: {names})"
+    )
+
+
+def list_configs() -> list[tuple[str, str]]:
+    """(name, first comment line) for every shipped accelerate config."""
+    rows = []
+    for path in sorted(ACCELERATE_CONFIGS.glob("*.yaml")):
+        first = next((ln[1:].strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
+        rows.append((path.stem, first))
+    return rows
+
+
+def launch_command(recipe_path: str, overrides: list[str], config: Path | None) -> list[str]:
+    """The `accelerate launch` command line `finetune train` runs."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    if config is not None:
+        cmd += ["--config_file", str(config)]
+    else:
+        # No config: one process on whatever device there is, without accelerate's warnings
+        # about unset launcher values.
+        cmd += ["--num_processes", "1", "--num_machines", "1", "--dynamo_backend", "no"]
+    return [*cmd, str(TRAIN_SCRIPT), recipe_path, *overrides]
+
+
+def _run(args: argparse.Namespace, overrides: list[str]) -> int:
+    from finetune.config import load_recipe
+
+    if args.command == "list-configs" or getattr(args, "list_configs", False):
+        if overrides:
+            raise FinetuneError(f"unexpected arguments: {' '.join(overrides)}")
+        for name, line in list_configs():
+            print(f"{name:16s} {line}")
+        return 0
+    if args.command == "merge-lora":
+        if overrides:
+            raise FinetuneError(f"merge-lora takes no recipe overrides, got {' '.join(overrides)}")
+        from finetune.model import merge_lora
+
+        merge_lora(args.adapter_dir, args.output, base=args.base, dtype=args.dtype)
+        print(f"merged model written to {args.output}")
+        return 0
+
+    recipe = load_recipe(args.recipe, overrides)
+    if args.command == "validate":
+        _print_recipe(recipe, args.explain)
+        print(f"# {args.recipe}: valid", file=sys.stderr)
+        return 0
+    if args.command == "prepare-dataset":
+        from finetune.data.prepare import prepare
+
+        prepare(recipe, push=args.push)
+        return 0
+    if args.command == "train":
+        config = resolve_accelerate_config(args.accelerate_config or recipe.train.accelerate_config)
+        cmd = launch_command(args.recipe, overrides, config)
+        print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+        os.execv(cmd[0], cmd)
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `finetune` console script."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train" and args.recipe is None and not args.list_configs:
+        parser.error("train: the following arguments are required: recipe (or --list-configs)")
+    try:
+        return _run(args, extra)
+    except FinetuneError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
