@@ -1,0 +1,237 @@
+"""Load or build the model and tokenizer; attention backend; LoRA / QLoRA through PEFT; merging.
+
+Functions here take the typed recipe sections (ModelSection, LoraSection), never the whole Recipe.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.config import LoraSection, ModelSection
+from finetune.errors import FinetuneError
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def load_tokenizer(model: ModelSection):
+    """The tokenizer at model.tokenizer_source, with the recipe's chat template and special tokens."""
+    from transformers import AutoTokenizer
+
+    source = model.tokenizer_source
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, revision=model.revision, trust_remote_code=model.trust_remote_code
+        )
+    except (OSError, ValueError) as exc:
+        raise FinetuneError(
+            f"model.tokenizer_path: could not load a tokenizer from {source!r}: {exc}. "
+            "Point tokenizer_path at a folder with tokenizer files or a Hub id."
+        ) from None
+    if model.resolved_chat_template is not None:
+        tokenizer.chat_template = model.resolved_chat_template
+    tokens = model.special_tokens
+    named = {k: getattr(tokens, k) for k in ("bos_token", "eos_token", "pad_token", "unk_token") if getattr(tokens, k)}
+    if named or tokens.additional_special_tokens:
+        extra = {"additional_special_tokens": tokens.additional_special_tokens} if tokens.additional_special_tokens else {}
+        added = tokenizer.add_special_tokens({**named, **extra})
+        logger.info("special tokens set; %d new token(s) added to the vocabulary", added)
+    return tokenizer
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id used to pad batches. Padded positions carry label -100 and their own attention segment,
+    so any id is correct; we prefer pad, then eos."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def _load_config(model: ModelSection):
+    from transformers import AutoConfig
+
+    source = model.config_source
+    if isinstance(source, dict):
+        cfg = dict(source)
+        return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    try:
+        return AutoConfig.from_pretrained(source, revision=model.revision, trust_remote_code=model.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise FinetuneError(f"model.config_path: could not load a config from {source!r}: {exc}") from None
+
+
+def check_attention_backend(name: str) -> None:
+    """Fail early, with a fix, when the attention backend cannot run here."""
+    if name == "flash_attention_2":
+        if importlib.util.find_spec("flash_attn") is None:
+            raise FinetuneError(
+                "model.attn_implementation: flash_attention_2 needs the flash-attn package "
+                "(pip install -e '.[flash-attn]') and a CUDA GPU; use sdpa otherwise"
+            )
+        if not torch.cuda.is_available():
+            raise FinetuneError("model.attn_implementation: flash_attention_2 needs a CUDA GPU; use sdpa on CPU")
+    if name == "flex_attention" and not torch.cuda.is_available():
+        raise FinetuneError(
+            f"model.attn_implementation: flex_attention has no backward pass on CPU in torch {torch.__version__}; "
+            "use sdpa (or eager) on CPU"
+        )
+
+
+def weight_dtype(model: ModelSection, lora: LoraSection, mixed_precision: str) -> torch.dtype:
+    """dtype of the loaded weights. `auto`: trained weights stay fp32 (the optimizer's master copy,
+    with autocast doing 16-bit compute); frozen LoRA base weights load in the 16-bit compute dtype."""
+    if model.torch_dtype != "auto":
+        return DTYPES[model.torch_dtype]
+    if lora.enable_lora and mixed_precision in DTYPES:
+        return DTYPES[mixed_precision]
+    return torch.float32
+
+
+def build_model(
+    model: ModelSection,
+    lora: LoraSection,
+    *,
+    mixed_precision: str,
+    vocab_size: int,
+    gradient_checkpointing: bool,
+):
+    """Load pretrained weights (4-bit for QLoRA) or build a random-init model from a config.
+
+    LoRA adapters are added afterwards by `apply_lora`.
+
+    `vocab_size` is the tokenizer's length: the embeddings grow to it when special tokens were added.
+    """
+    from transformers import AutoModelForCausalLM
+
+    check_attention_backend(model.attn_implementation)
+    dtype = weight_dtype(model, lora, mixed_precision)
+    common: dict[str, Any] = {"attn_implementation": model.attn_implementation, "dtype": dtype}
+    if lora.enable_qlora:
+        common["quantization_config"] = qlora_config(lora, compute_dtype=DTYPES.get(mixed_precision, torch.float32))
+    if model.model_path is not None:
+        net = AutoModelForCausalLM.from_pretrained(
+            model.model_path,
+            config=_load_config(model) if model.config_path is not None else None,
+            revision=model.revision,
+            trust_remote_code=model.trust_remote_code,
+            **common,
+        )
+    else:
+        config = _load_config(model)
+        if lora.enable_qlora:
+            raise FinetuneError(
+                "lora.enable_qlora quantizes pretrained weights: set model.model_path "
+                "(for a random-init model, save it with save_pretrained first)"
+            )
+        net = AutoModelForCausalLM.from_config(
+            config, attn_implementation=model.attn_implementation, dtype=dtype, trust_remote_code=model.trust_remote_code
+        )
+    if vocab_size > net.get_input_embeddings().weight.shape[0]:
+        logger.info("resizing embeddings to %d tokens for the added special tokens", vocab_size)
+        net.resize_token_embeddings(vocab_size, mean_resizing=True)
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) and torch.compile.
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        net.config.use_cache = False
+    if model.enable_liger_kernel:
+        apply_liger(net)
+    return net
+
+
+def qlora_config(lora: LoraSection, *, compute_dtype: torch.dtype):
+    """bitsandbytes 4-bit config for QLoRA."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise FinetuneError("lora.enable_qlora needs bitsandbytes: pip install -e '.[qlora]'")
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=lora.quant_type,
+        bnb_4bit_use_double_quant=lora.double_quant,
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_quant_storage=compute_dtype,
+    )
+
+
+def apply_lora(net, lora: LoraSection, *, gradient_checkpointing: bool):
+    """Wrap the model with PEFT LoRA adapters (rsLoRA / DoRA / modules_to_save as configured)."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if lora.enable_qlora:
+        net = prepare_model_for_kbit_training(
+            net,
+            use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    config = LoraConfig(
+        r=lora.lora_rank,
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.lora_dropout,
+        target_modules=lora.lora_target_modules,
+        modules_to_save=lora.modules_to_save or None,
+        use_rslora=lora.use_rslora,
+        use_dora=lora.use_dora,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(net, config)
+    except ValueError as exc:
+        raise FinetuneError(f"lora.lora_target_modules: {exc}") from None
+
+
+def apply_liger(net) -> None:
+    """Patch the model with Liger kernels (fused RMSNorm, RoPE, SwiGLU, cross-entropy)."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise FinetuneError("model.enable_liger_kernel needs liger-kernel (pip install liger-kernel) and a GPU")
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=net)
+
+
+def count_parameters(net) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in net.parameters())
+    return trainable, total
+
+
+def save_base_model(net, folder: Path) -> None:
+    """Save a randomly initialised base model (before LoRA wraps it) so its adapter can be loaded or
+    merged later: there is no pretrained checkpoint to point at."""
+    folder.mkdir(parents=True, exist_ok=True)
+    net.save_pretrained(folder, safe_serialization=True)
+
+
+def merge_lora(adapter_dir: str, output: str, *, base: str | None = None, dtype: str = "auto") -> None:
+    """Merge a LoRA adapter into its base model and save full safetensors weights + tokenizer."""
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter = Path(adapter_dir)
+    if not (adapter / "adapter_config.json").is_file():
+        raise FinetuneError(f"{adapter}: no adapter_config.json here; point at the saved adapter folder")
+    peft_config = PeftConfig.from_pretrained(adapter)
+    base_path = base or peft_config.base_model_name_or_path
+    if not base_path:
+        raise FinetuneError(f"{adapter}: the adapter names no base model; pass --base PATH")
+    torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
+    net = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch_dtype)
+    merged = PeftModel.from_pretrained(net, adapter).merge_and_unload()
+    out = Path(output)
+    merged.save_pretrained(out, safe_serialization=True)
+    tok_source = adapter if (adapter / "tokenizer_config.json").is_file() else Path(base_path)
+    try:
+        AutoTokenizer.from_pretrained(tok_source).save_pretrained(out)
+    except (OSError, ValueError):
+        logger.warning("no tokenizer found next to the adapter or base model; merged weights saved without one")
+    for extra in ("recipe.resolved.yaml",):
+        if (adapter / extra).is_file():
+            shutil.copy(adapter / extra, out / extra)

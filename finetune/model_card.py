@@ -1,0 +1,68 @@
+"""The model card (README.md) written next to the final adapter or model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _table(rows: list[tuple[str, Any]]) -> str:
+    lines = ["| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows if v is not None]
+    return "\n".join(lines)
+
+
+def render_model_card(*, recipe: dict, manifest: dict, metrics: dict) -> str:
+    """Card text: base model, data (from the prepared dataset's manifest), hyperparameters, metrics.
+
+    `recipe` is the resolved recipe as plain data; it never holds a token (tokens come from the
+    environment only), so nothing secret can reach the card.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    model, train, lora, data = recipe["model"], recipe["train"], recipe["lora"], recipe["data"]
+    base = model["model_path"] or "random initialisation from an inline config (see base_model/)"
+    uses_lora = lora["enable_lora"]
+    card_data = ModelCardData(
+        base_model=model["model_path"],
+        library_name="peft" if uses_lora and lora["save_lora_only"] else "transformers",
+        tags=["finetune", "lora" if uses_lora else "full-fine-tune", *(["qlora"] if lora["enable_qlora"] else [])],
+        pipeline_tag="text-generation",
+    )
+    datasets = ", ".join(f"`{d['path']}` ({d['type']})" for d in data["datasets"])
+    hyper = [
+        ("learning rate", f"{train['lr']} ({train['lr_decay_style']}, warmup ratio {train['lr_warmup_ratio']})"),
+        ("micro batch x accumulation", f"{train['micro_batch_size']} x {train['gradient_accumulation_steps']}"),
+        ("epochs / max steps", f"{train['num_train_epochs']} / {train['max_steps']}"),
+        ("optimizer", f"{train['optimizer']} (weight decay {train['weight_decay']})"),
+        ("mixed precision", train["mixed_precision"]),
+        ("sequence length", f"{data['sequence_len']} (packing: {data['sample_packing']})"),
+    ]
+    if uses_lora:
+        hyper.append(("LoRA", f"r={lora['lora_rank']}, alpha={lora['lora_alpha']}, dropout={lora['lora_dropout']}, "
+                              f"targets={lora['lora_target_modules']}"))
+    data_rows = [
+        ("datasets", datasets),
+        ("prepared fingerprint", manifest.get("fingerprint")),
+        ("rows in / kept", f"{manifest.get('rows_in')} / {manifest.get('rows_kept')}"),
+        ("dropped", manifest.get("dropped") or "none"),
+        ("tokens / trainable tokens", f"{manifest.get('num_tokens')} / {manifest.get('num_trainable_tokens')}"),
+        ("packing efficiency", manifest.get("packing_efficiency")),
+    ]
+    metric_rows = [(k, f"{v:.4f}" if isinstance(v, float) else v) for k, v in metrics.items()]
+    content = "\n\n".join([
+        f"---\n{card_data.to_yaml()}\n---",
+        "# Fine-tuned with finetune",
+        f"Base model: {base}.",
+        "## Data\n\n" + _table(data_rows),
+        "## Hyperparameters\n\n" + _table(hyper),
+        "## Final metrics\n\n" + _table(metric_rows),
+        "The full resolved recipe is in `recipe.resolved.yaml`.",
+    ])
+    return str(ModelCard(content))
+
+
+def write_model_card(folder: Path, *, recipe: dict, manifest: dict, metrics: dict) -> Path:
+    path = Path(folder) / "README.md"
+    path.write_text(render_model_card(recipe=recipe, manifest=manifest, metrics=metrics), encoding="utf-8")
+    return path

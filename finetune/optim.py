@@ -1,0 +1,84 @@
+"""Parameter groups, optimizer and LR schedule (torch optimizers, transformers schedules)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from finetune.errors import FinetuneError
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, no_decay_params: list[str]) -> list[dict]:
+    """Two groups: decayed weights, and parameters whose name matches no_decay_params (biases, norms)
+    or that are 1-D, which get no weight decay."""
+    decay, no_decay = [], []
+    patterns = [p.lower() for p in no_decay_params]
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        lowered = name.lower()
+        if param.ndim < 2 or any(p in lowered for p in patterns):
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    *,
+    name: str,
+    lr: float,
+    weight_decay: float,
+    no_decay_params: list[str],
+    betas: tuple[float, float],
+    eps: float,
+) -> torch.optim.Optimizer:
+    """adamw (fused on CUDA), adamw_8bit (bitsandbytes) or sgd."""
+    groups = param_groups(model, weight_decay, no_decay_params)
+    if not groups:
+        raise FinetuneError("the model has no trainable parameters (check lora.lora_target_modules)")
+    if name == "adamw":
+        on_cuda = all(p.is_cuda for g in groups for p in g["params"])
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=on_cuda or None)
+    if name == "adamw_8bit":
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise FinetuneError("train.optimizer adamw_8bit needs bitsandbytes: pip install -e '.[qlora]'")
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas, eps=eps)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr)
+    raise FinetuneError(f"train.optimizer: unknown optimizer {name!r}")
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer,
+    *,
+    style: str,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    lr: float,
+    lr_min: float,
+):
+    """Warmup then constant / linear (to lr_min) / cosine (to lr_min), from transformers.optimization."""
+    from transformers.optimization import (
+        get_constant_schedule_with_warmup,
+        get_cosine_with_min_lr_schedule_with_warmup,
+        get_polynomial_decay_schedule_with_warmup,
+    )
+
+    if style == "constant":
+        return get_constant_schedule_with_warmup(optimizer, num_warmup_steps)
+    if style == "linear":
+        # Polynomial decay with power 1 is linear decay to lr_end.
+        return get_polynomial_decay_schedule_with_warmup(
+            optimizer, num_warmup_steps, num_training_steps, lr_end=lr_min, power=1.0
+        )
+    if style == "cosine":
+        return get_cosine_with_min_lr_schedule_with_warmup(
+            optimizer, num_warmup_steps, num_training_steps, min_lr=lr_min
+        )
+    raise FinetuneError(f"train.lr_decay_style: unknown schedule {style!r}")

@@ -1,0 +1,642 @@
+"""Train an LLM from a recipe: `accelerate launch finetune/train.py recipe.yaml [--section.field value ...]`.
+
+Reads top to bottom: main -> setup -> train loop -> save. The same script runs on one CPU, one GPU,
+DDP, FSDP2 and DeepSpeed; the accelerate config decides.
+
+Counters: `step` counts optimizer steps (what the schedule, logging and checkpoints use);
+`micro_step_in_epoch` counts micro-batches consumed in the current epoch (what resume skips).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __name__ == "__main__" and sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    # Run as a script, Python puts finetune/ first on sys.path; its modules (data, model, config...)
+    # must not shadow top-level packages. The installed `finetune` package is imported instead.
+    sys.path.pop(0)
+
+import dataclasses
+import gc
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from itertools import islice
+from typing import Any
+
+import torch
+
+from finetune.checkpoint import find_checkpoint, load_train_state, save_checkpoint
+from finetune.config import Recipe, load_recipe, recipe_to_dict
+from finetune.data.collate import collate_rows
+from finetune.errors import FinetuneError
+from finetune.metrics import (
+    ProgressLog,
+    device_peak_flops,
+    host_peak_rss_gib,
+    model_flops_per_token,
+    peak_memory_gib,
+)
+from finetune.yaml_io import dump_yaml
+
+
+@dataclass
+class TrainState:
+    """What, besides accelerate's state (weights, optimizer, scheduler, RNG), resume needs."""
+
+    step: int = 0
+    epoch: int = 0
+    micro_step_in_epoch: int = 0
+    num_tokens: int = 0
+    num_trainable_tokens: int = 0
+    nonfinite_in_a_row: int = 0
+    nonfinite_steps: int = 0
+    skipped_iterations: int = 0
+    fp16_skipped_steps: int = 0
+    train_seconds: float = 0.0
+
+
+@dataclass
+class Run:
+    recipe: Recipe
+    accelerator: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    train_dl: Any
+    eval_dl: Any
+    tokenizer: Any
+    manifest: dict
+    total_steps: int
+    steps_per_epoch: int
+    output_dir: Path
+    state: TrainState = field(default_factory=TrainState)
+    flops_info: dict = field(default_factory=dict)
+    stop_reason: str | None = None
+
+
+# ----------------------------------------------------------------------------------------- setup
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """Shuffles with a generator seeded by (seed, epoch): the order of any epoch is reproducible
+    without saving sampler state, which makes mid-epoch resume exact."""
+
+    def __init__(self, num_rows: int, seed: int, shuffle: bool = True):
+        self.num_rows, self.seed, self.shuffle, self.epoch = num_rows, seed, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        if not self.shuffle:
+            return iter(range(self.num_rows))
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.num_rows, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+
+def make_accelerator(recipe: Recipe):
+    from accelerate import Accelerator
+    from accelerate.utils import TorchDynamoPlugin, is_tensorboard_available, is_wandb_available
+
+    train = recipe.train
+    if train.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise FinetuneError(
+            "train.mixed_precision: fp16 with dynamic loss scaling needs a GPU; on CPU use bf16 or no"
+        )
+    available = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available}
+    for tracker in train.report_to:
+        if not available[tracker]():
+            raise FinetuneError(
+                f"train.report_to: {tracker} is not installed (pip install -e '.[tracking]' or pip install {tracker})"
+            )
+    kwargs: dict[str, Any] = {}
+    if recipe.model.enable_compile:
+        kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor")
+    return Accelerator(
+        mixed_precision=train.mixed_precision,
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        log_with=list(train.report_to) or None,
+        project_dir=train.output_dir,
+        # We step the scheduler once per optimizer step ourselves (Accelerate would otherwise step
+        # it num_processes times per call).
+        step_scheduler_with_optimizer=False,
+        **kwargs,
+    )
+
+
+def make_dataloader(dataset, recipe: Recipe, *, pad_id: int, packed: bool, shuffle: bool, drop_last: bool):
+    data = recipe.data
+    columns = [c for c in ("input_ids", "labels", "position_ids") if c in dataset.column_names]
+    dataset = dataset.select_columns(columns)
+    workers = data.dataloader_num_workers
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=recipe.train.micro_batch_size,
+        sampler=EpochSampler(len(dataset), recipe.train.seed, shuffle=shuffle),
+        collate_fn=partial(collate_rows, pad_token_id=pad_id, pad_to_multiple_of=data.pad_to_multiple_of, packed=packed),
+        num_workers=workers,
+        prefetch_factor=data.dataloader_prefetch_factor if workers > 0 else None,
+        pin_memory=data.dataloader_pin_memory and torch.cuda.is_available(),
+        drop_last=drop_last,
+    )
+
+
+def setup(recipe: Recipe, accelerator) -> Run:
+    """Data, model, optimizer, schedule, resume: everything the loop needs."""
+    from accelerate.utils import set_seed
+
+    from finetune.data.prepare import prepare
+    from finetune.model import apply_lora, build_model, count_parameters, load_tokenizer, pad_token_id, save_base_model
+
+    train = recipe.train
+    output_dir = Path(train.output_dir)
+    set_seed(train.seed, deterministic=train.enable_full_determinism)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "recipe.resolved.yaml").write_text(dump_yaml(recipe_to_dict(recipe)))
+
+    tokenizer = load_tokenizer(recipe.model)
+    # Only the main process builds the prepared dataset; the others then load it from the cache.
+    with accelerator.main_process_first():
+        prepared = prepare(recipe, log=accelerator.print)
+
+    model = build_model(
+        recipe.model,
+        recipe.lora,
+        mixed_precision=train.mixed_precision,
+        vocab_size=len(tokenizer),
+        gradient_checkpointing=train.gradient_checkpointing,
+    )
+    if recipe.lora.enable_lora:
+        base_dir = None
+        if recipe.model.model_path is None:
+            base_dir = output_dir / "base_model"
+            if accelerator.is_main_process:
+                save_base_model(model, base_dir)
+        model = apply_lora(model, recipe.lora, gradient_checkpointing=train.gradient_checkpointing)
+        if base_dir is not None:
+            model.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
+    trainable, total = count_parameters(model)
+    accelerator.print(f"parameters: {trainable:,} trainable / {total:,} total")
+
+    from finetune.optim import build_optimizer, build_scheduler
+
+    optimizer = build_optimizer(
+        model,
+        name=train.optimizer,
+        lr=train.lr,
+        weight_decay=train.weight_decay,
+        no_decay_params=train.no_decay_params,
+        betas=(train.adam_beta1, train.adam_beta2),
+        eps=train.adam_eps,
+    )
+    pad_id = pad_token_id(tokenizer)
+    train_dl = make_dataloader(
+        prepared.train, recipe, pad_id=pad_id, packed=recipe.data.sample_packing, shuffle=True,
+        drop_last=recipe.data.dataloader_drop_last,
+    )
+    eval_dl = None
+    if prepared.eval is not None and len(prepared.eval) > 0:
+        eval_dl = make_dataloader(
+            prepared.eval, recipe, pad_id=pad_id, packed=recipe.data.eval_sample_packing, shuffle=False, drop_last=False
+        )
+    model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
+    if eval_dl is not None:
+        eval_dl = accelerator.prepare(eval_dl)
+    if len(train_dl) == 0:
+        raise FinetuneError(
+            "no training batches: the prepared train split has fewer rows than "
+            f"train.micro_batch_size x processes ({len(prepared.train)} rows); lower micro_batch_size "
+            "or set data.dataloader_drop_last: false"
+        )
+
+    # The schedule length comes from the real number of optimizer steps in the packed data.
+    steps_per_epoch = math.ceil(len(train_dl) / train.gradient_accumulation_steps)
+    total_steps = train.max_steps or math.ceil(train.num_train_epochs * steps_per_epoch)
+    scheduler = build_scheduler(
+        optimizer,
+        style=train.lr_decay_style,
+        num_warmup_steps=int(train.lr_warmup_ratio * total_steps),
+        num_training_steps=total_steps,
+        lr=train.lr,
+        lr_min=train.lr_min,
+    )
+    scheduler = accelerator.prepare(scheduler)
+
+    run = Run(
+        recipe=recipe, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
+        train_dl=train_dl, eval_dl=eval_dl, tokenizer=tokenizer, manifest=prepared.manifest,
+        total_steps=total_steps, steps_per_epoch=steps_per_epoch, output_dir=output_dir,
+    )
+    unwrapped = accelerator.unwrap_model(model)
+    run.flops_info = {"config": unwrapped.config, "num_params": total, "num_trainable": trainable}
+
+    checkpoint = find_checkpoint(train.load_checkpoint_path, output_dir)
+    if checkpoint is not None:
+        accelerator.load_state(str(checkpoint))
+        run.state = TrainState(**load_train_state(checkpoint)["state"])
+        accelerator.print(f"resumed from {checkpoint} at step {run.state.step}")
+    elif train.load_checkpoint_path == "auto":
+        accelerator.print(f"load_checkpoint_path: auto found no checkpoint in {output_dir}; starting fresh")
+    return run
+
+
+# ------------------------------------------------------------------------------------------ loop
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT: the loop finishes the current step, checkpoints and exits 0."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+
+def count_trainable(batch: dict) -> torch.Tensor:
+    """Tokens that contribute to the loss: labels shifted by one (the model predicts t+1 from t)."""
+    return (batch["labels"][:, 1:] != -100).sum()
+
+
+def count_tokens(batch: dict) -> int:
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return int(batch["input_ids"].numel())
+
+
+def forward(model, batch: dict, *, num_items: torch.Tensor | None = None):
+    """The model's forward on a collated batch (labels included when num_items is given).
+
+    use_cache=False matters for correctness, not only memory: with a KV cache, transformers skips
+    the packed-sequence detection that turns restarting position_ids into a block-diagonal mask,
+    and packed sequences would attend to each other.
+    """
+    if num_items is None:
+        batch = {k: v for k, v in batch.items() if k != "labels"}
+        return model(**batch, use_cache=False)
+    return model(**batch, use_cache=False, num_items_in_batch=num_items)
+
+
+def train_step(run: Run, window: list[dict]) -> dict[str, Any]:
+    """One optimizer step over an accumulation window of micro-batches.
+
+    The loss is the sum of token losses over the whole window on all processes, divided by the
+    number of trainable tokens in that window on all processes. Accelerate divides by the
+    accumulation steps in backward and DDP averages over processes, so each micro-batch's loss is
+    scaled by (accumulation steps x processes) to undo both.
+    """
+    acc, model, train = run.accelerator, run.model, run.recipe.train
+    # Sync point: one all-reduce of the window's trainable-token count, needed before any backward.
+    local_count = sum(count_trainable(b) for b in window)
+    global_count = acc.reduce(local_count.to(acc.device).float(), reduction="sum")
+    scale = train.gradient_accumulation_steps * acc.num_processes
+    loss_sum = torch.zeros((), device=acc.device)
+    for batch in window:
+        with acc.accumulate(model):
+            out = forward(model, batch, num_items=global_count.clamp(min=1))
+            acc.backward(out.loss * scale)
+            loss_sum += out.loss.detach().float() * global_count
+    grad_norm = None
+    window_loss = acc.reduce(loss_sum, reduction="sum") / global_count.clamp(min=1)
+    loss_value = window_loss.item()  # sync point: the nonfinite check needs the value on the host
+    if not math.isfinite(loss_value):
+        run.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_value, "applied": False, "trainable": int(global_count.item())}
+    if train.max_grad_norm is not None:
+        grad_norm = acc.clip_grad_norm_(model.parameters(), train.max_grad_norm)
+    elif run.state.step % train.log_steps == train.log_steps - 1:
+        grad_norm = acc.clip_grad_norm_(model.parameters(), float("inf"))  # norm only, for the log
+    run.optimizer.step()
+    fp16_skipped = acc.optimizer_step_was_skipped
+    run.optimizer.zero_grad(set_to_none=True)
+    return {
+        "loss": loss_value,
+        "applied": True,
+        "fp16_skipped": fp16_skipped,
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "trainable": int(global_count.item()),
+    }
+
+
+def skip_window(run: Run, window: list[dict]) -> None:
+    """train.iterations_to_skip: the window's batches are consumed without forward or update."""
+    run.state.skipped_iterations += 1
+
+
+def evaluate(run: Run) -> dict[str, float]:
+    """Token-weighted eval loss and perplexity over the eval split, gathered across processes."""
+    acc, model = run.accelerator, run.model
+    model.eval()
+    total_loss, total_count = 0.0, 0
+    with torch.no_grad():
+        for batch in run.eval_dl:
+            logits = forward(model, batch).logits[:, :-1].float()
+            target = batch["labels"][:, 1:]
+            per_token = torch.nn.functional.cross_entropy(
+                logits.transpose(1, 2), target, ignore_index=-100, reduction="none"
+            )
+            sums, counts = per_token.sum(dim=1), (target != -100).sum(dim=1)
+            sums, counts = acc.gather_for_metrics((sums, counts))
+            total_loss += float(sums.sum())
+            total_count += int(counts.sum())
+    model.train()
+    loss = total_loss / max(total_count, 1)
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": total_count}
+
+
+def checkpoint(run: Run) -> Path:
+    state = dataclasses.asdict(run.state)
+    path = save_checkpoint(
+        run.accelerator,
+        run.output_dir,
+        run.state.step,
+        {"state": state, "total_steps": run.total_steps},
+        dump_yaml(recipe_to_dict(run.recipe)),
+        total_limit=run.recipe.train.save_total_limit,
+    )
+    run.accelerator.print(f"checkpoint saved: {path}")
+    if run.recipe.hub.model_id and run.recipe.hub.strategy == "every_save" and run.accelerator.is_main_process:
+        from finetune.hub import push_folder
+
+        push_folder(path, run.recipe.hub.model_id, private=run.recipe.hub.private,
+                    commit_message=f"checkpoint step {run.state.step}", path_in_repo=f"checkpoints/{path.name}")
+    return path
+
+
+def should_save(run: Run) -> bool:
+    """save_steps (every N optimizer steps) and save_epochs (every N epochs, fractions allowed)."""
+    train, step = run.recipe.train, run.state.step
+    if train.save_steps and step % train.save_steps == 0:
+        return True
+    if train.save_epochs:
+        interval = max(1, round(train.save_epochs * run.steps_per_epoch))
+        return step % interval == 0
+    return False
+
+
+def train_loop(run: Run, log: ProgressLog) -> None:
+    """Epochs of accumulation windows until total_steps; logs, evals, checkpoints, stops cleanly."""
+    acc, train, st = run.accelerator, run.recipe.train, run.state
+    stop = StopFlag()
+    started = time.monotonic()
+    profiler = None
+    interval = {"t0": time.perf_counter(), "tokens": 0, "trainable": 0, "seq_sq": 0.0, "seq": 0}
+    peak = device_peak_flops(acc.device)
+    skip = set(train.iterations_to_skip)
+    if acc.is_main_process and train.report_to:
+        acc.init_trackers(run.output_dir.name, config=_flat(recipe_to_dict(run.recipe)))
+    run.model.train()
+    while st.step < run.total_steps and run.stop_reason is None:
+        run.train_dl.set_epoch(st.epoch)
+        loader = run.train_dl
+        if st.micro_step_in_epoch:
+            loader = acc.skip_first_batches(run.train_dl, st.micro_step_in_epoch)
+        batches = iter(loader)
+        epoch_done = False
+        while st.step < run.total_steps:
+            window = list(islice(batches, train.gradient_accumulation_steps))
+            if not window:
+                epoch_done = True
+                break
+            st.micro_step_in_epoch += len(window)
+            if train.enable_profiling and st.step + 1 == train.profile_start_step:
+                profiler = _start_profiler(acc)
+            for b in window:
+                interval["tokens"] += count_tokens(b)
+                seq_sq, seq = _seq_stats(b)
+                interval["seq_sq"] += seq_sq
+                interval["seq"] += seq
+            if st.step + 1 in skip:
+                skip_window(run, window)
+                result = {"applied": False, "skipped": True}
+            else:
+                result = train_step(run, window)
+            st.step += 1
+            run.scheduler.step()
+            _account(run, result, interval, log)
+            if profiler is not None and st.step >= train.profile_end_step:
+                _stop_profiler(profiler, run)
+                profiler = None
+            if st.step % train.log_steps == 0 or st.step == run.total_steps:
+                st.train_seconds += time.perf_counter() - interval["t0"]
+                _log_step(run, result, interval, log, peak)
+            if run.eval_dl is not None and train.eval_steps and st.step % train.eval_steps == 0:
+                metrics = evaluate(run)
+                log.log({"step": st.step, "event": "eval", **metrics})
+                if train.report_to:
+                    acc.log(metrics, step=st.step)
+            run.stop_reason = _stop_reason(run, stop, started)
+            if run.stop_reason is not None:
+                break
+            if should_save(run):
+                checkpoint(run)
+            if train.empty_cache_steps and st.step % train.empty_cache_steps == 0 and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if train.gc_steps and st.step % train.gc_steps == 0:
+                gc.collect()
+        if epoch_done:
+            st.epoch += 1
+            st.micro_step_in_epoch = 0
+    if profiler is not None:
+        _stop_profiler(profiler, run)
+    if run.stop_reason is not None:
+        path = checkpoint(run)
+        log.message(f"stopping: {run.stop_reason}; checkpoint at {path}. Resume with "
+                    "--train.load_checkpoint_path auto")
+
+
+def _account(run: Run, result: dict, interval: dict, log: ProgressLog) -> None:
+    st, train = run.state, run.recipe.train
+    if result.get("skipped"):
+        log.log({"step": st.step, "event": "skipped_iteration"})
+        return
+    if not result["applied"]:
+        st.nonfinite_in_a_row += 1
+        st.nonfinite_steps += 1
+        log.log({"step": st.step, "event": "nonfinite_loss", "loss": result["loss"],
+                 "in_a_row": st.nonfinite_in_a_row})
+        if st.nonfinite_in_a_row >= train.max_consecutive_nonfinite:
+            st.step -= 1  # the checkpoint holds the last good state
+            path = checkpoint(run)
+            raise FinetuneError(
+                f"{st.nonfinite_in_a_row} nonfinite losses in a row (limit train.max_consecutive_nonfinite="
+                f"{train.max_consecutive_nonfinite}); the last good state is saved at {path}. Lower train.lr, "
+                "check the data, or use bf16 instead of fp16."
+            )
+        return
+    st.nonfinite_in_a_row = 0
+    st.fp16_skipped_steps += int(result.get("fp16_skipped", False))
+    st.num_trainable_tokens += result["trainable"]
+    interval["trainable"] += result["trainable"]
+
+
+def _seq_stats(batch: dict) -> tuple[float, int]:
+    """(sum of squared sequence lengths, number of tokens) of a batch, from position_ids resets."""
+    pos = batch["position_ids"]
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    lengths = torch.diff(torch.nonzero(torch.cat([starts.flatten(), starts.new_ones(1)])).flatten())
+    return float((lengths.double() ** 2).sum()), int(lengths.sum())
+
+
+def _log_step(run: Run, result: dict, interval: dict, log: ProgressLog, peak: float | None) -> None:
+    acc, st = run.accelerator, run.state
+    # Interval token counts are this process's; throughput is reported per device and in total.
+    elapsed = max(time.perf_counter() - interval["t0"], 1e-9)
+    tokens, trainable = interval["tokens"], interval["trainable"]
+    st.num_tokens += tokens
+    seq_sq_mean = interval["seq_sq"] / max(interval["seq"], 1)
+    flops_per_token = model_flops_per_token(
+        run.flops_info["config"], num_params=run.flops_info["num_params"],
+        num_trainable=run.flops_info["num_trainable"], seq_len_sq_mean=seq_sq_mean,
+    )
+    tflops = tokens * flops_per_token / elapsed / 1e12
+    record = {
+        "step": st.step,
+        "epoch": st.epoch + st.micro_step_in_epoch / max(len(run.train_dl), 1),
+        "loss": result.get("loss"),
+        "lr": run.scheduler.get_last_lr()[0],
+        "grad_norm": result.get("grad_norm"),
+        "tokens_per_sec": tokens / elapsed,
+        "tokens_per_sec_total": tokens * acc.num_processes / elapsed,
+        "trainable_tokens": trainable,
+        "trainable_tokens_per_sec": trainable / elapsed,
+        "tflops_per_device": tflops,
+        "mfu": tflops * 1e12 / peak if peak else None,
+        "peak_mem_gib": peak_memory_gib(acc.device),
+        "host_rss_gib": host_peak_rss_gib(),
+        "fp16_skipped_steps": st.fp16_skipped_steps if run.recipe.train.mixed_precision == "fp16" else None,
+        "loss_scale": acc.scaler.get_scale() if acc.scaler is not None else None,
+        "nonfinite_steps": st.nonfinite_steps,
+    }
+    log.log(record)
+    if run.recipe.train.report_to:
+        acc.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=st.step)
+    interval.update(t0=time.perf_counter(), tokens=0, trainable=0, seq_sq=0.0, seq=0)
+
+
+def _stop_reason(run: Run, stop: StopFlag, started: float) -> str | None:
+    """Agree across processes on whether to stop (a signal or the time limit)."""
+    acc, limit = run.accelerator, run.recipe.train.exit_duration_in_mins
+    flags = torch.tensor(
+        [stop.signal_name is not None, limit is not None and (time.monotonic() - started) / 60 >= limit],
+        dtype=torch.float32,
+    )
+    if acc.num_processes > 1:
+        # Sync point: every rank must stop at the same step or the collectives would hang.
+        flags = acc.reduce(flags.to(acc.device), reduction="sum").cpu()
+    if flags[0] > 0:
+        return f"received {stop.signal_name or 'a stop signal on another process'}"
+    if flags[1] > 0:
+        return f"train.exit_duration_in_mins ({limit}) reached"
+    return None
+
+
+def _start_profiler(acc):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if acc.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
+    profiler.__enter__()
+    return profiler
+
+
+def _stop_profiler(profiler, run: Run) -> None:
+    profiler.__exit__(None, None, None)
+    trace_dir = run.output_dir / run.recipe.train.profile_trace_dir
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    path = trace_dir / f"trace_rank{run.accelerator.process_index}.json"
+    profiler.export_chrome_trace(str(path))
+    run.accelerator.print(f"profiler trace written to {path}")
+
+
+def _flat(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, name + "."))
+        else:
+            out[name] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ save
+
+
+def save_final(run: Run, final_metrics: dict) -> None:
+    """The adapter (or full model) in Hugging Face format, tokenizer and model card, then the Hub."""
+    acc, recipe = run.accelerator, run.recipe
+    acc.wait_for_everyone()
+    unwrapped = acc.unwrap_model(run.model)
+    state_dict = acc.get_state_dict(run.model)
+    if recipe.lora.enable_lora and not recipe.lora.save_lora_only:
+        unwrapped = unwrapped.merge_and_unload()
+        state_dict = None
+    unwrapped.save_pretrained(
+        run.output_dir, state_dict=state_dict, is_main_process=acc.is_main_process,
+        save_function=acc.save, safe_serialization=True,
+    )
+    if acc.is_main_process:
+        run.tokenizer.save_pretrained(run.output_dir)
+        from finetune.model_card import write_model_card
+
+        write_model_card(run.output_dir, recipe=recipe_to_dict(recipe), manifest=run.manifest, metrics=final_metrics)
+        if recipe.hub.model_id:
+            from finetune.hub import push_folder
+
+            url = push_folder(
+                run.output_dir, recipe.hub.model_id, private=recipe.hub.private,
+                commit_message=f"finetune: step {run.state.step}",
+                ignore_patterns=["checkpoints/**", "base_model/**", "trace/**", "*.lock"],
+            )
+            acc.print(f"pushed to {url}")
+    acc.wait_for_everyone()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    try:
+        recipe = load_recipe(argv[0], argv[1:])
+        accelerator = make_accelerator(recipe)
+        run = setup(recipe, accelerator)
+        log = ProgressLog(run.output_dir / "progress.jsonl", enabled=accelerator.is_main_process,
+                          log_format=recipe.train.log_format, total_steps=run.total_steps,
+                          initial_step=run.state.step)
+        try:
+            train_loop(run, log)
+            if run.stop_reason is not None:
+                return 0
+            final: dict[str, Any] = {"step": run.state.step, "trainable_tokens": run.state.num_trainable_tokens}
+            if run.eval_dl is not None:
+                metrics = evaluate(run)
+                final.update(metrics)
+                log.log({"step": run.state.step, "event": "eval", **metrics})
+        finally:
+            log.close()
+        if recipe.train.save_hf_weights:
+            save_final(run, final)
+        accelerator.end_training()
+        accelerator.print(f"done: {run.state.step} steps, outputs in {run.output_dir}")
+        return 0
+    except FinetuneError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Helpers for integration tests: run the real CLI / training script in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "recipes" / "demo" / "tiny_sft_cpu.yaml"
+
+
+def env() -> dict:
+    out = dict(os.environ)
+    out.setdefault("OMP_NUM_THREADS", "2")
+    out["PYTHONUNBUFFERED"] = "1"
+    out["ACCELERATE_USE_CPU"] = "true"
+    return out
+
+
+def accelerate_cmd(recipe: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+            "--dynamo_backend", "no", "--mixed_precision", "no",
+            str(REPO / "finetune" / "train.py"), str(recipe), *overrides]
+
+
+def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def progress(output_dir: Path) -> list[dict]:
+    path = output_dir / "progress.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def step_losses(records: list[dict]) -> dict[int, float]:
+    """Loss per optimizer step (the last record wins: a resumed run appends)."""
+    return {r["step"]: r["loss"] for r in records if r.get("event") is None and r.get("loss") is not None}
+
+
+def demo_overrides(tmp: Path, *extra: str) -> list[str]:
+    """The demo recipe writing into a temporary folder."""
+    return ["--train.output_dir", str(tmp / "out"), "--data.dataset_prepared_path", str(tmp / "prepared"), *extra]

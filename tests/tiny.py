@@ -1,0 +1,31 @@
+"""Tiny models and sequences shared by tests (built from configs: nothing is downloaded)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+
+def tiny_model(attn: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def sequences() -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for length, prompt in ((9, 3), (5, 2), (14, 6), (1, 0)):
+        ids = torch.randint(4, 97, (length,), generator=g).tolist()
+        labels = [-100] * prompt + ids[prompt:]
+        labels[0] = -100  # the first token of a sequence is never predicted
+        out.append({"input_ids": ids, "labels": labels})
+    return out

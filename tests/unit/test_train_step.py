@@ -1,0 +1,100 @@
+"""The optimizer step of the loop (finetune.train.train_step): token-normalised gradient
+accumulation, nonfinite-loss skipping."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+
+from finetune.data.collate import collate_rows
+from finetune.train import TrainState, train_step
+from tests.tiny import sequences, tiny_model
+
+
+def _accelerator(ga: int) -> Accelerator:
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return Accelerator(gradient_accumulation_steps=ga, mixed_precision="no", cpu=True)
+
+
+def _run(model, ga: int, max_grad_norm=None):
+    acc = _accelerator(ga)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = acc.prepare(model, optimizer)
+    train = SimpleNamespace(gradient_accumulation_steps=ga, max_grad_norm=max_grad_norm, log_steps=1)
+    return SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer,
+                           recipe=SimpleNamespace(train=train), state=TrainState())
+
+
+def _rows():
+    # Sequences of different lengths and different trainable counts: a per-micro-batch mean would
+    # weight them wrongly, a token-normalised loss does not.
+    return sequences()
+
+
+def test_accumulation_matches_one_big_batch():
+    base = tiny_model("sdpa")
+    rows = _rows()
+    run_ga = _run(copy.deepcopy(base), ga=4)
+    window = [collate_rows([r], pad_token_id=0, packed=False) for r in rows]
+    out_ga = train_step(run_ga, window)
+    run_big = _run(copy.deepcopy(base), ga=1)
+    out_big = train_step(run_big, [collate_rows(rows, pad_token_id=0, packed=False)])
+    assert out_ga["applied"] and out_big["applied"]
+    assert out_ga["trainable"] == out_big["trainable"] == sum(
+        sum(1 for t in r["labels"][1:] if t != -100) for r in rows
+    )
+    assert out_ga["loss"] == pytest.approx(out_big["loss"], rel=1e-5)
+    params_ga = dict(run_ga.accelerator.unwrap_model(run_ga.model).named_parameters())
+    for name, p in run_big.accelerator.unwrap_model(run_big.model).named_parameters():
+        torch.testing.assert_close(params_ga[name], p, rtol=1e-5, atol=1e-6, msg=name)
+    # The update really moved the weights (so the comparison is not vacuous).
+    moved = any(not torch.equal(p, q) for p, q in zip(base.parameters(), run_big.model.parameters(), strict=True))
+    assert moved
+
+
+def test_mean_of_micro_batch_means_would_differ():
+    """Control for the test above: averaging per-micro-batch mean losses gives other gradients, so
+    the equivalence test can tell the two apart."""
+    rows = _rows()
+    grads = []
+    for per_batch_mean in (True, False):
+        model = tiny_model("sdpa")
+        if per_batch_mean:
+            losses = []
+            for r in rows:
+                batch = collate_rows([r], pad_token_id=0, packed=False)
+                labels = batch.pop("labels")
+                losses.append(model(**batch, labels=labels, use_cache=False).loss)
+            torch.stack([x for x in losses if torch.isfinite(x)]).mean().backward()
+        else:
+            batch = collate_rows(rows, pad_token_id=0, packed=False)
+            labels = batch.pop("labels")
+            model(**batch, labels=labels, use_cache=False).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert not torch.allclose(grads[0], grads[1], rtol=1e-2, atol=1e-6)
+
+
+def test_nonfinite_loss_skips_the_update():
+    base = tiny_model("sdpa")
+    with torch.no_grad():
+        base.model.norm.weight.fill_(float("nan"))
+    run = _run(copy.deepcopy(base), ga=2)
+    before = {n: p.clone() for n, p in run.model.named_parameters()}
+    rows = _rows()
+    out = train_step(run, [collate_rows([r], pad_token_id=0, packed=False) for r in rows[:2]])
+    assert out["applied"] is False
+    for name, p in run.model.named_parameters():
+        torch.testing.assert_close(p, before[name], equal_nan=True, msg=name)
+        assert p.grad is None
+
+
+def test_clipping_reports_grad_norm():
+    run = _run(tiny_model("sdpa"), ga=1, max_grad_norm=1e-3)
+    out = train_step(run, [collate_rows(_rows(), pad_token_id=0, packed=False)])
+    assert out["grad_norm"] is not None and out["grad_norm"] > 1e-3
