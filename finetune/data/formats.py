@@ -1,0 +1,234 @@
+"""Row formats: which columns an entry reads, and how a batch of raw rows becomes normalized pieces.
+
+Every format is reduced to one of three shapes before tokenization (see finetune/data/tokenize.py):
+
+* ``completion``: one text, trained whole.
+* ``alpaca`` and ``input_output``: a (prompt, completion) pair; the prompt is masked unless
+  ``train_on_inputs``.
+* ``chat_template``: a list of ``{"role", "content", ...}`` messages rendered by a chat template.
+
+``tokenized`` rows are already ids and are only checked (in tokenize.py).
+
+The batch functions never raise on a malformed row: they return a ``BadRow`` in its place, so that
+``data.on_bad_row`` decides between an error naming the row and a counted skip.
+
+>>> alpaca_prompt("Add the numbers.", "2 and 3").endswith("### Input:\\n2 and 3\\n\\n### Response:\\n")
+True
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from finetune.errors import DataError
+
+ALPACA_PROMPT_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+"""The Stanford Alpaca prompt for rows with a non-empty input. Formatted with ``instruction`` and
+``input``; the response is appended right after ``### Response:\\n`` and followed by the eos token.
+Everything up to and including ``### Response:\\n`` is the prompt (masked unless train_on_inputs)."""
+
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+"""The Stanford Alpaca prompt for rows whose input is empty, null or absent (no ``### Input:``
+section). Formatted with ``instruction``."""
+
+# Bad-row reasons (the manifest counts them as "bad_row:<reason>").
+MISSING_FIELD = "missing_field"
+WRONG_TYPE = "wrong_type"
+EMPTY_CONVERSATION = "empty_conversation"
+ROLE_REJECTED = "role_rejected"
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """Why one row can't be used: the field at fault, a reason key, and a sentence for humans."""
+
+    field: str
+    reason: str
+    detail: str
+
+
+def alpaca_prompt(instruction: str, input_text: str | None) -> str:
+    """The Alpaca prompt for one row (the input section only when the input is non-empty).
+
+    >>> alpaca_prompt("Say hi.", "").endswith("### Instruction:\\nSay hi.\\n\\n### Response:\\n")
+    True
+    """
+    if input_text:
+        return ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=input_text)
+    return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
+
+
+# ------------------------------------------------------------------------------------------ columns
+
+
+def columns_read(entry: Any, column_names: Sequence[str]) -> dict[str, str]:
+    """The columns an entry's format reads, as {entry attribute: column name}.
+
+    Optional columns are included only when present, except when the user set the mapping
+    explicitly (then a missing one is an error, not a silent fallback).
+    """
+    explicit = getattr(entry, "model_fields_set", set())
+    if entry.type == "completion":
+        return {"field_text": entry.field_text}
+    if entry.type == "alpaca":
+        cols = {"field_instruction": entry.field_instruction, "field_output": entry.field_output}
+        if entry.field_input in column_names or "field_input" in explicit:
+            cols["field_input"] = entry.field_input
+        return cols
+    if entry.type == "input_output":
+        return {"field_prompt": entry.field_prompt, "field_completion": entry.field_completion}
+    if entry.type == "chat_template":
+        return {"field_messages": entry.field_messages}
+    if entry.type == "tokenized":
+        return {"input_ids": "input_ids"} | ({"labels": "labels"} if "labels" in column_names else {})
+    raise DataError(f"unknown dataset type {entry.type!r}")
+
+
+def check_columns(
+    entry: Any, column_names: Sequence[str], *, features: Any = None, entry_label: str = "data.datasets[0]"
+) -> None:
+    """Raise a DataError when a column (or message key) the entry's mapping names doesn't exist.
+
+    ``features`` (a ``datasets.Features``) lets chat entries check the message keys up front when
+    the messages column is a list of structs.
+    """
+    for attr, column in columns_read(entry, column_names).items():
+        if column not in column_names:
+            raise DataError(
+                _missing_name_message(entry, entry_label, attr, column, list(column_names), what="column")
+            )
+    if entry.type == "chat_template" and features is not None:
+        keys = _message_keys(features.get(entry.field_messages))
+        if keys is not None:
+            for attr in ("message_field_role", "message_field_content"):
+                key = getattr(entry, attr)
+                if key not in keys:
+                    raise DataError(
+                        _missing_name_message(entry, entry_label, attr, key, keys, what="message key")
+                    )
+
+
+def _message_keys(feature: Any) -> list[str] | None:
+    """Keys of the message structs when the column is a list of structs, else None (unknown)."""
+    inner = getattr(feature, "feature", None)  # datasets.List / Sequence / LargeList
+    if isinstance(inner, dict):
+        return list(inner)
+    return None
+
+
+def _missing_name_message(
+    entry: Any, label: str, attr: str, name: str, existing: list[str], *, what: str
+) -> str:
+    hint = difflib.get_close_matches(name, existing, n=1)
+    did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
+    where = "in the dataset" if what == "column" else f"in the messages of column {entry.field_messages!r}"
+    return (
+        f"{label} ({entry.path}): {what} {name!r} (from {label}.{attr}) is not {where}; "
+        f"{what}s that exist: {existing}.{did_you_mean} "
+        f"Set {label}.{attr} to the {what} that holds this field."
+    )
+
+
+# ------------------------------------------------------------------------------------------- batches
+
+
+def _text(value: Any, field: str) -> str | BadRow:
+    if value is None:
+        return BadRow(field, MISSING_FIELD, f"{field!r} is missing or null")
+    if not isinstance(value, str):
+        return BadRow(field, WRONG_TYPE, f"{field!r} should be a string, got {type(value).__name__}")
+    return value
+
+
+def completion_texts(batch: dict[str, list], entry: Any) -> list[str | BadRow]:
+    """The text of each row of a ``completion`` batch."""
+    return [_text(v, entry.field_text) for v in batch[entry.field_text]]
+
+
+def prompt_completion_pairs(batch: dict[str, list], entry: Any) -> list[tuple[str, str] | BadRow]:
+    """(prompt, completion) for each row of an ``alpaca`` or ``input_output`` batch.
+
+    Alpaca rows get the prompt template above; a null or absent input counts as empty (it is
+    optional), a null instruction or output is a bad row.
+    """
+    if entry.type == "input_output":
+        fields = (entry.field_prompt, entry.field_completion)
+        return [
+            _pair(_text(p, fields[0]), _text(c, fields[1]))
+            for p, c in zip(*(batch[f] for f in fields), strict=True)
+        ]
+    n = len(batch[entry.field_instruction])
+    inputs = batch.get(entry.field_input) or [None] * n
+    out: list[tuple[str, str] | BadRow] = []
+    for instr, inp, output in zip(
+        batch[entry.field_instruction], inputs, batch[entry.field_output], strict=True
+    ):
+        instr, output = _text(instr, entry.field_instruction), _text(output, entry.field_output)
+        if inp is not None and not isinstance(inp, str):
+            out.append(BadRow(entry.field_input, WRONG_TYPE, f"{entry.field_input!r} should be a string"))
+        elif isinstance(instr, str):
+            out.append(_pair(alpaca_prompt(instr, inp), output))
+        else:
+            out.append(instr)
+    return out
+
+
+def _pair(prompt: str | BadRow, completion: str | BadRow) -> tuple[str, str] | BadRow:
+    if isinstance(prompt, BadRow):
+        return prompt
+    if isinstance(completion, BadRow):
+        return completion
+    return prompt, completion
+
+
+def conversations(batch: dict[str, list], entry: Any) -> list[list[dict[str, Any]] | BadRow]:
+    """Each row's messages as ``[{"role", "content", ...}]`` with ``role_map`` applied.
+
+    Other keys of a message (e.g. ``tool_calls``) are kept for the template; nulls are dropped.
+    """
+    return [conversation(value, entry) for value in batch[entry.field_messages]]
+
+
+def conversation(value: Any, entry: Any) -> list[dict[str, Any]] | BadRow:
+    """One row's messages, normalized (see `conversations`), or the reason it can't be used.
+
+    >>> from types import SimpleNamespace as NS
+    >>> e = NS(field_messages="conversations", message_field_role="from", message_field_content="value",
+    ...        role_map={"human": "user", "gpt": "assistant"})
+    >>> conversation([{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}], e)
+    [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello'}]
+    """
+    field, role_key, content_key = entry.field_messages, entry.message_field_role, entry.message_field_content
+    if value is None:
+        return BadRow(field, MISSING_FIELD, f"{field!r} is missing or null")
+    if not isinstance(value, list):
+        return BadRow(
+            field, WRONG_TYPE, f"{field!r} should be a list of messages, got {type(value).__name__}"
+        )
+    if not value:
+        return BadRow(field, EMPTY_CONVERSATION, f"{field!r} is an empty list of messages")
+    messages = []
+    for j, msg in enumerate(value):
+        where = f"{field}[{j}]"
+        if not isinstance(msg, dict):
+            return BadRow(where, WRONG_TYPE, f"message {j} should be a mapping, got {type(msg).__name__}")
+        role, content = _text(msg.get(role_key), f"{where}.{role_key}"), msg.get(content_key)
+        if isinstance(role, BadRow):
+            return role
+        content = _text(content, f"{where}.{content_key}")
+        if isinstance(content, BadRow):
+            return content
+        extra = {k: v for k, v in msg.items() if k not in (role_key, content_key) and v is not None}
+        messages.append({**extra, "role": entry.role_map.get(role, role), "content": content})
+    return messages

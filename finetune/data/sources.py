@@ -1,0 +1,334 @@
+"""Load a dataset entry's raw rows, and fingerprint what identifies their content.
+
+Where ``entry.path`` can point (checked in this order):
+
+* an fsspec URL (``s3://``, ``gs://``, ``https://``, ``file://``, ...): data file(s) read by the
+  builder of ``ds_type`` or of the file extension, or a ``save_to_disk`` directory when neither
+  gives a format;
+* a local ``save_to_disk`` directory (``load_from_disk``; for a DatasetDict, ``split`` picks one);
+* a local directory of data files (``data_files`` inside it, or every data file it holds, with
+  the split names taken from the file names as ``datasets`` does);
+* a local file (json, jsonl, csv, tsv, parquet, arrow, txt; compressed ones too);
+* otherwise a Hugging Face Hub dataset id (``load_dataset(path, name, split=, revision=)``).
+
+``shards`` / ``shards_idx`` then keep one contiguous shard. Every failure is a DataError naming
+the entry and the path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from finetune.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+# File extension -> datasets builder (the ds_type values plus the common aliases).
+EXTENSION_TO_BUILDER = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".ndjson": "json",
+    ".csv": "csv",
+    ".tsv": "csv",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".txt": "text",
+}
+_COMPRESSION_EXTENSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
+_SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")
+_HASH_CHUNK_BYTES = 1 << 20
+
+
+def load_source(
+    entry: Any, *, num_proc: int | None = None, entry_label: str = "data.datasets[0]"
+) -> datasets.Dataset:
+    """The rows of ``entry`` (one split), before any formatting or tokenization."""
+    path = entry.path
+    if is_url(path):
+        ds = _load_url(entry, num_proc, entry_label)
+    elif Path(path).expanduser().exists():
+        ds = _load_local(entry, Path(path).expanduser(), num_proc, entry_label)
+    elif looks_local(path):
+        raise DataError(
+            f"{entry_label}: {path!r} does not exist (resolved to {os.path.abspath(os.path.expanduser(path))}). "
+            f"Check {entry_label}.path; relative paths are taken from the current directory."
+        )
+    else:
+        ds = _load_hub(entry, num_proc, entry_label)
+    if entry.shards:
+        index = entry.shards_idx or 0
+        if not 0 <= index < entry.shards:
+            raise DataError(f"{entry_label}: shards_idx {index} must be in 0..{entry.shards - 1}")
+        ds = ds.shard(num_shards=entry.shards, index=index, contiguous=True)
+    return ds
+
+
+def is_url(path: str) -> bool:
+    """True for fsspec URLs (``s3://bucket/x.jsonl``, ``https://...``, ``file:///...``).
+
+    >>> is_url("s3://bucket/train.jsonl"), is_url("data/train.jsonl"), is_url("org/name")
+    (True, False, False)
+    """
+    return "://" in path
+
+
+def looks_local(path: str) -> bool:
+    """True when a path that doesn't exist was meant as a local path, not a Hub id.
+
+    >>> looks_local("./data.jsonl"), looks_local("data/train.jsonl"), looks_local("openai/gsm8k")
+    (True, True, False)
+    """
+    # Hub ids are "name" or "org/name"; anything else with a slash or a data extension is a path.
+    return path.startswith(("/", ".", "~")) or path.count("/") > 1 or builder_for(path) is not None
+
+
+def builder_for(path: str) -> str | None:
+    """The ``datasets`` builder for a file name, from its extension (compression suffixes skipped).
+
+    >>> builder_for("a/train.jsonl.gz"), builder_for("x.parquet"), builder_for("org/name")
+    ('json', 'parquet', None)
+    """
+    return EXTENSION_TO_BUILDER.get(_extension(path))
+
+
+def _extension(path: str) -> str:
+    name = path.rstrip("/").rsplit("/", 1)[-1].lower()
+    for ext in _COMPRESSION_EXTENSIONS:
+        name = name.removesuffix(ext)
+    return os.path.splitext(name)[1]
+
+
+def _builder_kwargs(builder: str, data_files: str | list[str] | None) -> dict[str, Any]:
+    """Extra builder arguments the file names imply (tab-separated .tsv files)."""
+    files = [data_files] if isinstance(data_files, str) else list(data_files or [])
+    if builder == "csv" and files and all(_extension(f) == ".tsv" for f in files):
+        return {"sep": "\t"}
+    return {}
+
+
+# -------------------------------------------------------------------------------------------- loading
+
+
+def _load_local(entry: Any, path: Path, num_proc: int | None, label: str) -> datasets.Dataset:
+    if path.is_dir() and any((path / name).exists() for name in _SAVED_DATASET_FILES):
+        if entry.data_files:
+            raise DataError(
+                f"{label}: {path} is a save_to_disk directory; remove data_files (it has no files to pick)"
+            )
+        return _from_disk(str(path), entry, label)
+    if path.is_dir():
+        data_files = entry.data_files
+        builder = entry.ds_type or _builder_of_files(data_files)
+        if builder:
+            kwargs = {"data_dir": str(path), "data_files": data_files}
+            return _load_dataset(builder, entry, label, num_proc=num_proc, **kwargs)
+        return _load_dataset(str(path), entry, label, num_proc=num_proc)
+    if entry.data_files:
+        raise DataError(
+            f"{label}: data_files needs path to be a directory or a Hub dataset, but {path} is a file; "
+            "put the file in path and remove data_files"
+        )
+    builder = entry.ds_type or builder_for(str(path))
+    if builder is None:
+        raise DataError(
+            f"{label}: can't tell the format of {path} from its extension; set {label}.ds_type to one of "
+            f"json, csv, parquet, arrow, text"
+        )
+    return _load_dataset(builder, entry, label, num_proc=num_proc, data_files=str(path))
+
+
+def _load_url(entry: Any, num_proc: int | None, label: str) -> datasets.Dataset:
+    url = entry.path
+    if entry.data_files:
+        files = [entry.data_files] if isinstance(entry.data_files, str) else list(entry.data_files)
+        data_files: str | list[str] = [f"{url.rstrip('/')}/{f}" for f in files]
+        builder = entry.ds_type or _builder_of_files(files)
+    else:
+        data_files, builder = url, entry.ds_type or builder_for(url)
+    if builder is None:
+        # Not a data file by its name: a dataset written with save_to_disk to remote storage.
+        return _from_disk(url, entry, label)
+    return _load_dataset(builder, entry, label, num_proc=num_proc, data_files=data_files)
+
+
+def _load_hub(entry: Any, num_proc: int | None, label: str) -> datasets.Dataset:
+    if entry.trust_remote_code:
+        logger.warning(
+            "%s: trust_remote_code is ignored: datasets %s no longer runs dataset loading scripts "
+            "(it loads the data files of %s directly)",
+            label,
+            datasets.__version__,
+            entry.path,
+        )
+    return _load_dataset(
+        entry.path,
+        entry,
+        label,
+        num_proc=num_proc,
+        name=entry.name,
+        data_files=entry.data_files,
+        revision=entry.revision,
+    )
+
+
+def _load_dataset(path_or_builder: str, entry: Any, label: str, **kwargs: Any) -> datasets.Dataset:
+    kwargs |= _builder_kwargs(path_or_builder, kwargs.get("data_files"))
+    try:
+        return datasets.load_dataset(path_or_builder, split=entry.split, **kwargs)
+    except FileNotFoundError as e:
+        raise DataError(
+            f"{label}: file not found for {entry.path!r}: {e}. Check {label}.path and data_files."
+        ) from e
+    except ValueError as e:
+        if "Unknown split" in str(e):
+            raise DataError(
+                f"{label} ({entry.path}): split {entry.split!r} does not exist: {e} Set {label}.split."
+            ) from e
+        raise DataError(f"{label}: could not load {entry.path!r}: {e}") from e
+    except ConnectionError as e:
+        raise DataError(
+            f"{label}: {entry.path!r} is not a local path, and the Hugging Face Hub could not be reached to "
+            f"load it as a dataset id ({e}). Fix the path, or check the network and HF_ENDPOINT / HF_HUB_OFFLINE."
+        ) from e
+    except Exception as e:  # bad JSON/CSV, unreadable parquet, auth errors: all explained by the library
+        raise DataError(f"{label}: could not load {entry.path!r}: {type(e).__name__}: {e}") from e
+
+
+def _from_disk(path: str, entry: Any, label: str) -> datasets.Dataset:
+    try:
+        loaded = datasets.load_from_disk(path)
+    except FileNotFoundError as e:
+        raise DataError(
+            f"{label}: {path!r} is neither a data file (no known extension) nor a save_to_disk directory ({e}); "
+            f"set {label}.ds_type for a data file"
+        ) from e
+    if isinstance(loaded, datasets.DatasetDict):
+        if entry.split not in loaded:
+            raise DataError(
+                f"{label} ({path}): split {entry.split!r} does not exist; the saved dataset has "
+                f"{list(loaded)}. Set {label}.split to one of them."
+            )
+        return loaded[entry.split]
+    return loaded
+
+
+def _builder_of_files(data_files: str | list[str] | None) -> str | None:
+    files = [data_files] if isinstance(data_files, str) else list(data_files or [])
+    builders = {builder_for(f) for f in files}
+    return builders.pop() if len(builders) == 1 else None
+
+
+# ---------------------------------------------------------------------------------------- fingerprint
+
+
+def source_fingerprint(entry: Any) -> dict:
+    """What identifies the content of ``entry``'s source (JSON-serializable).
+
+    Local files: each file's relative name, size and blake2b hash. save_to_disk directories: the
+    same for their arrow and json files. Hub ids: the commit sha the revision resolves to. URLs:
+    the storage's metadata (etag, size, modification time).
+    """
+    path = entry.path
+    if is_url(path):
+        return {"kind": "url", "files": _url_info(entry)}
+    local = Path(path).expanduser()
+    if local.exists():
+        if local.is_dir():
+            files = _local_dir_files(local, entry)
+            kind = "saved_dataset" if any((local / n).exists() for n in _SAVED_DATASET_FILES) else "local_dir"
+            return {"kind": kind, "files": [_file_entry(f, f.relative_to(local).as_posix()) for f in files]}
+        return {"kind": "local_file", "files": [_file_entry(local, local.name)]}
+    if looks_local(path):
+        raise DataError(f"{path!r} does not exist (resolved to {local.resolve()})")
+    return {"kind": "hub", "repo": path, "revision": entry.revision, "sha": _hub_sha(path, entry.revision)}
+
+
+def _local_dir_files(root: Path, entry: Any) -> list[Path]:
+    if any((root / n).exists() for n in _SAVED_DATASET_FILES):
+        files = [p for p in root.rglob("*") if p.is_file() and p.suffix in (".arrow", ".json")]
+    elif entry.data_files:
+        patterns = [entry.data_files] if isinstance(entry.data_files, str) else entry.data_files
+        files = [p for pattern in patterns for p in root.glob(pattern) if p.is_file()]
+        if not files:
+            raise DataError(f"no file in {root} matches data_files {patterns}")
+    else:  # what load_dataset would read: data files (any file when ds_type names the format)
+        files = [
+            p
+            for p in root.rglob("*")
+            if p.is_file()
+            and not any(part.startswith(".") for part in p.relative_to(root).parts)
+            and (entry.ds_type or builder_for(p.name))
+        ]
+    return sorted(set(files))
+
+
+def _file_entry(path: Path, name: str) -> dict:
+    return {"name": name, "size": path.stat().st_size, "blake2b": file_hash(path)}
+
+
+def file_hash(path: str | os.PathLike) -> str:
+    """blake2b (128-bit) of a file's bytes, read in 1 MiB chunks."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _hub_sha(repo: str, revision: str | None) -> str:
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi().dataset_info(repo, revision=revision).sha
+    except Exception as e:
+        raise DataError(
+            f"could not resolve Hub dataset {repo!r} (revision {revision or 'main'}): the Hub is unreachable or the "
+            f"dataset doesn't exist ({type(e).__name__}: {e}). Use a local path for the data, or set "
+            "data.skip_prepare_dataset: true to train from an already prepared cache."
+        ) from e
+
+
+_URL_INFO_KEYS = (
+    "size",
+    "etag",
+    "ETag",
+    "mtime",
+    "LastModified",
+    "last_modified",
+    "md5Hash",
+    "crc32c",
+    "generation",
+)
+
+
+def _url_info(entry: Any) -> list[dict]:
+    import fsspec
+
+    url = entry.path
+    files = entry.data_files
+    urls = (
+        [url]
+        if not files
+        else [f"{url.rstrip('/')}/{f}" for f in ([files] if isinstance(files, str) else files)]
+    )
+    out = []
+    try:
+        for u in urls:
+            fs, p = fsspec.core.url_to_fs(u)
+            infos = [fs.info(p)]
+            if infos[0].get("type") == "directory":
+                infos = [fs.info(f) for f in sorted(fs.find(p))]
+            for info in infos:
+                out.append(
+                    {"name": str(info.get("name", p))}
+                    | {k: str(info[k]) for k in _URL_INFO_KEYS if k in info}
+                )
+    except Exception as e:
+        raise DataError(f"could not read the metadata of {url!r}: {type(e).__name__}: {e}") from e
+    return out

@@ -1,0 +1,296 @@
+"""Loading dataset entries from every supported local format, URLs and (faked) Hub ids; fingerprints."""
+
+from __future__ import annotations
+
+import doctest
+import gzip
+import json
+import logging
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import datasets
+import pandas as pd
+import pytest
+
+from finetune.config import DatasetEntry
+from finetune.data import sources
+from finetune.data.sources import load_source, source_fingerprint
+from finetune.errors import DataError
+
+ROWS = [{"text": f"row {i}", "n": i} for i in range(10)]
+
+
+def entry(path, **kw) -> DatasetEntry:
+    return DatasetEntry(path=str(path), type=kw.pop("type", "completion"), **kw)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_doctests() -> None:
+    assert doctest.testmod(sources).failed == 0
+
+
+# ------------------------------------------------------------------------------------ local formats
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "json_array", "csv", "tsv", "parquet", "arrow", "jsonl.gz"])
+def test_load_each_file_format(tmp_path: Path, fmt: str) -> None:
+    df = pd.DataFrame(ROWS)
+    if fmt == "jsonl":
+        path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    elif fmt == "json":  # JSON lines in a .json file
+        path = write_jsonl(tmp_path / "d.json", ROWS)
+    elif fmt == "json_array":
+        path = tmp_path / "d.json"
+        path.write_text(json.dumps(ROWS))
+    elif fmt == "csv":
+        path = tmp_path / "d.csv"
+        df.to_csv(path, index=False)
+    elif fmt == "tsv":
+        path = tmp_path / "d.tsv"
+        df.to_csv(path, index=False, sep="\t")
+    elif fmt == "parquet":
+        path = tmp_path / "d.parquet"
+        df.to_parquet(path)
+    elif fmt == "arrow":
+        saved = tmp_path / "saved"
+        datasets.Dataset.from_list(ROWS).save_to_disk(str(saved))
+        path = tmp_path / "d.arrow"
+        shutil.copy(next(saved.glob("*.arrow")), path)
+    else:
+        path = tmp_path / "d.jsonl.gz"
+        with gzip.open(path, "wt") as f:
+            f.writelines(json.dumps(r) + "\n" for r in ROWS)
+    ds = load_source(entry(path))
+    assert isinstance(ds, datasets.Dataset)
+    assert ds["text"][:] == [r["text"] for r in ROWS]
+    assert ds["n"][:] == list(range(10))
+
+
+def test_load_text_file(tmp_path: Path) -> None:
+    path = tmp_path / "corpus.txt"
+    path.write_text("first line\nsecond line\n")
+    assert load_source(entry(path))["text"][:] == ["first line", "second line"]
+
+
+def test_ds_type_overrides_extension(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "rows.data", ROWS)
+    assert len(load_source(entry(path, ds_type="json"))) == 10
+    with pytest.raises(DataError, match=r"can't tell the format.*ds_type"):
+        load_source(entry(path))
+
+
+def test_save_to_disk_dataset_and_dict(tmp_path: Path) -> None:
+    ds = datasets.Dataset.from_list(ROWS)
+    ds.save_to_disk(str(tmp_path / "single"))
+    assert load_source(entry(tmp_path / "single"))["n"][:] == list(range(10))
+
+    dd = datasets.DatasetDict({"train": ds, "validation": ds.select(range(3))})
+    dd.save_to_disk(str(tmp_path / "dict"))
+    assert len(load_source(entry(tmp_path / "dict"))) == 10
+    assert len(load_source(entry(tmp_path / "dict", split="validation"))) == 3
+    with pytest.raises(DataError) as err:
+        load_source(entry(tmp_path / "dict", split="test"), entry_label="data.datasets[1]")
+    msg = str(err.value)
+    assert "data.datasets[1]" in msg and "'test'" in msg and "['train', 'validation']" in msg
+
+
+def test_directory_of_files_splits_from_names(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "d" / "train.jsonl", ROWS)
+    write_jsonl(tmp_path / "d" / "test.jsonl", ROWS[:2])
+    assert len(load_source(entry(tmp_path / "d"))) == 10
+    assert len(load_source(entry(tmp_path / "d", split="test"))) == 2
+    with pytest.raises(DataError) as err:
+        load_source(entry(tmp_path / "d", split="valid"))
+    assert "'valid'" in str(err.value) and "'train'" in str(err.value) and "'test'" in str(err.value)
+
+
+def test_directory_with_data_files(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "d" / "a.jsonl", ROWS[:4])
+    write_jsonl(tmp_path / "d" / "b.jsonl", ROWS[4:])
+    write_jsonl(tmp_path / "d" / "other.jsonl", ROWS[:1])
+    assert load_source(entry(tmp_path / "d", data_files=["a.jsonl", "b.jsonl"]))["n"][:] == list(range(10))
+    assert len(load_source(entry(tmp_path / "d", data_files="a.jsonl"))) == 4
+    # ds_type picks the builder when the names don't say it
+    assert len(load_source(entry(tmp_path / "d", data_files="*.jsonl", ds_type="json"))) == 11
+    with pytest.raises(DataError, match="not found"):
+        load_source(entry(tmp_path / "d", data_files="missing.jsonl"))
+
+
+def test_missing_local_paths(tmp_path: Path) -> None:
+    for path in (tmp_path / "nope.jsonl", "./nope", "data/sub/nope"):
+        with pytest.raises(DataError) as err:
+            load_source(entry(path), entry_label="data.datasets[3]")
+        assert "data.datasets[3]" in str(err.value) and "does not exist" in str(err.value)
+
+
+def test_data_files_with_a_file_path_is_an_error(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    with pytest.raises(DataError, match="data_files needs path to be a directory"):
+        load_source(entry(path, data_files="x.jsonl"))
+
+
+def test_bad_split_of_a_file(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    with pytest.raises(DataError, match=r"split 'test' does not exist.*\['train'\]"):
+        load_source(entry(path, split="test"))
+    assert len(load_source(entry(path, split="train[:3]"))) == 3
+
+
+def test_malformed_file_is_a_data_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n{not json\n')
+    with pytest.raises(DataError, match="could not load"):
+        load_source(entry(path))
+
+
+def test_shards(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    parts = [load_source(entry(path, shards=3, shards_idx=i))["n"][:] for i in range(3)]
+    assert parts == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]  # contiguous, in order, nothing lost
+
+
+def test_file_url(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    assert len(load_source(entry(path.as_uri()))) == 10
+    write_jsonl(tmp_path / "dir" / "a.jsonl", ROWS[:3])
+    assert len(load_source(entry((tmp_path / "dir").as_uri(), data_files=["a.jsonl"]))) == 3
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
+    assert len(load_source(entry((tmp_path / "saved").as_uri()))) == 10
+
+
+# ------------------------------------------------------------------------------------------------- hub
+
+
+def test_hub_id_arguments(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    calls = []
+
+    def fake_load_dataset(path, **kwargs):
+        calls.append((path, kwargs))
+        return datasets.Dataset.from_list(ROWS)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    e = entry("openai/gsm8k", name="main", split="test", revision="abc123", trust_remote_code=True)
+    with caplog.at_level(logging.WARNING):
+        ds = load_source(e, num_proc=2)
+    assert len(ds) == 10
+    path, kwargs = calls[0]
+    assert path == "openai/gsm8k"
+    assert kwargs == {
+        "split": "test",
+        "num_proc": 2,
+        "name": "main",
+        "data_files": None,
+        "revision": "abc123",
+    }
+    assert "trust_remote_code is ignored" in caplog.text
+
+
+def test_hub_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
+    def offline(path, **kwargs):
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError) as err:
+        load_source(entry("org/name"), entry_label="data.test_datasets[0]")
+    assert "data.test_datasets[0]" in str(err.value) and "'org/name'" in str(err.value)
+    assert "Hub could not be reached" in str(err.value)
+
+
+# ----------------------------------------------------------------------------------------- fingerprint
+
+
+def test_fingerprint_local_file(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    fp = source_fingerprint(entry(path))
+    assert fp["kind"] == "local_file"
+    [f] = fp["files"]
+    assert f["name"] == "d.jsonl" and f["size"] == path.stat().st_size and len(f["blake2b"]) == 32
+    json.dumps(fp)  # serializable
+    copy = write_jsonl(tmp_path / "other" / "d.jsonl", ROWS)
+    assert source_fingerprint(entry(copy)) == fp  # same name and content, anywhere
+    write_jsonl(path, [*ROWS[:-1], {"text": "row X", "n": 9}])  # same size, other content
+    assert path.stat().st_size == f["size"]
+    assert source_fingerprint(entry(path)) != fp
+
+
+def test_fingerprint_directory_and_data_files(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "d" / "a.jsonl", ROWS[:4])
+    write_jsonl(tmp_path / "d" / "sub" / "b.jsonl", ROWS[4:])
+    (tmp_path / "d" / "README.md").write_text("not data")
+    (tmp_path / "d" / ".hidden").mkdir()
+    write_jsonl(tmp_path / "d" / ".hidden" / "c.jsonl", ROWS)
+    fp = source_fingerprint(entry(tmp_path / "d"))
+    assert fp["kind"] == "local_dir"
+    assert [f["name"] for f in fp["files"]] == ["a.jsonl", "sub/b.jsonl"]
+    (tmp_path / "d" / "sub" / "b.jsonl").write_text(json.dumps({"text": "changed", "n": 0}) + "\n")
+    assert source_fingerprint(entry(tmp_path / "d")) != fp
+    only_a = source_fingerprint(entry(tmp_path / "d", data_files="a.jsonl"))
+    assert [f["name"] for f in only_a["files"]] == ["a.jsonl"]
+    with pytest.raises(DataError, match="no file"):
+        source_fingerprint(entry(tmp_path / "d", data_files="zzz.jsonl"))
+
+
+def test_fingerprint_directory_with_ds_type_covers_unknown_extensions(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "d" / "rows.data", ROWS)
+    fp = source_fingerprint(entry(tmp_path / "d", ds_type="json"))
+    assert [f["name"] for f in fp["files"]] == ["rows.data"]
+    assert len(load_source(entry(tmp_path / "d", ds_type="json", data_files="rows.data"))) == 10
+
+
+def test_fingerprint_saved_dataset(tmp_path: Path) -> None:
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "s"))
+    fp = source_fingerprint(entry(tmp_path / "s"))
+    names = [f["name"] for f in fp["files"]]
+    assert fp["kind"] == "saved_dataset"
+    assert "dataset_dict.json" in names and "train/state.json" in names and "train/dataset_info.json" in names
+    assert any(n.startswith("train/") and n.endswith(".arrow") for n in names)
+
+
+def test_fingerprint_missing_local(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        source_fingerprint(entry(tmp_path / "gone.jsonl"))
+
+
+def test_fingerprint_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    seen = {}
+
+    def dataset_info(self, repo_id, revision=None, **kwargs):
+        seen.update(repo=repo_id, revision=revision)
+        return SimpleNamespace(sha="0123abcd" * 5)
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", dataset_info)
+    fp = source_fingerprint(entry("openai/gsm8k", revision="main"))
+    assert fp == {"kind": "hub", "repo": "openai/gsm8k", "revision": "main", "sha": "0123abcd" * 5}
+    assert seen == {"repo": "openai/gsm8k", "revision": "main"}
+
+
+def test_fingerprint_hub_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    def unreachable(self, repo_id, revision=None, **kwargs):
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", unreachable)
+    with pytest.raises(DataError) as err:
+        source_fingerprint(entry("org/name"))
+    msg = str(err.value)
+    assert "unreachable" in msg and "local path" in msg and "skip_prepare_dataset" in msg
+
+
+def test_fingerprint_url(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    fp = source_fingerprint(entry(path.as_uri()))
+    assert fp["kind"] == "url"
+    [f] = fp["files"]
+    assert f["size"] == str(path.stat().st_size) and "mtime" in f
+    with pytest.raises(DataError, match="could not read the metadata"):
+        source_fingerprint(entry((tmp_path / "missing.jsonl").as_uri()))
