@@ -1,0 +1,101 @@
+"""Shared pytest fixtures.
+
+Hub: every test session gets a Hugging Face Hub-compatible server on loopback (tests/hub_server.py)
+and the environment points huggingface_hub and datasets at it, with a fake token and throwaway
+caches; subprocesses inherit it, so they use the same server. huggingface_hub, datasets and
+transformers read that environment once, at import. So it is set when this file is imported, the
+earliest moment pytest gives: `pytest_configure` would be too late for `pytest tests/unit/x.py`,
+which imports tests/unit/conftest.py (and whatever it imports) before configuring.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.hub_server import HubServer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Variables that would send the clients elsewhere (real Hub, user caches, offline mode).
+_HUB_ENV_TO_UNSET = (
+    "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_ASSETS_CACHE", "HUGGINGFACE_ASSETS_CACHE", "HF_XET_CACHE",
+    "HF_TOKEN_PATH", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE", "HUGGINGFACE_CO_STAGING",
+    "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE",
+)  # fmt: skip
+
+
+def _start_test_hub() -> tuple[HubServer, Path, dict[str, str | None]]:
+    """Start the session's Hub and point the environment at it; returns what teardown needs."""
+    imported = [name for name in ("huggingface_hub", "datasets", "transformers") if name in sys.modules]
+    if imported:
+        raise pytest.UsageError(
+            f"{', '.join(imported)} was imported before tests/conftest.py could point it at the test Hub "
+            "(HF_ENDPOINT is read at import time). Do not import it from a pytest plugin."
+        )
+    tmp = Path(tempfile.mkdtemp(prefix="finetune-tests-"))
+    server = HubServer(tmp / "hub").start()  # binds port 0: the OS picks a free port, no race
+    env = {
+        "HF_ENDPOINT": server.endpoint,
+        "HF_TOKEN": server.token,
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HOME": str(tmp / "hf_home"),
+        "HF_DATASETS_CACHE": str(tmp / "hf_datasets_cache"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "HF_UPDATE_DOWNLOAD_COUNTS": "0",  # else datasets pings an S3 URL on every load
+        "NO_PROXY": ",".join(filter(None, [os.environ.get("NO_PROXY"), "127.0.0.1", "localhost"])),
+    }
+    saved = {name: os.environ.get(name) for name in (*env, *_HUB_ENV_TO_UNSET)}
+    for name in _HUB_ENV_TO_UNSET:
+        os.environ.pop(name, None)
+    os.environ.update(env)
+    return server, tmp, saved
+
+
+_TEST_HUB = _start_test_hub()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    server, tmp, saved = _TEST_HUB
+    server.stop()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    """The root of the repository (where pyproject.toml is)."""
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """Real data shared beside the repository (`../shared/data`); skips the test when absent."""
+    path = REPO_ROOT.parent / "shared" / "data"
+    if not path.is_dir():
+        pytest.skip(f"shared data not available at {path} (tests using real data need ../shared/data)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def hub_server() -> HubServer:
+    """The session's test Hub: `.endpoint`, `.token`, `.requests` (log), `.read_file(...)`."""
+    return _TEST_HUB[0]
+
+
+@pytest.fixture
+def hub_repo_id(hub_server: HubServer, request: pytest.FixtureRequest) -> str:
+    """A repo id unique to this test, in the test user's namespace (the repo is not created)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name).strip("-.")[:60]
+    return f"{hub_server.user}/{name}-{uuid.uuid4().hex[:8]}"
