@@ -146,6 +146,10 @@ def make_dataloader(dataset, recipe: Recipe, *, pad_id: int, packed: bool, shuff
         prefetch_factor=data.dataloader_prefetch_factor if workers > 0 else None,
         pin_memory=data.dataloader_pin_memory and torch.cuda.is_available(),
         drop_last=drop_last,
+        # Its own generator: creating an iterator draws the workers' base seed from it, not from the
+        # global RNG, so a resumed run (which creates its iterator right after restoring the RNG
+        # state) draws the same dropout masks as an uninterrupted one.
+        generator=torch.Generator().manual_seed(recipe.train.seed),
     )
 
 

@@ -35,5 +35,5 @@ def test_demo_trains_and_writes_outputs(tmp_path):
     assert (out / "base_model" / "config.json").is_file()
     assert config.base_model_name_or_path == str((out / "base_model").resolve())
     manifest = json.loads(next((tmp_path / "prepared").glob("*/manifest.json")).read_text())
-    assert manifest["rows_out"] > 0
+    assert manifest["rows_out"]["train"] > 0
     assert "loss" in result.stdout
