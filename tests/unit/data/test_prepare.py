@@ -1,0 +1,509 @@
+"""prepare(): fingerprint, cache reuse, manifest accounting, atomic writes, lock, skip, Hub round trip."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+from filelock import FileLock
+
+from finetune.config import Recipe
+from finetune.data import prepare as prepare_mod
+from finetune.data.prepare import (
+    MANIFEST_NAME,
+    PAUSE_ENV,
+    compute_fingerprint,
+    fingerprint_inputs,
+    load_prepared,
+    prepare,
+    prepare_on_main_process,
+)
+from finetune.errors import DataError, RecipeError
+
+PAD_ID = 3  # <pad> in the demo tokenizer
+WORDS = [
+    "apple",
+    "pear",
+    "plum",
+    "cat",
+    "dog",
+    "bird",
+    "fish",
+    "red",
+    "blue",
+    "green",
+    "sun",
+    "moon",
+    "star",
+    "tree",
+    "rock",
+    "book",
+]
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer(repo_root: Path) -> Path:
+    path = repo_root / "recipes" / "demo" / "tokenizer"
+    if not (path / "tokenizer.json").is_file():
+        pytest.skip(f"demo tokenizer not generated yet at {path} (python recipes/demo/make_demo_data.py)")
+    return path
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, demo_tokenizer: Path) -> Path:
+    """A tokenizer copy (its files may be edited) and two small jsonl datasets."""
+    shutil.copytree(demo_tokenizer, tmp_path / "tokenizer")
+    rows = []
+    for i in range(60):
+        a, b = i * 7 % 50, i * 3 % 40
+        words = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(i % 9))
+        rows.append({"instruction": f"Add {a} and {b}.", "input": words, "output": f"{a} + {b} = {a + b}."})
+    rows.append({"instruction": "Repeat the list.", "input": "", "output": " ".join(WORDS * 12)})  # too long
+    rows.append({"instruction": "Say nothing.", "input": "", "output": None})  # bad row: missing output
+    _write_jsonl(tmp_path / "alpaca.jsonl", rows)
+    texts = [{"text": " ".join(WORDS[k % len(WORDS)] for k in range(i, i + 3 + i % 11))} for i in range(25)]
+    _write_jsonl(tmp_path / "text.jsonl", texts)
+    _write_jsonl(tmp_path / "test.jsonl", [{"text": f"{w} {w} {w}"} for w in WORDS[:6]])
+    return tmp_path
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def _recipe_dict(workdir: Path, **data) -> dict:
+    return {
+        "model": {
+            "config_path": {"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1},
+            "tokenizer_path": str(workdir / "tokenizer"),
+        },
+        "data": {
+            "datasets": [
+                {"path": str(workdir / "alpaca.jsonl"), "type": "alpaca"},
+                {"path": str(workdir / "text.jsonl"), "type": "completion"},
+            ],
+            "sequence_len": 128,
+            "pad_to_multiple_of": 8,
+            "on_bad_row": "skip",
+            "dataset_num_proc": 1,
+            "dataset_prepared_path": str(workdir / "prepared"),
+            **data,
+        },
+        "train": {"output_dir": str(workdir / "out")},
+    }
+
+
+def _recipe(workdir: Path, **data) -> Recipe:
+    return Recipe.model_validate(_recipe_dict(workdir, **data))
+
+
+def _with(d: dict, dotted: str, value) -> Recipe:
+    d = copy.deepcopy(d)
+    *parents, last = dotted.split(".")
+    node = d
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    node[last] = value
+    return Recipe.model_validate(d)
+
+
+def _fp(recipe: Recipe) -> str:
+    return compute_fingerprint(fingerprint_inputs(recipe))
+
+
+def _rows(ds) -> list[dict]:
+    return [dict(r) for r in ds]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+# ---------------------------------------------------------------------------------------- build + cache
+
+
+def test_prepare_builds_balanced_manifest_and_rows(workdir: Path):
+    logs: list[str] = []
+    recipe = _recipe(
+        workdir, val_set_size=5, test_datasets=[{"path": str(workdir / "test.jsonl"), "type": "completion"}]
+    )
+    prepared = prepare(recipe, log=logs.append)
+    m = prepared.manifest
+    fp = _fp(recipe)
+    assert prepared.source == "built"
+    assert m["fingerprint"] == fp and prepared.path == workdir / "prepared" / fp
+    assert (prepared.path / MANIFEST_NAME).is_file() and (prepared.path / "train").is_dir()
+
+    # Every input row accounted for, per source and in total.
+    for s in m["sources"]:
+        assert s["rows_in"] == s["rows_kept"] + sum(s["dropped"].values())
+    assert m["rows_in"] == 62 + 25 + 6
+    assert m["rows_in"] == m["rows_kept"] + m["rows_dropped"]
+    assert m["dropped"] == {"bad_row:missing_field": 1, "too_long": 1}
+    assert m["bad_row_samples"][0]["row"] == 61 and m["bad_row_samples"][0]["field"] == "output"
+    assert m["splits"]["train"]["examples"] + m["splits"]["eval"]["examples"] == m["rows_kept"]
+    assert m["splits"]["eval"]["examples"] == 5 + 6  # val_set_size rows + the test dataset
+
+    # Token counts and efficiency match the rows.
+    train = prepared.train
+    assert train.column_names == ["input_ids", "labels", "position_ids", "seq_lens"]
+    for ids, seq_lens in zip(train["input_ids"], train["seq_lens"], strict=True):
+        num_pad = ids.count(PAD_ID)  # the demo text never produces <pad>
+        assert sum(seq_lens) == len(ids)
+        assert num_pad == 0 or (seq_lens[-1] == num_pad and ids[-num_pad:] == [PAD_ID] * num_pad)
+    real = sum(len(ids) - ids.count(PAD_ID) for ids in train["input_ids"])
+    assert real == m["num_tokens"] == m["splits"]["train"]["num_tokens"]
+    assert m["splits"]["train"]["num_padding_tokens"] == sum(map(len, train["input_ids"])) - real
+    trainable = sum(sum(x != -100 for x in labels) for labels in train["labels"])
+    assert trainable == m["num_trainable_tokens"]
+    assert m["packing_efficiency"] == pytest.approx(m["num_tokens"] / (len(train) * 128), abs=1e-6)
+    assert all(len(r) % 8 == 0 and len(r) <= 128 for r in train["input_ids"])
+    assert set(m["timings"]) >= {"load", "tokenize", "pack", "save", "total"}
+    assert (
+        m["versions"]["datasets"] and m["fingerprint_inputs"]["format_version"] == prepare_mod.FORMAT_VERSION
+    )
+    assert any("packing efficiency" in line and str(prepared.path) in line for line in logs)
+
+
+def test_same_inputs_reuse_cache_without_tokenizing(workdir: Path, monkeypatch: pytest.MonkeyPatch):
+    recipe = _recipe(workdir)
+    first = prepare(recipe, log=_quiet)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the cache should have been used")
+
+    monkeypatch.setattr(prepare_mod, "tokenize_dataset", boom)
+    monkeypatch.setattr(prepare_mod, "load_source", boom)
+    again = prepare(_recipe(workdir), log=_quiet)
+    assert again.source == "cache" and again.path == first.path
+    assert _rows(again.train) == _rows(first.train)
+    assert load_prepared(recipe).path == first.path
+
+
+def test_same_recipe_elsewhere_gives_same_fingerprint_and_rows(workdir: Path):
+    a = prepare(_recipe(workdir, dataset_prepared_path=str(workdir / "a")), log=_quiet)
+    b = prepare(_recipe(workdir, dataset_prepared_path=str(workdir / "b")), log=_quiet)
+    assert a.path.name == b.path.name
+    assert _rows(a.train) == _rows(b.train)
+
+
+# ------------------------------------------------------------------------------------------ fingerprint
+
+
+CHANGES = [
+    ("data.datasets.0.field_output", "answer"),
+    ("data.datasets.0.train_on_inputs", True),
+    ("data.datasets.0.type", "input_output"),
+    ("data.datasets.0.max_seq_len", 64),
+    ("data.datasets.1.split", "other"),
+    ("data.sequence_len", 96),
+    ("data.excess_length_strategy", "truncate"),
+    ("data.on_bad_row", "raise"),
+    ("data.sample_packing", False),
+    ("data.sample_packing_method", "sequential"),
+    ("data.sample_packing_sequence_len", 256),
+    ("data.sample_packing_group_size", 10),
+    ("data.pad_to_multiple_of", 16),
+    ("data.val_set_size", 0.1),
+    ("data.val_set_size", 3),
+    ("data.shuffle_merged_datasets", False),
+    ("data.shuffle_before_merging_datasets", False),
+    ("data.test_datasets", [{"path": "TEST", "type": "completion"}]),
+    ("model.chat_template", "chatml"),
+    ("model.special_tokens", {"additional_special_tokens": ["<x>"]}),
+    ("train.seed", 7),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), CHANGES, ids=[f"{f}={v}" for f, v in CHANGES])
+def test_fingerprint_changes_with_every_output_input(workdir: Path, field: str, value):
+    base = _recipe_dict(workdir)
+    if value == [{"path": "TEST", "type": "completion"}]:
+        value = [{"path": str(workdir / "test.jsonl"), "type": "completion"}]
+    assert _fp(_with(base, field, value)) != _fp(Recipe.model_validate(base))
+
+
+UNCHANGED = [
+    ("data.dataset_num_proc", 2),
+    ("data.num_dataset_shards_to_save", 3),
+    ("data.push_dataset_to_hub", "me/data"),
+    ("data.dataloader_num_workers", 0),
+    ("data.dataloader_prefetch_factor", None),
+    ("data.dataloader_pin_memory", False),
+    ("data.dataloader_drop_last", False),
+    ("data.dataset_prepared_path", "elsewhere"),
+    ("data.datasets.0.trust_remote_code", True),
+    ("data.eval_sample_packing", False),  # no eval data: nothing to pack
+    ("model.trust_remote_code", True),
+    ("model.attn_implementation", "eager"),
+    ("train.lr", 1e-3),
+    ("train.output_dir", "other"),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), UNCHANGED, ids=[f"{f}={v}" for f, v in UNCHANGED])
+def test_fingerprint_ignores_what_does_not_change_the_output(workdir: Path, field: str, value):
+    base = _recipe_dict(workdir)
+    if field == "data.dataloader_num_workers":
+        base["data"]["dataloader_prefetch_factor"] = None
+    assert _fp(_with(base, field, value)) == _fp(Recipe.model_validate(base))
+
+
+def test_fingerprint_follows_file_contents(workdir: Path):
+    recipe = _recipe(workdir)
+    before = _fp(recipe)
+    assert _fp(recipe) == before  # stable
+    with open(workdir / "text.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"text": "one more row"}) + "\n")
+    after_data = _fp(recipe)
+    assert after_data != before
+    config = workdir / "tokenizer" / "tokenizer_config.json"
+    config.write_text(config.read_text() + "\n", encoding="utf-8")  # same meaning, other bytes
+    assert _fp(recipe) != after_data  # tokenizer files are hashed by content
+
+
+def test_tokenizer_weights_are_not_hashed(workdir: Path):
+    recipe = _recipe(workdir)
+    before = _fp(recipe)
+    (workdir / "tokenizer" / "model.safetensors").write_bytes(b"weights")
+    assert _fp(recipe) == before
+
+
+# --------------------------------------------------------------------------------------- split/pack modes
+
+
+def test_split_and_packing_modes(workdir: Path):
+    p = prepare(
+        _recipe(workdir, val_set_size=0.2, eval_sample_packing=False, sample_packing=False), log=_quiet
+    )
+    kept = p.manifest["rows_kept"]
+    assert len(p.eval) == round(0.2 * kept) and len(p.train) == kept - len(p.eval)
+    assert all(len(s) == 1 for s in p.train["seq_lens"])  # one example per row, unpadded
+    assert all(len(s) == 1 for s in p.eval["seq_lens"])
+    assert p.manifest["splits"]["train"]["packed"] is False
+
+    seq = prepare(_recipe(workdir, sample_packing_method="sequential", shuffle_merged_datasets=False,
+                          shuffle_before_merging_datasets=False), log=_quiet)  # fmt: skip
+    multi = prepare(
+        _recipe(workdir, shuffle_merged_datasets=False, shuffle_before_merging_datasets=False), log=_quiet
+    )
+    assert seq.path != multi.path
+    assert len(multi.train) <= len(seq.train)
+    assert multi.manifest["packing_efficiency"] >= seq.manifest["packing_efficiency"]
+    # Sequential packing keeps the data order: the token stream is the unpacked one.
+    unpacked = prepare(_recipe(workdir, sample_packing=False, shuffle_merged_datasets=False,
+                               shuffle_before_merging_datasets=False), log=_quiet)  # fmt: skip
+    stream = [t for ids in unpacked.train["input_ids"] for t in ids]
+    assert [t for ids in seq.train["input_ids"] for t in ids if t != PAD_ID] == stream
+    assert unpacked.train["seq_lens"][0] == [len(unpacked.train["input_ids"][0])]
+
+
+def test_val_set_size_must_leave_rows(workdir: Path):
+    with pytest.raises(DataError, match="val_set_size"):
+        prepare(_recipe(workdir, val_set_size=10_000), log=_quiet)
+
+
+def test_max_seq_len_longer_than_a_row_is_an_error(workdir: Path):
+    d = _recipe_dict(workdir)
+    d["data"]["datasets"][0]["max_seq_len"] = 512
+    with pytest.raises(DataError, match="max_seq_len"):
+        prepare(Recipe.model_validate(d), log=_quiet)
+
+
+# ------------------------------------------------------------------------------------ skip / load
+
+
+def test_skip_prepare_dataset(workdir: Path):
+    recipe = _recipe(workdir, skip_prepare_dataset=True)
+    with pytest.raises(DataError) as err:
+        prepare(recipe, log=_quiet)
+    assert str(workdir / "prepared" / _fp(recipe)) in str(err.value)
+    assert "finetune prepare-dataset" in str(err.value)
+
+    built = prepare(_recipe(workdir), log=_quiet)
+    loaded = prepare(recipe, log=_quiet)
+    assert loaded.path == built.path and loaded.source == "cache"
+
+    # A machine with the cache but not the raw data: the matching preparation is found.
+    (workdir / "alpaca.jsonl").unlink()
+    assert load_prepared(recipe).path == built.path
+
+
+def test_folder_without_manifest_is_never_loaded(workdir: Path):
+    recipe = _recipe(workdir)
+    built = prepare(recipe, log=_quiet)
+    (built.path / MANIFEST_NAME).unlink()
+    with pytest.raises(DataError, match="does not exist or is incomplete"):
+        load_prepared(recipe)
+    again = prepare(recipe, log=_quiet)
+    assert again.source == "built" and (again.path / MANIFEST_NAME).is_file()
+
+
+def test_stale_temporary_folders_are_removed_unless_being_written(workdir: Path):
+    root = workdir / "prepared"
+    stale = root / ".tmp-0123456789abcdef-999999"  # a crashed run: nobody holds its lock
+    live = root / ".tmp-fedcba9876543210-1"  # another process writing right now
+    for tmp in (stale, live):
+        (tmp / "train").mkdir(parents=True)
+    with FileLock(root / "fedcba9876543210.lock"):
+        prepare(_recipe(workdir), log=_quiet)
+        assert not stale.exists()
+        assert live.exists()
+
+
+def test_push_needs_a_repo(workdir: Path):
+    with pytest.raises(RecipeError, match="push_dataset_to_hub"):
+        prepare(_recipe(workdir), push=True, log=_quiet)
+
+
+# ------------------------------------------------------------------------------------ processes
+
+_SCRIPT = """
+import hashlib, json, sys
+from finetune.config import load_recipe
+from finetune.data.prepare import prepare
+p = prepare(load_recipe(sys.argv[1]), log=lambda s: print(s, file=sys.stderr, flush=True))
+digest = hashlib.sha256(json.dumps(p.train[:], sort_keys=True).encode()).hexdigest()
+print(json.dumps({"source": p.source, "fingerprint": p.manifest["fingerprint"], "train": digest}))
+"""
+
+
+def _spawn(recipe_path: Path, repo_root: Path, **env) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", _SCRIPT, str(recipe_path)],
+        cwd=repo_root,
+        env={**os.environ, "PYTHONPATH": str(repo_root), "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _write_recipe(workdir: Path, **data) -> Path:
+    path = workdir / "recipe.yaml"
+    path.write_text(yaml.safe_dump(_recipe_dict(workdir, **data)), encoding="utf-8")
+    return path
+
+
+def _wait_for(proc: subprocess.Popen, text: str, timeout: float = 90) -> None:
+    """Read proc's stderr until a line contains text."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if text in line:
+            return
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) before printing {text!r}")
+    raise AssertionError(f"no {text!r} within {timeout} s")
+
+
+def test_two_processes_prepare_once(workdir: Path, repo_root: Path):
+    recipe_path = _write_recipe(workdir)
+    root = workdir / "prepared"
+    first = _spawn(recipe_path, repo_root, **{PAUSE_ENV: "60"})
+    second = None
+    try:
+        _wait_for(first, "paused")  # the first holds the lock, mid-write
+        second = _spawn(recipe_path, repo_root)
+        _wait_for(second, "waiting for the lock")  # found no complete folder: it blocks on the lock
+        (next(root.glob(".tmp-*")) / "resume").touch()
+        results = []
+        for proc in (first, second):
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    assert [r["source"] for r in results] == ["built", "cache"]  # only the first tokenized
+    assert results[0]["fingerprint"] == results[1]["fingerprint"]
+    assert results[0]["train"] == results[1]["train"]
+
+
+def test_killed_prepare_leaves_nothing_loadable(workdir: Path, repo_root: Path):
+    recipe_path = _write_recipe(workdir)
+    root = workdir / "prepared"
+    proc = _spawn(recipe_path, repo_root, **{PAUSE_ENV: "60"})
+    try:
+        _wait_for(proc, "paused")
+        tmp_dirs = list(root.glob(".tmp-*"))
+        assert len(tmp_dirs) == 1 and (tmp_dirs[0] / "train").is_dir()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    recipe = _recipe(workdir)
+    fp = _fp(recipe)
+    assert not (root / fp).exists()
+    with pytest.raises(DataError):
+        load_prepared(recipe)
+    again = prepare(recipe, log=_quiet)
+    assert again.source == "built" and again.path == root / fp
+    assert not list(root.glob(".tmp-*"))  # the stale temporary folder was cleaned up
+
+
+# ----------------------------------------------------------------------------------------- accelerate
+
+
+class _FakeAccelerator:
+    def __init__(self, main: bool):
+        self.is_main_process = main
+        self.events: list[str] = []
+
+    @contextmanager
+    def main_process_first(self):
+        self.events.append("enter")
+        yield
+        self.events.append("exit")
+
+    def print(self, *args):
+        self.events.append(" ".join(map(str, args)))
+
+
+def test_prepare_on_main_process(workdir: Path):
+    recipe = _recipe(workdir)
+    main = _FakeAccelerator(main=True)
+    built = prepare_on_main_process(recipe, main)
+    assert built.source == "built" and main.events[0] == "enter" and main.events[-1] == "exit"
+    other = _FakeAccelerator(main=False)
+    loaded = prepare_on_main_process(recipe, other)
+    assert loaded.source == "cache" and loaded.path == built.path
+    assert other.events == ["enter", "exit"]  # non-main ranks stay quiet
+
+
+# ------------------------------------------------------------------------------------------------ hub
+
+
+def test_hub_round_trip(workdir: Path, hub_repo_id: str, monkeypatch: pytest.MonkeyPatch):
+    pushed = prepare(_recipe(workdir, push_dataset_to_hub=hub_repo_id), log=_quiet)
+    assert pushed.source == "built"
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the Hub copy should have been used")
+
+    monkeypatch.setattr(prepare_mod, "tokenize_dataset", boom)
+    other = _recipe(
+        workdir, push_dataset_to_hub=hub_repo_id, dataset_prepared_path=str(workdir / "elsewhere")
+    )
+    pulled = prepare(other, log=_quiet)
+    assert pulled.source == "hub"
+    assert pulled.path == workdir / "elsewhere" / pushed.path.name
+    assert (pulled.path / MANIFEST_NAME).is_file()
+    assert _rows(pulled.train) == _rows(pushed.train)
+    assert pulled.manifest["fingerprint"] == pushed.manifest["fingerprint"]
+    assert pulled.manifest["sources"] == pushed.manifest["sources"]
+    assert pulled.manifest["pulled_from"] == hub_repo_id
+    assert prepare(other, log=_quiet).source == "cache"  # saved locally
