@@ -84,8 +84,12 @@ def key_lines(text: str) -> dict[tuple, int]:
     except yaml.YAMLError:
         return {}
     lines: dict[tuple, int] = {}
+    active: set[int] = set()  # nodes on the current path: a recursive alias (&a [*a]) loops
 
     def walk(node, prefix: tuple) -> None:
+        if id(node) in active:
+            return
+        active.add(id(node))
         if isinstance(node, yaml.MappingNode):
             for key, value in node.value:
                 path = (*prefix, key.value)
@@ -95,6 +99,7 @@ def key_lines(text: str) -> dict[tuple, int]:
             for i, item in enumerate(node.value):
                 lines[(*prefix, i)] = item.start_mark.line + 1
                 walk(item, (*prefix, i))
+        active.discard(id(node))
 
     if root is not None:
         walk(root, ())

@@ -1,0 +1,34 @@
+"""Every recipe shipped under recipes/ validates, and so does its resolved form."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from finetune.cli import resolve_accelerate_config
+from finetune.config import Recipe, load_recipe, recipe_to_dict
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RECIPES = sorted(p for pattern in ("*.yaml", "*.yml") for p in (REPO_ROOT / "recipes").rglob(pattern))
+
+
+def test_recipes_are_found() -> None:
+    assert REPO_ROOT / "recipes" / "demo" / "tiny_sft_cpu.yaml" in RECIPES
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_recipe_validates(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO_ROOT)  # recipes name their files relative to the repository root
+    recipe = load_recipe(path)
+    # The resolved recipe (written next to every run's outputs) must load back unchanged.
+    assert Recipe.model_validate(recipe_to_dict(recipe)) == recipe
+    # Local files the recipe ships with must exist.
+    for entry in [*recipe.data.datasets, *recipe.data.test_datasets]:
+        if entry.path.startswith("recipes/"):
+            assert (REPO_ROOT / entry.path).exists(), entry.path
+    tokenizer = recipe.model.tokenizer_source
+    if tokenizer and tokenizer.startswith("recipes/"):
+        assert (REPO_ROOT / tokenizer).is_dir(), tokenizer
+    if recipe.train.accelerate_config:
+        assert resolve_accelerate_config(recipe.train.accelerate_config).is_file()
