@@ -139,8 +139,27 @@ def list_configs() -> list[tuple[str, str]]:
     return rows
 
 
+def _multi_cpu_processes(config: Path) -> int | None:
+    """num_processes of an accelerate config whose distributed_type is MULTI_CPU, else None."""
+    import yaml
+
+    data = yaml.safe_load(config.read_text()) or {}
+    if data.get("distributed_type") == "MULTI_CPU" and int(data.get("num_processes", 1)) > 1:
+        return int(data["num_processes"])
+    return None
+
+
 def launch_command(recipe_path: str, overrides: list[str], config: Path | None) -> list[str]:
-    """The `accelerate launch` command line `finetune train` runs."""
+    """The command line `finetune train` runs: `accelerate launch ...`.
+
+    A MULTI_CPU config goes through torch.distributed.run instead: `accelerate launch` (1.15) starts a
+    single process for CPU configs unless MPI is set up, while torchrun with ACCELERATE_USE_CPU=true
+    (set by `train_env`) gives a real multi-process gloo run.
+    """
+    processes = _multi_cpu_processes(config) if config is not None else None
+    if processes is not None:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+                str(TRAIN_SCRIPT), recipe_path, *overrides]
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if config is not None:
         cmd += ["--config_file", str(config)]
@@ -182,6 +201,8 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.command == "train":
         config = resolve_accelerate_config(args.accelerate_config or recipe.train.accelerate_config)
         cmd = launch_command(args.recipe, overrides, config)
+        if cmd[2] == "torch.distributed.run":
+            os.environ["ACCELERATE_USE_CPU"] = "true"
         print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
         os.execv(cmd[0], cmd)
     raise AssertionError(args.command)

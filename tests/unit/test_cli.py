@@ -347,3 +347,10 @@ def test_train_validates_before_launching(recipe_path: Path, fake_execv: list, c
 def test_merge_lora_takes_no_overrides(capsys: pytest.CaptureFixture) -> None:
     assert main(["merge-lora", "adapter", "--output", "out", "--train.lr", "1"]) == 2
     assert "merge-lora takes no recipe overrides" in capsys.readouterr().err
+
+
+def test_multi_cpu_config_launches_through_torchrun():
+    """accelerate launch starts one process for CPU configs; torchrun gives a real 2-process run."""
+    cmd = launch_command("r.yaml", ["--train.seed", "3"], ACCELERATE_CONFIGS / "multi_cpu.yaml")
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    assert cmd[-3:] == ["r.yaml", "--train.seed", "3"]
