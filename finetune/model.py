@@ -38,9 +38,17 @@ def load_tokenizer(model: ModelSection):
     if model.resolved_chat_template is not None:
         tokenizer.chat_template = model.resolved_chat_template
     tokens = model.special_tokens
-    named = {k: getattr(tokens, k) for k in ("bos_token", "eos_token", "pad_token", "unk_token") if getattr(tokens, k)}
+    named = {
+        k: getattr(tokens, k)
+        for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+        if getattr(tokens, k)
+    }
     if named or tokens.additional_special_tokens:
-        extra = {"additional_special_tokens": tokens.additional_special_tokens} if tokens.additional_special_tokens else {}
+        extra = (
+            {"additional_special_tokens": tokens.additional_special_tokens}
+            if tokens.additional_special_tokens
+            else {}
+        )
         added = tokenizer.add_special_tokens({**named, **extra})
         logger.info("special tokens set; %d new token(s) added to the vocabulary", added)
     return tokenizer
@@ -63,7 +71,9 @@ def _load_config(model: ModelSection):
         cfg = dict(source)
         return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     try:
-        return AutoConfig.from_pretrained(source, revision=model.revision, trust_remote_code=model.trust_remote_code)
+        return AutoConfig.from_pretrained(
+            source, revision=model.revision, trust_remote_code=model.trust_remote_code
+        )
     except (OSError, ValueError) as exc:
         raise FinetuneError(f"model.config_path: could not load a config from {source!r}: {exc}") from None
 
@@ -77,7 +87,9 @@ def check_attention_backend(name: str) -> None:
                 "(pip install -e '.[flash-attn]') and a CUDA GPU; use sdpa otherwise"
             )
         if not torch.cuda.is_available():
-            raise FinetuneError("model.attn_implementation: flash_attention_2 needs a CUDA GPU; use sdpa on CPU")
+            raise FinetuneError(
+                "model.attn_implementation: flash_attention_2 needs a CUDA GPU; use sdpa on CPU"
+            )
     if name == "flex_attention" and not torch.cuda.is_available():
         raise FinetuneError(
             f"model.attn_implementation: flex_attention has no backward pass on CPU in torch {torch.__version__}; "
@@ -115,7 +127,9 @@ def build_model(
     dtype = weight_dtype(model, lora, mixed_precision)
     common: dict[str, Any] = {"attn_implementation": model.attn_implementation, "dtype": dtype}
     if lora.enable_qlora:
-        common["quantization_config"] = qlora_config(lora, compute_dtype=DTYPES.get(mixed_precision, torch.float32))
+        common["quantization_config"] = qlora_config(
+            lora, compute_dtype=DTYPES.get(mixed_precision, torch.float32)
+        )
     if model.model_path is not None:
         net = AutoModelForCausalLM.from_pretrained(
             model.model_path,
@@ -132,14 +146,18 @@ def build_model(
                 "(for a random-init model, save it with save_pretrained first)"
             )
         net = AutoModelForCausalLM.from_config(
-            config, attn_implementation=model.attn_implementation, dtype=dtype, trust_remote_code=model.trust_remote_code
+            config,
+            attn_implementation=model.attn_implementation,
+            dtype=dtype,
+            trust_remote_code=model.trust_remote_code,
         )
     if vocab_size > net.get_input_embeddings().weight.shape[0]:
         logger.info("resizing embeddings to %d tokens for the added special tokens", vocab_size)
         net.resize_token_embeddings(vocab_size, mean_resizing=True)
     if gradient_checkpointing:
-        # Non-reentrant checkpointing works with frozen inputs (LoRA) and torch.compile.
-        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) and torch.compile. (transformers 5
+        # renamed gradient_checkpointing_enable, which warns now and goes in v6.)
+        net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         net.config.use_cache = False
     if model.enable_liger_kernel:
         apply_liger(net)
@@ -190,7 +208,9 @@ def apply_lora(net, lora: LoraSection, *, gradient_checkpointing: bool):
 def apply_liger(net) -> None:
     """Patch the model with Liger kernels (fused RMSNorm, RoPE, SwiGLU, cross-entropy)."""
     if importlib.util.find_spec("liger_kernel") is None:
-        raise FinetuneError("model.enable_liger_kernel needs liger-kernel (pip install liger-kernel) and a GPU")
+        raise FinetuneError(
+            "model.enable_liger_kernel needs liger-kernel (pip install liger-kernel) and a GPU"
+        )
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
     _apply_liger_kernel_to_instance(model=net)
@@ -223,15 +243,30 @@ def merge_lora(adapter_dir: str, output: str, *, base: str | None = None, dtype:
     if not base_path:
         raise FinetuneError(f"{adapter}: the adapter names no base model; pass --base PATH")
     torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
-    net = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch_dtype)
+    try:
+        net = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch_dtype)
+    except OSError as exc:
+        raise FinetuneError(
+            f"could not load the base model {base_path!r} of {adapter}: {exc}. Pass --base PATH if it moved."
+        ) from None
+    tok_source = str(adapter) if (adapter / "tokenizer_config.json").is_file() else base_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tok_source)
+    except (OSError, ValueError):
+        tokenizer = None
+        logger.warning(
+            "no tokenizer found next to the adapter or base model; merged weights saved without one"
+        )
+    if tokenizer is not None and len(tokenizer) > net.get_input_embeddings().weight.shape[0]:
+        # Training added special tokens and grew the embeddings (trained through modules_to_save, which
+        # the adapter holds at the new size): the base must have that size before the adapter loads.
+        logger.info("resizing the base embeddings to the adapter's tokenizer (%d tokens)", len(tokenizer))
+        net.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     merged = PeftModel.from_pretrained(net, adapter).merge_and_unload()
     out = Path(output)
     merged.save_pretrained(out, safe_serialization=True)
-    tok_source = adapter if (adapter / "tokenizer_config.json").is_file() else Path(base_path)
-    try:
-        AutoTokenizer.from_pretrained(tok_source).save_pretrained(out)
-    except (OSError, ValueError):
-        logger.warning("no tokenizer found next to the adapter or base model; merged weights saved without one")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
     for extra in ("recipe.resolved.yaml",):
         if (adapter / extra).is_file():
             shutil.copy(adapter / extra, out / extra)

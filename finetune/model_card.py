@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
+
+_HUB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
 
 
 def _table(rows: list[tuple[str, Any]]) -> str:
     lines = ["| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows if v is not None]
     return "\n".join(lines)
+
+
+def hub_model_id(model_path: str | None) -> str | None:
+    """`model_path` when it names a Hub model (`org/name` or `name`), None for a local folder.
+
+    The Hub rejects a card whose `base_model` metadata is not a model id, so a local path (which
+    means nothing to readers of the card anyway) stays out of the metadata.
+
+    >>> hub_model_id("meta-llama/Llama-3.1-8B"), hub_model_id("/tmp/tiny")
+    ('meta-llama/Llama-3.1-8B', None)
+    """
+    if not model_path or Path(model_path).exists() or not _HUB_ID_RE.fullmatch(model_path):
+        return None
+    return model_path
 
 
 def render_model_card(*, recipe: dict, manifest: dict, metrics: dict) -> str:
@@ -24,41 +41,61 @@ def render_model_card(*, recipe: dict, manifest: dict, metrics: dict) -> str:
     base = model["model_path"] or "random initialisation from an inline config (see base_model/)"
     uses_lora = lora["enable_lora"]
     card_data = ModelCardData(
-        base_model=model["model_path"],
+        base_model=hub_model_id(model["model_path"]),
         library_name="peft" if uses_lora and lora["save_lora_only"] else "transformers",
-        tags=["finetune", "lora" if uses_lora else "full-fine-tune", *(["qlora"] if lora["enable_qlora"] else [])],
+        tags=[
+            "finetune",
+            "lora" if uses_lora else "full-fine-tune",
+            *(["qlora"] if lora["enable_qlora"] else []),
+        ],
         pipeline_tag="text-generation",
     )
     datasets = ", ".join(f"`{d['path']}` ({d['type']})" for d in data["datasets"])
     hyper = [
-        ("learning rate", f"{train['lr']} ({train['lr_decay_style']}, warmup ratio {train['lr_warmup_ratio']})"),
-        ("micro batch x accumulation", f"{train['micro_batch_size']} x {train['gradient_accumulation_steps']}"),
+        (
+            "learning rate",
+            f"{train['lr']} ({train['lr_decay_style']}, warmup ratio {train['lr_warmup_ratio']})",
+        ),
+        (
+            "micro batch x accumulation",
+            f"{train['micro_batch_size']} x {train['gradient_accumulation_steps']}",
+        ),
         ("epochs / max steps", f"{train['num_train_epochs']} / {train['max_steps']}"),
         ("optimizer", f"{train['optimizer']} (weight decay {train['weight_decay']})"),
         ("mixed precision", train["mixed_precision"]),
         ("sequence length", f"{data['sequence_len']} (packing: {data['sample_packing']})"),
     ]
     if uses_lora:
-        hyper.append(("LoRA", f"r={lora['lora_rank']}, alpha={lora['lora_alpha']}, dropout={lora['lora_dropout']}, "
-                              f"targets={lora['lora_target_modules']}"))
+        hyper.append(
+            (
+                "LoRA",
+                f"r={lora['lora_rank']}, alpha={lora['lora_alpha']}, dropout={lora['lora_dropout']}, "
+                f"targets={lora['lora_target_modules']}",
+            )
+        )
     data_rows = [
         ("datasets", datasets),
         ("prepared fingerprint", manifest.get("fingerprint")),
         ("rows in / kept", f"{manifest.get('rows_in')} / {manifest.get('rows_kept')}"),
         ("dropped", manifest.get("dropped") or "none"),
-        ("tokens / trainable tokens", f"{manifest.get('num_tokens')} / {manifest.get('num_trainable_tokens')}"),
+        (
+            "tokens / trainable tokens",
+            f"{manifest.get('num_tokens')} / {manifest.get('num_trainable_tokens')}",
+        ),
         ("packing efficiency", manifest.get("packing_efficiency")),
     ]
     metric_rows = [(k, f"{v:.4f}" if isinstance(v, float) else v) for k, v in metrics.items()]
-    content = "\n\n".join([
-        f"---\n{card_data.to_yaml()}\n---",
-        "# Fine-tuned with finetune",
-        f"Base model: {base}.",
-        "## Data\n\n" + _table(data_rows),
-        "## Hyperparameters\n\n" + _table(hyper),
-        "## Final metrics\n\n" + _table(metric_rows),
-        "The full resolved recipe is in `recipe.resolved.yaml`.",
-    ])
+    content = "\n\n".join(
+        [
+            f"---\n{card_data.to_yaml()}\n---",
+            "# Fine-tuned with finetune",
+            f"Base model: {base}.",
+            "## Data\n\n" + _table(data_rows),
+            "## Hyperparameters\n\n" + _table(hyper),
+            "## Final metrics\n\n" + _table(metric_rows),
+            "The full resolved recipe is in `recipe.resolved.yaml`.",
+        ]
+    )
     return str(ModelCard(content))
 
 

@@ -70,7 +70,8 @@ def build_scheduler(
         get_polynomial_decay_schedule_with_warmup,
     )
 
-    if style == "constant":
+    if style == "constant" or (style == "linear" and lr_min >= lr):
+        # Linear decay from lr to lr_min == lr is constant; transformers' polynomial schedule refuses it.
         return get_constant_schedule_with_warmup(optimizer, num_warmup_steps)
     if style == "linear":
         # Polynomial decay with power 1 is linear decay to lr_end.

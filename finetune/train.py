@@ -21,7 +21,9 @@ import dataclasses
 import gc
 import math
 import os
+import shutil
 import signal
+import tempfile
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -77,6 +79,7 @@ class Run:
     state: TrainState = field(default_factory=TrainState)
     flops_info: dict = field(default_factory=dict)
     stop_reason: str | None = None
+    last_eval: tuple[int, dict] | None = None  # (step, metrics) of the latest evaluation
 
 
 # ----------------------------------------------------------------------------------------- setup
@@ -141,7 +144,9 @@ def make_dataloader(dataset, recipe: Recipe, *, pad_id: int, packed: bool, shuff
         dataset,
         batch_size=recipe.train.micro_batch_size,
         sampler=EpochSampler(len(dataset), recipe.train.seed, shuffle=shuffle),
-        collate_fn=partial(collate_rows, pad_token_id=pad_id, pad_to_multiple_of=data.pad_to_multiple_of, packed=packed),
+        collate_fn=partial(
+            collate_rows, pad_token_id=pad_id, pad_to_multiple_of=data.pad_to_multiple_of, packed=packed
+        ),
         num_workers=workers,
         prefetch_factor=data.dataloader_prefetch_factor if workers > 0 else None,
         pin_memory=data.dataloader_pin_memory and torch.cuda.is_available(),
@@ -153,14 +158,40 @@ def make_dataloader(dataset, recipe: Recipe, *, pad_id: int, packed: bool, shuff
     )
 
 
+def schedule_length(
+    num_batches: int, *, gradient_accumulation_steps: int, num_train_epochs: float, max_steps: int | None
+) -> tuple[int, int]:
+    """(optimizer steps per epoch, total optimizer steps) for `num_batches` micro-batches per epoch.
+
+    The last accumulation window of an epoch may be short; it still makes one optimizer step.
+    `max_steps`, when set, overrides the epochs.
+
+    >>> schedule_length(10, gradient_accumulation_steps=4, num_train_epochs=2, max_steps=None)
+    (3, 6)
+    """
+    steps_per_epoch = math.ceil(num_batches / gradient_accumulation_steps)
+    total_steps = max_steps or math.ceil(num_train_epochs * steps_per_epoch)
+    return steps_per_epoch, total_steps
+
+
 def setup(recipe: Recipe, accelerator) -> Run:
     """Data, model, optimizer, schedule, resume: everything the loop needs."""
     from accelerate.utils import set_seed
 
     from finetune.data.prepare import prepare
-    from finetune.model import apply_lora, build_model, count_parameters, load_tokenizer, pad_token_id, save_base_model
+    from finetune.model import (
+        apply_lora,
+        build_model,
+        check_attention_backend,
+        count_parameters,
+        load_tokenizer,
+        pad_token_id,
+        save_base_model,
+    )
 
     train = recipe.train
+    # Before the (possibly long) data preparation: an attention backend that cannot run here fails now.
+    check_attention_backend(recipe.model.attn_implementation)
     output_dir = Path(train.output_dir)
     set_seed(train.seed, deterministic=train.enable_full_determinism)
     if accelerator.is_main_process:
@@ -204,13 +235,22 @@ def setup(recipe: Recipe, accelerator) -> Run:
     )
     pad_id = pad_token_id(tokenizer)
     train_dl = make_dataloader(
-        prepared.train, recipe, pad_id=pad_id, packed=recipe.data.sample_packing, shuffle=True,
+        prepared.train,
+        recipe,
+        pad_id=pad_id,
+        packed=recipe.data.sample_packing,
+        shuffle=True,
         drop_last=recipe.data.dataloader_drop_last,
     )
     eval_dl = None
     if prepared.eval is not None and len(prepared.eval) > 0:
         eval_dl = make_dataloader(
-            prepared.eval, recipe, pad_id=pad_id, packed=recipe.data.eval_sample_packing, shuffle=False, drop_last=False
+            prepared.eval,
+            recipe,
+            pad_id=pad_id,
+            packed=recipe.data.eval_sample_packing,
+            shuffle=False,
+            drop_last=False,
         )
     model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
     if eval_dl is not None:
@@ -223,8 +263,12 @@ def setup(recipe: Recipe, accelerator) -> Run:
         )
 
     # The schedule length comes from the real number of optimizer steps in the packed data.
-    steps_per_epoch = math.ceil(len(train_dl) / train.gradient_accumulation_steps)
-    total_steps = train.max_steps or math.ceil(train.num_train_epochs * steps_per_epoch)
+    steps_per_epoch, total_steps = schedule_length(
+        len(train_dl),
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        num_train_epochs=train.num_train_epochs,
+        max_steps=train.max_steps,
+    )
     scheduler = build_scheduler(
         optimizer,
         style=train.lr_decay_style,
@@ -236,9 +280,18 @@ def setup(recipe: Recipe, accelerator) -> Run:
     scheduler = accelerator.prepare(scheduler)
 
     run = Run(
-        recipe=recipe, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
-        train_dl=train_dl, eval_dl=eval_dl, tokenizer=tokenizer, manifest=prepared.manifest,
-        total_steps=total_steps, steps_per_epoch=steps_per_epoch, output_dir=output_dir,
+        recipe=recipe,
+        accelerator=accelerator,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_dl=train_dl,
+        eval_dl=eval_dl,
+        tokenizer=tokenizer,
+        manifest=prepared.manifest,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+        output_dir=output_dir,
     )
     unwrapped = accelerator.unwrap_model(model)
     run.flops_info = {"config": unwrapped.config, "num_params": total, "num_trainable": trainable}
@@ -370,11 +423,20 @@ def checkpoint(run: Run) -> Path:
         total_limit=run.recipe.train.save_total_limit,
     )
     run.accelerator.print(f"checkpoint saved: {path}")
-    if run.recipe.hub.model_id and run.recipe.hub.strategy == "every_save" and run.accelerator.is_main_process:
+    if (
+        run.recipe.hub.model_id
+        and run.recipe.hub.strategy == "every_save"
+        and run.accelerator.is_main_process
+    ):
         from finetune.hub import push_folder
 
-        push_folder(path, run.recipe.hub.model_id, private=run.recipe.hub.private,
-                    commit_message=f"checkpoint step {run.state.step}", path_in_repo=f"checkpoints/{path.name}")
+        push_folder(
+            path,
+            run.recipe.hub.model_id,
+            private=run.recipe.hub.private,
+            commit_message=f"checkpoint step {run.state.step}",
+            path_in_repo=f"checkpoints/{path.name}",
+        )
     return path
 
 
@@ -384,9 +446,22 @@ def should_save(run: Run) -> bool:
     if train.save_steps and step % train.save_steps == 0:
         return True
     if train.save_epochs:
-        interval = max(1, round(train.save_epochs * run.steps_per_epoch))
-        return step % interval == 0
+        return crosses_epoch_mark(step, steps_per_epoch=run.steps_per_epoch, save_epochs=train.save_epochs)
     return False
+
+
+def crosses_epoch_mark(step: int, *, steps_per_epoch: int, save_epochs: float) -> bool:
+    """Whether optimizer step `step` is the first at or after a multiple of `save_epochs` epochs.
+
+    Marks are placed in epochs, not as a rounded step interval, so they do not drift away from
+    epoch ends: with 7 steps per epoch and save_epochs 0.5, saves land on steps 4, 7, 11, 14.
+
+    >>> [s for s in range(1, 15) if crosses_epoch_mark(s, steps_per_epoch=7, save_epochs=0.5)]
+    [4, 7, 11, 14]
+    """
+    interval = save_epochs * steps_per_epoch  # in optimizer steps, possibly fractional
+    # The small epsilon keeps a mark that lands exactly on a step (e.g. 3 x 1/3 epoch) on that step.
+    return math.floor(step / interval + 1e-9) > math.floor((step - 1) / interval + 1e-9)
 
 
 def train_loop(run: Run, log: ProgressLog) -> None:
@@ -426,6 +501,7 @@ def train_loop(run: Run, log: ProgressLog) -> None:
                 result = {"applied": False, "skipped": True}
             else:
                 result = train_step(run, window)
+            result["lr"] = run.scheduler.get_last_lr()[0]  # the LR this step used (before the schedule moves)
             st.step += 1
             run.scheduler.step()
             _account(run, result, interval, log)
@@ -437,6 +513,7 @@ def train_loop(run: Run, log: ProgressLog) -> None:
                 _log_step(run, result, interval, log, peak)
             if run.eval_dl is not None and train.eval_steps and st.step % train.eval_steps == 0:
                 metrics = evaluate(run)
+                run.last_eval = (st.step, metrics)
                 log.log({"step": st.step, "event": "eval", **metrics})
                 if train.report_to:
                     acc.log(metrics, step=st.step)
@@ -445,7 +522,11 @@ def train_loop(run: Run, log: ProgressLog) -> None:
                 break
             if should_save(run):
                 checkpoint(run)
-            if train.empty_cache_steps and st.step % train.empty_cache_steps == 0 and torch.cuda.is_available():
+            if (
+                train.empty_cache_steps
+                and st.step % train.empty_cache_steps == 0
+                and torch.cuda.is_available()
+            ):
                 torch.cuda.empty_cache()
             if train.gc_steps and st.step % train.gc_steps == 0:
                 gc.collect()
@@ -456,8 +537,10 @@ def train_loop(run: Run, log: ProgressLog) -> None:
         _stop_profiler(profiler, run)
     if run.stop_reason is not None:
         path = checkpoint(run)
-        log.message(f"stopping: {run.stop_reason}; checkpoint at {path}. Resume with "
-                    "--train.load_checkpoint_path auto")
+        log.message(
+            f"stopping: {run.stop_reason}; checkpoint at {path}. Resume with "
+            "--train.load_checkpoint_path auto"
+        )
 
 
 def _account(run: Run, result: dict, interval: dict, log: ProgressLog) -> None:
@@ -468,15 +551,23 @@ def _account(run: Run, result: dict, interval: dict, log: ProgressLog) -> None:
     if not result["applied"]:
         st.nonfinite_in_a_row += 1
         st.nonfinite_steps += 1
-        log.log({"step": st.step, "event": "nonfinite_loss", "loss": result["loss"],
-                 "in_a_row": st.nonfinite_in_a_row})
+        log.log(
+            {
+                "step": st.step,
+                "event": "nonfinite_loss",
+                "loss": result["loss"],
+                "in_a_row": st.nonfinite_in_a_row,
+            }
+        )
         if st.nonfinite_in_a_row >= train.max_consecutive_nonfinite:
-            st.step -= 1  # the checkpoint holds the last good state
+            # Nonfinite steps never update the weights or the optimizer, so they are still the last good
+            # state. The checkpoint is named after the steps consumed (data position and schedule are
+            # there): naming it after an earlier step would overwrite that step's real checkpoint.
             path = checkpoint(run)
             raise FinetuneError(
                 f"{st.nonfinite_in_a_row} nonfinite losses in a row (limit train.max_consecutive_nonfinite="
-                f"{train.max_consecutive_nonfinite}); the last good state is saved at {path}. Lower train.lr, "
-                "check the data, or use bf16 instead of fp16."
+                f"{train.max_consecutive_nonfinite}); the last good state (weights and optimizer as of the last "
+                f"finite loss) is saved at {path}. Lower train.lr, check the data, or use bf16 instead of fp16."
             )
         return
     st.nonfinite_in_a_row = 0
@@ -502,15 +593,17 @@ def _log_step(run: Run, result: dict, interval: dict, log: ProgressLog, peak: fl
     st.num_tokens += tokens
     seq_sq_mean = interval["seq_sq"] / max(interval["seq"], 1)
     flops_per_token = model_flops_per_token(
-        run.flops_info["config"], num_params=run.flops_info["num_params"],
-        num_trainable=run.flops_info["num_trainable"], seq_len_sq_mean=seq_sq_mean,
+        run.flops_info["config"],
+        num_params=run.flops_info["num_params"],
+        num_trainable=run.flops_info["num_trainable"],
+        seq_len_sq_mean=seq_sq_mean,
     )
     tflops = tokens * flops_per_token / elapsed / 1e12
     record = {
         "step": st.step,
         "epoch": st.epoch + st.micro_step_in_epoch / max(len(run.train_dl), 1),
         "loss": result.get("loss"),
-        "lr": run.scheduler.get_last_lr()[0],
+        "lr": result["lr"],
         "grad_norm": result.get("grad_norm"),
         "tokens_per_sec": tokens / elapsed,
         "tokens_per_sec_total": tokens * acc.num_processes / elapsed,
@@ -526,7 +619,9 @@ def _log_step(run: Run, result: dict, interval: dict, log: ProgressLog, peak: fl
     }
     log.log(record)
     if run.recipe.train.report_to:
-        acc.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=st.step)
+        acc.log(
+            {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=st.step
+        )
     interval.update(t0=time.perf_counter(), tokens=0, trainable=0, seq_sq=0.0, seq=0)
 
 
@@ -589,24 +684,46 @@ def save_final(run: Run, final_metrics: dict) -> None:
         unwrapped = unwrapped.merge_and_unload()
         state_dict = None
     unwrapped.save_pretrained(
-        run.output_dir, state_dict=state_dict, is_main_process=acc.is_main_process,
-        save_function=acc.save, safe_serialization=True,
+        run.output_dir,
+        state_dict=state_dict,
+        is_main_process=acc.is_main_process,
+        save_function=acc.save,
+        safe_serialization=True,
     )
     if acc.is_main_process:
         run.tokenizer.save_pretrained(run.output_dir)
         from finetune.model_card import write_model_card
 
-        write_model_card(run.output_dir, recipe=recipe_to_dict(recipe), manifest=run.manifest, metrics=final_metrics)
+        write_model_card(
+            run.output_dir, recipe=recipe_to_dict(recipe), manifest=run.manifest, metrics=final_metrics
+        )
         if recipe.hub.model_id:
-            from finetune.hub import push_folder
-
-            url = push_folder(
-                run.output_dir, recipe.hub.model_id, private=recipe.hub.private,
-                commit_message=f"finetune: step {run.state.step}",
-                ignore_patterns=["checkpoints/**", "base_model/**", "trace/**", "*.lock"],
-            )
-            acc.print(f"pushed to {url}")
+            push_final(run)
     acc.wait_for_everyone()
+
+
+def push_final(run: Run) -> str:
+    """Upload the final outputs: the top-level files of output_dir (adapter or model, tokenizer, card,
+    resolved recipe, progress log), not checkpoints/, base_model/, the trace or tracker folders.
+
+    They are hard-linked (copied where links fail) into a staging folder beside them, so nothing
+    large is copied and push_folder uploads exactly that set.
+    """
+    from finetune.hub import push_folder
+
+    hub = run.recipe.hub
+    with tempfile.TemporaryDirectory(dir=run.output_dir, prefix=".hub-upload-") as staging:
+        for path in sorted(run.output_dir.iterdir()):
+            if path.is_file() and not path.name.startswith(".") and not path.name.endswith(".lock"):
+                try:
+                    os.link(path, Path(staging) / path.name)
+                except OSError:
+                    shutil.copy2(path, Path(staging) / path.name)
+        sha = push_folder(
+            staging, hub.model_id, private=hub.private, commit_message=f"finetune: step {run.state.step}"
+        )
+    run.accelerator.print(f"pushed {run.output_dir} to {hub.model_id} (commit {sha})")
+    return sha
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -617,29 +734,44 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = load_recipe(argv[0], argv[1:])
         accelerator = make_accelerator(recipe)
-        run = setup(recipe, accelerator)
-        log = ProgressLog(run.output_dir / "progress.jsonl", enabled=accelerator.is_main_process,
-                          log_format=recipe.train.log_format, total_steps=run.total_steps,
-                          initial_step=run.state.step)
         try:
-            train_loop(run, log)
-            if run.stop_reason is not None:
-                return 0
-            final: dict[str, Any] = {"step": run.state.step, "trainable_tokens": run.state.num_trainable_tokens}
-            if run.eval_dl is not None:
-                metrics = evaluate(run)
-                final.update(metrics)
-                log.log({"step": run.state.step, "event": "eval", **metrics})
+            return run_training(recipe, accelerator)
         finally:
-            log.close()
-        if recipe.train.save_hf_weights:
-            save_final(run, final)
-        accelerator.end_training()
-        accelerator.print(f"done: {run.state.step} steps, outputs in {run.output_dir}")
-        return 0
+            # Also on an early stop or an abort: trackers flush their files here.
+            accelerator.end_training()
     except FinetuneError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def run_training(recipe: Recipe, accelerator) -> int:
+    """setup -> train loop -> final eval -> save; 0 when done or stopped cleanly (with a checkpoint)."""
+    run = setup(recipe, accelerator)
+    log = ProgressLog(
+        run.output_dir / "progress.jsonl",
+        enabled=accelerator.is_main_process,
+        log_format=recipe.train.log_format,
+        total_steps=run.total_steps,
+        initial_step=run.state.step,
+    )
+    try:
+        train_loop(run, log)
+        if run.stop_reason is not None:
+            return 0
+        final: dict[str, Any] = {"step": run.state.step, "trainable_tokens": run.state.num_trainable_tokens}
+        if run.eval_dl is not None:
+            if run.last_eval is not None and run.last_eval[0] == run.state.step:
+                metrics = run.last_eval[1]  # eval_steps just evaluated this very state
+            else:
+                metrics = evaluate(run)
+                log.log({"step": run.state.step, "event": "eval", **metrics})
+            final.update(metrics)
+    finally:
+        log.close()
+    if recipe.train.save_hf_weights:
+        save_final(run, final)
+    accelerator.print(f"done: {run.state.step} steps, outputs in {run.output_dir}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,145 @@
+"""Pushing the trained adapter (and checkpoints with hub.strategy every_save) to the test Hub, the
+token staying out of every output; and the model card's Hub metadata."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import HfApi, snapshot_download
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from finetune.model_card import hub_model_id, render_model_card
+from tests.integration._run import DEMO, accelerate_cmd, demo_overrides, progress, run, step_losses
+
+
+def _split(text: str) -> list[str]:
+    """Overrides written as one string (no value holds a space)."""
+    return text.split()
+
+
+def _files_containing(root: Path, needles: list[bytes]) -> list[str]:
+    """Every file under root (text or binary) whose bytes contain one of the needles."""
+    return [str(p) for p in root.rglob("*") if p.is_file() and any(n in p.read_bytes() for n in needles)]
+
+
+@pytest.mark.slow
+def test_push_at_the_end_and_every_save_without_leaking_the_token(tmp_path, hub_server, hub_repo_id):
+    token = hub_server.token
+    needles = [token.encode(), token[3:19].encode()]  # the whole token, and a piece of it
+    hub_server.clear_requests()
+    result = run(
+        accelerate_cmd(
+            DEMO,
+            *demo_overrides(
+                tmp_path,
+                *_split(
+                    "--train.max_steps 4 --train.save_steps 2 --train.save_epochs 0 --train.eval_steps null "
+                    "--train.log_format structured --train.log_steps 1 --hub.model_id"
+                ),
+                hub_repo_id,
+                "--hub.strategy",
+                "every_save",
+            ),
+        )
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = tmp_path / "out"
+    assert sorted(step_losses(progress(out))) == [1, 2, 3, 4]
+    assert f"pushed {out} to {hub_repo_id}" in result.stdout
+
+    # Three authenticated commits: checkpoint step-2, checkpoint step-4, the final outputs.
+    commits = hub_server.find_requests("POST", rf"/api/models/{hub_repo_id}/commit/")
+    assert len(commits) == 3 and all(r.authenticated and r.status == 200 for r in commits)
+
+    api = HfApi()
+    assert api.model_info(hub_repo_id).private is True
+    files = set(api.list_repo_files(hub_repo_id))
+    for name in (
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "README.md",
+        "tokenizer.json",
+        "recipe.resolved.yaml",
+        "progress.jsonl",
+    ):
+        assert name in files, name
+    for step in (2, 4):  # every_save pushed both, although save_total_limit 1 keeps only one locally
+        assert {f"checkpoints/step-{step}/{n}" for n in ("model.safetensors", "train_state.json")} <= files
+    assert not (out / "checkpoints" / "step-2").exists()
+    pushed = files - {".gitattributes"}  # created with the repo
+    assert not any(f.startswith(("base_model/", ".")) or "/." in f for f in pushed), sorted(files)
+
+    snapshot = Path(snapshot_download(hub_repo_id, local_dir=tmp_path / "snapshot"))
+    assert (
+        json.loads((snapshot / "checkpoints" / "step-4" / "train_state.json").read_text())["state"]["step"]
+        == 4
+    )
+    base_dir = out / "base_model"  # a random-init base: it stays local (the adapter points at it)
+    ids = torch.randint(4, 704, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        from_hub = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), snapshot).eval()
+        local = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out).eval()
+        torch.testing.assert_close(from_hub(input_ids=ids).logits, local(input_ids=ids).logits)
+    card = (snapshot / "README.md").read_text()
+    assert "library_name: peft" in card and "base_model:" not in card
+
+    # The token was used (authenticated pushes above) but is written or printed nowhere.
+    assert (
+        token not in result.stdout + result.stderr
+        and needles[1].decode() not in result.stdout + result.stderr
+    )
+    for name in ("progress.jsonl", "recipe.resolved.yaml", "README.md"):
+        assert (out / name).is_file()
+    assert _files_containing(out, needles) == []
+    assert _files_containing(snapshot, needles) == []
+
+
+def _recipe(model_path):
+    return {
+        "model": {"model_path": model_path},
+        "train": {
+            "lr": 1e-4,
+            "lr_decay_style": "cosine",
+            "lr_warmup_ratio": 0.0,
+            "micro_batch_size": 1,
+            "gradient_accumulation_steps": 1,
+            "num_train_epochs": 1,
+            "max_steps": 3,
+            "optimizer": "adamw",
+            "weight_decay": 0.0,
+            "mixed_precision": "bf16",
+        },
+        "lora": {
+            "enable_lora": True,
+            "save_lora_only": True,
+            "enable_qlora": False,
+            "lora_rank": 8,
+            "lora_alpha": 16,
+            "lora_dropout": 0.0,
+            "lora_target_modules": "all-linear",
+        },
+        "data": {
+            "datasets": [{"path": "data.jsonl", "type": "alpaca"}],
+            "sequence_len": 64,
+            "sample_packing": True,
+        },
+    }
+
+
+def test_model_card_names_a_hub_base_model_but_not_a_local_path(tmp_path):
+    assert hub_model_id("meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"
+    assert hub_model_id("gpt2") == "gpt2"
+    assert hub_model_id(str(tmp_path)) is None  # an existing folder
+    assert hub_model_id("./models/x/y") is None and hub_model_id(None) is None
+    hub = render_model_card(
+        recipe=_recipe("meta-llama/Llama-3.1-8B"), manifest={}, metrics={"eval_loss": 1.23456}
+    )
+    assert "base_model: meta-llama/Llama-3.1-8B" in hub and "| eval_loss | 1.2346 |" in hub
+    local = render_model_card(recipe=_recipe(str(tmp_path)), manifest={}, metrics={})
+    front_matter = local.split("---")[1]
+    assert "base_model" not in front_matter and "library_name: peft" in front_matter
+    assert f"Base model: {tmp_path}." in local  # still named in the text for the reader

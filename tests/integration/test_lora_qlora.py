@@ -1,0 +1,174 @@
+"""LoRA and QLoRA end to end through `accelerate launch finetune/train.py`, then `finetune merge-lora`
+on the trained adapter (a subprocess each), checked by loading the results with transformers/PEFT."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+
+import pytest
+import torch
+import yaml
+from peft import PeftModel
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tests.integration._run import DEMO, accelerate_cmd, demo_overrides, progress, run, step_losses
+
+pytestmark = pytest.mark.slow
+
+
+def _split(text: str) -> list[str]:
+    """Overrides written as one string (no value holds a space)."""
+    return text.split()
+
+
+COMMON = _split(
+    "--train.log_format structured --train.log_steps 1 --train.save_epochs 0 --train.eval_steps null"
+)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """One dataset cache for the module: runs with the same data settings prepare it once."""
+    return tmp_path_factory.mktemp("prepared")
+
+
+def _overrides(tmp_path, prepared, *extra):
+    return [*demo_overrides(tmp_path, *COMMON, *extra), "--data.dataset_prepared_path", str(prepared)]
+
+
+def _ids(vocab: int = 704) -> torch.Tensor:
+    return torch.randint(4, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
+def _logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits
+
+
+def _adapter_keys(folder) -> set[str]:
+    with safe_open(folder / "adapter_model.safetensors", "pt") as f:
+        return set(f.keys())
+
+
+def test_lora_trains_saves_and_merge_lora_cli_matches(tmp_path, prepared):
+    result = run(
+        accelerate_cmd(
+            DEMO,
+            *_overrides(
+                tmp_path,
+                prepared,
+                *_split(
+                    "--train.max_steps 6 --lora.lora_target_modules [q_proj,v_proj] "
+                    "--train.gradient_checkpointing true"
+                ),
+            ),
+        )
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = tmp_path / "out"
+    losses = step_losses(progress(out))
+    assert sorted(losses) == list(range(1, 7))
+    assert all(math.isfinite(v) for v in losses.values())
+    assert losses[6] < losses[1] - 0.5, losses
+
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert set(config["target_modules"]) == {"q_proj", "v_proj"}
+    assert set(config["modules_to_save"]) == {"embed_tokens", "lm_head"}
+    keys = _adapter_keys(out)
+    lora_modules = {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in keys if ".lora_" in k}
+    assert lora_modules == {"q_proj", "v_proj"}
+    assert {"base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"} <= keys
+
+    base_dir = out / "base_model"
+    assert config["base_model_name_or_path"] == str(base_dir.resolve())
+    ids = _ids()
+    base_logits = _logits(AutoModelForCausalLM.from_pretrained(base_dir), ids)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out)
+    want = _logits(adapted, ids)
+    assert (want - base_logits).abs().max() > 0.1  # training changed the model
+
+    merged_dir = tmp_path / "merged"
+    merge = run([sys.executable, "-m", "finetune.cli", "merge-lora", str(out), "--output", str(merged_dir)])
+    assert merge.returncode == 0, merge.stderr[-4000:]
+    assert f"merged model written to {merged_dir}" in merge.stdout
+    assert (merged_dir / "model.safetensors").is_file() and (merged_dir / "tokenizer.json").is_file()
+    assert not (merged_dir / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    assert merged.num_parameters() == AutoModelForCausalLM.from_pretrained(base_dir).num_parameters()
+    torch.testing.assert_close(_logits(merged, ids), want, rtol=1e-4, atol=1e-5)
+
+    bad = run(
+        [sys.executable, "-m", "finetune.cli", "merge-lora", str(tmp_path), "--output", str(tmp_path / "x")]
+    )
+    assert bad.returncode == 2 and "no adapter_config.json" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.fixture(scope="module")
+def pretrained_dir(tmp_path_factory):
+    """The demo's tiny Llama, randomly initialised and saved with save_pretrained (a 'pretrained' model).
+
+    intermediate_size is a multiple of 64: bitsandbytes' CPU inference path (used in eval) repacks
+    4-bit weights in blocks of 64 input features and fails on other sizes (352 in the demo config).
+    """
+    folder = tmp_path_factory.mktemp("pretrained")
+    config = dict(yaml.safe_load(DEMO.read_text())["model"]["config_path"], intermediate_size=384)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(config.pop("model_type"), **config)
+    ).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="QLoRA needs bitsandbytes")
+def test_qlora_nf4_double_quant_bf16_end_to_end(tmp_path, prepared, pretrained_dir):
+    result = run(
+        accelerate_cmd(
+            DEMO,
+            *_overrides(
+                tmp_path,
+                prepared,
+                "--train.max_steps",
+                "6",
+                "--model.model_path",
+                str(pretrained_dir),
+                *_split(
+                    "--model.config_path null --model.torch_dtype auto --train.mixed_precision bf16 "
+                    "--lora.enable_qlora true --lora.quant_type nf4 --lora.double_quant true "
+                    "--train.save_steps 3 --train.eval_steps 3"
+                ),
+            ),
+        )
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = tmp_path / "out"
+    records = progress(out)
+    losses = step_losses(records)
+    assert sorted(losses) == list(range(1, 7))
+    assert all(math.isfinite(v) for v in losses.values())
+    assert losses[6] < losses[1], losses
+    evals = [r for r in records if r.get("event") == "eval"]
+    assert [r["step"] for r in evals] == [3, 6] and all(math.isfinite(r["eval_loss"]) for r in evals)
+
+    # The base really was 4-bit: the training checkpoint holds NF4 weights with double-quantized scales.
+    with safe_open(out / "checkpoints" / "step-6" / "model.safetensors", "pt") as f:
+        ckpt_keys = set(f.keys())
+    q_proj = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert f"{q_proj}.quant_state.bitsandbytes__nf4" in ckpt_keys and f"{q_proj}.nested_absmax" in ckpt_keys
+
+    # The adapter loads with PEFT on the plain (not quantized) base.
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(pretrained_dir)
+    ids = _ids()
+    base = AutoModelForCausalLM.from_pretrained(pretrained_dir)
+    base_logits = _logits(base, ids)
+    adapted = PeftModel.from_pretrained(base, out)
+    logits = _logits(adapted, ids)
+    assert torch.isfinite(logits).all()
+    assert (logits - base_logits).abs().max() > 0.1
+    card = (out / "README.md").read_text()
+    assert "- qlora" in card
+    assert str(pretrained_dir) not in card.split("---")[1]  # a local path is no Hub `base_model`

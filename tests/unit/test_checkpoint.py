@@ -1,0 +1,133 @@
+"""finetune.checkpoint: atomic checkpoints through a real Accelerator, `latest`, rotation, resolving
+load_checkpoint_path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from safetensors.torch import load_file
+
+from finetune.checkpoint import (
+    STATE_FILE,
+    find_checkpoint,
+    list_checkpoints,
+    load_train_state,
+    rotate,
+    save_checkpoint,
+)
+from finetune.errors import FinetuneError
+
+
+@pytest.fixture
+def trained():
+    """A prepared model + optimizer with optimizer state, on a fresh CPU accelerator."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True, mixed_precision="no")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, optimizer = acc.prepare(model, optimizer)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    yield acc, model, optimizer
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _save(acc, out, step, limit=None):
+    return save_checkpoint(
+        acc, out, step, {"state": {"step": step}}, f"train:\n  step: {step}\n", total_limit=limit
+    )
+
+
+def test_save_writes_state_recipe_and_latest(tmp_path, trained):
+    acc, model, _ = trained
+    path = _save(acc, tmp_path, 3)
+    assert path == tmp_path / "checkpoints" / "step-3"
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-3\n"
+    assert load_train_state(path) == {"state": {"step": 3}}
+    assert (path / "recipe.resolved.yaml").read_text() == "train:\n  step: 3\n"
+    weights = load_file(path / "model.safetensors")
+    torch.testing.assert_close(weights["weight"], model.weight.detach())
+    assert (path / "optimizer.bin").is_file()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")] == []
+
+
+def test_saved_state_loads_back(tmp_path, trained):
+    acc, model, optimizer = trained
+    path = _save(acc, tmp_path, 1)
+    saved_weight = model.weight.detach().clone()
+    saved_moment = optimizer.state_dict()["state"][0]["exp_avg"].clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    acc.load_state(str(path))
+    torch.testing.assert_close(model.weight.detach(), saved_weight)
+    torch.testing.assert_close(optimizer.state_dict()["state"][0]["exp_avg"], saved_moment)
+
+
+def test_total_limit_keeps_the_newest(tmp_path, trained):
+    acc, _, _ = trained
+    for step in (2, 4, 6, 8, 10):
+        _save(acc, tmp_path, step, limit=2)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-10", "step-8"]
+    assert (root / "latest").read_text().strip() == "step-10"
+
+
+def test_a_crashed_save_leaves_nothing_resume_would_pick(tmp_path, trained):
+    acc, _, _ = trained
+    _save(acc, tmp_path, 1)
+    root = tmp_path / "checkpoints"
+    (root / ".tmp-step-2").mkdir()  # killed while saving step 2
+    (root / ".tmp-step-2" / "model.safetensors").write_text("partial")
+    assert find_checkpoint("auto", tmp_path) == root / "step-1"
+    path = _save(acc, tmp_path, 2)  # the next save of that step replaces the leftover
+    assert not (root / ".tmp-step-2").exists() and (path / STATE_FILE).is_file()
+
+
+def _fake(root, step, complete=True):
+    folder = root / f"step-{step}"
+    folder.mkdir(parents=True)
+    if complete:
+        (folder / STATE_FILE).write_text(json.dumps({"state": {"step": step}}))
+    return folder
+
+
+def test_list_checkpoints_sorts_numerically_and_skips_incomplete(tmp_path):
+    for step in (9, 10, 2):
+        _fake(tmp_path, step)
+    _fake(tmp_path, 11, complete=False)
+    (tmp_path / ".tmp-step-12").mkdir()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-2", "step-9", "step-10"]
+
+
+def test_rotate_never_deletes_the_one_latest_names(tmp_path):
+    for step in (2, 4, 6):
+        _fake(tmp_path, step)
+    (tmp_path / "latest").write_text("step-2\n")  # e.g. resumed from an older checkpoint
+    rotate(tmp_path, keep=1)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-2", "step-6"]
+
+
+def test_find_checkpoint(tmp_path):
+    assert find_checkpoint(None, tmp_path) is None
+    assert find_checkpoint("auto", tmp_path) is None  # nothing yet: start fresh
+    root = tmp_path / "checkpoints"
+    _fake(root, 4)
+    newest = _fake(root, 8)
+    assert find_checkpoint("auto", tmp_path) == newest  # no `latest` file: newest complete one
+    (root / "latest").write_text("step-4\n")
+    assert find_checkpoint("auto", tmp_path) == root / "step-4"
+    (root / "latest").write_text("step-99\n")  # names something gone: fall back
+    assert find_checkpoint("auto", tmp_path) == newest
+    assert find_checkpoint(str(root / "step-4"), tmp_path) == root / "step-4"
+    _fake(root, 12, complete=False)
+    with pytest.raises(FinetuneError, match="not a complete checkpoint"):
+        find_checkpoint(str(root / "step-12"), tmp_path)

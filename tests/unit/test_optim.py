@@ -1,0 +1,195 @@
+"""finetune.optim: weight-decay groups, optimizers (torch and bitsandbytes 8-bit on CPU), LR schedules."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import finetune.optim
+from finetune.errors import FinetuneError
+from finetune.optim import build_optimizer, build_scheduler, param_groups
+
+ADAM = {"betas": (0.9, 0.999), "eps": 1e-8}
+
+
+def _model(bias: bool = True) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=bias,
+        mlp_bias=bias,
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _group_names(model, groups) -> list[set[str]]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [{names[id(p)] for p in g["params"]} for g in groups]
+
+
+def test_no_weight_decay_on_biases_and_norms():
+    model = _model()
+    groups = param_groups(model, 0.1, ["bias", "norm"])
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    decay, no_decay = _group_names(model, groups)
+    assert decay and no_decay and not decay & no_decay
+    assert decay | no_decay == {n for n, _ in model.named_parameters()}
+    assert any(n.endswith("q_proj.bias") for n in no_decay) and any(
+        n.endswith("up_proj.bias") for n in no_decay
+    )
+    assert "model.norm.weight" in no_decay and "model.layers.0.input_layernorm.weight" in no_decay
+    for name in decay:
+        assert "bias" not in name and "norm" not in name
+        assert dict(model.named_parameters())[name].ndim == 2
+    assert "model.embed_tokens.weight" in decay and "model.layers.1.mlp.down_proj.weight" in decay
+
+
+def test_no_decay_params_are_configurable_and_frozen_params_left_out():
+    model = _model(bias=False)
+    model.lm_head.weight.requires_grad_(False)
+    decay, no_decay = _group_names(model, param_groups(model, 0.1, ["embed", "norm"]))
+    assert "model.embed_tokens.weight" in no_decay
+    assert "lm_head.weight" not in decay | no_decay
+
+
+def test_adamw_decays_weights_but_not_biases_or_norms():
+    """One AdamW step with zero gradients: only decoupled weight decay moves anything."""
+    model = _model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = build_optimizer(
+        model, name="adamw", lr=0.1, weight_decay=0.5, no_decay_params=["bias", "norm"], **ADAM
+    )
+    assert isinstance(optimizer, torch.optim.AdamW)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for name, p in model.named_parameters():
+        if "bias" in name or "norm" in name:
+            torch.testing.assert_close(p, before[name], msg=name)
+        else:
+            torch.testing.assert_close(p, before[name] * (1 - 0.1 * 0.5), msg=name)
+
+
+def test_sgd_uses_the_lr_and_no_momentum():
+    model = _model(bias=False)
+    optimizer = build_optimizer(model, name="sgd", lr=0.5, weight_decay=0.0, no_decay_params=[], **ADAM)
+    assert isinstance(optimizer, torch.optim.SGD)
+    assert all(g["lr"] == 0.5 for g in optimizer.param_groups)
+    weight = model.lm_head.weight
+    before = weight.detach().clone()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    torch.testing.assert_close(weight, before - 0.5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+def test_adamw_8bit_runs_on_cpu_with_8bit_state():
+    import bitsandbytes as bnb
+
+    model = _model(bias=False)
+    optimizer = build_optimizer(
+        model, name="adamw_8bit", lr=1e-2, weight_decay=0.1, no_decay_params=["norm"], **ADAM
+    )
+    assert isinstance(optimizer, bnb.optim.AdamW8bit)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    ids = torch.randint(0, 128, (2, 16))
+    losses = []
+    for _ in range(5):
+        loss = model(input_ids=ids, labels=ids).loss
+        losses.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert losses[-1] < losses[0]
+    # Large tensors keep their Adam moments in 8 bits (small ones stay 32-bit in bitsandbytes).
+    state = optimizer.state[model.model.embed_tokens.weight]
+    assert state["state1"].dtype == torch.uint8 and state["state2"].dtype == torch.uint8
+
+
+def test_adamw_8bit_without_bitsandbytes_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        finetune.optim.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "bitsandbytes" else real(name, *a),
+    )
+    with pytest.raises(FinetuneError, match=r"adamw_8bit needs bitsandbytes.*\[qlora\]"):
+        build_optimizer(_model(), name="adamw_8bit", lr=1e-3, weight_decay=0, no_decay_params=[], **ADAM)
+
+
+def test_no_trainable_parameters_is_an_error():
+    model = _model().requires_grad_(False)
+    with pytest.raises(FinetuneError, match="no trainable parameters"):
+        build_optimizer(model, name="adamw", lr=1e-3, weight_decay=0, no_decay_params=[], **ADAM)
+
+
+# ------------------------------------------------------------------------------------------ schedules
+
+LR, LR_MIN, WARMUP, TOTAL = 1e-3, 1e-4, 4, 20
+
+
+def _lrs(style: str, lr: float = LR, lr_min: float = LR_MIN, warmup: int = WARMUP, total: int = TOTAL):
+    """The LR after k scheduler steps, k = 0..total (k = the LR optimizer step k+1 uses)."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler = build_scheduler(
+        optimizer, style=style, num_warmup_steps=warmup, num_training_steps=total, lr=lr, lr_min=lr_min
+    )
+    out = [scheduler.get_last_lr()[0]]
+    for _ in range(total):
+        optimizer.step()
+        scheduler.step()
+        out.append(scheduler.get_last_lr()[0])
+    return out
+
+
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine"])
+def test_warmup_reaches_lr_then_decays_to_lr_min(style):
+    lrs = _lrs(style)
+    assert lrs[0] == 0.0
+    for k in range(1, WARMUP + 1):  # linear warmup
+        assert lrs[k] == pytest.approx(LR * k / WARMUP)
+    assert lrs[WARMUP] == pytest.approx(LR)
+    after = lrs[WARMUP:]
+    if style == "constant":
+        assert after == pytest.approx([LR] * len(after))
+        return
+    assert lrs[TOTAL] == pytest.approx(LR_MIN)
+    assert all(a > b for a, b in itertools.pairwise(after))
+    assert min(lrs[1:]) == pytest.approx(LR_MIN)
+    middle = WARMUP + (TOTAL - WARMUP) // 2
+    assert lrs[middle] == pytest.approx((LR + LR_MIN) / 2)  # both are symmetric around the midpoint
+    quarter = WARMUP + (TOTAL - WARMUP) // 4
+    progress = 0.25
+    expected = {
+        "linear": LR_MIN + (LR - LR_MIN) * (1 - progress),
+        "cosine": LR_MIN + (LR - LR_MIN) * 0.5 * (1 + math.cos(math.pi * progress)),
+    }[style]
+    assert lrs[quarter] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_decay_to_zero_without_warmup(style):
+    lrs = _lrs(style, lr_min=0.0, warmup=0)
+    assert lrs[0] == pytest.approx(LR) and lrs[-1] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_linear_with_lr_min_equal_to_lr_is_constant():
+    # The recipe allows lr_min == lr; transformers' polynomial schedule alone would raise.
+    assert _lrs("linear", lr_min=LR, warmup=0) == pytest.approx([LR] * (TOTAL + 1))
+
+
+def test_unknown_schedule_is_an_error():
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with pytest.raises(FinetuneError, match="lr_decay_style"):
+        build_scheduler(optimizer, style="step", num_warmup_steps=0, num_training_steps=2, lr=1.0, lr_min=0)
