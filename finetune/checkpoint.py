@@ -30,8 +30,13 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def save_checkpoint(
-    accelerator, output_dir: str | Path, step: int, train_state: dict[str, Any], recipe_yaml: str,
-    *, total_limit: int | None
+    accelerator,
+    output_dir: str | Path,
+    step: int,
+    train_state: dict[str, Any],
+    recipe_yaml: str,
+    *,
+    total_limit: int | None,
 ) -> Path:
     """Save model/optimizer/scheduler/RNG state and our train state as checkpoints/step-<step>.
 

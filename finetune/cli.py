@@ -158,8 +158,16 @@ def launch_command(recipe_path: str, overrides: list[str], config: Path | None) 
     """
     processes = _multi_cpu_processes(config) if config is not None else None
     if processes is not None:
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-                str(TRAIN_SCRIPT), recipe_path, *overrides]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(processes),
+            str(TRAIN_SCRIPT),
+            recipe_path,
+            *overrides,
+        ]
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if config is not None:
         cmd += ["--config_file", str(config)]

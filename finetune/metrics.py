@@ -69,7 +69,9 @@ def host_peak_rss_gib() -> float:
 class ProgressLog:
     """progress.jsonl on the main process plus a tqdm bar or key=value lines on the console."""
 
-    def __init__(self, path: Path, *, enabled: bool, log_format: str, total_steps: int, initial_step: int = 0):
+    def __init__(
+        self, path: Path, *, enabled: bool, log_format: str, total_steps: int, initial_step: int = 0
+    ):
         self.enabled = enabled
         self.log_format = log_format
         self.file = open(path, "a", encoding="utf-8") if enabled else None  # noqa: SIM115
@@ -77,12 +79,17 @@ class ProgressLog:
         if enabled and log_format == "progress_bar":
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(
+                total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True
+            )
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) and k != "loss" else v) for k, v in record.items()}
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) and k != "loss" else v)
+            for k, v in record.items()
+        }
         self.file.write(json.dumps(clean, allow_nan=True) + "\n")
         self.file.flush()
         if self.bar is not None:

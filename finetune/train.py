@@ -679,7 +679,12 @@ def save_final(run: Run, final_metrics: dict) -> None:
     acc, recipe = run.accelerator, run.recipe
     acc.wait_for_everyone()
     unwrapped = acc.unwrap_model(run.model)
-    state_dict = acc.get_state_dict(run.model)
+    # Sharded engines must gather the full weights first; otherwise the unwrapped model saves its own
+    # state dict (get_state_dict of a torch.compile'd PEFT model has keys PEFT's save cannot map).
+    from accelerate.utils import DistributedType
+
+    sharded = acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    state_dict = acc.get_state_dict(run.model) if sharded else None
     if recipe.lora.enable_lora and not recipe.lora.save_lora_only:
         unwrapped = unwrapped.merge_and_unload()
         state_dict = None

@@ -21,9 +21,22 @@ def env() -> dict:
 
 
 def accelerate_cmd(recipe: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-            "--dynamo_backend", "no", "--mixed_precision", "no",
-            str(REPO / "finetune" / "train.py"), str(recipe), *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--dynamo_backend",
+        "no",
+        "--mixed_precision",
+        "no",
+        str(REPO / "finetune" / "train.py"),
+        str(recipe),
+        *overrides,
+    ]
 
 
 def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
@@ -44,4 +57,10 @@ def step_losses(records: list[dict]) -> dict[int, float]:
 
 def demo_overrides(tmp: Path, *extra: str) -> list[str]:
     """The demo recipe writing into a temporary folder."""
-    return ["--train.output_dir", str(tmp / "out"), "--data.dataset_prepared_path", str(tmp / "prepared"), *extra]
+    return [
+        "--train.output_dir",
+        str(tmp / "out"),
+        "--data.dataset_prepared_path",
+        str(tmp / "prepared"),
+        *extra,
+    ]

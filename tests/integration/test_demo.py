@@ -28,8 +28,13 @@ def test_demo_trains_and_writes_outputs(tmp_path):
     assert last < first - 1.0, f"loss did not fall: {first} -> {last}"
     evals = [r for r in records if r.get("event") == "eval"]
     assert evals and evals[-1]["eval_loss"] < first
-    for name in ("recipe.resolved.yaml", "adapter_model.safetensors", "adapter_config.json",
-                 "tokenizer.json", "README.md"):
+    for name in (
+        "recipe.resolved.yaml",
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "tokenizer.json",
+        "README.md",
+    ):
         assert (out / name).is_file(), name
     config = PeftConfig.from_pretrained(out)
     assert (out / "base_model" / "config.json").is_file()

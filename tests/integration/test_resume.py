@@ -15,9 +15,28 @@ from tests.integration._run import DEMO, REPO, accelerate_cmd, demo_overrides, e
 pytestmark = pytest.mark.slow
 
 STEPS = 16
-COMMON = ("--train.max_steps", str(STEPS), "--train.log_steps", "1", "--train.save_steps", "4", "--train.save_epochs", "0",
-          "--train.log_format", "structured", "--train.eval_steps", "null", "--train.save_hf_weights", "false",
-          "--lora.lora_dropout", "0.1", "--train.micro_batch_size", "2", "--train.gradient_accumulation_steps", "2")
+COMMON = (
+    "--train.max_steps",
+    str(STEPS),
+    "--train.log_steps",
+    "1",
+    "--train.save_steps",
+    "4",
+    "--train.save_epochs",
+    "0",
+    "--train.log_format",
+    "structured",
+    "--train.eval_steps",
+    "null",
+    "--train.save_hf_weights",
+    "false",
+    "--lora.lora_dropout",
+    "0.1",
+    "--train.micro_batch_size",
+    "2",
+    "--train.gradient_accumulation_steps",
+    "2",
+)
 
 
 def _wait_for(predicate, proc, timeout=300):
@@ -41,8 +60,9 @@ def test_sigkill_then_resume_gives_the_same_losses(tmp_path):
     # Same run, killed with SIGKILL once a checkpoint exists, then resumed with `auto`.
     out = tmp_path / "kill" / "out"
     cmd = accelerate_cmd(DEMO, *demo_overrides(tmp_path / "kill", *COMMON))
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
     latest = out / "checkpoints" / "latest"
     reached = _wait_for(lambda: latest.is_file() and latest.read_text().strip() == "step-8", proc)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -52,7 +72,7 @@ def test_sigkill_then_resume_gives_the_same_losses(tmp_path):
     k = int(latest.read_text().strip()[5:])
     assert 8 <= k <= killed_at < STEPS
 
-    resumed = run(cmd + ["--train.load_checkpoint_path", "auto"])
+    resumed = run([*cmd, "--train.load_checkpoint_path", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"resumed from {out / 'checkpoints' / f'step-{k}'}" in resumed.stdout + resumed.stderr
     after = step_losses(progress(out))  # the resumed run appends; later records win
@@ -62,10 +82,27 @@ def test_sigkill_then_resume_gives_the_same_losses(tmp_path):
 
 def test_sigterm_checkpoints_and_exits_zero(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO),
-           *demo_overrides(tmp_path, "--train.log_steps", "1", "--train.max_steps", "100000", "--train.save_steps", "0",
-                           "--train.save_epochs", "0", "--train.log_format", "structured")]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        str(REPO / "finetune" / "train.py"),
+        str(DEMO),
+        *demo_overrides(
+            tmp_path,
+            "--train.log_steps",
+            "1",
+            "--train.max_steps",
+            "100000",
+            "--train.save_steps",
+            "0",
+            "--train.save_epochs",
+            "0",
+            "--train.log_format",
+            "structured",
+        ),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     assert _wait_for(lambda: len(step_losses(progress(out))) >= 3, proc), "training did not start"
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)

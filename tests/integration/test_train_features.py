@@ -400,3 +400,39 @@ def test_unpacked_batches_carry_attention_masks_and_packed_ones_position_ids(tmp
     assert count_tokens(packed) == 16
     # Segments (padding is its own): row 0 = 3 | 5 padding, row 1 = 2 | 3 | 3 padding.
     assert _seq_stats(packed) == (float(9 + 25 + 4 + 9 + 9), 16)
+
+
+def test_compiled_model_trains_and_saves_the_adapter(tmp_path):
+    """model.enable_compile (Accelerate's dynamo plugin, inductor on CPU): trains and saves an adapter
+    with PEFT's key names (saving the compiled wrapper's state dict used to fail)."""
+    from safetensors import safe_open
+
+    from tests.integration._run import DEMO, accelerate_cmd, demo_overrides, progress, run, step_losses
+
+    result = run(
+        accelerate_cmd(
+            DEMO,
+            *demo_overrides(
+                tmp_path,
+                "--model.enable_compile",
+                "true",
+                "--train.max_steps",
+                "2",
+                "--train.log_steps",
+                "1",
+                "--train.save_epochs",
+                "0",
+                "--train.eval_steps",
+                "null",
+                "--data.val_set_size",
+                "null",
+                "--train.log_format",
+                "structured",
+            ),
+        )
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(step_losses(progress(tmp_path / "out"))) == [1, 2]
+    with safe_open(tmp_path / "out" / "adapter_model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    assert any(".lora_A." in k for k in keys) and not any("_orig_mod" in k for k in keys)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from finetune.data.collate import collate_rows
 from finetune.train import forward
 from tests.tiny import sequences, tiny_model
@@ -129,10 +130,15 @@ def test_packed_row_equals_sequences_on_gpu(attn):
     total = _trainable(seqs)
     with torch.no_grad():
         ref = sum(
-            forward(model, {k: v.cuda() for k, v in collate_rows([s], pad_token_id=0, packed=True).items()},
-                    num_items=torch.tensor(total, device="cuda")).loss
+            forward(
+                model,
+                {k: v.cuda() for k, v in collate_rows([s], pad_token_id=0, packed=True).items()},
+                num_items=torch.tensor(total, device="cuda"),
+            ).loss
             for s in seqs
         )
         batch = collate_rows([pack(seqs, 8)], pad_token_id=0, pad_to_multiple_of=16, packed=True)
-        loss = forward(model, {k: v.cuda() for k, v in batch.items()}, num_items=torch.tensor(total, device="cuda")).loss
+        loss = forward(
+            model, {k: v.cuda() for k, v in batch.items()}, num_items=torch.tensor(total, device="cuda")
+        ).loss
     torch.testing.assert_close(loss.float(), ref.float(), rtol=2e-2, atol=2e-2)

@@ -27,8 +27,13 @@ def _run(model, ga: int, max_grad_norm=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model, optimizer = acc.prepare(model, optimizer)
     train = SimpleNamespace(gradient_accumulation_steps=ga, max_grad_norm=max_grad_norm, log_steps=1)
-    return SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer,
-                           recipe=SimpleNamespace(train=train), state=TrainState())
+    return SimpleNamespace(
+        accelerator=acc,
+        model=model,
+        optimizer=optimizer,
+        recipe=SimpleNamespace(train=train),
+        state=TrainState(),
+    )
 
 
 def _rows():
@@ -46,15 +51,19 @@ def test_accumulation_matches_one_big_batch():
     run_big = _run(copy.deepcopy(base), ga=1)
     out_big = train_step(run_big, [collate_rows(rows, pad_token_id=0, packed=False)])
     assert out_ga["applied"] and out_big["applied"]
-    assert out_ga["trainable"] == out_big["trainable"] == sum(
-        sum(1 for t in r["labels"][1:] if t != -100) for r in rows
+    assert (
+        out_ga["trainable"]
+        == out_big["trainable"]
+        == sum(sum(1 for t in r["labels"][1:] if t != -100) for r in rows)
     )
     assert out_ga["loss"] == pytest.approx(out_big["loss"], rel=1e-5)
     params_ga = dict(run_ga.accelerator.unwrap_model(run_ga.model).named_parameters())
     for name, p in run_big.accelerator.unwrap_model(run_big.model).named_parameters():
         torch.testing.assert_close(params_ga[name], p, rtol=1e-5, atol=1e-6, msg=name)
     # The update really moved the weights (so the comparison is not vacuous).
-    moved = any(not torch.equal(p, q) for p, q in zip(base.parameters(), run_big.model.parameters(), strict=True))
+    moved = any(
+        not torch.equal(p, q) for p, q in zip(base.parameters(), run_big.model.parameters(), strict=True)
+    )
     assert moved
 
 
