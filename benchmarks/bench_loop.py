@@ -88,12 +88,27 @@ def bench_overhead(steps: int, repeats: int) -> dict:
     recipe = load_recipe(
         REPO / "recipes/demo/tiny_sft_cpu.yaml",
         [
-            "--train.output_dir", str(tmp / "out"), "--data.dataset_prepared_path", str(tmp / "prepared"),
-            "--train.gradient_accumulation_steps", "2", "--train.log_steps", "1", "--train.save_epochs", "0",
-            "--train.eval_steps", "null", "--data.val_set_size", "null",
+            "--train.output_dir",
+            str(tmp / "out"),
+            "--data.dataset_prepared_path",
+            str(tmp / "prepared"),
+            "--train.gradient_accumulation_steps",
+            "2",
+            "--train.log_steps",
+            "1",
+            "--train.save_epochs",
+            "0",
+            "--train.eval_steps",
+            "null",
+            "--data.val_set_size",
+            "null",
             # a larger tiny model so a step is long enough to time (~tens of ms)
-            "--model.config_path.hidden_size", "256", "--model.config_path.intermediate_size", "688",
-            "--model.config_path.num_hidden_layers", "4",
+            "--model.config_path.hidden_size",
+            "256",
+            "--model.config_path.intermediate_size",
+            "688",
+            "--model.config_path.num_hidden_layers",
+            "4",
         ],
     )
     run = setup(recipe, _fresh_accelerator(recipe))
@@ -158,12 +173,16 @@ train:
             "trainable_tokens_per_sec": trainable / elapsed,
             "rows": len(run.train_dl.dataset),
         }
-    results["ratio"] = results["packed"]["trainable_tokens_per_sec"] / results["padded"]["trainable_tokens_per_sec"]
+    results["ratio"] = (
+        results["packed"]["trainable_tokens_per_sec"] / results["padded"]["trainable_tokens_per_sec"]
+    )
     return results
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-packing", action="store_true")
