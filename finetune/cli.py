@@ -59,8 +59,36 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--list-configs", action="store_true", help="list the shipped accelerate configs and exit"
     )
+    launch = train.add_argument_group(
+        "launch", "override the accelerate config's values (multi-node: run once per node)"
+    )
+    launch.add_argument("--num-processes", type=int, metavar="N", help="processes (GPUs) on all machines")
+    launch.add_argument("--num-machines", type=int, metavar="N", help="number of machines (nodes)")
+    launch.add_argument(
+        "--machine-rank", type=int, metavar="R", help="this machine's rank, 0..num_machines-1"
+    )
+    launch.add_argument("--main-process-ip", metavar="HOST", help="address of the machine with rank 0")
+    launch.add_argument("--main-process-port", type=int, metavar="PORT", help="port on that machine")
 
     sub.add_parser("list-configs", help="List the accelerate configs shipped in accelerate_configs/.")
+
+    plan = _recipe_parser(
+        sub, "plan", "Predict per-GPU memory by part, whether it fits, and a micro batch (no weights loaded)."
+    )
+    plan.add_argument(
+        "--accelerate-config",
+        metavar="NAME|PATH",
+        help="engine to plan for: a name from accelerate_configs/ or a path; default: train.accelerate_config, "
+        "else a single device",
+    )
+    plan.add_argument("--num-gpus", type=int, metavar="N", help="GPUs on all nodes (overrides num_processes)")
+    plan.add_argument("--num-nodes", type=int, metavar="M", help="nodes (overrides num_machines)")
+    plan.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="memory per GPU, e.g. 80GiB, 80GB, 24GiB, 81920MiB; default: the first visible CUDA device, else 80GiB",
+    )
+    plan.add_argument("--json", action="store_true", help="print the numbers (bytes) as JSON")
 
     merge = sub.add_parser(
         "merge-lora", help="Merge a LoRA adapter into its base model and save full weights."
@@ -139,43 +167,63 @@ def list_configs() -> list[tuple[str, str]]:
     return rows
 
 
-def _multi_cpu_processes(config: Path) -> int | None:
-    """num_processes of an accelerate config whose distributed_type is MULTI_CPU, else None."""
-    import yaml
-
-    data = yaml.safe_load(config.read_text()) or {}
-    if data.get("distributed_type") == "MULTI_CPU" and int(data.get("num_processes", 1)) > 1:
-        return int(data["num_processes"])
-    return None
+LAUNCH_OPTIONS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port")
 
 
-def launch_command(recipe_path: str, overrides: list[str], config: Path | None) -> list[str]:
+def launch_command(
+    recipe_path: str, overrides: list[str], config: Path | None, launch: dict | None = None
+) -> list[str]:
     """The command line `finetune train` runs: `accelerate launch ...`.
+
+    `launch` holds the accelerate config values given on the command line (LAUNCH_OPTIONS).
 
     A MULTI_CPU config goes through torch.distributed.run instead: `accelerate launch` (1.15) starts a
     single process for CPU configs unless MPI is set up, while torchrun with ACCELERATE_USE_CPU=true
-    (set by `train_env`) gives a real multi-process gloo run.
+    (set by `_run`) gives a real multi-process gloo run.
     """
-    processes = _multi_cpu_processes(config) if config is not None else None
-    if processes is not None:
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(processes),
-            str(TRAIN_SCRIPT),
-            recipe_path,
-            *overrides,
-        ]
+    import yaml
+
+    launch = {k: v for k, v in (launch or {}).items() if v is not None}
+    data = (yaml.safe_load(config.read_text()) or {}) if config is not None else {}
+    if data.get("distributed_type") == "MULTI_CPU":
+        processes = int(launch.get("num_processes", data.get("num_processes", 1)))
+        if processes > 1:
+            return [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(processes),
+                str(TRAIN_SCRIPT),
+                recipe_path,
+                *overrides,
+            ]
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if config is not None:
         cmd += ["--config_file", str(config)]
     else:
         # No config: one process on whatever device there is, without accelerate's warnings
         # about unset launcher values.
-        cmd += ["--num_processes", "1", "--num_machines", "1", "--dynamo_backend", "no"]
+        launch.setdefault("num_processes", 1)
+        cmd += ["--num_machines", "1", "--dynamo_backend", "no"]
+    for key in LAUNCH_OPTIONS:
+        if key in launch:
+            cmd += [f"--{key}", str(launch[key])]
     return [*cmd, str(TRAIN_SCRIPT), recipe_path, *overrides]
+
+
+def check_before_launch(recipe, config: Path | None, launch: dict) -> None:
+    """Refuse, before any process starts, a recipe and engine that cannot work together here."""
+    import dataclasses
+
+    import torch
+
+    from finetune.distributed import Engine, check_combination, read_accelerate_config
+
+    engine = read_accelerate_config(config) if config is not None else Engine(kind="single")
+    if launch.get("num_processes") is not None:
+        engine = dataclasses.replace(engine, num_processes=launch["num_processes"])
+    check_combination(recipe, engine, cuda_available=torch.cuda.is_available())
 
 
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -206,9 +254,24 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
 
         prepare(recipe, push=args.push)
         return 0
+    if args.command == "plan":
+        from finetune.plan import format_plan, make_plan, plan_json
+
+        plan = make_plan(
+            recipe,
+            recipe_path=args.recipe,
+            accelerate_config=args.accelerate_config,
+            num_gpus=args.num_gpus,
+            num_nodes=args.num_nodes,
+            gpu_memory=args.gpu_memory,
+        )
+        print(plan_json(plan) if args.json else format_plan(plan))
+        return 0
     if args.command == "train":
         config = resolve_accelerate_config(args.accelerate_config or recipe.train.accelerate_config)
-        cmd = launch_command(args.recipe, overrides, config)
+        launch = {key: getattr(args, key) for key in LAUNCH_OPTIONS}
+        check_before_launch(recipe, config, launch)
+        cmd = launch_command(args.recipe, overrides, config, launch)
         if cmd[2] == "torch.distributed.run":
             os.environ["ACCELERATE_USE_CPU"] = "true"
         print("+ " + " ".join(cmd), file=sys.stderr, flush=True)

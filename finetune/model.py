@@ -5,6 +5,7 @@ Functions here take the typed recipe sections (ModelSection, LoraSection), never
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import shutil
@@ -218,16 +219,34 @@ def apply_liger(net) -> None:
 
 def count_parameters(net) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
-    trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in net.parameters())
+
+    # Under DeepSpeed ZeRO-3 a parameter's local tensor is empty; ds_numel is its full size.
+    def numel(p) -> int:
+        return int(getattr(p, "ds_numel", p.numel()))
+
+    trainable = sum(numel(p) for p in net.parameters() if p.requires_grad)
+    total = sum(numel(p) for p in net.parameters())
     return trainable, total
 
 
-def save_base_model(net, folder: Path) -> None:
+def save_base_model(net, folder: Path, *, is_main_process: bool = True) -> None:
     """Save a randomly initialised base model (before LoRA wraps it) so its adapter can be loaded or
-    merged later: there is no pretrained checkpoint to point at."""
-    folder.mkdir(parents=True, exist_ok=True)
-    net.save_pretrained(folder, safe_serialization=True)
+    merged later: there is no pretrained checkpoint to point at.
+
+    Every process must call it: under DeepSpeed ZeRO-3 the weights are partitioned across processes
+    and are gathered (DeepSpeed's GatheredParameters) for the main process to write.
+    """
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    gather = contextlib.nullcontext()
+    if is_deepspeed_zero3_enabled():
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(list(net.parameters()), modifier_rank=None)
+    with gather:
+        if is_main_process:
+            folder.mkdir(parents=True, exist_ok=True)
+            net.save_pretrained(folder, safe_serialization=True)
 
 
 def merge_lora(adapter_dir: str, output: str, *, base: str | None = None, dtype: str = "auto") -> None:

@@ -17,6 +17,7 @@ if __name__ == "__main__" and sys.path and Path(sys.path[0]).resolve() == Path(_
     # must not shadow top-level packages. The installed `finetune` package is imported instead.
     sys.path.pop(0)
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -31,6 +32,7 @@ from itertools import islice
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType, send_to_device
 
 from finetune.checkpoint import find_checkpoint, load_train_state, save_checkpoint
 from finetune.config import Recipe, load_recipe, recipe_to_dict
@@ -120,7 +122,12 @@ def make_accelerator(recipe: Recipe):
             raise FinetuneError(
                 f"train.report_to: {tracker} is not installed (pip install -e '.[tracking]' or pip install {tracker})"
             )
-    kwargs: dict[str, Any] = {}
+    from finetune.distributed import accelerator_kwargs, check_combination, engine_from_env
+
+    engine = engine_from_env()
+    # The same refusals as `finetune train` makes before launch, for `accelerate launch` users.
+    check_combination(recipe, engine, cuda_available=torch.cuda.is_available())
+    kwargs: dict[str, Any] = accelerator_kwargs(recipe, engine)
     if recipe.model.enable_compile:
         kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor")
     return Accelerator(
@@ -135,22 +142,57 @@ def make_accelerator(recipe: Recipe):
     )
 
 
-def make_dataloader(dataset, recipe: Recipe, *, pad_id: int, packed: bool, shuffle: bool, drop_last: bool):
+def make_dataloader(
+    dataset,
+    recipe: Recipe,
+    *,
+    pad_id: int,
+    packed: bool,
+    shuffle: bool,
+    drop_last: bool,
+    num_replicas: int | None = None,
+    rank: int = 0,
+):
+    """A DataLoader over the prepared rows.
+
+    With `num_replicas` (training), batches come from a RankBatchSampler: this rank's share, the
+    same number of batches on every rank, no row repeated; such a loader is not passed through
+    `accelerator.prepare`. Without it (evaluation), a plain sampler that Accelerate shards, so
+    `gather_for_metrics` can drop the rows it repeats to even out the ranks.
+    """
+    from finetune.data.sampler import RankBatchSampler
+
     data = recipe.data
     columns = [c for c in ("input_ids", "labels", "position_ids") if c in dataset.column_names]
     dataset = dataset.select_columns(columns)
     workers = data.dataloader_num_workers
+    if num_replicas is not None:
+        batching: dict[str, Any] = {
+            "batch_sampler": RankBatchSampler(
+                len(dataset),
+                micro_batch_size=recipe.train.micro_batch_size,
+                num_replicas=num_replicas,
+                rank=rank,
+                seed=recipe.train.seed,
+                shuffle=shuffle,
+                drop_last=drop_last,
+            )
+        }
+    else:
+        batching = {
+            "batch_size": recipe.train.micro_batch_size,
+            "sampler": EpochSampler(len(dataset), recipe.train.seed, shuffle=shuffle),
+            "drop_last": drop_last,
+        }
     return torch.utils.data.DataLoader(
         dataset,
-        batch_size=recipe.train.micro_batch_size,
-        sampler=EpochSampler(len(dataset), recipe.train.seed, shuffle=shuffle),
+        **batching,
         collate_fn=partial(
             collate_rows, pad_token_id=pad_id, pad_to_multiple_of=data.pad_to_multiple_of, packed=packed
         ),
         num_workers=workers,
         prefetch_factor=data.dataloader_prefetch_factor if workers > 0 else None,
         pin_memory=data.dataloader_pin_memory and torch.cuda.is_available(),
-        drop_last=drop_last,
         # Its own generator: creating an iterator draws the workers' base seed from it, not from the
         # global RNG, so a resumed run (which creates its iterator right after restoring the RNG
         # state) draws the same dropout masks as an uninterrupted one.
@@ -178,7 +220,7 @@ def setup(recipe: Recipe, accelerator) -> Run:
     """Data, model, optimizer, schedule, resume: everything the loop needs."""
     from accelerate.utils import set_seed
 
-    from finetune.data.prepare import prepare
+    from finetune.data.prepare import prepare_on_main_process
     from finetune.model import (
         apply_lora,
         build_model,
@@ -199,9 +241,9 @@ def setup(recipe: Recipe, accelerator) -> Run:
         (output_dir / "recipe.resolved.yaml").write_text(dump_yaml(recipe_to_dict(recipe)))
 
     tokenizer = load_tokenizer(recipe.model)
-    # Only the main process builds the prepared dataset; the others then load it from the cache.
-    with accelerator.main_process_first():
-        prepared = prepare(recipe, log=accelerator.print)
+    # One process per machine builds the prepared dataset; the others wait, however long it takes,
+    # then load it from the cache.
+    prepared = prepare_on_main_process(recipe, accelerator)
 
     model = build_model(
         recipe.model,
@@ -214,16 +256,17 @@ def setup(recipe: Recipe, accelerator) -> Run:
         base_dir = None
         if recipe.model.model_path is None:
             base_dir = output_dir / "base_model"
-            if accelerator.is_main_process:
-                save_base_model(model, base_dir)
+            save_base_model(model, base_dir, is_main_process=accelerator.is_main_process)
         model = apply_lora(model, recipe.lora, gradient_checkpointing=train.gradient_checkpointing)
         if base_dir is not None:
             model.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
     trainable, total = count_parameters(model)
     accelerator.print(f"parameters: {trainable:,} trainable / {total:,} total")
 
+    from finetune.distributed import engine_from_env
     from finetune.optim import build_optimizer, build_scheduler
 
+    engine = engine_from_env()
     optimizer = build_optimizer(
         model,
         name=train.optimizer,
@@ -232,6 +275,7 @@ def setup(recipe: Recipe, accelerator) -> Run:
         no_decay_params=train.no_decay_params,
         betas=(train.adam_beta1, train.adam_beta2),
         eps=train.adam_eps,
+        cpu_offload=engine.kind == "deepspeed" and engine.offload_optimizer,
     )
     pad_id = pad_token_id(tokenizer)
     train_dl = make_dataloader(
@@ -241,7 +285,22 @@ def setup(recipe: Recipe, accelerator) -> Run:
         packed=recipe.data.sample_packing,
         shuffle=True,
         drop_last=recipe.data.dataloader_drop_last,
+        num_replicas=accelerator.num_processes,
+        rank=accelerator.process_index,
     )
+    if len(train_dl) == 0:
+        raise FinetuneError(
+            "no training batches: the prepared train split has fewer rows than "
+            f"train.micro_batch_size x processes ({len(prepared.train)} rows); lower micro_batch_size "
+            "or set data.dataloader_drop_last: false"
+        )
+    dropped = train_dl.batch_sampler.dropped_per_epoch
+    if dropped:
+        accelerator.print(
+            f"data.dataloader_drop_last: {dropped} of {len(prepared.train)} rows per epoch do not fill a "
+            f"last batch of {train.micro_batch_size} x {accelerator.num_processes} processes and are "
+            "not trained on (a different set each epoch); set dataloader_drop_last: false to keep them"
+        )
     eval_dl = None
     if prepared.eval is not None and len(prepared.eval) > 0:
         eval_dl = make_dataloader(
@@ -251,15 +310,6 @@ def setup(recipe: Recipe, accelerator) -> Run:
             packed=recipe.data.eval_sample_packing,
             shuffle=False,
             drop_last=False,
-        )
-    model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
-    if eval_dl is not None:
-        eval_dl = accelerator.prepare(eval_dl)
-    if len(train_dl) == 0:
-        raise FinetuneError(
-            "no training batches: the prepared train split has fewer rows than "
-            f"train.micro_batch_size x processes ({len(prepared.train)} rows); lower micro_batch_size "
-            "or set data.dataloader_drop_last: false"
         )
 
     # The schedule length comes from the real number of optimizer steps in the packed data.
@@ -277,7 +327,16 @@ def setup(recipe: Recipe, accelerator) -> Run:
         lr=train.lr,
         lr_min=train.lr_min,
     )
-    scheduler = accelerator.prepare(scheduler)
+    if engine.kind == "deepspeed":
+        # Given the scheduler, the DeepSpeed engine would step it inside backward (and not on skipped
+        # steps); the loop steps it itself, once per optimizer step, as for every other engine. It
+        # changes the LR in the param groups DeepSpeed's optimizer shares with ours.
+        model, optimizer = accelerator.prepare(model, optimizer)
+        accelerator.register_for_checkpointing(scheduler)
+    else:
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if eval_dl is not None:
+        eval_dl = accelerator.prepare(eval_dl)
 
     run = Run(
         recipe=recipe,
@@ -349,24 +408,37 @@ def train_step(run: Run, window: list[dict]) -> dict[str, Any]:
     """One optimizer step over an accumulation window of micro-batches.
 
     The loss is the sum of token losses over the whole window on all processes, divided by the
-    number of trainable tokens in that window on all processes. Accelerate divides by the
-    accumulation steps in backward and DDP averages over processes, so each micro-batch's loss is
+    number of trainable tokens in that window on all processes. Accelerate (or DeepSpeed) divides by
+    the accumulation steps in backward and DDP averages over processes, so each micro-batch's loss is
     scaled by (accumulation steps x processes) to undo both.
+
+    Gradients are synchronised on the window's last micro-batch only. The window is formed here (the
+    last one of an epoch may be short), so the sync flag is set per micro-batch, as
+    transformers.Trainer does, rather than counted by `accelerator.accumulate`.
     """
     acc, model, train = run.accelerator, run.model, run.recipe.train
+    deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
+    window = [send_to_device(b, acc.device) for b in window]
     # Sync point: one all-reduce of the window's trainable-token count, needed before any backward.
     local_count = sum(count_trainable(b) for b in window)
     global_count = acc.reduce(local_count.to(acc.device).float(), reduction="sum")
     scale = train.gradient_accumulation_steps * acc.num_processes
     loss_sum = torch.zeros((), device=acc.device)
-    for batch in window:
-        with acc.accumulate(model):
+    for i, batch in enumerate(window):
+        last = i == len(window) - 1
+        acc.gradient_state._set_sync_gradients(last)
+        # DeepSpeed keeps its own accumulation boundary (set from the sync flag in backward).
+        no_sync = contextlib.nullcontext() if last or deepspeed else acc.no_sync(model)
+        with no_sync:
             out = forward(model, batch, num_items=global_count.clamp(min=1))
+            # Under DeepSpeed the last backward also runs the engine's step (clip, update, zero grad).
             acc.backward(out.loss * scale)
-            loss_sum += out.loss.detach().float() * global_count
+        loss_sum += out.loss.detach().float() * global_count
     grad_norm = None
     window_loss = acc.reduce(loss_sum, reduction="sum") / global_count.clamp(min=1)
     loss_value = window_loss.item()  # sync point: the nonfinite check needs the value on the host
+    if deepspeed:
+        return _deepspeed_result(run, loss_value, int(global_count.item()))
     if not math.isfinite(loss_value):
         run.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss_value, "applied": False, "trainable": int(global_count.item())}
@@ -383,6 +455,33 @@ def train_step(run: Run, window: list[dict]) -> dict[str, Any]:
         "fp16_skipped": fp16_skipped,
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "trainable": int(global_count.item()),
+    }
+
+
+def _deepspeed_result(run: Run, loss_value: float, trainable: int) -> dict[str, Any]:
+    """The step's outcome under DeepSpeed, whose engine has already stepped inside the last backward.
+
+    DeepSpeed skips an update whose gradient norm is not finite when clipping is on or precision is
+    16-bit (its overflow check): that is the nonfinite skip here. An update it applied despite a
+    nonfinite loss cannot be undone, so the run stops.
+    """
+    acc = run.accelerator
+    skipped = bool(acc.optimizer_step_was_skipped)
+    grad_norm = acc.clip_grad_norm_(run.model.parameters(), run.recipe.train.max_grad_norm or 0.0)
+    if not math.isfinite(loss_value):
+        if not skipped:
+            raise FinetuneError(
+                f"nonfinite loss ({loss_value}) at step {run.state.step + 1} and DeepSpeed applied the "
+                "update (its overflow check is off with fp32 and no clipping): set train.max_grad_norm "
+                "so DeepSpeed skips such steps, and resume from the last checkpoint"
+            )
+        return {"loss": loss_value, "applied": False, "trainable": trainable}
+    return {
+        "loss": loss_value,
+        "applied": True,
+        "fp16_skipped": skipped and run.recipe.train.mixed_precision == "fp16",
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "trainable": trainable,
     }
 
 
@@ -477,7 +576,7 @@ def train_loop(run: Run, log: ProgressLog) -> None:
         acc.init_trackers(run.output_dir.name, config=_flat(recipe_to_dict(run.recipe)))
     run.model.train()
     while st.step < run.total_steps and run.stop_reason is None:
-        run.train_dl.set_epoch(st.epoch)
+        run.train_dl.batch_sampler.set_epoch(st.epoch)
         loader = run.train_dl
         if st.micro_step_in_epoch:
             loader = acc.skip_first_batches(run.train_dl, st.micro_step_in_epoch)
@@ -684,17 +783,38 @@ def save_final(run: Run, final_metrics: dict) -> None:
     from accelerate.utils import DistributedType
 
     sharded = acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    # ZeRO-3 gathers the 16-bit weights, FSDP2 a full state dict on rank 0 (every rank takes part).
     state_dict = acc.get_state_dict(run.model) if sharded else None
-    if recipe.lora.enable_lora and not recipe.lora.save_lora_only:
-        unwrapped = unwrapped.merge_and_unload()
-        state_dict = None
-    unwrapped.save_pretrained(
-        run.output_dir,
-        state_dict=state_dict,
-        is_main_process=acc.is_main_process,
-        save_function=acc.save,
-        safe_serialization=True,
-    )
+    merge = recipe.lora.enable_lora and not recipe.lora.save_lora_only
+    if merge and sharded:
+        # The sharded model cannot merge in place: save the adapter, then merge it into the base
+        # weights on the main process (the same code as `finetune merge-lora`).
+        from finetune.model import merge_lora
+
+        adapter_dir = run.output_dir / ".adapter-to-merge"
+        unwrapped.save_pretrained(
+            adapter_dir, state_dict=state_dict, is_main_process=acc.is_main_process, safe_serialization=True
+        )
+        if acc.is_main_process:
+            run.tokenizer.save_pretrained(adapter_dir)  # its length sizes the embeddings
+            if acc.distributed_type == DistributedType.DEEPSPEED:
+                # Otherwise transformers would load the base for merging partitioned (ZeRO-3 init);
+                # training is over, nothing else is built under ZeRO-3 after this.
+                from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+                unset_hf_deepspeed_config()
+            merge_lora(str(adapter_dir), str(run.output_dir))
+            shutil.rmtree(adapter_dir)
+    else:
+        if merge:
+            unwrapped = unwrapped.merge_and_unload()
+        unwrapped.save_pretrained(
+            run.output_dir,
+            state_dict=state_dict,
+            is_main_process=acc.is_main_process,
+            save_function=acc.save,
+            safe_serialization=True,
+        )
     if acc.is_main_process:
         run.tokenizer.save_pretrained(run.output_dir)
         from finetune.model_card import write_model_card

@@ -147,16 +147,38 @@ def load_prepared(recipe: Any) -> Prepared:
 
 
 def prepare_on_main_process(recipe: Any, accelerator: Any, *, push: bool = False) -> Prepared:
-    """`prepare` in a multi-process run: the main process builds, the others then read the cache.
+    """`prepare` in a multi-process run: one process per machine builds, the others wait, then read
+    the cache.
 
-    `accelerator.main_process_first()` holds the other ranks at a barrier until rank 0 is done, so
-    they find the complete folder; the file lock still covers processes outside this run.
-    Only the main process pushes.
+    The wait is a barrier on a gloo group of its own with a week-long timeout: the default process
+    group's barrier would time out (10 to 30 minutes) on a long tokenization. If the building process
+    fails, the launcher (torchrun) stops the waiting ones. One process per machine (not only the
+    global main) builds, so nodes without a shared filesystem each get their cache; on a shared one
+    the file lock lets the first build and the others find it done. Only the main process pushes.
     """
-    with accelerator.main_process_first():
-        if accelerator.is_main_process:
-            return prepare(recipe, push=push, log=accelerator.print)
-        return prepare(recipe, log=lambda _: None)
+    if accelerator.num_processes == 1:
+        return prepare(recipe, push=push, log=accelerator.print)
+    group = patient_group()
+    prepared = None
+    if accelerator.is_local_main_process:
+        prepared = prepare(recipe, push=push and accelerator.is_main_process, log=accelerator.print)
+    torch_distributed().barrier(group=group)
+    if prepared is None:
+        prepared = prepare(recipe, log=lambda _: None)
+    return prepared
+
+
+def torch_distributed():
+    import torch.distributed
+
+    return torch.distributed
+
+
+def patient_group(days: int = 7):
+    """A gloo process group over all ranks whose collectives wait up to `days` (every rank must call it)."""
+    from datetime import timedelta
+
+    return torch_distributed().new_group(backend="gloo", timeout=timedelta(days=days))
 
 
 # ------------------------------------------------------------------------------------- fingerprint

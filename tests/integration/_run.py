@@ -39,8 +39,10 @@ def accelerate_cmd(recipe: Path, *overrides: str) -> list[str]:
     ]
 
 
-def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+def run(cmd: list[str], timeout: int = 600, *, unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run in the repository root with env(), minus the variables named in `unset`."""
+    variables = {k: v for k, v in env().items() if k not in unset}
+    return subprocess.run(cmd, cwd=REPO, env=variables, capture_output=True, text=True, timeout=timeout)
 
 
 def progress(output_dir: Path) -> list[dict]:

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -458,30 +457,58 @@ def test_killed_prepare_leaves_nothing_loadable(workdir: Path, repo_root: Path):
 # ----------------------------------------------------------------------------------------- accelerate
 
 
-class _FakeAccelerator:
-    def __init__(self, main: bool):
-        self.is_main_process = main
-        self.events: list[str] = []
+class _Accelerator:
+    """What prepare_on_main_process uses of an Accelerator, for one rank of a real gloo group."""
 
-    @contextmanager
-    def main_process_first(self):
-        self.events.append("enter")
-        yield
-        self.events.append("exit")
+    def __init__(self, rank: int, world: int):
+        self.num_processes, self.is_main_process = world, rank == 0
+        self.is_local_main_process = rank == 0
+        self.messages: list[str] = []
 
     def print(self, *args):
-        self.events.append(" ".join(map(str, args)))
+        self.messages.append(" ".join(map(str, args)))
 
 
-def test_prepare_on_main_process(workdir: Path):
+def _prepare_rank(rank: int, world: int, init_file: str, recipe: Recipe, out: str, delay: float) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    # The default group's timeout (3 s) is shorter than the main process's prepare (delay): a barrier
+    # on it would fail; the patient group's does not.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=3)
+    )
+    if rank == 0:
+        real = prepare_mod.prepare
+
+        def slow(*args, **kwargs):
+            time.sleep(delay)
+            return real(*args, **kwargs)
+
+        prepare_mod.prepare = slow
+    accelerator = _Accelerator(rank, world)
+    started = time.monotonic()
+    prepared = prepare_on_main_process(recipe, accelerator)
+    waited = time.monotonic() - started
+    result = {"source": prepared.source, "path": str(prepared.path), "waited": waited}
+    result["printed"] = bool(accelerator.messages)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_prepare_on_main_process_waits_without_timeout(workdir: Path, tmp_path: Path):
+    """Two real processes: rank 0 builds (slower than the default group's timeout), rank 1 waits, then
+    loads the same folder from the cache."""
+    import torch.multiprocessing as mp
+
     recipe = _recipe(workdir)
-    main = _FakeAccelerator(main=True)
-    built = prepare_on_main_process(recipe, main)
-    assert built.source == "built" and main.events[0] == "enter" and main.events[-1] == "exit"
-    other = _FakeAccelerator(main=False)
-    loaded = prepare_on_main_process(recipe, other)
-    assert loaded.source == "cache" and loaded.path == built.path
-    assert other.events == ["enter", "exit"]  # non-main ranks stay quiet
+    mp.spawn(_prepare_rank, args=(2, str(tmp_path / "init"), recipe, str(tmp_path), 6.0), nprocs=2, join=True)
+    main, other = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert main["source"] == "built" and other["source"] == "cache"
+    assert main["path"] == other["path"]
+    assert other["waited"] > 6.0  # it waited past the 3 s default timeout
+    assert main["printed"] and not other["printed"]  # the waiting rank stays quiet
 
 
 # ------------------------------------------------------------------------------------------------ hub

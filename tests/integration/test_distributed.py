@@ -1,0 +1,217 @@
+"""Scale-out on CPU through the real CLI (`finetune train --accelerate-config ...`, subprocesses):
+
+- DDP on 2 gloo processes (torchrun) follows the same loss curve as one process with the same global
+  batch, and its checkpoints resume exactly;
+- DeepSpeed ZeRO-1, 2 and 3 (one process, DeepSpeed's CPU accelerator) train, checkpoint, resume
+  exactly and export a normal Hugging Face folder that gives the trained weights' logits (checked
+  against DeepSpeed's own fp32 reconstruction of the checkpoint).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration._run import DEMO, progress, run, step_losses
+
+pytestmark = pytest.mark.slow
+
+COMMON = [
+    "--train.log_format",
+    "structured",
+    "--train.log_steps",
+    "1",
+    "--train.eval_steps",
+    "null",
+    "--train.save_epochs",
+    "0",
+    "--train.save_total_limit",
+    "null",
+    "--lora.lora_dropout",
+    "0.0",
+]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    return tmp_path_factory.mktemp("prepared")
+
+
+def finetune_train(out: Path, prepared: Path, *args: str) -> None:
+    cmd = [sys.executable, "-m", "finetune.cli", "train", str(DEMO), *args, *COMMON]
+    cmd += ["--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared)]
+    # DeepSpeed picks its CPU accelerator itself; ACCELERATE_USE_CPU would turn the engine off.
+    result = run(cmd, unset=("ACCELERATE_USE_CPU",) if "zero" in " ".join(args) else ())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def close(a: dict[int, float], b: dict[int, float], tol: float) -> bool:
+    return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= tol * max(1.0, abs(a[k])) for k in a)
+
+
+# ----------------------------------------------------------------------------------------------- DDP
+
+
+def test_two_process_ddp_matches_one_process_and_resumes_exactly(tmp_path, prepared):
+    steps = ["--train.max_steps", "6", "--train.gradient_accumulation_steps", "2", "--train.save_steps", "3"]
+    # 2 processes x micro batch 2 x accumulation 2 == 1 process x micro batch 4 x accumulation 2.
+    ddp = tmp_path / "ddp"
+    finetune_train(ddp, prepared, "--accelerate-config", "multi_cpu", *steps, "--train.micro_batch_size", "2")
+    single = tmp_path / "single"
+    finetune_train(single, prepared, *steps, "--train.micro_batch_size", "4")
+    ddp_losses, single_losses = step_losses(progress(ddp)), step_losses(progress(single))
+    assert sorted(ddp_losses) == list(range(1, 7))
+    # Same global batches, same token-normalised loss: equal up to float summation order.
+    assert close(ddp_losses, single_losses, 1e-4), (ddp_losses, single_losses)
+    assert ddp_losses[6] < ddp_losses[1]
+
+    # Resume the 2-process run from its step-3 checkpoint: the same later losses, exactly.
+    resumed = tmp_path / "resumed"
+    checkpoint = ddp / "checkpoints" / "step-3"
+    assert (checkpoint / "random_states_1.pkl").is_file()  # each rank's RNG state is in it
+    finetune_train(
+        resumed,
+        prepared,
+        "--accelerate-config",
+        "multi_cpu",
+        *steps,
+        "--train.micro_batch_size",
+        "2",
+        "--train.load_checkpoint_path",
+        str(checkpoint),
+    )
+    again = step_losses(progress(resumed))
+    assert sorted(again) == [4, 5, 6]
+    assert close(again, {k: ddp_losses[k] for k in (4, 5, 6)}, 1e-6), (again, ddp_losses)
+
+
+# --------------------------------------------------------------------------------------- DeepSpeed
+
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')",
+)
+
+
+def _fp32_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The trained weights from a DeepSpeed checkpoint, by DeepSpeed's own zero_to_fp32 code."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="pytorch_model")
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(4, 704, (2, 48), generator=torch.Generator().manual_seed(0))
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=_ids()).logits
+
+
+def _trained_logits(out: Path, checkpoint: Path, *, lora: bool) -> torch.Tensor:
+    """Logits of the weights DeepSpeed holds in the checkpoint, loaded into a model built from the base."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.config import load_recipe
+    from finetune.model import apply_lora
+
+    state = _fp32_state_dict(checkpoint)
+    if lora:  # the architecture the run trained (weights replaced below)
+        recipe = load_recipe(str(out / "recipe.resolved.yaml"), [])
+        base = AutoModelForCausalLM.from_pretrained(out / "base_model")
+        model = apply_lora(base, recipe.lora, gradient_checkpointing=False)
+    else:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected[:5]
+    assert not [k for k in missing if "lora_" in k or not lora], missing[:5]
+    return _logits(model)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    "config,mode",
+    [("zero1", "lora"), ("zero2", "merged"), ("zero3", "full")],
+)
+def test_zero_trains_checkpoints_resumes_and_exports(tmp_path, prepared, config, mode):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    args = ["--accelerate-config", config, "--num-processes", "1", "--train.max_steps", "4"]
+    args += [
+        "--train.save_steps",
+        "2",
+        "--train.micro_batch_size",
+        "2",
+        "--train.gradient_accumulation_steps",
+        "2",
+    ]
+    if mode == "full":
+        args += ["--lora.enable_lora", "false", "--lora.modules_to_save", "[]", "--train.lr", "1e-3"]
+    if mode == "merged":
+        args += ["--lora.save_lora_only", "false"]
+    out = tmp_path / "run"
+    finetune_train(out, prepared, *args)
+    losses = step_losses(progress(out))
+    assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
+    final = out / "checkpoints" / "step-4"
+    assert (final / "pytorch_model").is_dir()  # DeepSpeed's own checkpoint format
+
+    # Resume from step 2 into a new folder: the same losses for steps 3 and 4.
+    resumed = tmp_path / "resumed"
+    finetune_train(
+        resumed, prepared, *args, "--train.load_checkpoint_path", str(out / "checkpoints" / "step-2")
+    )
+    again = step_losses(progress(resumed))
+    assert sorted(again) == [3, 4] and close(again, {3: losses[3], 4: losses[4]}, 1e-6), (again, losses)
+
+    # The export is a normal Hugging Face folder with the trained weights.
+    trained = _trained_logits(out, final, lora=mode != "full")
+    if mode == "lora":
+        assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
+        exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base_model"), out)
+    else:
+        assert (out / "model.safetensors").is_file() and not (out / "adapter_model.safetensors").exists()
+        exported = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.allclose(_logits(exported), trained, atol=1e-4), (_logits(exported) - trained).abs().max()
+    base = _logits(AutoModelForCausalLM.from_pretrained(out / "base_model")) if mode != "full" else None
+    if base is not None:
+        assert not torch.allclose(base, trained, atol=1e-3)  # training changed something
+
+
+@needs_deepspeed
+def test_qlora_with_zero2_offload(tmp_path, prepared):
+    """QLoRA under DeepSpeed with the optimizer offloaded (DeepSpeed's CPU Adam, built on first use)."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes is not installed (pip install -e '.[qlora]')")
+    base = tmp_path / "base"
+    finetune_train(base, prepared, "--train.max_steps", "1", "--train.save_hf_weights", "true")
+    out = tmp_path / "qlora"
+    finetune_train(
+        out,
+        prepared,
+        "--accelerate-config",
+        "zero2_offload",
+        "--num-processes",
+        "1",
+        "--train.max_steps",
+        "3",
+        "--model.model_path",
+        str(base / "base_model"),
+        "--model.config_path",
+        "null",
+        "--model.torch_dtype",
+        "auto",
+        "--lora.enable_qlora",
+        "true",
+        "--train.mixed_precision",
+        "bf16",
+    )
+    losses = step_losses(progress(out))
+    assert sorted(losses) == [1, 2, 3]
+    assert (out / "adapter_model.safetensors").is_file()
