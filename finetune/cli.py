@@ -250,7 +250,10 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"# {args.recipe}: valid", file=sys.stderr)
         return 0
     if args.command == "prepare-dataset":
-        from finetune.data.prepare import prepare
+        if recipe.model.kind == "diffusion":  # images -> cached latents and text embeddings
+            from finetune.diffusion.cache import prepare_images as prepare
+        else:
+            from finetune.data.prepare import prepare
 
         prepare(recipe, push=args.push)
         return 0

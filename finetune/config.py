@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,6 +36,7 @@ __all__ = [
     "NOT_SUPPORTED_YET",
     "DataSection",
     "DatasetEntry",
+    "DiffusionSection",
     "HubSection",
     "LoraSection",
     "ModelSection",
@@ -135,6 +137,11 @@ class ModelSection(_Section):
         description="Hub id or local directory of pretrained weights; null with `config_path` = random "
         "init from that config.",
     )
+    kind: Literal["llm", "diffusion"] = Field(
+        "llm",
+        description="What is fine-tuned: llm (a transformers causal LM) or diffusion (a diffusers "
+        "text-to-image pipeline named by model_path; settings in the `diffusion` section).",
+    )
     config_path: str | dict[str, Any] | None = Field(
         None,
         description="Model config: Hub id, directory, or an inline mapping (with `model_type`) for tiny "
@@ -177,11 +184,12 @@ class ModelSection(_Section):
 
     @property
     def tokenizer_source(self) -> str | None:
-        """Where the tokenizer comes from: tokenizer_path, else the config/model location."""
+        """Where the tokenizer comes from: tokenizer_path, else the config/model location (the model's
+        when the config is an inline mapping)."""
         if self.tokenizer_path is not None:
             return self.tokenizer_path
         source = self.config_source
-        return source if isinstance(source, str) else None
+        return source if isinstance(source, str) else self.model_path
 
     @property
     def resolved_chat_template(self) -> str | None:
@@ -211,7 +219,13 @@ class ModelSection(_Section):
 
 # ---------------------------------------------------------------------------------------------- data
 
-DatasetType = Literal["completion", "alpaca", "input_output", "chat_template", "tokenized"]
+DatasetType = Literal[
+    "completion", "alpaca", "input_output", "chat_template", "tokenized", "images", "dreambooth"
+]
+# Entry types of diffusion recipes (model.kind: diffusion): images with captions (metadata.jsonl /
+# metadata.csv / .txt sidecars in a folder, or columns of a Hub image dataset), or a DreamBooth
+# instance folder whose images all get diffusion.instance_prompt.
+IMAGE_DATASET_TYPES = ("images", "dreambooth")
 
 
 class DatasetEntry(_Section):
@@ -544,6 +558,220 @@ class HubSection(_Section):
         return value
 
 
+# ----------------------------------------------------------------------------------------- diffusion
+
+# LoRA targets of a diffusion recipe when lora.lora_target_modules is not set: the attention
+# projections of the UNet (the same names in SD 1.x/2.x and SDXL), as in diffusers' LoRA examples.
+DIFFUSION_DEFAULT_LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
+
+
+class DiffusionSection(_Section):
+    """Text-to-image LoRA / DreamBooth settings (model.kind: diffusion; base pipeline = model.model_path)."""
+
+    resolution: int = Field(
+        512, ge=8, description="Target side in pixels: buckets hold about resolution^2 pixels."
+    )
+    aspect_ratio_buckets: bool = Field(
+        True,
+        description="Batch images of similar shape together at their bucket's resolution (about "
+        "resolution^2 pixels); false: every image is resized and cropped to resolution x resolution.",
+    )
+    center_crop: bool = Field(
+        False,
+        description="Crop the resized image at its centre; false: a random crop, drawn once per image "
+        "at prepare time from train.seed (the latents are cached).",
+    )
+    random_flip: bool = Field(
+        False,
+        description="Horizontal flip: latents of the flipped image are cached too and each epoch uses "
+        "one of the two per image, drawn from (train.seed, epoch, image).",
+    )
+    min_image_side: int | None = Field(
+        None,
+        ge=1,
+        description="Images whose shorter side is below this many pixels are dropped (counted as "
+        "too_small in the manifest); null = half of resolution.",
+    )
+    caption_column: str = Field(
+        "text",
+        description="images: caption field of metadata.jsonl / metadata.csv rows or of the Hub dataset "
+        "(a .txt file next to an image is used when there is no metadata file).",
+    )
+    image_column: str = Field("image", description="images from the Hub: the image column.")
+    instance_prompt: str | None = Field(
+        None, description="dreambooth: the prompt of every instance image, e.g. 'a photo of sks dog'."
+    )
+    with_prior_preservation: bool = Field(
+        False, description="DreamBooth prior preservation: also train on class images (class_prompt)."
+    )
+    class_data_dir: str | None = Field(
+        None,
+        description="Folder of class images; missing ones (up to num_class_images) are generated with "
+        "the base pipeline at prepare time and saved there.",
+    )
+    class_prompt: str | None = Field(None, description="Prompt of the class images, e.g. 'a photo of a dog'.")
+    num_class_images: int = Field(100, ge=1, description="Class images used for prior preservation.")
+    prior_loss_weight: float = Field(1.0, ge=0, description="Weight of the class-image (prior) loss.")
+    class_generation_steps: int = Field(
+        25, ge=1, description="Inference steps when generating missing class images."
+    )
+    vae_path: str | None = Field(
+        None,
+        description="A separate VAE (folder or Hub id), e.g. an fp16-safe SDXL VAE; null = the "
+        "pipeline's own vae/.",
+    )
+    encode_batch_size: int = Field(
+        8, ge=1, description="Images per VAE / text-encoder batch when caching latents."
+    )
+    noise_offset: float = Field(
+        0.0, ge=0, description="Offset noise scale (0 = off): noise += offset * N(0, 1) per channel."
+    )
+    snr_gamma: float | None = Field(
+        None, gt=0, description="Min-SNR loss weighting gamma (5.0 is the paper's value); null = off."
+    )
+    prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
+        None, description="What the UNet predicts; null = the pipeline scheduler's prediction_type."
+    )
+    use_ema: bool = Field(
+        False,
+        description="Keep an EMA of the LoRA weights (diffusers EMAModel); checkpoints hold it and the "
+        "final weights and samples use it.",
+    )
+    ema_decay: float = Field(0.9999, gt=0, lt=1, description="EMA decay.")
+    validation_prompts: list[str] = Field(
+        default_factory=list,
+        description="Prompts sampled every validation_steps and at the end (output_dir/samples/).",
+    )
+    validation_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Sample the validation prompts every N optimizer steps; null = only at the end.",
+    )
+    num_validation_images: int = Field(2, ge=1, description="Images generated per validation prompt.")
+    validation_inference_steps: int = Field(25, ge=1, description="Denoising steps per validation image.")
+    validation_guidance_scale: float = Field(7.5, ge=0, description="Classifier-free guidance scale.")
+
+    def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
+        problems: list[Problem] = []
+        prior = ("with_prior_preservation", "class_data_dir", "class_prompt")
+        if ok(*prior) and self.with_prior_preservation:
+            for name in ("class_data_dir", "class_prompt"):
+                if not getattr(self, name):
+                    problems.append(
+                        (name, None, "with_prior_preservation needs class_data_dir and class_prompt")
+                    )
+        if (
+            ok("validation_steps", "validation_prompts")
+            and self.validation_steps
+            and not self.validation_prompts
+        ):
+            problems.append(
+                ("validation_steps", self.validation_steps, "set validation_prompts to sample every N steps")
+            )
+        return problems
+
+
+# Fields of other sections that do nothing in a diffusion recipe: a non-default value is an error
+# (never ignored silently). The reason says what to use instead where there is something.
+_NOT_FOR_DIFFUSION: dict[str, str] = {
+    "model.config_path": "the pipeline folder or Hub id goes in model.model_path",
+    "model.tokenizer_path": "the tokenizer comes from the pipeline's tokenizer/ folder",
+    "model.trust_remote_code": "diffusion pipelines load without repository code",
+    "model.attn_implementation": "the UNet uses diffusers' attention processors",
+    "model.chat_template": "LLM only",
+    "model.enable_liger_kernel": "LLM only",
+    "model.enable_compile": "not supported yet for diffusion",
+    "data.test_datasets": "no evaluation split for diffusion; use diffusion.validation_prompts",
+    "data.val_set_size": "no evaluation split for diffusion; use diffusion.validation_prompts",
+    "data.push_dataset_to_hub": "pushing cached latents is not supported yet",
+    "data.sequence_len": "LLM only",
+    "data.excess_length_strategy": "LLM only",
+    "data.sample_packing": "LLM only",
+    "data.sample_packing_method": "LLM only",
+    "data.sample_packing_sequence_len": "LLM only",
+    "data.eval_sample_packing": "LLM only",
+    "data.pad_to_multiple_of": "LLM only",
+    "lora.modules_to_save": "diffusion trains LoRA adapters only",
+    "lora.enable_qlora": "not supported for diffusion",
+    "lora.use_dora": "not supported yet for diffusion",
+    "lora.use_rslora": "not supported yet for diffusion",
+    "lora.save_lora_only": "diffusion saves the LoRA weights (pytorch_lora_weights.safetensors)",
+    "train.eval_steps": "no evaluation split for diffusion; use diffusion.validation_steps",
+    "train.iterations_to_skip": "not supported yet for diffusion",
+    "train.enable_profiling": "not supported yet for diffusion",
+}
+
+
+def _diffusion_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
+    """Combinations of model.kind, the diffusion section and the data entries.
+
+    A diffusion recipe without a `diffusion` section gets one with every default, LoRA is implied
+    (enable_lora) and the LoRA targets default to the UNet's attention projections: each of these
+    is written into the resolved recipe, and an explicit contrary value is an error instead.
+    """
+    problems: list[Problem] = []
+    if not ok("model.kind"):
+        return problems
+    diffusion = recipe.model.kind == "diffusion"
+    for i, entry in enumerate(recipe.data.datasets if ok("data.datasets") else []):
+        if entry is None:
+            continue
+        if diffusion and entry.type not in IMAGE_DATASET_TYPES:
+            problems.append(
+                (
+                    f"data.datasets.{i}.type",
+                    entry.type,
+                    "a diffusion recipe trains on image sources: use images (captions from metadata.jsonl"
+                    "/.csv, .txt sidecars or a Hub dataset column) or dreambooth (diffusion.instance_prompt)",
+                )
+            )
+        if not diffusion and entry.type in IMAGE_DATASET_TYPES:
+            problems.append(
+                (f"data.datasets.{i}.type", entry.type, "image sources need model.kind: diffusion")
+            )
+    if not diffusion:
+        if ok("diffusion") and recipe.diffusion is not None:
+            problems.append(
+                ("diffusion", "...", "set model.kind: diffusion to use this section, or remove it")
+            )
+        return problems
+    if ok("diffusion") and recipe.diffusion is None:
+        recipe.diffusion = DiffusionSection()
+    if ok("model.model_path") and not recipe.model.model_path:
+        problems.append(
+            ("model.model_path", None, "name the diffusers pipeline to fine-tune (a folder or a Hub id)")
+        )
+    for path, reason in _NOT_FOR_DIFFUSION.items():
+        section, name = path.split(".")
+        owner = getattr(recipe, section)
+        if ok(path) and owner is not None:
+            value = getattr(owner, name)
+            if value != type(owner).model_fields[name].get_default(call_default_factory=True):
+                problems.append((path, value, f"does not apply to a diffusion recipe ({reason}); remove it"))
+    if ok("lora.enable_lora"):
+        if not recipe.lora.enable_lora and "enable_lora" in recipe.lora.model_fields_set:
+            problems.append(("lora.enable_lora", False, "diffusion recipes train LoRA adapters: set true"))
+        recipe.lora.enable_lora = True
+    if ok("lora.lora_target_modules") and "lora_target_modules" not in recipe.lora.model_fields_set:
+        recipe.lora.lora_target_modules = list(DIFFUSION_DEFAULT_LORA_TARGETS)
+    if ok("diffusion", "data.datasets"):
+        types = {e.type for e in recipe.data.datasets if e is not None}
+        settings = recipe.diffusion
+        if "dreambooth" in types and not settings.instance_prompt:
+            problems.append(
+                ("diffusion.instance_prompt", None, "dreambooth datasets need the prompt of their images")
+            )
+        if settings.instance_prompt and "dreambooth" not in types:
+            problems.append(
+                (
+                    "diffusion.instance_prompt",
+                    settings.instance_prompt,
+                    "is used by dreambooth datasets only; the images type takes captions from the data",
+                )
+            )
+    return problems
+
+
 # -------------------------------------------------------------------------------------------- recipe
 
 # Fields whose behaviour has not landed yet: a non-default value is rejected with this reason, so
@@ -559,9 +787,13 @@ class Recipe(_Section):
     hub: HubSection = Field(
         default_factory=HubSection, description="Pushing the result to the Hugging Face Hub."
     )
+    diffusion: DiffusionSection | None = Field(
+        None, description="Diffusion fine-tuning settings (model.kind: diffusion); null for LLM recipes."
+    )
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
         problems = list(_unsupported_problems(self, ok))
+        problems += _diffusion_problems(self, ok)
         if ok("model.torch_dtype", "train.mixed_precision", "lora.enable_lora", "lora.enable_qlora"):
             problems += _precision_problems(self.model.torch_dtype, self.train.mixed_precision, self.lora)
         if (
@@ -650,6 +882,9 @@ def _field_adapter(cls: type[BaseModel], name: str) -> TypeAdapter:
 
 
 def _model_class(annotation: Any) -> type[_Section] | None:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # an optional section
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = members[0] if len(members) == 1 else None
     return annotation if isinstance(annotation, type) and issubclass(annotation, _Section) else None
 
 
@@ -687,7 +922,7 @@ def _salvage(cls: type[_Section], data: Any, errors: list[tuple[tuple, str]]) ->
             except ValidationError:
                 bad.add(name)
         elif _model_class(annotation):
-            values[name], sub_bad, sub_problems = _salvage(annotation, value, sub)
+            values[name], sub_bad, sub_problems = _salvage(_model_class(annotation), value, sub)
             adopt(name, sub_bad, sub_problems)
         elif item_cls and isinstance(value, list) and all(loc and isinstance(loc[0], int) for loc, _ in sub):
             items = []

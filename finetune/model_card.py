@@ -103,3 +103,89 @@ def write_model_card(folder: Path, *, recipe: dict, manifest: dict, metrics: dic
     path = Path(folder) / "README.md"
     path.write_text(render_model_card(recipe=recipe, manifest=manifest, metrics=metrics), encoding="utf-8")
     return path
+
+
+def render_diffusion_model_card(
+    *, recipe: dict, manifest: dict, metrics: dict, samples: list[tuple[str, str]]
+) -> str:
+    """Card of a diffusion LoRA: base pipeline, how to load it, data (manifest), settings, samples.
+
+    `samples` are (prompt, path relative to the card) pairs of the final validation images.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    model, train, lora, diffusion = recipe["model"], recipe["train"], recipe["lora"], recipe["diffusion"]
+    family = manifest.get("pipeline", {}).get("class_name", "StableDiffusionPipeline")
+    card_data = ModelCardData(
+        base_model=hub_model_id(model["model_path"]),
+        library_name="diffusers",
+        tags=["finetune", "lora", "diffusers", "text-to-image", "diffusers-training"]
+        + (["dreambooth"] if diffusion["instance_prompt"] else []),
+        pipeline_tag="text-to-image",
+        instance_prompt=diffusion["instance_prompt"],
+    )
+    prompt = diffusion["instance_prompt"] or (diffusion["validation_prompts"] or ["a photo"])[0]
+    usage = "\n".join(
+        [
+            "```python",
+            f"from diffusers import {family}",
+            "",
+            f'pipeline = {family}.from_pretrained("{model["model_path"]}")',
+            'pipeline.load_lora_weights("<this repo or folder>")',
+            f'image = pipeline("{prompt}").images[0]',
+            "```",
+        ]
+    )
+    data_rows = [
+        ("datasets", ", ".join(f"`{d['path']}` ({d['type']})" for d in recipe["data"]["datasets"])),
+        ("prepared fingerprint", manifest.get("fingerprint")),
+        ("images in / kept", f"{manifest.get('rows_in')} / {manifest.get('rows_kept')}"),
+        ("class images (prior preservation)", manifest.get("class_images") or None),
+        ("dropped", manifest.get("dropped") or "none"),
+        ("buckets", ", ".join(f"{k}: {v}" for k, v in (manifest.get("buckets") or {}).items())),
+    ]
+    hyper = [
+        ("resolution", f"{diffusion['resolution']} (buckets: {diffusion['aspect_ratio_buckets']})"),
+        (
+            "learning rate",
+            f"{train['lr']} ({train['lr_decay_style']}, warmup ratio {train['lr_warmup_ratio']})",
+        ),
+        (
+            "micro batch x accumulation",
+            f"{train['micro_batch_size']} x {train['gradient_accumulation_steps']}",
+        ),
+        ("epochs / max steps", f"{train['num_train_epochs']} / {train['max_steps']}"),
+        ("mixed precision", train["mixed_precision"]),
+        ("LoRA", f"r={lora['lora_rank']}, alpha={lora['lora_alpha']}, targets={lora['lora_target_modules']}"),
+        ("noise offset / min-SNR gamma", f"{diffusion['noise_offset']} / {diffusion['snr_gamma']}"),
+        ("EMA", diffusion["ema_decay"] if diffusion["use_ema"] else "off"),
+    ]
+    if diffusion["with_prior_preservation"]:
+        hyper.append(
+            ("prior preservation", f"{diffusion['class_prompt']!r}, weight {diffusion['prior_loss_weight']}")
+        )
+    sections = [
+        f"---\n{card_data.to_yaml()}\n---",
+        "# LoRA fine-tuned with finetune",
+        f"LoRA weights (`pytorch_lora_weights.safetensors`, diffusers format) for {model['model_path']}.",
+        "## Use\n\n" + usage,
+    ]
+    if samples:
+        sections.append("## Samples\n\n" + "\n".join(f"![{p}]({path})" for p, path in samples))
+    metric_rows = [(k, f"{v:.4f}" if isinstance(v, float) else v) for k, v in metrics.items()]
+    sections += [
+        "## Data\n\n" + _table(data_rows),
+        "## Hyperparameters\n\n" + _table(hyper),
+        "## Final metrics\n\n" + _table(metric_rows),
+        "The full resolved recipe is in `recipe.resolved.yaml`.",
+    ]
+    return str(ModelCard("\n\n".join(sections)))
+
+
+def write_diffusion_model_card(
+    folder: Path, *, recipe: dict, manifest: dict, metrics: dict, samples: list[tuple[str, str]]
+) -> Path:
+    path = Path(folder) / "README.md"
+    text = render_diffusion_model_card(recipe=recipe, manifest=manifest, metrics=metrics, samples=samples)
+    path.write_text(text, encoding="utf-8")
+    return path

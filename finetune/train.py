@@ -860,6 +860,10 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(argv[0], argv[1:])
         accelerator = make_accelerator(recipe)
         try:
+            if recipe.model.kind == "diffusion":  # the same accelerator, launch and loop pieces
+                from finetune.diffusion.train import run_training as run_diffusion_training
+
+                return run_diffusion_training(recipe, accelerator)
             return run_training(recipe, accelerator)
         finally:
             # Also on an early stop or an abort: trackers flush their files here.

@@ -1,0 +1,161 @@
+"""Batches of cached latents: one bucket per batch, order reproducible from (seed, epoch).
+
+`BucketBatchSampler` yields lists of `(row, flip)` pairs; `CachedLatents[(row, flip)]` reads that
+row of the prepared dataset. Everything a sample needs (latents, caption embeddings, size
+conditioning) comes from the same row, so any shuffle keeps latents and captions paired.
+Like finetune.train.EpochSampler, an epoch's order depends only on (seed, epoch): resuming in the
+middle of an epoch replays the same batches without saved sampler state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class BucketBatchSampler(torch.utils.data.Sampler):
+    """Shuffled same-bucket batches; with prior preservation, as many instance as class samples.
+
+    Per epoch: the rows (instance rows cycled up to the class-row count, and the other way round,
+    as diffusers' DreamBooth dataset pairs them) are shuffled, split by bucket into batches of
+    `batch_size` (a bucket's last short batch is dropped when `drop_last`), and the batches are
+    shuffled. With `flip`, each sample also draws which cached variant (plain or flipped) it uses.
+    """
+
+    def __init__(
+        self,
+        buckets: np.ndarray,
+        batch_size: int,
+        *,
+        seed: int,
+        is_prior: np.ndarray | None = None,
+        flip: bool = False,
+        drop_last: bool = True,
+        shuffle: bool = True,
+    ):
+        self.buckets = np.asarray(buckets, dtype=np.int64)
+        self.is_prior = np.zeros(len(self.buckets), bool) if is_prior is None else np.asarray(is_prior, bool)
+        self.batch_size, self.seed, self.flip = batch_size, seed, flip
+        self.drop_last, self.shuffle, self.epoch = drop_last, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _epoch_rows(self, rng: np.random.Generator) -> np.ndarray:
+        instance, prior = np.flatnonzero(~self.is_prior), np.flatnonzero(self.is_prior)
+        if len(prior) == 0:
+            return rng.permutation(instance) if self.shuffle else instance
+        count = max(len(instance), len(prior))
+        parts = [rng.permutation(rows) if self.shuffle else rows for rows in (instance, prior)]
+        return np.concatenate([np.resize(part, count) for part in parts])
+
+    def batches(self, epoch: int) -> list[list[tuple[int, bool]]]:
+        rng = np.random.default_rng([self.seed, epoch])
+        rows = self._epoch_rows(rng)
+        out = []
+        for bucket in np.unique(self.buckets[rows]):
+            members = rows[self.buckets[rows] == bucket]
+            for start in range(0, len(members), self.batch_size):
+                chunk = members[start : start + self.batch_size]
+                if len(chunk) == self.batch_size or not self.drop_last:
+                    out.append(chunk)
+        if self.shuffle:
+            out = [out[i] for i in rng.permutation(len(out))]
+        flips = rng.random(sum(len(b) for b in out)) < 0.5 if self.flip else None
+        result, k = [], 0
+        for chunk in out:
+            result.append(
+                [
+                    (int(row), bool(flips[k + j]) if flips is not None else False)
+                    for j, row in enumerate(chunk)
+                ]
+            )
+            k += len(chunk)
+        return result
+
+    def __iter__(self):
+        return iter(self.batches(self.epoch))
+
+    def __len__(self) -> int:
+        return len(self.batches(self.epoch))
+
+
+class CachedLatents(torch.utils.data.Dataset):
+    """The prepared rows as tensors; an item is `(row, flip)`."""
+
+    def __init__(self, rows: Any):
+        self.rows = rows.with_format("numpy")
+        self.has_flip = "latent_mean_flipped" in rows.column_names
+        self.sdxl = "pooled_prompt_embeds" in rows.column_names
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, item: tuple[int, bool]) -> dict[str, Any]:
+        index, flip = item
+        row = self.rows[int(index)]
+        if flip and not self.has_flip:
+            raise ValueError("a flipped sample was asked for but the cache holds no flipped latents")
+        suffix = "_flipped" if flip else ""
+        shape = tuple(int(x) for x in row["latent_shape"])
+        out = {
+            "index": int(row["index"]),
+            "latent_mean": torch.from_numpy(row[f"latent_mean{suffix}"].reshape(shape)),
+            "latent_std": torch.from_numpy(row[f"latent_std{suffix}"].reshape(shape)),
+            "prompt_embeds": torch.from_numpy(
+                row["prompt_embeds"].reshape(tuple(int(x) for x in row["prompt_shape"]))
+            ),
+            "is_prior": bool(row["is_prior"]),
+        }
+        if self.sdxl:
+            out["pooled_prompt_embeds"] = torch.from_numpy(row["pooled_prompt_embeds"])
+            # SDXL micro-conditioning: original size, crop top-left, target size (pipeline order).
+            left = row["crop_left_flipped"] if flip else row["crop_left"]
+            out["time_ids"] = torch.tensor(
+                [
+                    row["original_height"],
+                    row["original_width"],
+                    row["crop_top"],
+                    left,
+                    row["height"],
+                    row["width"],
+                ],
+                dtype=torch.float32,
+            )
+        return out
+
+
+def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """Stack same-bucket samples (same shapes by construction)."""
+    out = {
+        key: torch.stack([s[key] for s in samples]) for key in samples[0] if key not in ("index", "is_prior")
+    }
+    out["index"] = torch.tensor([s["index"] for s in samples], dtype=torch.long)
+    out["is_prior"] = torch.tensor([s["is_prior"] for s in samples], dtype=torch.bool)
+    return out
+
+
+def make_loader(
+    rows: Any, *, batch_size: int, seed: int, drop_last: bool, num_workers: int = 0, shuffle: bool = True
+):
+    """DataLoader over the prepared rows with a BucketBatchSampler."""
+    sampler = BucketBatchSampler(
+        np.asarray(rows["bucket"]),
+        batch_size,
+        seed=seed,
+        is_prior=np.asarray(rows["is_prior"]),
+        flip="latent_mean_flipped" in rows.column_names,
+        drop_last=drop_last,
+        shuffle=shuffle,
+    )
+    return torch.utils.data.DataLoader(
+        CachedLatents(rows),
+        batch_sampler=sampler,
+        collate_fn=collate,
+        num_workers=num_workers,
+        # Its own generator: creating an iterator then draws nothing from the global RNG, so a resumed
+        # run draws the same noise as an uninterrupted one (see finetune.train.make_dataloader).
+        generator=torch.Generator().manual_seed(seed),
+    )

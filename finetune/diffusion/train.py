@@ -1,0 +1,567 @@
+"""Diffusion LoRA training: setup -> train loop -> validation samples -> save.
+
+Entered from finetune/train.py `main()` when `model.kind` is diffusion, with the same Accelerator
+(`make_accelerator`): the same launchers, mixed precision, accumulation, checkpoints
+(finetune.checkpoint), `progress.jsonl`, trackers, stop signals and Hub push as LLM runs.
+
+Counters as in the LLM loop: `step` counts optimizer steps, `micro_step_in_epoch` the micro-batches
+consumed in the current epoch (what resume skips). Precision: the frozen UNet is held in
+`weight_dtype` (the mixed-precision dtype under `model.torch_dtype: auto`), the LoRA weights in fp32
+(fp16 loss scaling needs fp32 gradients), and the VAE only ran at prepare time, in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.checkpoint import find_checkpoint, load_train_state, save_checkpoint
+from finetune.config import Recipe, recipe_to_dict
+from finetune.errors import FinetuneError
+from finetune.metrics import ProgressLog, host_peak_rss_gib, peak_memory_gib
+from finetune.train import StopFlag, _flat, crosses_epoch_mark, schedule_length
+from finetune.yaml_io import dump_yaml
+
+
+@dataclass
+class DiffusionState:
+    """What, besides accelerate's state (LoRA weights, optimizer, scheduler, RNG, EMA), resume needs."""
+
+    step: int = 0
+    epoch: int = 0
+    micro_step_in_epoch: int = 0
+    num_images: int = 0
+    nonfinite_in_a_row: int = 0
+    nonfinite_steps: int = 0
+    fp16_skipped_steps: int = 0
+    train_seconds: float = 0.0
+
+
+@dataclass
+class DiffusionRun:
+    recipe: Recipe
+    accelerator: Any
+    info: Any  # PipelineInfo
+    unet: Any
+    optimizer: Any
+    scheduler: Any
+    noise_scheduler: Any
+    train_dl: Any
+    batch_sampler: Any
+    manifest: dict
+    total_steps: int
+    steps_per_epoch: int
+    output_dir: Path
+    weight_dtype: torch.dtype
+    scaling_factor: float
+    ema: Any = None
+    state: DiffusionState = field(default_factory=DiffusionState)
+    stop_reason: str | None = None
+    pipeline: Any = None  # built at the first validation, kept for the next ones
+    samples: list = field(default_factory=list)  # (prompt, path) of the latest validation
+    sampled_at: int | None = None
+
+
+def run_training(recipe: Recipe, accelerator) -> int:
+    """setup -> loop -> final samples -> save; 0 when done or stopped cleanly (with a checkpoint)."""
+    run = setup(recipe, accelerator)
+    log = ProgressLog(
+        run.output_dir / "progress.jsonl",
+        enabled=accelerator.is_main_process,
+        log_format=recipe.train.log_format,
+        total_steps=run.total_steps,
+        initial_step=run.state.step,
+    )
+    try:
+        train_loop(run, log)
+        if run.stop_reason is not None:
+            return 0
+        if recipe.diffusion.validation_prompts and run.sampled_at != run.state.step:
+            sample(run, log)
+    finally:
+        log.close()
+    if recipe.train.save_hf_weights:
+        save_final(run)
+    accelerator.print(f"done: {run.state.step} steps, outputs in {run.output_dir}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- setup
+
+
+def setup(recipe: Recipe, accelerator) -> DiffusionRun:
+    """Cached latents, UNet with LoRA, optimizer, schedule, resume."""
+    from accelerate.utils import set_seed
+
+    from finetune.diffusion.cache import prepare_images
+    from finetune.diffusion.loader import make_loader
+    from finetune.diffusion.model import (
+        add_lora,
+        load_noise_scheduler,
+        load_unet,
+        pipeline_info,
+        weight_dtype,
+    )
+    from finetune.optim import build_optimizer, build_scheduler
+
+    train, settings = recipe.train, recipe.diffusion
+    output_dir = Path(train.output_dir)
+    set_seed(train.seed, deterministic=train.enable_full_determinism)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "recipe.resolved.yaml").write_text(dump_yaml(recipe_to_dict(recipe)))
+    info = pipeline_info(recipe.model.model_path, recipe.model.revision, settings.vae_path)
+    # Only the main process encodes; the others then load the cache it wrote.
+    with accelerator.main_process_first():
+        quiet = (lambda _: None) if not accelerator.is_main_process else accelerator.print
+        prepared = prepare_images(recipe, log=quiet, device=accelerator.device)
+
+    dtype = weight_dtype(recipe.model.torch_dtype, train.mixed_precision)
+    unet = load_unet(info, dtype)
+    lora = recipe.lora
+    trainable = add_lora(
+        unet,
+        rank=lora.lora_rank,
+        alpha=lora.lora_alpha,
+        dropout=lora.lora_dropout,
+        targets=lora.lora_target_modules,
+        gradient_checkpointing=train.gradient_checkpointing,
+    )
+    total = sum(p.numel() for p in unet.parameters())
+    accelerator.print(f"UNet LoRA: {trainable:,} trainable / {total:,} total parameters ({info.class_name})")
+    noise_scheduler = load_noise_scheduler(info, settings.prediction_type)
+    optimizer = build_optimizer(
+        unet,
+        name=train.optimizer,
+        lr=train.lr,
+        weight_decay=train.weight_decay,
+        no_decay_params=train.no_decay_params,
+        betas=(train.adam_beta1, train.adam_beta2),
+        eps=train.adam_eps,
+    )
+    workers = recipe.data.dataloader_num_workers
+    train_dl = make_loader(
+        prepared.train,
+        batch_size=train.micro_batch_size,
+        seed=train.seed,
+        drop_last=recipe.data.dataloader_drop_last,
+        num_workers=workers,
+    )
+    batch_sampler = train_dl.batch_sampler
+    _checkpoint_lora_only(accelerator, info)
+    unet, optimizer, train_dl = accelerator.prepare(unet, optimizer, train_dl)
+    if len(train_dl) == 0:
+        raise FinetuneError(
+            f"no training batches: no bucket holds train.micro_batch_size ({train.micro_batch_size}) images per "
+            f"process (buckets: {prepared.manifest['buckets']}); lower micro_batch_size, set "
+            "data.dataloader_drop_last: false, or diffusion.aspect_ratio_buckets: false"
+        )
+    ema = None
+    if settings.use_ema:
+        from diffusers.training_utils import EMAModel
+
+        ema = EMAModel([p for p in unet.parameters() if p.requires_grad], decay=settings.ema_decay)
+        ema.to(accelerator.device)
+        accelerator.register_for_checkpointing(ema)  # saved and restored with every checkpoint
+
+    steps_per_epoch, total_steps = schedule_length(
+        len(train_dl),
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        num_train_epochs=train.num_train_epochs,
+        max_steps=train.max_steps,
+    )
+    scheduler = build_scheduler(
+        optimizer,
+        style=train.lr_decay_style,
+        num_warmup_steps=int(train.lr_warmup_ratio * total_steps),
+        num_training_steps=total_steps,
+        lr=train.lr,
+        lr_min=train.lr_min,
+    )
+    scheduler = accelerator.prepare(scheduler)
+    run = DiffusionRun(
+        recipe=recipe,
+        accelerator=accelerator,
+        info=info,
+        unet=unet,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        noise_scheduler=noise_scheduler,
+        train_dl=train_dl,
+        batch_sampler=batch_sampler,
+        manifest=prepared.manifest,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+        output_dir=output_dir,
+        weight_dtype=dtype,
+        scaling_factor=prepared.manifest["latents"]["scaling_factor"],
+        ema=ema,
+    )
+    checkpoint_path = find_checkpoint(train.load_checkpoint_path, output_dir)
+    if checkpoint_path is not None:
+        accelerator.load_state(str(checkpoint_path))
+        if ema is not None:
+            ema.to(accelerator.device)
+        run.state = DiffusionState(**load_train_state(checkpoint_path)["state"])
+        accelerator.print(f"resumed from {checkpoint_path} at step {run.state.step}")
+    elif train.load_checkpoint_path == "auto":
+        accelerator.print(f"load_checkpoint_path: auto found no checkpoint in {output_dir}; starting fresh")
+    return run
+
+
+def _checkpoint_lora_only(accelerator, info) -> None:
+    """Checkpoints hold the LoRA weights (pytorch_lora_weights.safetensors), not the frozen UNet.
+
+    accelerate's save_state would otherwise write the whole UNet (3.4 GB for SD 1.5 in fp32) at
+    every checkpoint. The hooks take the models out of accelerate's hands and save/load the
+    adapter in the diffusers format instead.
+    """
+    from finetune.diffusion.model import load_lora_into_unet, save_lora
+
+    def save_hook(models, weights, output_dir):
+        if accelerator.is_main_process:
+            for model in models:
+                save_lora(info, accelerator.unwrap_model(model), output_dir)
+        weights.clear()  # nothing left for accelerate to save
+
+    def load_hook(models, input_dir):
+        while models:
+            load_lora_into_unet(accelerator.unwrap_model(models.pop()), input_dir)
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+
+
+# ------------------------------------------------------------------------------------------ loop
+
+
+def train_step(run: DiffusionRun, window: list[dict]) -> dict[str, Any]:
+    """One optimizer step over an accumulation window of micro-batches.
+
+    Every micro-batch loss is a mean over its images; Accelerate divides by the accumulation steps
+    in backward and DDP averages over processes, so the update is the mean over the window.
+    """
+    from finetune.diffusion.objective import diffusion_loss
+
+    acc, unet, settings, train = run.accelerator, run.unet, run.recipe.diffusion, run.recipe.train
+    loss_sum = torch.zeros((), device=acc.device)
+    for batch in window:
+        with acc.accumulate(unet):
+            loss = diffusion_loss(
+                unet,
+                run.noise_scheduler,
+                batch,
+                scaling_factor=run.scaling_factor,
+                noise_offset=settings.noise_offset,
+                snr_gamma=settings.snr_gamma,
+                prior_loss_weight=settings.prior_loss_weight,
+                model_dtype=run.weight_dtype,
+            )
+            acc.backward(loss)
+            loss_sum += loss.detach().float()
+    window_loss = acc.reduce(loss_sum, reduction="mean") / len(window)
+    loss_value = window_loss.item()  # sync point: the nonfinite check needs the value on the host
+    if not math.isfinite(loss_value):
+        run.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_value, "applied": False}
+    params = [p for p in unet.parameters() if p.requires_grad]
+    grad_norm = None
+    if train.max_grad_norm is not None:
+        grad_norm = acc.clip_grad_norm_(params, train.max_grad_norm)
+    run.optimizer.step()
+    skipped = acc.optimizer_step_was_skipped
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.ema is not None and not skipped:
+        run.ema.step(params)
+    return {
+        "loss": loss_value,
+        "applied": True,
+        "fp16_skipped": skipped,
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+    }
+
+
+def train_loop(run: DiffusionRun, log: ProgressLog) -> None:
+    """Epochs of accumulation windows until total_steps; logs, samples, checkpoints, stops cleanly."""
+    acc, train, settings, st = run.accelerator, run.recipe.train, run.recipe.diffusion, run.state
+    stop = StopFlag()
+    started = time.monotonic()
+    interval = {"t0": time.perf_counter(), "images": 0}
+    if acc.is_main_process and train.report_to:
+        acc.init_trackers(run.output_dir.name, config=_flat(recipe_to_dict(run.recipe)))
+    run.unet.train()
+    while st.step < run.total_steps and run.stop_reason is None:
+        # The order of an epoch depends only on (seed, epoch). Accelerate's loader re-sets its sampler's
+        # epoch from its own counter at every iteration, so that counter is set too (resume starts it late).
+        run.train_dl.set_epoch(st.epoch)
+        run.batch_sampler.set_epoch(st.epoch)
+        loader = run.train_dl
+        if st.micro_step_in_epoch:
+            loader = acc.skip_first_batches(run.train_dl, st.micro_step_in_epoch)
+        batches = iter(loader)
+        epoch_done = False
+        while st.step < run.total_steps:
+            window = list(islice(batches, train.gradient_accumulation_steps))
+            if not window:
+                epoch_done = True
+                break
+            st.micro_step_in_epoch += len(window)
+            interval["images"] += sum(len(b["index"]) for b in window)
+            result = train_step(run, window)
+            result["lr"] = run.scheduler.get_last_lr()[0]  # the LR this step used
+            st.step += 1
+            run.scheduler.step()
+            _account(run, result, log)
+            if st.step % train.log_steps == 0 or st.step == run.total_steps:
+                _log_step(run, result, interval, log)
+            if settings.validation_steps and st.step % settings.validation_steps == 0:
+                sample(run, log)  # before the checkpoint: a resumed run continues from the same RNG state
+            run.stop_reason = _stop_reason(run, stop, started)
+            if run.stop_reason is not None:
+                break
+            if _should_save(run):
+                checkpoint(run)
+            if (
+                train.empty_cache_steps
+                and st.step % train.empty_cache_steps == 0
+                and torch.cuda.is_available()
+            ):
+                torch.cuda.empty_cache()
+            if train.gc_steps and st.step % train.gc_steps == 0:
+                gc.collect()
+        if epoch_done:
+            st.epoch += 1
+            st.micro_step_in_epoch = 0
+    if run.stop_reason is not None:
+        path = checkpoint(run)
+        log.message(
+            f"stopping: {run.stop_reason}; checkpoint at {path}. Resume with --train.load_checkpoint_path auto"
+        )
+
+
+def _account(run: DiffusionRun, result: dict, log: ProgressLog) -> None:
+    st, train = run.state, run.recipe.train
+    if result["applied"]:
+        st.nonfinite_in_a_row = 0
+        st.fp16_skipped_steps += int(result.get("fp16_skipped", False))
+        return
+    st.nonfinite_in_a_row += 1
+    st.nonfinite_steps += 1
+    log.log(
+        {
+            "step": st.step,
+            "event": "nonfinite_loss",
+            "loss": result["loss"],
+            "in_a_row": st.nonfinite_in_a_row,
+        }
+    )
+    if st.nonfinite_in_a_row >= train.max_consecutive_nonfinite:
+        path = checkpoint(run)
+        raise FinetuneError(
+            f"{st.nonfinite_in_a_row} nonfinite losses in a row (limit train.max_consecutive_nonfinite="
+            f"{train.max_consecutive_nonfinite}); the last good state is saved at {path}. Lower train.lr, or use "
+            "bf16 instead of fp16."
+        )
+
+
+def _log_step(run: DiffusionRun, result: dict, interval: dict, log: ProgressLog) -> None:
+    acc, st = run.accelerator, run.state
+    elapsed = max(time.perf_counter() - interval["t0"], 1e-9)
+    st.train_seconds += elapsed
+    images = interval["images"]  # this process's
+    st.num_images += images * acc.num_processes
+    record = {
+        "step": st.step,
+        "epoch": st.epoch + st.micro_step_in_epoch / max(len(run.train_dl), 1),
+        "loss": result.get("loss"),
+        "lr": result["lr"],
+        "grad_norm": result.get("grad_norm"),
+        "images_per_sec": images / elapsed,
+        "images_per_sec_total": images * acc.num_processes / elapsed,
+        "num_images": st.num_images,
+        "peak_mem_gib": peak_memory_gib(acc.device),
+        "host_rss_gib": host_peak_rss_gib(),
+        "fp16_skipped_steps": st.fp16_skipped_steps if run.recipe.train.mixed_precision == "fp16" else None,
+        "loss_scale": acc.scaler.get_scale() if acc.scaler is not None else None,
+        "nonfinite_steps": st.nonfinite_steps,
+    }
+    log.log(record)
+    if run.recipe.train.report_to:
+        acc.log(
+            {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=st.step
+        )
+    interval.update(t0=time.perf_counter(), images=0)
+
+
+def _stop_reason(run: DiffusionRun, stop: StopFlag, started: float) -> str | None:
+    """Agree across processes on whether to stop (a signal or the time limit)."""
+    acc, limit = run.accelerator, run.recipe.train.exit_duration_in_mins
+    flags = torch.tensor(
+        [stop.signal_name is not None, limit is not None and (time.monotonic() - started) / 60 >= limit],
+        dtype=torch.float32,
+    )
+    if acc.num_processes > 1:  # sync point: every rank must stop at the same step
+        flags = acc.reduce(flags.to(acc.device), reduction="sum").cpu()
+    if flags[0] > 0:
+        return f"received {stop.signal_name or 'a stop signal on another process'}"
+    if flags[1] > 0:
+        return f"train.exit_duration_in_mins ({limit}) reached"
+    return None
+
+
+def _should_save(run: DiffusionRun) -> bool:
+    train, step = run.recipe.train, run.state.step
+    if train.save_steps and step % train.save_steps == 0:
+        return True
+    return bool(train.save_epochs) and crosses_epoch_mark(
+        step, steps_per_epoch=run.steps_per_epoch, save_epochs=train.save_epochs
+    )
+
+
+def checkpoint(run: DiffusionRun) -> Path:
+    """checkpoints/step-N via finetune.checkpoint (LoRA weights, optimizer, scheduler, RNG, EMA, state)."""
+    path = save_checkpoint(
+        run.accelerator,
+        run.output_dir,
+        run.state.step,
+        {"state": dataclasses.asdict(run.state), "total_steps": run.total_steps},
+        dump_yaml(recipe_to_dict(run.recipe)),
+        total_limit=run.recipe.train.save_total_limit,
+    )
+    run.accelerator.print(f"checkpoint saved: {path}")
+    hub = run.recipe.hub
+    if hub.model_id and hub.strategy == "every_save" and run.accelerator.is_main_process:
+        from finetune.hub import push_folder
+
+        push_folder(
+            path,
+            hub.model_id,
+            private=hub.private,
+            commit_message=f"checkpoint step {run.state.step}",
+            path_in_repo=f"checkpoints/{path.name}",
+        )
+    return path
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def sample(run: DiffusionRun, log: ProgressLog) -> None:
+    """Generate the validation prompts' images (main process), save them under samples/step-N/, log them.
+
+    With EMA, the samples use the EMA weights (what the final save holds); the trained weights are
+    put back afterwards.
+    """
+    from finetune.diffusion.sampling import generate, load_pipeline, log_to_trackers, save_samples
+
+    acc, settings, st = run.accelerator, run.recipe.diffusion, run.state
+    run.sampled_at = st.step
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        unet = acc.unwrap_model(run.unet)
+        params = [p for p in unet.parameters() if p.requires_grad]
+        if run.ema is not None:
+            run.ema.store(params)
+            run.ema.copy_to(params)
+        unet.eval()
+        t0 = time.perf_counter()
+        try:
+            if run.pipeline is None:
+                run.pipeline = load_pipeline(run.info, dtype=run.weight_dtype, device=acc.device, unet=unet)
+            with acc.autocast():
+                images = generate(
+                    run.pipeline,
+                    settings.validation_prompts,
+                    num_images=settings.num_validation_images,
+                    steps=settings.validation_inference_steps,
+                    guidance_scale=settings.validation_guidance_scale,
+                    resolution=settings.resolution,
+                    seed=run.recipe.train.seed,
+                    device=acc.device,
+                )
+        finally:
+            unet.train()
+            if run.ema is not None:
+                run.ema.restore(params)
+        folder = run.output_dir / "samples" / f"step-{st.step}"
+        run.samples = save_samples(images, settings.validation_prompts, folder)
+        log.log(
+            {
+                "step": st.step,
+                "event": "samples",
+                "images": len(run.samples),
+                "folder": str(folder),
+                "seconds": round(time.perf_counter() - t0, 3),
+            }
+        )
+        if run.recipe.train.report_to:
+            log_to_trackers(acc, images, settings.validation_prompts, st.step)
+    acc.wait_for_everyone()
+
+
+# ------------------------------------------------------------------------------------------ save
+
+
+def save_final(run: DiffusionRun) -> None:
+    """pytorch_lora_weights.safetensors (diffusers format; EMA weights when use_ema), card, Hub push."""
+    from finetune.diffusion.model import save_lora
+    from finetune.model_card import write_diffusion_model_card
+
+    acc, recipe = run.accelerator, run.recipe
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        unet = acc.unwrap_model(run.unet)
+        params = [p for p in unet.parameters() if p.requires_grad]
+        if run.ema is not None:
+            run.ema.copy_to(params)
+        save_lora(run.info, unet, run.output_dir)
+        metrics = {"step": run.state.step, "images_seen": run.state.num_images}
+        write_diffusion_model_card(
+            run.output_dir,
+            recipe=recipe_to_dict(recipe),
+            manifest=run.manifest,
+            metrics=metrics,
+            samples=[(prompt, path.relative_to(run.output_dir).as_posix()) for prompt, path in run.samples],
+        )
+        if recipe.hub.model_id:
+            push_outputs(run)
+    acc.wait_for_everyone()
+
+
+def push_outputs(run: DiffusionRun) -> str:
+    """Upload the LoRA weights, card, resolved recipe, progress log and the final samples.
+
+    Like finetune.train.push_final (top-level files of output_dir, hard-linked into a staging
+    folder), plus the sample images the card shows.
+    """
+    import os
+    import shutil
+
+    from finetune.hub import push_folder
+
+    hub = run.recipe.hub
+    files = [p for p in sorted(run.output_dir.iterdir()) if p.is_file() and not p.name.startswith(".")]
+    files = [p for p in files if not p.name.endswith(".lock")]
+    files += [path for _, path in run.samples]
+    with tempfile.TemporaryDirectory(dir=run.output_dir, prefix=".hub-upload-") as staging:
+        for path in files:
+            target = Path(staging) / path.relative_to(run.output_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, target)
+            except OSError:
+                shutil.copy2(path, target)
+        sha = push_folder(
+            staging, hub.model_id, private=hub.private, commit_message=f"finetune: step {run.state.step}"
+        )
+    run.accelerator.print(f"pushed {run.output_dir} to {hub.model_id} (commit {sha})")
+    return sha

@@ -1,0 +1,175 @@
+"""Diffusion LoRA end to end through the real CLI: prepare, cache hit, train, save, load, resume, DreamBooth."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from tests.diffusion_data import diffusion_recipe, write_color_folder
+from tests.integration._run import REPO, accelerate_cmd, env, progress, run, step_losses
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "finetune.cli", *args],
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A tiny SD pipeline, 8 coloured images of 3 shapes, prepared twice and trained for STEPS steps."""
+    from finetune.diffusion.tiny import build_tiny_pipeline
+
+    tmp = tmp_path_factory.mktemp("diffusion")
+    pipeline = build_tiny_pipeline(tmp / "tiny-sd")
+    write_color_folder(tmp / "imgs", captions="jsonl")
+    recipe = diffusion_recipe(
+        tmp,
+        pipeline,
+        tmp / "imgs",
+        random_flip=True,
+        snr_gamma=5.0,
+        noise_offset=0.05,
+        use_ema=True,
+        ema_decay=0.9,
+        validation_prompts=["a red square"],
+        validation_steps=3,
+        num_validation_images=1,
+        validation_inference_steps=2,
+    )
+    recipe["data"]["dataloader_drop_last"] = False
+    recipe["train"].update(max_steps=STEPS, save_steps=3, gradient_accumulation_steps=2)
+    recipe["lora"]["lora_dropout"] = 0.1  # resume must also replay the dropout masks
+    path = tmp / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    prepare = _cli("prepare-dataset", str(path))
+    train = run(accelerate_cmd(path))  # prepares again: must find the cache
+    return {"tmp": tmp, "pipeline": pipeline, "recipe": path, "prepare": prepare, "train": train}
+
+
+def test_prepare_then_cache_hit(trained: dict) -> None:
+    first, train = trained["prepare"], trained["train"]
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "(built)" in first.stdout and "images: 8 in, 8 kept" in first.stdout
+    fingerprint = first.stdout.split("prepared dataset ", 1)[1].split()[0]
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert (
+        f"reusing prepared image dataset {fingerprint}" in train.stdout
+        and "nothing to encode" in train.stdout
+    )
+    folder = Path(
+        next(ln for ln in first.stdout.splitlines() if ln.startswith("prepared dataset")).rsplit(" at ", 1)[1]
+    )
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert len(manifest["buckets"]) == 3 and manifest["latents"]["flipped_variants"] is True
+
+
+def test_train_saves_a_lora_that_diffusers_loads(trained: dict) -> None:
+    result, out = trained["train"], trained["tmp"] / "out"
+    assert result.returncode == 0, result.stderr[-4000:]
+    losses = step_losses(progress(out))
+    assert sorted(losses) == list(range(1, STEPS + 1)) and all(np.isfinite(list(losses.values())))
+    records = [r for r in progress(out) if r.get("event") is None]
+    assert all(r["images_per_sec"] > 0 for r in records)
+    samples = sorted(p.relative_to(out).as_posix() for p in (out / "samples").rglob("*.png"))
+    assert samples == ["samples/step-3/00-00-a-red-square.png", "samples/step-6/00-00-a-red-square.png"]
+    card = (out / "README.md").read_text()
+    assert (
+        "![a red square](samples/step-6/00-00-a-red-square.png)" in card and "library_name: diffusers" in card
+    )
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-3", "step-6"]
+    assert not list((out / "checkpoints").rglob("model*.safetensors"))  # LoRA-only checkpoints
+
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(
+        trained["pipeline"], safety_checker=None, requires_safety_checker=False
+    )
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate() -> np.ndarray:
+        generator = torch.Generator().manual_seed(0)
+        return pipe(
+            "a red square", num_inference_steps=2, height=32, width=32, generator=generator, output_type="np"
+        ).images
+
+    without = generate()
+    pipe.load_lora_weights(out)
+    with_lora = generate()
+    assert with_lora.shape == (1, 32, 32, 3) and np.isfinite(with_lora).all()
+    assert np.abs(with_lora - without).max() > 1e-4
+
+
+def test_resume_from_a_checkpoint_gives_the_same_losses(trained: dict) -> None:
+    """Steps 4-6 resumed from the step-3 checkpoint (LoRA, optimizer, schedule, RNG, EMA, data position)
+    equal the uninterrupted run's (shuffle, flips, dropout, noise, EMA and accumulation all on)."""
+    assert trained["train"].returncode == 0
+    tmp = trained["tmp"]
+    reference = step_losses(progress(tmp / "out"))
+    checkpoint = tmp / "out" / "checkpoints" / "step-3"
+    resumed = run(
+        accelerate_cmd(
+            trained["recipe"],
+            "--train.output_dir",
+            str(tmp / "resumed"),
+            "--train.load_checkpoint_path",
+            str(checkpoint),
+            "--diffusion.validation_prompts",
+            "[]",
+            "--diffusion.validation_steps",
+            "null",
+        )
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resumed from {checkpoint} at step 3" in resumed.stdout + resumed.stderr
+    after = step_losses(progress(tmp / "resumed"))
+    assert sorted(after) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert after[step] == pytest.approx(reference[step], abs=1e-6), step
+
+
+def test_dreambooth_dog_photos_with_prior_preservation(tmp_path: Path, shared_data: Path) -> None:
+    dog = shared_data / "dreambooth" / "dog"
+    if not dog.is_dir() or not list(dog.glob("*.jpg")):
+        pytest.skip(f"the DreamBooth dog photos are not at {dog}")
+    from finetune.diffusion.tiny import build_tiny_pipeline
+
+    pipeline = build_tiny_pipeline(tmp_path / "tiny-sd")
+    recipe = diffusion_recipe(
+        tmp_path,
+        pipeline,
+        dog,
+        type_="dreambooth",
+        instance_prompt="a photo of sks dog",
+        with_prior_preservation=True,
+        class_data_dir=str(tmp_path / "class"),
+        class_prompt="a photo of a dog",
+        num_class_images=2,
+        class_generation_steps=1,
+        validation_guidance_scale=1.0,
+    )
+    recipe["train"]["max_steps"] = 2
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    result = run(accelerate_cmd(path))
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = result.stdout + result.stderr
+    assert "generating 2 class images" in out and "images: 7 in, 7 kept (5 instance, 2 class)" in out
+    assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").is_file()
+    assert sorted(step_losses(progress(tmp_path / "out"))) == [1, 2]

@@ -1,0 +1,21 @@
+"""Tiny random SD / SDXL pipelines shared by the diffusion unit tests (built once per session)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_sd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from finetune.diffusion.tiny import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("pipelines") / "tiny-sd")
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from finetune.diffusion.tiny import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("pipelines") / "tiny-sdxl", sdxl=True)
