@@ -24,6 +24,9 @@ demo:            ## LoRA on a tiny random-init Llama, CPU, offline
 bench:           ## benchmarks (figures go to benchmarks/RESULTS.md)
 	$(PYTHON) benchmarks/bench_prepare.py
 	$(PYTHON) benchmarks/bench_loop.py
+	$(PYTHON) benchmarks/bench_diffusion.py
+	$(PYTHON) benchmarks/plan_table.py
+	$(PYTHON) benchmarks/plan_table.py --vs-deepspeed
 
 clean:
 	rm -rf outputs prepared .pytest_cache .ruff_cache

@@ -135,8 +135,11 @@ def bench_cpu(args) -> None:
         return time.perf_counter() - start
 
     train_epoch(False)  # warm-up (allocator, kernels)
-    cached = [train_epoch(False) for _ in range(args.repeats)]
-    uncached = [train_epoch(True) for _ in range(args.repeats)]
+    train_epoch(True)
+    cached, uncached = [], []
+    for _ in range(args.repeats):  # interleaved, so load changes on a shared machine hit both alike
+        cached.append(train_epoch(False))
+        uncached.append(train_epoch(True))
     c, u = statistics.median(cached), statistics.median(uncached)
     print(f"command: python benchmarks/bench_diffusion.py {' '.join(sys.argv[1:])}".rstrip())
     print(

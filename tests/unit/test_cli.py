@@ -408,3 +408,23 @@ def test_train_refuses_optimizer_offload_without_adamw(recipe_path: Path, fake_e
     assert "zero3_offload.yaml: optimizer offload runs DeepSpeed's CPU Adam" in err
     assert "set train.optimizer: adamw (not sgd)" in err
     assert fake_execv == []
+
+
+def test_slurm_script_uses_real_train_options(recipe_path: Path, fake_execv: list, monkeypatch) -> None:
+    """docs/slurm/finetune.sbatch passes only options `finetune train` has, and they reach the launcher."""
+    import re
+
+    import torch
+
+    script = (cli.REPO_ROOT / "docs" / "slurm" / "finetune.sbatch").read_text()
+    used = set(re.findall(r"(--[a-z][a-z-]+) ", script.split("srun", 1)[1]))
+    train_parser = build_parser()._subparsers._group_actions[0].choices["train"]
+    known = {opt for action in train_parser._actions for opt in action.option_strings}
+    assert used and used <= known, used - known
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU node
+    config = re.search(r"CONFIG=\$\{CONFIG:-(\w+)\}", script).group(1)
+    args = ["--num-machines", "2", "--num-processes", "16", "--machine-rank", "1"]
+    args += ["--main-process-ip", "node0", "--main-process-port", "29500"]
+    with pytest.raises(Exec):
+        main(["train", str(recipe_path), "--accelerate-config", config, *args])
+    assert fake_execv[0][fake_execv[0].index("--machine_rank") + 1] == "1"

@@ -342,3 +342,14 @@ def test_merge_lora_errors_name_the_fix(tmp_path, base_dir):
     _adapter(base_dir, tmp_path / "adapter", LoraSection(enable_lora=True, lora_rank=2))
     with pytest.raises(FinetuneError, match="--base"):
         merge_lora(str(tmp_path / "adapter"), str(tmp_path / "out"), base=str(tmp_path / "moved"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_qlora_stores_4bit_weights_in_the_compute_dtype(dtype):
+    """Packed 4-bit weights stored as the compute dtype (bf16 under bf16): FSDP2 and ZeRO-3 then shard
+    them together with the rest of the model, which has that dtype."""
+    from finetune.model import qlora_config
+
+    config = qlora_config(LoraSection(enable_qlora=True), compute_dtype=dtype)
+    assert config.bnb_4bit_quant_storage == dtype and config.bnb_4bit_compute_dtype == dtype
