@@ -113,7 +113,7 @@ def _logits(model) -> torch.Tensor:
         return model.eval()(input_ids=_ids()).logits
 
 
-def _trained_logits(out: Path, checkpoint: Path, *, lora: bool) -> torch.Tensor:
+def _trained_logits(out: Path, checkpoint: Path, base_dir: Path, *, lora: bool) -> torch.Tensor:
     """Logits of the weights DeepSpeed holds in the checkpoint, loaded into a model built from the base."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -123,7 +123,7 @@ def _trained_logits(out: Path, checkpoint: Path, *, lora: bool) -> torch.Tensor:
     state = _fp32_state_dict(checkpoint)
     if lora:  # the architecture the run trained (weights replaced below)
         recipe = load_recipe(str(out / "recipe.resolved.yaml"), [])
-        base = AutoModelForCausalLM.from_pretrained(out / "base_model")
+        base = AutoModelForCausalLM.from_pretrained(base_dir)
         model = apply_lora(base, recipe.lora, gradient_checkpointing=False)
     else:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out))
@@ -133,32 +133,69 @@ def _trained_logits(out: Path, checkpoint: Path, *, lora: bool) -> torch.Tensor:
     return _logits(model)
 
 
+ZERO_STEPS = ["--train.max_steps", "4", "--train.save_steps", "2", "--train.micro_batch_size", "2"]
+ZERO_STEPS += ["--train.gradient_accumulation_steps", "2"]
+FULL = ["--lora.enable_lora", "false", "--lora.modules_to_save", "[]", "--train.lr", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """The demo model saved as a pretrained checkpoint. Runs start from these weights: a random init
+    would differ under ZeRO-3, which initialises each partition on its own (deepspeed.zero.Init)."""
+    import yaml
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(yaml.safe_load(DEMO.read_text())["model"]["config_path"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    folder = tmp_path_factory.mktemp("pretrained")
+    model.save_pretrained(folder)
+    return folder
+
+
+def _from(pretrained: Path) -> list[str]:
+    return ["--model.model_path", str(pretrained), "--model.config_path", "null"]
+
+
+@pytest.fixture(scope="module")
+def no_engine_losses(tmp_path_factory, prepared, pretrained):
+    """Loss curves of the same runs without an engine (one process), computed once per kind."""
+    cache: dict[str, dict[int, float]] = {}
+
+    def losses(kind: str) -> dict[int, float]:
+        if kind not in cache:
+            out = tmp_path_factory.mktemp(f"no-engine-{kind}")
+            extra = FULL if kind == "full" else []
+            finetune_train(out, prepared, *ZERO_STEPS, *_from(pretrained), *extra)
+            cache[kind] = step_losses(progress(out))
+        return cache[kind]
+
+    return losses
+
+
 @needs_deepspeed
 @pytest.mark.parametrize(
     "config,mode",
     [("zero1", "lora"), ("zero2", "merged"), ("zero3", "full")],
 )
-def test_zero_trains_checkpoints_resumes_and_exports(tmp_path, prepared, config, mode):
+def test_zero_trains_checkpoints_resumes_and_exports(
+    tmp_path, prepared, pretrained, no_engine_losses, config, mode
+):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    args = ["--accelerate-config", config, "--num-processes", "1", "--train.max_steps", "4"]
-    args += [
-        "--train.save_steps",
-        "2",
-        "--train.micro_batch_size",
-        "2",
-        "--train.gradient_accumulation_steps",
-        "2",
-    ]
+    args = ["--accelerate-config", config, "--num-processes", "1", *ZERO_STEPS, *_from(pretrained)]
     if mode == "full":
-        args += ["--lora.enable_lora", "false", "--lora.modules_to_save", "[]", "--train.lr", "1e-3"]
+        args += FULL
     if mode == "merged":
         args += ["--lora.save_lora_only", "false"]
     out = tmp_path / "run"
     finetune_train(out, prepared, *args)
     losses = step_losses(progress(out))
     assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
+    # ZeRO changes where the states live, not the math: the same curve as without an engine (fp32).
+    reference = no_engine_losses("full" if mode == "full" else "lora")
+    assert close(losses, reference, 1e-4), (losses, reference)
     final = out / "checkpoints" / "step-4"
     assert (final / "pytorch_model").is_dir()  # DeepSpeed's own checkpoint format
 
@@ -171,47 +208,28 @@ def test_zero_trains_checkpoints_resumes_and_exports(tmp_path, prepared, config,
     assert sorted(again) == [3, 4] and close(again, {3: losses[3], 4: losses[4]}, 1e-6), (again, losses)
 
     # The export is a normal Hugging Face folder with the trained weights.
-    trained = _trained_logits(out, final, lora=mode != "full")
+    trained = _trained_logits(out, final, pretrained, lora=mode != "full")
     if mode == "lora":
         assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
-        exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base_model"), out)
+        exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pretrained), out)
     else:
         assert (out / "model.safetensors").is_file() and not (out / "adapter_model.safetensors").exists()
         exported = AutoModelForCausalLM.from_pretrained(out)
     assert torch.allclose(_logits(exported), trained, atol=1e-4), (_logits(exported) - trained).abs().max()
-    base = _logits(AutoModelForCausalLM.from_pretrained(out / "base_model")) if mode != "full" else None
+    base = _logits(AutoModelForCausalLM.from_pretrained(pretrained)) if mode != "full" else None
     if base is not None:
         assert not torch.allclose(base, trained, atol=1e-3)  # training changed something
 
 
 @needs_deepspeed
-def test_qlora_with_zero2_offload(tmp_path, prepared):
+def test_qlora_with_zero2_offload(tmp_path, prepared, pretrained):
     """QLoRA under DeepSpeed with the optimizer offloaded (DeepSpeed's CPU Adam, built on first use)."""
     if importlib.util.find_spec("bitsandbytes") is None:
         pytest.skip("bitsandbytes is not installed (pip install -e '.[qlora]')")
-    base = tmp_path / "base"
-    finetune_train(base, prepared, "--train.max_steps", "1", "--train.save_hf_weights", "true")
     out = tmp_path / "qlora"
-    finetune_train(
-        out,
-        prepared,
-        "--accelerate-config",
-        "zero2_offload",
-        "--num-processes",
-        "1",
-        "--train.max_steps",
-        "3",
-        "--model.model_path",
-        str(base / "base_model"),
-        "--model.config_path",
-        "null",
-        "--model.torch_dtype",
-        "auto",
-        "--lora.enable_qlora",
-        "true",
-        "--train.mixed_precision",
-        "bf16",
-    )
+    args = ["--accelerate-config", "zero2_offload", "--num-processes", "1", "--train.max_steps", "3"]
+    args += [*_from(pretrained), "--model.torch_dtype", "auto", "--lora.enable_qlora", "true"]
+    finetune_train(out, prepared, *args, "--train.mixed_precision", "bf16")
     losses = step_losses(progress(out))
-    assert sorted(losses) == [1, 2, 3]
+    assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1]
     assert (out / "adapter_model.safetensors").is_file()
