@@ -561,8 +561,20 @@ class HubSection(_Section):
 # ----------------------------------------------------------------------------------------- diffusion
 
 # LoRA targets of a diffusion recipe when lora.lora_target_modules is not set: the attention
-# projections of the UNet (the same names in SD 1.x/2.x and SDXL), as in diffusers' LoRA examples.
-DIFFUSION_DEFAULT_LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
+# projections, as in diffusers' LoRA examples. UNets (SD 1.x/2.x, SDXL) have only the first four;
+# SD3's joint attention also projects the text stream (add_*_proj, to_add_out), and the eight are
+# the defaults of diffusers' train_dreambooth_lora_sd3.py. (Names match as suffixes: on SD3.5's
+# dual-attention blocks the first four also adapt `attn2`, which that script leaves out.)
+DIFFUSION_DEFAULT_LORA_TARGETS = [
+    "to_k",
+    "to_q",
+    "to_v",
+    "to_out.0",
+    "add_k_proj",
+    "add_q_proj",
+    "add_v_proj",
+    "to_add_out",
+]
 
 
 class DiffusionSection(_Section):
@@ -627,10 +639,32 @@ class DiffusionSection(_Section):
         0.0, ge=0, description="Offset noise scale (0 = off): noise += offset * N(0, 1) per channel."
     )
     snr_gamma: float | None = Field(
-        None, gt=0, description="Min-SNR loss weighting gamma (5.0 is the paper's value); null = off."
+        None,
+        gt=0,
+        description="Min-SNR loss weighting gamma (5.0 is the paper's value); null = off. "
+        "Epsilon / v-prediction only (flow matching: weighting_scheme).",
     )
-    prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
-        None, description="What the UNet predicts; null = the pipeline scheduler's prediction_type."
+    prediction_type: Literal["epsilon", "v_prediction", "flow_matching"] | None = Field(
+        None,
+        description="What the denoiser predicts; null = what the pipeline's scheduler defines "
+        "(its prediction_type for UNets; flow_matching for SD3, whose FlowMatchEulerDiscreteScheduler "
+        "gives the noise levels: input (1 - sigma) * latents + sigma * noise, target noise - latents).",
+    )
+    weighting_scheme: Literal["none", "logit_normal", "mode", "sigma_sqrt", "cosmap"] = Field(
+        "logit_normal",
+        description="Flow matching (SD3) only, as diffusers' SD3 scripts: logit_normal / mode draw "
+        "timesteps from that density (SD3 paper), sigma_sqrt / cosmap draw them uniformly and weight "
+        "the loss; none = uniform, unweighted.",
+    )
+    logit_mean: float = Field(0.0, description="weighting_scheme logit_normal: mean of the normal.")
+    logit_std: float = Field(1.0, gt=0, description="weighting_scheme logit_normal: std of the normal.")
+    mode_scale: float = Field(1.29, description="weighting_scheme mode: its scale parameter.")
+    max_sequence_length: int = Field(
+        256,
+        ge=1,
+        le=512,
+        description="SD3: T5 tokens per caption (the pipeline's default, also used for validation "
+        "images). The cache holds (77 + this) x 4096 floats per image.",
     )
     use_ema: bool = Field(
         False,
@@ -668,6 +702,58 @@ class DiffusionSection(_Section):
             problems.append(
                 ("validation_steps", self.validation_steps, "set validation_prompts to sample every N steps")
             )
+        problems += self._objective_problems(ok)
+        return problems
+
+    def _objective_problems(self, ok: Callable[..., bool]) -> list[Problem]:
+        """Loss settings that contradict prediction_type or weighting_scheme (what the pipeline's
+        family rules out when prediction_type is null is checked at prepare time)."""
+        problems: list[Problem] = []
+        flow_fields = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "max_sequence_length")
+        if ok("prediction_type", "snr_gamma", "noise_offset", *flow_fields):
+            if self.prediction_type == "flow_matching":
+                if self.snr_gamma is not None:
+                    problems.append(
+                        (
+                            "snr_gamma",
+                            self.snr_gamma,
+                            "Min-SNR weighting is for epsilon / v_prediction; flow matching weights timesteps "
+                            "with weighting_scheme: remove snr_gamma",
+                        )
+                    )
+                if self.noise_offset:
+                    problems.append(
+                        (
+                            "noise_offset",
+                            self.noise_offset,
+                            "offset noise does not apply to flow matching: set 0",
+                        )
+                    )
+            elif self.prediction_type is not None:
+                for name in flow_fields:
+                    if getattr(self, name) != type(self).model_fields[name].get_default():
+                        problems.append(
+                            (
+                                name,
+                                getattr(self, name),
+                                f"applies to flow matching (SD3) only, not prediction_type {self.prediction_type}",
+                            )
+                        )
+        if ok("weighting_scheme", "logit_mean", "logit_std", "mode_scale"):
+            for name, scheme in (
+                ("logit_mean", "logit_normal"),
+                ("logit_std", "logit_normal"),
+                ("mode_scale", "mode"),
+            ):
+                value = getattr(self, name)
+                if self.weighting_scheme != scheme and value != type(self).model_fields[name].get_default():
+                    problems.append(
+                        (
+                            name,
+                            value,
+                            f"is read by weighting_scheme {scheme} only (it is {self.weighting_scheme})",
+                        )
+                    )
         return problems
 
 

@@ -144,6 +144,9 @@ def render_diffusion_model_card(
         ("dropped", manifest.get("dropped") or "none"),
         ("buckets", ", ".join(f"{k}: {v}" for k, v in (manifest.get("buckets") or {}).items())),
     ]
+    objective = ("noise offset / min-SNR gamma", f"{diffusion['noise_offset']} / {diffusion['snr_gamma']}")
+    if manifest.get("pipeline", {}).get("family") == "sd3":  # flow matching weights timesteps its own way
+        objective = ("objective", f"flow matching, weighting_scheme {diffusion['weighting_scheme']}")
     hyper = [
         ("resolution", f"{diffusion['resolution']} (buckets: {diffusion['aspect_ratio_buckets']})"),
         (
@@ -157,7 +160,7 @@ def render_diffusion_model_card(
         ("epochs / max steps", f"{train['num_train_epochs']} / {train['max_steps']}"),
         ("mixed precision", train["mixed_precision"]),
         ("LoRA", f"r={lora['lora_rank']}, alpha={lora['lora_alpha']}, targets={lora['lora_target_modules']}"),
-        ("noise offset / min-SNR gamma", f"{diffusion['noise_offset']} / {diffusion['snr_gamma']}"),
+        objective,
         ("EMA", diffusion["ema_decay"] if diffusion["use_ema"] else "off"),
     ]
     if diffusion["with_prior_preservation"]:

@@ -146,7 +146,9 @@ def load_prepared(recipe: Any) -> Prepared:
     return prepared
 
 
-def prepare_on_main_process(recipe: Any, accelerator: Any, *, push: bool = False) -> Prepared:
+def prepare_on_main_process(
+    recipe: Any, accelerator: Any, *, push: bool = False, build: Callable[..., Prepared] | None = None
+) -> Prepared:
     """`prepare` in a multi-process run: one process per machine builds, the others wait, then read
     the cache.
 
@@ -155,16 +157,20 @@ def prepare_on_main_process(recipe: Any, accelerator: Any, *, push: bool = False
     fails, the launcher (torchrun) stops the waiting ones. One process per machine (not only the
     global main) builds, so nodes without a shared filesystem each get their cache; on a shared one
     the file lock lets the first build and the others find it done. Only the main process pushes.
+
+    `build` is the prepare function, called as `build(recipe, push=..., log=...)`: `prepare`
+    (tokenized text) by default, finetune.diffusion.cache.prepare_images for cached latents.
     """
+    build = build or prepare
     if accelerator.num_processes == 1:
-        return prepare(recipe, push=push, log=accelerator.print)
+        return build(recipe, push=push, log=accelerator.print)
     group = patient_group()
     prepared = None
     if accelerator.is_local_main_process:
-        prepared = prepare(recipe, push=push and accelerator.is_main_process, log=accelerator.print)
+        prepared = build(recipe, push=push and accelerator.is_main_process, log=accelerator.print)
     torch_distributed().barrier(group=group)
     if prepared is None:
-        prepared = prepare(recipe, log=lambda _: None)
+        prepared = build(recipe, log=lambda _: None)
     return prepared
 
 

@@ -8,11 +8,14 @@ file lock keeps two processes from building the same fingerprint.
 What one row holds (one row = one example, identified by `index`, never by a dataloader position,
 so shuffling can never pair a latent with another image's caption):
 
-* the caption and the text-encoder outputs of that caption (`prompt_embeds`, SDXL: also
-  `pooled_prompt_embeds`), computed once per distinct caption;
+* the caption and the text-encoder outputs of that caption (`prompt_embeds`, SDXL and SD3: also
+  `pooled_prompt_embeds`; SD3: CLIP-L + CLIP-G + T5 as StableDiffusion3Pipeline.encode_prompt
+  computes them, with diffusion.max_sequence_length T5 tokens), computed once per distinct caption;
 * the latent distribution of the resized and cropped image: `latent_mean` and `latent_std`
-  (unscaled). Training samples `mean + std * N(0, 1)` at every step, as encoding every step would,
-  instead of freezing one sample at prepare time;
+  (raw: neither shifted nor scaled, for every family). Training samples `mean + std * N(0, 1)` at
+  every step, as encoding every step would, instead of freezing one sample at prepare time, then
+  applies the VAE's `(z - shift_factor) * scaling_factor` (both recorded in the manifest; SD3's VAE
+  has a shift factor, SD/SDXL's none);
 * with `random_flip`, the same for the horizontally flipped image (`*_flipped`): flips cannot be
   drawn per step once latents are cached, so both variants are stored and the loader picks one per
   (seed, epoch, position);
@@ -54,10 +57,12 @@ from finetune.data.sources import file_hash
 from finetune.diffusion import images as img
 from finetune.diffusion.model import (
     PipelineInfo,
+    check_settings,
     encode_pixels,
     encode_prompts,
     load_text_encoders,
     load_vae,
+    max_pixel_side,
     pipeline_info,
     pixel_multiple,
 )
@@ -93,6 +98,7 @@ def prepare_images(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     settings = recipe.diffusion
     info = pipeline_info(recipe.model.model_path, recipe.model.revision, settings.vae_path)
+    check_settings(info, settings)  # before any encoding or class-image generation
     if settings.with_prior_preservation and not data.skip_prepare_dataset:
         from finetune.diffusion.sampling import ensure_class_images
 
@@ -155,9 +161,8 @@ def fingerprint_inputs(recipe: Any, info: PipelineInfo) -> dict:
     if not settings.center_crop:
         image_settings["crop_seed"] = recipe.train.seed  # random crops are drawn from it
     vae_path, vae_subfolder = info.vae_location()
-    tokenizer_names = ("tokenizer", "tokenizer_2")[: len(info.text_encoder_names)]
-    text_parts = [*info.text_encoder_names, *tokenizer_names]
-    return {
+    text_parts = [*info.text_encoder_names, *info.tokenizer_names]
+    inputs = {
         "format_version": CACHE_FORMAT_VERSION,
         "kind": "diffusion",
         "datasets": entries,
@@ -173,6 +178,10 @@ def fingerprint_inputs(recipe: Any, info: PipelineInfo) -> dict:
         "text_encoders": [component_identity(info.path, name, info.revision) for name in text_parts],
         "image": image_settings,
     }
+    # Only SD3 reads it; the key is absent for SD/SDXL, so their fingerprints stay what they were.
+    if info.family == "sd3":
+        inputs["text"] = {"max_sequence_length": settings.max_sequence_length}
+    return inputs
 
 
 def min_image_side(settings: Any) -> int:
@@ -236,6 +245,13 @@ def _build(
             f"use e.g. {round(settings.resolution / multiple) * multiple}"
         )
     buckets = img.make_buckets(settings.resolution, multiple, enabled=settings.aspect_ratio_buckets)
+    longest, limit = max(max(b) for b in buckets), max_pixel_side(info)
+    if limit is not None and longest > limit:
+        raise RecipeError(
+            f"diffusion.resolution: {settings.resolution} gives buckets with sides up to {longest} px, beyond the "
+            f"{limit} px that {info.path}'s position embeddings cover; lower resolution"
+            + (" or set diffusion.aspect_ratio_buckets: false" if settings.aspect_ratio_buckets else "")
+        )
     plan, drops = _assign_buckets(records, buckets, min_image_side(settings))
     log(f"{len(records)} images from {len(sources)} source(s); encoding {len(plan)} with the VAE on {device}")
     t0 = time.perf_counter()
@@ -248,7 +264,7 @@ def _build(
     scratch.mkdir(parents=True)
     try:
         t0 = time.perf_counter()
-        features = _features(flip=settings.random_flip, sdxl=info.family == "sdxl")
+        features = _features(flip=settings.random_flip, sdxl=info.family in ("sdxl", "sd3"))
         from datasets.arrow_writer import ArrowWriter
 
         # Written batch by batch: memory stays at one encode batch however large the dataset.
@@ -373,7 +389,9 @@ def _encode_batch(batch, records, settings, vae, tokenizers, encoders, info, rec
             vae, torch.from_numpy(np.stack([img.to_pixels(img.flip(c)) for _, _, c, _ in items]))
         )
     captions = sorted({records[index].caption for index, *_ in items})
-    embeds = encode_prompts(tokenizers, encoders, captions, info.family)
+    embeds = encode_prompts(
+        tokenizers, encoders, captions, info.family, max_sequence_length=settings.max_sequence_length
+    )
     position = {caption: k for k, caption in enumerate(captions)}
     rows = []
     for j, (index, bucket, _, crop) in enumerate(items):
@@ -408,6 +426,7 @@ def _encode_batch(batch, records, settings, vae, tokenizers, encoders, info, rec
 
 
 def _features(*, flip: bool, sdxl: bool) -> datasets.Features:
+    """Column types; `sdxl`: the pooled text embedding column too (SDXL and SD3)."""
     ints = ["bucket", "height", "width", "original_height", "original_width", "crop_top", "crop_left"]
     spec: dict[str, Any] = {
         "index": datasets.Value("int64"),

@@ -19,9 +19,22 @@ class BucketBatchSampler(torch.utils.data.Sampler):
     """Shuffled same-bucket batches; with prior preservation, as many instance as class samples.
 
     Per epoch: the rows (instance rows cycled up to the class-row count, and the other way round,
-    as diffusers' DreamBooth dataset pairs them) are shuffled, split by bucket into batches of
-    `batch_size` (a bucket's last short batch is dropped when `drop_last`), and the batches are
-    shuffled. With `flip`, each sample also draws which cached variant (plain or flipped) it uses.
+    as diffusers' DreamBooth dataset pairs them) are shuffled, split by bucket into global batches of
+    `batch_size x num_replicas` rows, and the global batches are shuffled. With `flip`, each sample
+    also draws which cached variant (plain or flipped) it uses. Every rank computes the same global
+    batches and takes its own slice of each: rank r the r-th `batch_size` rows. So every rank gets
+    the same number of batches and no row is repeated within an epoch (Accelerate's
+    BatchSamplerShard, given these variable-size batches, would skip every round that ends in a
+    short batch and repeat batches to even out the ranks), and R processes train on the batches
+    one process would with batch size R x b.
+
+    A bucket's last, short global batch of L rows (0 < L < batch_size x num_replicas):
+    - `drop_last`: not trained on this epoch (a different set each epoch);
+    - L >= num_replicas: split over the ranks as evenly as possible (sizes differ by at most one);
+    - L < num_replicas: added to the bucket's previous global batch, so ranks 0..L-1 get one row
+      more; a bucket with fewer rows than processes cannot be split and is skipped
+      (`dropped_rows` counts them, the trainer warns).
+    With one process this is exactly a shuffled list of same-bucket batches of `batch_size`.
     """
 
     def __init__(
@@ -34,11 +47,17 @@ class BucketBatchSampler(torch.utils.data.Sampler):
         flip: bool = False,
         drop_last: bool = True,
         shuffle: bool = True,
+        num_replicas: int = 1,
+        rank: int = 0,
     ):
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} outside 0..{num_replicas - 1}")
         self.buckets = np.asarray(buckets, dtype=np.int64)
         self.is_prior = np.zeros(len(self.buckets), bool) if is_prior is None else np.asarray(is_prior, bool)
         self.batch_size, self.seed, self.flip = batch_size, seed, flip
         self.drop_last, self.shuffle, self.epoch = drop_last, shuffle, 0
+        self.num_replicas, self.rank = num_replicas, rank
+        self._cached: tuple[int, list] | None = None  # (epoch, batches): len() is asked at every log step
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -51,16 +70,30 @@ class BucketBatchSampler(torch.utils.data.Sampler):
         parts = [rng.permutation(rows) if self.shuffle else rows for rows in (instance, prior)]
         return np.concatenate([np.resize(part, count) for part in parts])
 
-    def batches(self, epoch: int) -> list[list[tuple[int, bool]]]:
-        rng = np.random.default_rng([self.seed, epoch])
-        rows = self._epoch_rows(rng)
-        out = []
+    def _global_chunks(self, rows: np.ndarray) -> tuple[list[np.ndarray], int]:
+        """(global batches of row ids, one bucket each; number of rows left out)."""
+        size, world = self.batch_size * self.num_replicas, self.num_replicas
+        out, dropped = [], 0
         for bucket in np.unique(self.buckets[rows]):
             members = rows[self.buckets[rows] == bucket]
-            for start in range(0, len(members), self.batch_size):
-                chunk = members[start : start + self.batch_size]
-                if len(chunk) == self.batch_size or not self.drop_last:
-                    out.append(chunk)
+            full = len(members) // size
+            chunks = [members[i * size : (i + 1) * size] for i in range(full)]
+            tail = members[full * size :]
+            if len(tail) and self.drop_last:
+                dropped += len(tail)
+            elif len(tail) >= world:
+                chunks.append(tail)
+            elif len(tail) and chunks:
+                chunks[-1] = np.concatenate([chunks[-1], tail])
+            else:
+                dropped += len(tail)  # fewer rows in this bucket than processes
+            out.extend(chunks)
+        return out, dropped
+
+    def global_batches(self, epoch: int) -> list[list[tuple[int, bool]]]:
+        """The epoch's global batches of `(row, flip)`, the same on every rank."""
+        rng = np.random.default_rng([self.seed, epoch])
+        out, _ = self._global_chunks(self._epoch_rows(rng))
         if self.shuffle:
             out = [out[i] for i in rng.permutation(len(out))]
         flips = rng.random(sum(len(b) for b in out)) < 0.5 if self.flip else None
@@ -74,6 +107,24 @@ class BucketBatchSampler(torch.utils.data.Sampler):
             )
             k += len(chunk)
         return result
+
+    def batches(self, epoch: int) -> list[list[tuple[int, bool]]]:
+        """This rank's batches of the epoch: its slice of every global batch."""
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
+        world, r = self.num_replicas, self.rank
+        mine = []
+        for batch in self.global_batches(epoch):
+            base, extra = divmod(len(batch), world)
+            start = r * base + min(r, extra)
+            mine.append(batch[start : start + base + (1 if r < extra else 0)])
+        self._cached = (epoch, mine)
+        return mine
+
+    def dropped_rows(self, epoch: int) -> int:
+        """How many of the epoch's rows no batch holds (drop_last tails, buckets smaller than processes)."""
+        rng = np.random.default_rng([self.seed, epoch])
+        return self._global_chunks(self._epoch_rows(rng))[1]
 
     def __iter__(self):
         return iter(self.batches(self.epoch))
@@ -138,9 +189,21 @@ def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def make_loader(
-    rows: Any, *, batch_size: int, seed: int, drop_last: bool, num_workers: int = 0, shuffle: bool = True
+    rows: Any,
+    *,
+    batch_size: int,
+    seed: int,
+    drop_last: bool,
+    num_workers: int = 0,
+    shuffle: bool = True,
+    num_replicas: int = 1,
+    rank: int = 0,
 ):
-    """DataLoader over the prepared rows with a BucketBatchSampler."""
+    """DataLoader over the prepared rows with a BucketBatchSampler giving this rank its share.
+
+    Not meant for `accelerator.prepare`: the sampler already shards, and the batches stay on the CPU
+    until the training step moves them.
+    """
     sampler = BucketBatchSampler(
         np.asarray(rows["bucket"]),
         batch_size,
@@ -149,6 +212,8 @@ def make_loader(
         flip="latent_mean_flipped" in rows.column_names,
         drop_last=drop_last,
         shuffle=shuffle,
+        num_replicas=num_replicas,
+        rank=rank,
     )
     return torch.utils.data.DataLoader(
         CachedLatents(rows),

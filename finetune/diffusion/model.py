@@ -1,9 +1,11 @@
-"""The parts of a diffusers pipeline that training needs, and LoRA on the UNet.
+"""The parts of a diffusers pipeline that training needs, and LoRA on its denoiser.
 
 Supported: UNet pipelines, i.e. StableDiffusionPipeline (SD 1.x / 2.x, epsilon or v-prediction) and
-StableDiffusionXLPipeline (two text encoders, pooled embeddings and size/crop time ids). Transformer
-pipelines (SD3, Flux, ...) are refused with a clear error: their flow-matching objective and LoRA
-layout are not implemented here yet.
+StableDiffusionXLPipeline (two text encoders, pooled embeddings and size/crop time ids), and
+StableDiffusion3Pipeline (SD3: an SD3Transformer2DModel trained with flow matching, CLIP-L + CLIP-G +
+T5 text encoders, a VAE with a shift factor). Other transformer pipelines (Flux, Sana, PixArt, ...)
+are refused with a clear error. The denoiser (UNet or SD3 transformer) is still called `unet` in
+the training loop's variables; `PipelineInfo.denoiser_name` says which it is.
 """
 
 from __future__ import annotations
@@ -18,8 +20,14 @@ import torch
 from finetune.errors import FinetuneError
 
 # model_index.json `_class_name` -> family.
-FAMILIES = {"StableDiffusionPipeline": "sd", "StableDiffusionXLPipeline": "sdxl"}
-SUPPORTED = "StableDiffusionPipeline (SD 1.x/2.x) and StableDiffusionXLPipeline (SDXL)"
+FAMILIES = {
+    "StableDiffusionPipeline": "sd",
+    "StableDiffusionXLPipeline": "sdxl",
+    "StableDiffusion3Pipeline": "sd3",
+}
+SUPPORTED = "StableDiffusionPipeline (SD 1.x/2.x), StableDiffusionXLPipeline (SDXL) and StableDiffusion3Pipeline (SD3)"
+# Families whose denoiser is trained with flow matching (the rest: epsilon / v-prediction).
+FLOW_MATCHING_FAMILIES = ("sd3",)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -30,7 +38,7 @@ class PipelineInfo:
     path: str
     revision: str | None
     class_name: str
-    family: str  # "sd" or "sdxl"
+    family: str  # "sd", "sdxl" or "sd3"
     vae_path: str | None = None  # a separate VAE (diffusion.vae_path), else the pipeline's vae/
 
     @property
@@ -41,7 +49,21 @@ class PipelineInfo:
 
     @property
     def text_encoder_names(self) -> tuple[str, ...]:
-        return ("text_encoder", "text_encoder_2") if self.family == "sdxl" else ("text_encoder",)
+        count = {"sd": 1, "sdxl": 2, "sd3": 3}[self.family]
+        return ("text_encoder", "text_encoder_2", "text_encoder_3")[:count]
+
+    @property
+    def tokenizer_names(self) -> tuple[str, ...]:
+        return ("tokenizer", "tokenizer_2", "tokenizer_3")[: len(self.text_encoder_names)]
+
+    @property
+    def denoiser_name(self) -> str:
+        """The pipeline component that is trained: `unet`, or `transformer` for SD3."""
+        return "transformer" if self.family == "sd3" else "unet"
+
+    @property
+    def flow_matching(self) -> bool:
+        return self.family in FLOW_MATCHING_FAMILIES
 
     def vae_location(self) -> tuple[str, str | None]:
         """(path, subfolder) of the VAE."""
@@ -83,8 +105,9 @@ def pipeline_info(model_path: str, revision: str | None = None, vae_path: str | 
             k in class_name for k in ("Flux", "StableDiffusion3", "Sana", "PixArt", "Lumina", "HunyuanDiT")
         ):
             hint = (
-                f"; {class_name} is a transformer-based pipeline: its flow-matching objective and LoRA "
-                "layout are not supported yet"
+                f"; {class_name} is a transformer-based pipeline that training does not support yet (the "
+                "supported transformer-based pipeline is StableDiffusion3Pipeline, e.g. "
+                "stabilityai/stable-diffusion-3-medium-diffusers)"
             )
         else:
             hint = ""
@@ -95,6 +118,59 @@ def pipeline_info(model_path: str, revision: str | None = None, vae_path: str | 
     return PipelineInfo(
         path=model_path, revision=revision, class_name=class_name, family=family, vae_path=vae_path
     )
+
+
+# diffusion.* fields that only flow-matching training reads (a non-default value elsewhere is an error).
+FLOW_MATCHING_FIELDS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "max_sequence_length")
+
+
+def settings_problems(info: PipelineInfo, settings: Any) -> list[str]:
+    """`diffusion.*` settings that this pipeline's family cannot use, as `path: reason` lines.
+
+    What does not depend on the pipeline is checked with the recipe (finetune.config); this is
+    the rest, known only once model_index.json has been read.
+    """
+    problems = []
+    defaults = {name: type(settings).model_fields[name].get_default() for name in FLOW_MATCHING_FIELDS}
+    if info.flow_matching:
+        if settings.prediction_type not in (None, "flow_matching"):
+            problems.append(
+                f"diffusion.prediction_type: {info.class_name} is trained with flow matching, not "
+                f"{settings.prediction_type}; set flow_matching or null"
+            )
+        if settings.snr_gamma is not None:
+            problems.append(
+                "diffusion.snr_gamma: Min-SNR weighting is for epsilon / v-prediction UNets; flow matching "
+                "weights timesteps with diffusion.weighting_scheme: remove snr_gamma"
+            )
+        if settings.noise_offset:
+            problems.append(
+                "diffusion.noise_offset: offset noise is for epsilon / v-prediction UNets, not flow matching: set 0"
+            )
+    else:
+        if settings.prediction_type == "flow_matching":
+            problems.append(
+                f"diffusion.prediction_type: {info.class_name} predicts epsilon or v_prediction, not "
+                "flow_matching (null = its scheduler's)"
+            )
+        for name, default in defaults.items():
+            if getattr(settings, name) != default:
+                problems.append(
+                    f"diffusion.{name}: applies to flow-matching pipelines (SD3) only, not to "
+                    f"{info.class_name}: remove it"
+                )
+    return problems
+
+
+def check_settings(info: PipelineInfo, settings: Any) -> None:
+    """Raise one RecipeError listing every `settings_problems` line."""
+    from finetune.errors import RecipeError
+
+    problems = settings_problems(info, settings)
+    if problems:
+        raise RecipeError(
+            f"the diffusion settings do not fit {info.path} ({info.class_name}):\n  " + "\n  ".join(problems)
+        )
 
 
 def weight_dtype(torch_dtype: str, mixed_precision: str) -> torch.dtype:
@@ -116,6 +192,17 @@ def load_unet(info: PipelineInfo, dtype: torch.dtype):
     )
 
 
+def load_denoiser(info: PipelineInfo, dtype: torch.dtype):
+    """The model that training adapts: the UNet, or SD3's SD3Transformer2DModel."""
+    if info.family != "sd3":
+        return load_unet(info, dtype)
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel.from_pretrained(
+        info.path, subfolder="transformer", revision=info.revision, dtype=dtype
+    )
+
+
 def load_vae(info: PipelineInfo, device: torch.device | str = "cpu"):
     """The VAE in fp32: latents are computed once, and SD/SDXL VAEs overflow in fp16."""
     from diffusers import AutoencoderKL
@@ -134,8 +221,12 @@ def load_text_encoders(info: PipelineInfo, device: torch.device | str = "cpu") -
 
     index = read_model_index(info.path, info.revision)
     tokenizers, encoders = [], []
-    for i, name in enumerate(info.text_encoder_names):
-        tokenizer_name = "tokenizer" if i == 0 else "tokenizer_2"
+    for name, tokenizer_name in zip(info.text_encoder_names, info.tokenizer_names, strict=True):
+        if not index.get(name) or index[name][1] is None:
+            raise FinetuneError(
+                f"model.model_path: {info.path} has no {name} (model_index.json lists {index.get(name)}); "
+                f"{info.class_name} training caches the outputs of all its text encoders: use the full pipeline"
+            )
         tokenizers.append(
             AutoTokenizer.from_pretrained(info.path, subfolder=tokenizer_name, revision=info.revision)
         )
@@ -146,9 +237,27 @@ def load_text_encoders(info: PipelineInfo, device: torch.device | str = "cpu") -
 
 
 def load_noise_scheduler(info: PipelineInfo, prediction_type: str | None):
-    """The training noise schedule (DDPM with the pipeline scheduler's betas), with an optional override."""
-    from diffusers import DDPMScheduler
+    """The training noise schedule, with an optional override of what the UNet predicts.
 
+    UNets: DDPM with the pipeline scheduler's betas. SD3: the pipeline's own
+    FlowMatchEulerDiscreteScheduler (its `sigmas`, shifted by its `shift`, give the noise levels).
+    """
+    from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
+
+    if info.flow_matching:
+        if prediction_type not in (None, "flow_matching"):
+            raise FinetuneError(
+                f"diffusion.prediction_type: {info.class_name} is trained with flow matching, not "
+                f"{prediction_type}; set flow_matching or null"
+            )
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(
+            info.path, subfolder="scheduler", revision=info.revision
+        )
+    if prediction_type == "flow_matching":
+        raise FinetuneError(
+            f"diffusion.prediction_type: flow_matching is for flow-matching pipelines (SD3); {info.class_name} "
+            "predicts epsilon or v_prediction (null = its scheduler's)"
+        )
     scheduler = DDPMScheduler.from_pretrained(info.path, subfolder="scheduler", revision=info.revision)
     if prediction_type is not None:
         scheduler.register_to_config(prediction_type=prediction_type)
@@ -161,30 +270,52 @@ def load_noise_scheduler(info: PipelineInfo, prediction_type: str | None):
 
 
 def pixel_multiple(info: PipelineInfo) -> int:
-    """Image sides must be multiples of this: VAE downsampling x UNet downsampling.
+    """Image sides must be multiples of this: VAE downsampling x UNet downsampling (SD3: x patch size).
 
-    64 for SD and SDXL (8 x 8). Read from the configs, so tiny test pipelines get their own value.
+    64 for SD and SDXL (8 x 8), 16 for SD3 (8 x 2). Read from the configs, so tiny test pipelines
+    get their own value.
     """
-    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from diffusers import AutoencoderKL, SD3Transformer2DModel, UNet2DConditionModel
 
     path, subfolder = info.vae_location()
     vae_config = AutoencoderKL.load_config(path, subfolder=subfolder, revision=info.revision)
-    unet_config = UNet2DConditionModel.load_config(info.path, subfolder="unet", revision=info.revision)
     vae_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
+    if info.family == "sd3":
+        config = SD3Transformer2DModel.load_config(info.path, subfolder="transformer", revision=info.revision)
+        return vae_factor * config["patch_size"]
+    unet_config = UNet2DConditionModel.load_config(info.path, subfolder="unet", revision=info.revision)
     unet_factor = 2 ** (len(unet_config["down_block_types"]) - 1)
     return vae_factor * unet_factor
 
 
+def max_pixel_side(info: PipelineInfo) -> int | None:
+    """The longest image side the denoiser accepts, in pixels; None when unbounded (UNets).
+
+    SD3's transformer crops a fixed position-embedding grid of `pos_embed_max_size` patches per side.
+    """
+    if info.family != "sd3":
+        return None
+    from diffusers import SD3Transformer2DModel
+
+    config = SD3Transformer2DModel.load_config(info.path, subfolder="transformer", revision=info.revision)
+    return config["pos_embed_max_size"] * pixel_multiple(info)
+
+
 @torch.no_grad()
 def encode_prompts(
-    tokenizers: list, encoders: list, prompts: list[str], family: str
+    tokenizers: list, encoders: list, prompts: list[str], family: str, *, max_sequence_length: int = 256
 ) -> dict[str, torch.Tensor]:
     """Text-encoder outputs as the pipelines compute them (float32, on the encoders' device).
 
     sd: `prompt_embeds` = last hidden state. sdxl: `prompt_embeds` = penultimate hidden states of
     both encoders concatenated, `pooled_prompt_embeds` = the second encoder's projected output
-    (StableDiffusionXLPipeline.encode_prompt with clip_skip None).
+    (StableDiffusionXLPipeline.encode_prompt with clip_skip None). sd3: the pipeline's own
+    encode_prompt: `prompt_embeds` = both CLIPs' penultimate hidden states concatenated, zero-padded
+    to T5's width, followed by T5's `max_sequence_length` hidden states; `pooled_prompt_embeds` =
+    both CLIPs' projected outputs concatenated.
     """
+    if family == "sd3":
+        return _encode_prompts_sd3(tokenizers, encoders, prompts, max_sequence_length)
     out: dict[str, torch.Tensor] = {}
     hidden = []
     for tokenizer, encoder in zip(tokenizers, encoders, strict=True):
@@ -205,6 +336,26 @@ def encode_prompts(
         out["pooled_prompt_embeds"] = result[0].float()  # the last encoder's pooled output wins
     out["prompt_embeds"] = torch.cat(hidden, dim=-1).float()
     return out
+
+
+def _encode_prompts_sd3(tokenizers, encoders, prompts, max_sequence_length) -> dict[str, torch.Tensor]:
+    from diffusers import StableDiffusion3Pipeline
+
+    # A pipeline of the text encoders only: StableDiffusion3Pipeline.encode_prompt is then exactly
+    # what inference computes (the transformer, VAE and scheduler are not needed for it).
+    names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    parts = dict(zip(names, encoders, strict=True))
+    parts |= {n.replace("text_encoder", "tokenizer"): t for n, t in zip(names, tokenizers, strict=True)}
+    pipe = StableDiffusion3Pipeline(transformer=None, scheduler=None, vae=None, **parts)
+    prompt_embeds, _, pooled, _ = pipe.encode_prompt(
+        prompts,
+        None,
+        None,
+        device=encoders[0].device,
+        do_classifier_free_guidance=False,
+        max_sequence_length=max_sequence_length,
+    )
+    return {"prompt_embeds": prompt_embeds.float(), "pooled_prompt_embeds": pooled.float()}
 
 
 @torch.no_grad()
@@ -262,33 +413,50 @@ def add_lora(
     return trainable
 
 
-def lora_state_dict(unet: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The UNet's LoRA weights in the diffusers format (what save_lora_weights writes)."""
+def lora_state_dict(unet: torch.nn.Module, family: str = "sd") -> dict[str, torch.Tensor]:
+    """The denoiser's LoRA weights as diffusers' training scripts save them.
+
+    UNets: converted to the diffusers naming (train_text_to_image_lora*.py); SD3's transformer: the
+    PEFT naming, as train_dreambooth_lora_sd3.py writes (both load with `load_lora_weights`).
+    """
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
-    return convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+    state = get_peft_model_state_dict(unet)
+    return state if family == "sd3" else convert_state_dict_to_diffusers(state)
 
 
 def save_lora(info: PipelineInfo, unet: torch.nn.Module, folder: str | Path, **kwargs: Any) -> None:
-    """`pytorch_lora_weights.safetensors` (+ the adapter config as metadata, so alpha != rank loads right)."""
+    """`pytorch_lora_weights.safetensors` (+ the adapter config as metadata, so alpha != rank loads right).
+
+    Keys are prefixed with the denoiser's name (`unet.` or `transformer.`), as
+    `pipeline.load_lora_weights(folder)` expects.
+    """
+    name = info.denoiser_name
     info.pipeline_class.save_lora_weights(
         str(folder),
-        unet_lora_layers=lora_state_dict(unet),
-        unet_lora_adapter_metadata=unet.peft_config["default"].to_dict(),
+        **{
+            f"{name}_lora_layers": lora_state_dict(unet, info.family),
+            f"{name}_lora_adapter_metadata": unet.peft_config["default"].to_dict(),
+        },
         safe_serialization=True,
         **kwargs,
     )
 
 
-def load_lora_into_unet(unet: torch.nn.Module, folder: str | Path) -> None:
-    """Load weights written by `save_lora` into a UNet that already has the same adapter (resume)."""
+def load_lora_into_unet(unet: torch.nn.Module, folder: str | Path, prefix: str = "unet") -> None:
+    """Load weights written by `save_lora` into a denoiser that already has the same adapter (resume).
+
+    `prefix`: the denoiser's name in the file (`PipelineInfo.denoiser_name`).
+    """
     from diffusers.utils import convert_unet_state_dict_to_peft
     from peft.utils import set_peft_model_state_dict
     from safetensors.torch import load_file
 
     state = load_file(str(Path(folder) / "pytorch_lora_weights.safetensors"))
-    state = {k.removeprefix("unet."): v for k, v in state.items() if k.startswith("unet.")}
+    state = {k.removeprefix(f"{prefix}."): v for k, v in state.items() if k.startswith(f"{prefix}.")}
+    if not state:
+        raise FinetuneError(f"{folder}/pytorch_lora_weights.safetensors holds no {prefix}.* LoRA weights")
     result = set_peft_model_state_dict(unet, convert_unet_state_dict_to_peft(state), adapter_name="default")
     if result is not None and getattr(result, "unexpected_keys", None):
         raise FinetuneError(

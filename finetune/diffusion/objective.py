@@ -1,7 +1,10 @@
 """The denoising loss of one batch: noise, timesteps, target, min-SNR weights, prior-preservation weight.
 
-Uses the scheduler's own `add_noise` / `get_velocity` and diffusers' `compute_snr`; what is written
-here is only the glue those lack (sampling cached latent distributions, per-sample weighting).
+Two objectives, chosen by the pipeline's family: `diffusion_loss` (UNets: epsilon or v-prediction)
+and `flow_matching_loss` (SD3: rectified flow). Uses the scheduler's own `add_noise` /
+`get_velocity` / `sigmas` and diffusers' `compute_snr`, `compute_density_for_timestep_sampling` and
+`compute_loss_weighting_for_sd3`; what is written here is only the glue those lack (sampling cached
+latent distributions, per-sample weighting, the prior-preservation split).
 """
 
 from __future__ import annotations
@@ -10,9 +13,12 @@ import torch
 import torch.nn.functional as F
 
 
-def sample_latents(mean: torch.Tensor, std: torch.Tensor, scaling_factor: float) -> torch.Tensor:
-    """A draw from the cached latent distribution, scaled as the UNet expects (global RNG: resumable)."""
-    return (mean + std * torch.randn_like(mean)) * scaling_factor
+def sample_latents(
+    mean: torch.Tensor, std: torch.Tensor, scaling_factor: float, shift_factor: float = 0.0
+) -> torch.Tensor:
+    """A draw from the cached latent distribution, shifted and scaled as the denoiser expects:
+    `(z - shift_factor) * scaling_factor`, as the pipelines decode it back (global RNG: resumable)."""
+    return (mean + std * torch.randn_like(mean) - shift_factor) * scaling_factor
 
 
 def min_snr_weights(scheduler, timesteps: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -72,7 +78,90 @@ def diffusion_loss(
     per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
     if snr_gamma is not None:
         per_sample = per_sample * min_snr_weights(scheduler, timesteps, snr_gamma)
-    prior = batch["is_prior"]
+    return combine_prior(per_sample, batch["is_prior"], prior_loss_weight)
+
+
+def flow_sigmas(
+    scheduler,
+    batch_size: int,
+    *,
+    weighting_scheme: str,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(timesteps, sigmas) of a batch, drawn as diffusers' SD3 scripts draw them (global CPU RNG).
+
+    u ~ the scheme's density on [0, 1) picks an entry of the scheduler's training schedule
+    (`timesteps` = `sigmas` x num_train_timesteps, already shifted by the scheduler's `shift`).
+    """
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    u = compute_density_for_timestep_sampling(
+        weighting_scheme=weighting_scheme,
+        batch_size=batch_size,
+        logit_mean=logit_mean,
+        logit_std=logit_std,
+        mode_scale=mode_scale,
+    )
+    count = scheduler.config.num_train_timesteps
+    if len(scheduler.timesteps) != count:  # set_timesteps (sampling) replaces the training schedule
+        raise ValueError(f"the training scheduler holds {len(scheduler.timesteps)} timesteps, not {count}")
+    # The mode density maps u = 0 to exactly 1, one past the schedule's end: clamp to its last entry.
+    indices = (u * count).long().clamp(0, count - 1)
+    return scheduler.timesteps[indices], scheduler.sigmas[indices]
+
+
+def flow_matching_loss(
+    transformer,
+    scheduler,
+    batch: dict[str, torch.Tensor],
+    *,
+    scaling_factor: float,
+    shift_factor: float = 0.0,
+    weighting_scheme: str = "logit_normal",
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+    prior_loss_weight: float = 1.0,
+    model_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Rectified-flow loss of SD3: the transformer predicts the velocity `noise - latents` at
+    `(1 - sigma) * latents + sigma * noise`, weighted per sample by `compute_loss_weighting_for_sd3`.
+
+    As diffusers' train_dreambooth_lora_sd3.py with `--precondition_outputs 0` (its default 1 is
+    this loss times sigma^2). Prior preservation as in `diffusion_loss`.
+    """
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    latents = sample_latents(batch["latent_mean"], batch["latent_std"], scaling_factor, shift_factor)
+    noise = torch.randn_like(latents)
+    timesteps, sigmas = flow_sigmas(
+        scheduler,
+        latents.shape[0],
+        weighting_scheme=weighting_scheme,
+        logit_mean=logit_mean,
+        logit_std=logit_std,
+        mode_scale=mode_scale,
+    )
+    timesteps = timesteps.to(latents.device)
+    sigmas = sigmas.to(latents.device, torch.float32).view(-1, 1, 1, 1)
+    noisy = (1.0 - sigmas) * latents + sigmas * noise
+    target = noise - latents
+    pred = transformer(
+        hidden_states=noisy.to(model_dtype),
+        timestep=timesteps,
+        encoder_hidden_states=batch["prompt_embeds"].to(model_dtype),
+        pooled_projections=batch["pooled_prompt_embeds"].to(model_dtype),
+        return_dict=False,
+    )[0]
+    weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=sigmas).float()
+    per_sample = (weighting * (pred.float() - target.float()) ** 2).mean(dim=(1, 2, 3))
+    return combine_prior(per_sample, batch["is_prior"], prior_loss_weight)
+
+
+def combine_prior(per_sample: torch.Tensor, prior: torch.Tensor, prior_loss_weight: float) -> torch.Tensor:
+    """The batch loss: the instance samples' mean plus `prior_loss_weight` x the class samples' mean."""
     if not prior.any():
         return per_sample.mean()
     loss = per_sample.new_zeros(())

@@ -16,10 +16,10 @@ from finetune.diffusion.sources import list_images
 
 
 def load_pipeline(info: PipelineInfo, *, dtype: torch.dtype, device, unet=None):
-    """The full pipeline for sampling, optionally around the UNet being trained (LoRA active)."""
+    """The full pipeline for sampling, optionally around the denoiser being trained (LoRA active)."""
     kwargs: dict[str, Any] = {"revision": info.revision, "dtype": dtype}
     if unet is not None:
-        kwargs["unet"] = unet
+        kwargs[info.denoiser_name] = unet
     if info.vae_path:
         from diffusers import AutoencoderKL
 
@@ -41,13 +41,17 @@ def generate(
     resolution: int,
     seed: int,
     device,
+    max_sequence_length: int | None = None,
 ) -> list[list[Any]]:
     """`num_images` PIL images per prompt, seeded per (seed, prompt, image): the same every run.
+
+    `max_sequence_length`: SD3's T5 length (the one training cached); None for SD / SDXL.
 
     The global RNG is left untouched (forked), so sampling in the middle of training does not change
     the noise drawn by the next training steps, and a resumed run stays identical.
     """
     devices = [device] if torch.device(device).type == "cuda" else []
+    extra = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
     out = []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         for p, prompt in enumerate(prompts):
@@ -62,6 +66,7 @@ def generate(
                 height=resolution,
                 width=resolution,
                 generator=generators,
+                **extra,
             )
             out.append(result.images)
     return out
@@ -137,6 +142,7 @@ def ensure_class_images(
                 resolution=settings.resolution,
                 seed=recipe.train.seed + have + made,
                 device=device,
+                max_sequence_length=settings.max_sequence_length if info.family == "sd3" else None,
             )[0]
             for image in images:
                 path, suffix = folder / f"class-{have + made:05d}.png", 0

@@ -2,10 +2,12 @@
 
 For tests, the CPU demo recipe and benchmarks: `build_tiny_pipeline(folder)` writes a diffusers
 folder that `StableDiffusionPipeline.from_pretrained(folder)` loads, with a byte-level CLIP
-tokenizer made here (every byte is a token; no merges), so it runs offline.
+tokenizer made here (every byte is a token; no merges), so it runs offline. The SD3 layout also
+needs a T5 tokenizer: a character-level Unigram vocabulary made here (`t5_tokenizer`).
 
     python -m finetune.diffusion.tiny outputs/tiny-sd            # SD 1.x layout
     python -m finetune.diffusion.tiny outputs/tiny-sdxl --sdxl   # SDXL layout (two text encoders)
+    python -m finetune.diffusion.tiny outputs/tiny-sd3 --sd3     # SD3 layout (transformer, CLIP x2 + T5)
 """
 
 from __future__ import annotations
@@ -52,14 +54,29 @@ def write_clip_tokenizer(folder: str | Path, *, max_length: int = 16) -> int:
     return len(tokens)
 
 
-def build_tiny_pipeline(
-    folder: str | Path, *, sdxl: bool = False, seed: int = 0, max_length: int = 16
-) -> Path:
-    """Save a tiny random SD (or SDXL) pipeline to `folder`: 32-channel UNet and VAE (2 blocks each).
+def t5_tokenizer():
+    """A T5 tokenizer (Unigram, as T5's sentencepiece model) over printable ASCII characters.
 
-    Pixel sides must be multiples of 4 (VAE /2, UNet /2); 32-64 px images keep a training step in
-    the tens of milliseconds on a CPU.
+    Ids 0-2 are <pad>, </s>, <unk> as in T5; every other piece is one character (or a word start
+    marker), so any ASCII caption tokenizes without a download.
     """
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [(chr(c), -3.0) for c in range(ord("!"), ord("~") + 1)]
+    return T5TokenizerFast(vocab=pieces, extra_ids=0)
+
+
+def build_tiny_pipeline(
+    folder: str | Path, *, sdxl: bool = False, sd3: bool = False, seed: int = 0, max_length: int = 16
+) -> Path:
+    """Save a tiny random SD (or SDXL, or SD3) pipeline to `folder`: 32-channel UNet and VAE (2 blocks each).
+
+    Pixel sides must be multiples of 4 (VAE /2, UNet /2; SD3: VAE /2, patch 2); 32-64 px images keep
+    a training step in the tens of milliseconds on a CPU.
+    """
+    if sdxl and sd3:
+        raise ValueError("build_tiny_pipeline: choose sdxl or sd3, not both")
     from diffusers import (
         AutoencoderKL,
         DDPMScheduler,
@@ -120,7 +137,9 @@ def build_tiny_pipeline(
         steps_offset=1,
         clip_sample=False,
     )
-    if sdxl:
+    if sd3:
+        pipe = _tiny_sd3(text_config, tokenizer, seed)
+    elif sdxl:
         unet = UNet2DConditionModel(
             **unet_kwargs,
             cross_attention_dim=64,  # 32 + 32: both encoders' hidden states concatenated
@@ -157,12 +176,79 @@ def build_tiny_pipeline(
     return folder
 
 
+def _tiny_sd3(text_config, clip_tokenizer, seed: int):
+    """StableDiffusion3Pipeline: 2-layer SD3Transformer2DModel, a 16-channel VAE with SD3's shift
+    and scaling factors, two projected CLIP encoders and a 2-layer T5 (SD3 medium's layout)."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    tokenizer_3 = t5_tokenizer()
+    t5 = T5Config(
+        vocab_size=len(tokenizer_3),
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        pad_token_id=tokenizer_3.pad_token_id,
+        eos_token_id=tokenizer_3.eos_token_id,
+        decoder_start_token_id=tokenizer_3.pad_token_id,
+    )
+    transformer = SD3Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=32,  # T5 width; the two CLIPs' 16 + 16 are zero-padded to it
+        caption_projection_dim=32,  # = heads x head dim
+        pooled_projection_dim=32,  # the two CLIPs' pooled projections, 16 + 16
+        pos_embed_max_size=32,  # latents up to 64 x 64 (128 px)
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(32, 64),
+        latent_channels=16,
+        layers_per_block=1,
+        norm_num_groups=32,
+        sample_size=32,
+        scaling_factor=1.5305,  # SD3's VAE values: latents = (z - shift_factor) * scaling_factor
+        shift_factor=0.0609,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+        vae=vae,
+        text_encoder=CLIPTextModelWithProjection(text_config(16)),
+        tokenizer=clip_tokenizer,
+        text_encoder_2=CLIPTextModelWithProjection(text_config(16)),
+        tokenizer_2=clip_tokenizer,
+        text_encoder_3=T5EncoderModel(t5),
+        tokenizer_3=tokenizer_3,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write a tiny random Stable Diffusion pipeline folder.")
     parser.add_argument("folder")
     parser.add_argument("--sdxl", action="store_true", help="SDXL layout (two text encoders)")
+    parser.add_argument("--sd3", action="store_true", help="SD3 layout (transformer, CLIP x2 + T5)")
     args = parser.parse_args(argv)
-    print(build_tiny_pipeline(args.folder, sdxl=args.sdxl))
+    print(build_tiny_pipeline(args.folder, sdxl=args.sdxl, sd3=args.sd3))
     return 0
 
 

@@ -12,6 +12,7 @@ consumed in the current epoch (what resume skips). Precision: the frozen UNet is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -63,12 +64,17 @@ class DiffusionRun:
     output_dir: Path
     weight_dtype: torch.dtype
     scaling_factor: float
+    shift_factor: float = 0.0  # the VAE's (SD3: 0.0609); latents = (z - shift) * scaling_factor
     ema: Any = None
     state: DiffusionState = field(default_factory=DiffusionState)
     stop_reason: str | None = None
     pipeline: Any = None  # built at the first validation, kept for the next ones
     samples: list = field(default_factory=list)  # (prompt, path) of the latest validation
     sampled_at: int | None = None
+    # This process, this run (not resumed): the per-process summary of a multi-process run.
+    steps_here: int = 0
+    micro_batches_here: int = 0
+    images_here: int = 0
 
 
 def run_training(recipe: Recipe, accelerator) -> int:
@@ -91,6 +97,12 @@ def run_training(recipe: Recipe, accelerator) -> int:
         log.close()
     if recipe.train.save_hf_weights:
         save_final(run)
+    if accelerator.num_processes > 1:  # every process: equal counts, or ranks drifted apart in the data
+        print(
+            f"process {accelerator.process_index}: {run.steps_here} steps, {run.micro_batches_here} "
+            f"micro-batches, {run.images_here} images",
+            flush=True,
+        )
     accelerator.print(f"done: {run.state.step} steps, outputs in {run.output_dir}")
     return 0
 
@@ -100,14 +112,17 @@ def run_training(recipe: Recipe, accelerator) -> int:
 
 def setup(recipe: Recipe, accelerator) -> DiffusionRun:
     """Cached latents, UNet with LoRA, optimizer, schedule, resume."""
+    from functools import partial
+
     from accelerate.utils import set_seed
 
+    from finetune.data.prepare import prepare_on_main_process
     from finetune.diffusion.cache import prepare_images
     from finetune.diffusion.loader import make_loader
     from finetune.diffusion.model import (
         add_lora,
+        load_denoiser,
         load_noise_scheduler,
-        load_unet,
         pipeline_info,
         weight_dtype,
     )
@@ -120,13 +135,14 @@ def setup(recipe: Recipe, accelerator) -> DiffusionRun:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "recipe.resolved.yaml").write_text(dump_yaml(recipe_to_dict(recipe)))
     info = pipeline_info(recipe.model.model_path, recipe.model.revision, settings.vae_path)
-    # Only the main process encodes; the others then load the cache it wrote.
-    with accelerator.main_process_first():
-        quiet = (lambda _: None) if not accelerator.is_main_process else accelerator.print
-        prepared = prepare_images(recipe, log=quiet, device=accelerator.device)
+    # One process per machine encodes; the others wait, however long the VAE takes, then load
+    # the cache it wrote.
+    prepared = prepare_on_main_process(
+        recipe, accelerator, build=partial(prepare_images, device=accelerator.device)
+    )
 
     dtype = weight_dtype(recipe.model.torch_dtype, train.mixed_precision)
-    unet = load_unet(info, dtype)
+    unet = load_denoiser(info, dtype)  # the UNet, or SD3's transformer (still named `unet` here)
     lora = recipe.lora
     trainable = add_lora(
         unet,
@@ -137,7 +153,9 @@ def setup(recipe: Recipe, accelerator) -> DiffusionRun:
         gradient_checkpointing=train.gradient_checkpointing,
     )
     total = sum(p.numel() for p in unet.parameters())
-    accelerator.print(f"UNet LoRA: {trainable:,} trainable / {total:,} total parameters ({info.class_name})")
+    accelerator.print(
+        f"{info.denoiser_name} LoRA: {trainable:,} trainable / {total:,} total parameters ({info.class_name})"
+    )
     noise_scheduler = load_noise_scheduler(info, settings.prediction_type)
     optimizer = build_optimizer(
         unet,
@@ -148,23 +166,21 @@ def setup(recipe: Recipe, accelerator) -> DiffusionRun:
         betas=(train.adam_beta1, train.adam_beta2),
         eps=train.adam_eps,
     )
-    workers = recipe.data.dataloader_num_workers
+    # This rank's share of every epoch (the same number of batches on every rank, no image
+    # repeated): the loader is not passed through accelerator.prepare, train_step moves batches.
     train_dl = make_loader(
         prepared.train,
         batch_size=train.micro_batch_size,
         seed=train.seed,
         drop_last=recipe.data.dataloader_drop_last,
-        num_workers=workers,
+        num_workers=recipe.data.dataloader_num_workers,
+        num_replicas=accelerator.num_processes,
+        rank=accelerator.process_index,
     )
     batch_sampler = train_dl.batch_sampler
+    _report_dropped(accelerator, batch_sampler, prepared, recipe)
     _checkpoint_lora_only(accelerator, info)
-    unet, optimizer, train_dl = accelerator.prepare(unet, optimizer, train_dl)
-    if len(train_dl) == 0:
-        raise FinetuneError(
-            f"no training batches: no bucket holds train.micro_batch_size ({train.micro_batch_size}) images per "
-            f"process (buckets: {prepared.manifest['buckets']}); lower micro_batch_size, set "
-            "data.dataloader_drop_last: false, or diffusion.aspect_ratio_buckets: false"
-        )
+    unet, optimizer = accelerator.prepare(unet, optimizer)
     ema = None
     if settings.use_ema:
         from diffusers.training_utils import EMAModel
@@ -204,6 +220,7 @@ def setup(recipe: Recipe, accelerator) -> DiffusionRun:
         output_dir=output_dir,
         weight_dtype=dtype,
         scaling_factor=prepared.manifest["latents"]["scaling_factor"],
+        shift_factor=prepared.manifest["latents"].get("shift_factor") or 0.0,
         ema=ema,
     )
     checkpoint_path = find_checkpoint(train.load_checkpoint_path, output_dir)
@@ -216,6 +233,32 @@ def setup(recipe: Recipe, accelerator) -> DiffusionRun:
     elif train.load_checkpoint_path == "auto":
         accelerator.print(f"load_checkpoint_path: auto found no checkpoint in {output_dir}; starting fresh")
     return run
+
+
+def _report_dropped(accelerator, sampler, prepared, recipe) -> None:
+    """Refuse an epoch without batches; say which images an epoch leaves out (drop_last, small buckets)."""
+    train, processes = recipe.train, accelerator.num_processes
+    if len(sampler) == 0:
+        raise FinetuneError(
+            f"no training batches: no bucket holds train.micro_batch_size x processes ({train.micro_batch_size} "
+            f"x {processes}) images (buckets: {prepared.manifest['buckets']}); lower micro_batch_size, set "
+            "data.dataloader_drop_last: false, or diffusion.aspect_ratio_buckets: false"
+        )
+    dropped = sampler.dropped_rows(0)
+    if not dropped:
+        return
+    if recipe.data.dataloader_drop_last:
+        accelerator.print(
+            f"data.dataloader_drop_last: {dropped} images per epoch do not fill a batch "
+            f"of train.micro_batch_size x processes ({train.micro_batch_size} x {processes}) in their bucket "
+            "and are left out (a different set each epoch)"
+        )
+    else:
+        accelerator.print(
+            f"warning: {dropped} images per epoch are in buckets with fewer images than processes "
+            f"({processes}) and are never trained on; use fewer processes, add images, or set "
+            f"diffusion.aspect_ratio_buckets: false (buckets: {prepared.manifest['buckets']})"
+        )
 
 
 def _checkpoint_lora_only(accelerator, info) -> None:
@@ -235,7 +278,7 @@ def _checkpoint_lora_only(accelerator, info) -> None:
 
     def load_hook(models, input_dir):
         while models:
-            load_lora_into_unet(accelerator.unwrap_model(models.pop()), input_dir)
+            load_lora_into_unet(accelerator.unwrap_model(models.pop()), input_dir, prefix=info.denoiser_name)
 
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
@@ -247,26 +290,27 @@ def _checkpoint_lora_only(accelerator, info) -> None:
 def train_step(run: DiffusionRun, window: list[dict]) -> dict[str, Any]:
     """One optimizer step over an accumulation window of micro-batches.
 
-    Every micro-batch loss is a mean over its images; Accelerate divides by the accumulation steps
-    in backward and DDP averages over processes, so the update is the mean over the window.
-    """
-    from finetune.diffusion.objective import diffusion_loss
+    Every micro-batch loss is a mean over its images. Accelerate divides by the accumulation steps
+    in backward, so each loss is scaled by (accumulation steps / window length): the update is the
+    mean over the window's micro-batches, also for an epoch's short last window. DDP averages over
+    processes (every rank has a micro-batch at every position: BucketBatchSampler).
 
-    acc, unet, settings, train = run.accelerator, run.unet, run.recipe.diffusion, run.recipe.train
+    Gradients are synchronised on the window's last micro-batch only; the sync flag is set per
+    micro-batch (as finetune.train.train_step does) since the window is formed here.
+    """
+    from accelerate.utils import DistributedType, send_to_device
+
+    acc, unet, train = run.accelerator, run.unet, run.recipe.train
+    scale = train.gradient_accumulation_steps / len(window)
+    deepspeed = acc.distributed_type == DistributedType.DEEPSPEED  # keeps its own accumulation boundary
     loss_sum = torch.zeros((), device=acc.device)
-    for batch in window:
-        with acc.accumulate(unet):
-            loss = diffusion_loss(
-                unet,
-                run.noise_scheduler,
-                batch,
-                scaling_factor=run.scaling_factor,
-                noise_offset=settings.noise_offset,
-                snr_gamma=settings.snr_gamma,
-                prior_loss_weight=settings.prior_loss_weight,
-                model_dtype=run.weight_dtype,
-            )
-            acc.backward(loss)
+    for i, batch in enumerate(window):
+        last = i == len(window) - 1
+        batch = send_to_device(batch, acc.device)
+        acc.gradient_state._set_sync_gradients(last)
+        with contextlib.nullcontext() if last or deepspeed else acc.no_sync(unet):
+            loss = micro_batch_loss(run, batch)
+            acc.backward(loss * scale)
             loss_sum += loss.detach().float()
     window_loss = acc.reduce(loss_sum, reduction="mean") / len(window)
     loss_value = window_loss.item()  # sync point: the nonfinite check needs the value on the host
@@ -290,6 +334,38 @@ def train_step(run: DiffusionRun, window: list[dict]) -> dict[str, Any]:
     }
 
 
+def micro_batch_loss(run: DiffusionRun, batch: dict) -> torch.Tensor:
+    """The family's objective: flow matching (SD3) or epsilon / v-prediction (UNets)."""
+    from finetune.diffusion.objective import diffusion_loss, flow_matching_loss
+
+    settings = run.recipe.diffusion
+    common = dict(
+        scaling_factor=run.scaling_factor,
+        prior_loss_weight=settings.prior_loss_weight,
+        model_dtype=run.weight_dtype,
+    )
+    if run.info.flow_matching:
+        return flow_matching_loss(
+            run.unet,
+            run.noise_scheduler,
+            batch,
+            shift_factor=run.shift_factor,
+            weighting_scheme=settings.weighting_scheme,
+            logit_mean=settings.logit_mean,
+            logit_std=settings.logit_std,
+            mode_scale=settings.mode_scale,
+            **common,
+        )
+    return diffusion_loss(
+        run.unet,
+        run.noise_scheduler,
+        batch,
+        noise_offset=settings.noise_offset,
+        snr_gamma=settings.snr_gamma,
+        **common,
+    )
+
+
 def train_loop(run: DiffusionRun, log: ProgressLog) -> None:
     """Epochs of accumulation windows until total_steps; logs, samples, checkpoints, stops cleanly."""
     acc, train, settings, st = run.accelerator, run.recipe.train, run.recipe.diffusion, run.state
@@ -300,9 +376,7 @@ def train_loop(run: DiffusionRun, log: ProgressLog) -> None:
         acc.init_trackers(run.output_dir.name, config=_flat(recipe_to_dict(run.recipe)))
     run.unet.train()
     while st.step < run.total_steps and run.stop_reason is None:
-        # The order of an epoch depends only on (seed, epoch). Accelerate's loader re-sets its sampler's
-        # epoch from its own counter at every iteration, so that counter is set too (resume starts it late).
-        run.train_dl.set_epoch(st.epoch)
+        # The order of an epoch depends only on (seed, epoch): resume needs no sampler state.
         run.batch_sampler.set_epoch(st.epoch)
         loader = run.train_dl
         if st.micro_step_in_epoch:
@@ -316,9 +390,12 @@ def train_loop(run: DiffusionRun, log: ProgressLog) -> None:
                 break
             st.micro_step_in_epoch += len(window)
             interval["images"] += sum(len(b["index"]) for b in window)
+            run.micro_batches_here += len(window)
+            run.images_here += sum(len(b["index"]) for b in window)
             result = train_step(run, window)
             result["lr"] = run.scheduler.get_last_lr()[0]  # the LR this step used
             st.step += 1
+            run.steps_here += 1
             run.scheduler.step()
             _account(run, result, log)
             if st.step % train.log_steps == 0 or st.step == run.total_steps:
@@ -378,7 +455,10 @@ def _log_step(run: DiffusionRun, result: dict, interval: dict, log: ProgressLog)
     elapsed = max(time.perf_counter() - interval["t0"], 1e-9)
     st.train_seconds += elapsed
     images = interval["images"]  # this process's
-    st.num_images += images * acc.num_processes
+    total = images
+    if acc.num_processes > 1:  # sync point (log steps only): ranks' batches may differ by one image
+        total = int(acc.reduce(torch.tensor(images, device=acc.device), reduction="sum").item())
+    st.num_images += total
     record = {
         "step": st.step,
         "epoch": st.epoch + st.micro_step_in_epoch / max(len(run.train_dl), 1),
@@ -386,7 +466,7 @@ def _log_step(run: DiffusionRun, result: dict, interval: dict, log: ProgressLog)
         "lr": result["lr"],
         "grad_norm": result.get("grad_norm"),
         "images_per_sec": images / elapsed,
-        "images_per_sec_total": images * acc.num_processes / elapsed,
+        "images_per_sec_total": total / elapsed,
         "num_images": st.num_images,
         "peak_mem_gib": peak_memory_gib(acc.device),
         "host_rss_gib": host_peak_rss_gib(),
@@ -487,6 +567,7 @@ def sample(run: DiffusionRun, log: ProgressLog) -> None:
                     resolution=settings.resolution,
                     seed=run.recipe.train.seed,
                     device=acc.device,
+                    max_sequence_length=settings.max_sequence_length if run.info.family == "sd3" else None,
                 )
         finally:
             unet.train()
@@ -524,6 +605,7 @@ def save_final(run: DiffusionRun) -> None:
         if run.ema is not None:
             run.ema.copy_to(params)
         save_lora(run.info, unet, run.output_dir)
+        acc.print(f"LoRA weights saved: {run.output_dir / 'pytorch_lora_weights.safetensors'}")
         metrics = {"step": run.state.step, "images_seen": run.state.num_images}
         write_diffusion_model_card(
             run.output_dir,

@@ -511,6 +511,20 @@ def test_prepare_on_main_process_waits_without_timeout(workdir: Path, tmp_path: 
     assert main["printed"] and not other["printed"]  # the waiting rank stays quiet
 
 
+def test_prepare_on_main_process_runs_the_given_prepare_function() -> None:
+    """`build` replaces `prepare` (diffusion passes prepare_images): called once, with push and log."""
+    calls = []
+
+    def build(recipe, *, push=False, log=print):
+        calls.append((recipe, push))
+        log("built")
+        return "prepared"
+
+    accelerator = _Accelerator(0, 1)
+    assert prepare_on_main_process("recipe", accelerator, push=True, build=build) == "prepared"
+    assert calls == [("recipe", True)] and accelerator.messages == ["built"]
+
+
 # ------------------------------------------------------------------------------------------------ hub
 
 

@@ -1,4 +1,4 @@
-"""Tiny random SD / SDXL pipelines shared by the diffusion unit tests (built once per session)."""
+"""Tiny random SD / SDXL / SD3 pipelines shared by the diffusion unit tests (built once per session)."""
 
 from __future__ import annotations
 
@@ -19,3 +19,10 @@ def tiny_sdxl(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from finetune.diffusion.tiny import build_tiny_pipeline
 
     return build_tiny_pipeline(tmp_path_factory.mktemp("pipelines") / "tiny-sdxl", sdxl=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from finetune.diffusion.tiny import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("pipelines") / "tiny-sd3", sd3=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
+import pytest
 
 from finetune.diffusion.loader import BucketBatchSampler
 
@@ -50,3 +51,57 @@ def test_flips_are_drawn_per_epoch_and_reproducible() -> None:
     assert 10 < sum(flips) < 54
     assert flips == [f for b in sampler for _, f in b]
     assert not any(f for b in BucketBatchSampler(np.zeros(64, int), 4, seed=0) for _, f in b)
+
+
+# ------------------------------------------------------------------------------------ several ranks
+
+
+def _rank_batches(sampler_kwargs: dict, world: int, epoch: int = 0) -> list[list[list[tuple[int, bool]]]]:
+    out = []
+    for rank in range(world):
+        sampler = BucketBatchSampler(**sampler_kwargs, num_replicas=world, rank=rank)
+        sampler.set_epoch(epoch)
+        out.append(list(sampler))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("batch_size", [1, 2, 3])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_ranks_get_the_same_number_of_batches_and_no_row_twice(world, batch_size, drop_last) -> None:
+    buckets = np.array([0] * 11 + [1] * 7 + [2] * 5 + [3] * 1)  # bucket 3 is smaller than any world
+    kwargs = {"buckets": buckets, "batch_size": batch_size, "seed": 3, "flip": True, "drop_last": drop_last}
+    for epoch in (0, 1):
+        per_rank = _rank_batches(kwargs, world, epoch)
+        assert len({len(batches) for batches in per_rank}) == 1 and len(per_rank[0]) > 0
+        rows = [row for batches in per_rank for b in batches for row, _ in b]
+        assert len(rows) == len(set(rows))  # nothing repeated across or within ranks
+        assert all(b and len({buckets[row] for row, _ in b}) == 1 for batches in per_rank for b in batches)
+        sampler = BucketBatchSampler(**kwargs, num_replicas=world, rank=0)
+        assert len(rows) + sampler.dropped_rows(epoch) == len(buckets)
+        # The ranks' batches at one position are, in rank order, one global batch (flips included).
+        for position, global_batch in enumerate(sampler.global_batches(epoch)):
+            assert [s for batches in per_rank for s in batches[position]] == global_batch
+            sizes = [len(batches[position]) for batches in per_rank]
+            assert max(sizes) - min(sizes) <= 1
+        if not drop_last:
+            assert sampler.dropped_rows(epoch) == 1  # only bucket 3's single row (fewer rows than ranks)
+            assert 23 not in rows
+
+
+def test_one_rank_is_the_plain_bucket_sampler() -> None:
+    """num_replicas=1 keeps the single-process batches (what existing caches and resumes rely on)."""
+    sampler = BucketBatchSampler(BUCKETS, 2, seed=1, drop_last=False, flip=True)
+    assert list(sampler) == sampler.global_batches(0)
+    assert all(len(b) <= 2 for b in sampler) and sampler.dropped_rows(0) == 0
+
+
+def test_two_ranks_train_on_one_process_batches_of_twice_the_size() -> None:
+    ranks = _rank_batches({"buckets": BUCKETS, "batch_size": 2, "seed": 5, "drop_last": True}, 2)
+    single = list(BucketBatchSampler(BUCKETS, 4, seed=5, drop_last=True))
+    assert [a + b for a, b in zip(*ranks, strict=True)] == single
+
+
+def test_a_rank_outside_the_world_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"rank 2 outside 0\.\.1"):
+        BucketBatchSampler(BUCKETS, 2, seed=0, num_replicas=2, rank=2)

@@ -25,11 +25,16 @@ from finetune.errors import FinetuneError
     [
         (
             "FluxPipeline",
-            "transformer-based pipeline: its flow-matching objective and LoRA layout are not supported yet",
+            "transformer-based pipeline that training does not support yet (the supported transformer-based "
+            "pipeline is StableDiffusion3Pipeline",
         ),
-        ("StableDiffusion3Pipeline", "transformer-based pipeline"),
+        ("StableDiffusion3Img2ImgPipeline", "use the text-to-image StableDiffusion3Pipeline"),
         ("StableDiffusionImg2ImgPipeline", "use the text-to-image StableDiffusionPipeline"),
-        ("KandinskyPipeline", "supports StableDiffusionPipeline (SD 1.x/2.x) and StableDiffusionXLPipeline"),
+        (
+            "KandinskyPipeline",
+            "supports StableDiffusionPipeline (SD 1.x/2.x), StableDiffusionXLPipeline (SDXL) and "
+            "StableDiffusion3Pipeline (SD3)",
+        ),
     ],
 )
 def test_unsupported_pipelines_are_refused_clearly(tmp_path: Path, class_name: str, text: str) -> None:

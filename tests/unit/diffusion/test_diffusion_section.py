@@ -102,7 +102,7 @@ def test_image_sources_need_diffusion_kind_and_the_section_needs_it_too(tmp_path
         (
             {"diffusion": {"prediction_type": "flow"}},
             "diffusion.prediction_type",
-            "'epsilon' or 'v_prediction'",
+            "'epsilon', 'v_prediction' or 'flow_matching'",
         ),
     ],
 )

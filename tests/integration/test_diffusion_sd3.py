@@ -1,0 +1,173 @@
+"""Stable Diffusion 3 LoRA end to end through the real CLI: prepare, cache hit, flow-matching training,
+checkpoint and exact resume, save, and diffusers' StableDiffusion3Pipeline.load_lora_weights."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from tests.diffusion_data import diffusion_recipe, write_color_folder
+from tests.integration._run import REPO, accelerate_cmd, env, progress, run, step_losses
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+T5_TOKENS = 24
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "finetune.cli", *args],
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A tiny SD3 pipeline, 8 coloured images of 3 shapes, prepared, then trained for STEPS steps."""
+    from finetune.diffusion.tiny import build_tiny_pipeline
+
+    tmp = tmp_path_factory.mktemp("diffusion-sd3")
+    pipeline = build_tiny_pipeline(tmp / "tiny-sd3", sd3=True)
+    write_color_folder(tmp / "imgs", captions="jsonl")
+    recipe = diffusion_recipe(
+        tmp,
+        pipeline,
+        tmp / "imgs",
+        random_flip=True,
+        max_sequence_length=T5_TOKENS,
+        weighting_scheme="logit_normal",
+        logit_mean=0.2,
+        validation_prompts=["a red square"],
+        validation_steps=3,
+        num_validation_images=1,
+        validation_inference_steps=2,
+    )
+    recipe["data"]["dataloader_drop_last"] = False
+    recipe["train"].update(max_steps=STEPS, save_steps=3, gradient_accumulation_steps=2)
+    recipe["lora"]["lora_dropout"] = 0.1  # resume must also replay the dropout masks
+    path = tmp / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    prepare = _cli("prepare-dataset", str(path))
+    train = run(accelerate_cmd(path))  # prepares again: must find the cache
+    return {"tmp": tmp, "pipeline": pipeline, "recipe": path, "prepare": prepare, "train": train}
+
+
+def test_prepare_caches_the_three_text_encoders_and_is_reused(trained: dict) -> None:
+    first, train = trained["prepare"], trained["train"]
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "(built)" in first.stdout and "images: 8 in, 8 kept" in first.stdout
+    fingerprint = first.stdout.split("prepared dataset ", 1)[1].split()[0]
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert f"reusing prepared image dataset {fingerprint}" in train.stdout
+    folder = Path(
+        next(ln for ln in first.stdout.splitlines() if ln.startswith("prepared dataset")).rsplit(" at ", 1)[1]
+    )
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["pipeline"]["family"] == "sd3"
+    assert manifest["fingerprint_inputs"]["text"] == {"max_sequence_length": T5_TOKENS}
+    assert manifest["latents"]["shift_factor"] == pytest.approx(0.0609)
+    assert [p["subfolder"] for p in manifest["fingerprint_inputs"]["text_encoders"]][:3] == [
+        "text_encoder",
+        "text_encoder_2",
+        "text_encoder_3",
+    ]
+
+
+def test_train_saves_a_lora_that_stable_diffusion_3_loads(trained: dict) -> None:
+    result, out = trained["train"], trained["tmp"] / "out"
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "transformer LoRA:" in result.stdout
+    losses = step_losses(progress(out))
+    assert sorted(losses) == list(range(1, STEPS + 1)) and all(np.isfinite(list(losses.values())))
+    samples = sorted(p.relative_to(out).as_posix() for p in (out / "samples").rglob("*.png"))
+    assert samples == ["samples/step-3/00-00-a-red-square.png", "samples/step-6/00-00-a-red-square.png"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-3", "step-6"]
+    card = (out / "README.md").read_text()
+    assert "from diffusers import StableDiffusion3Pipeline" in card
+    assert "| objective | flow matching, weighting_scheme logit_normal |" in card
+    resolved = yaml.safe_load((out / "recipe.resolved.yaml").read_text())
+    assert "add_k_proj" in resolved["lora"]["lora_target_modules"]
+
+    from diffusers import StableDiffusion3Pipeline
+    from safetensors.torch import load_file
+
+    keys = list(load_file(str(out / "pytorch_lora_weights.safetensors")))
+    assert keys and all(k.startswith("transformer.transformer_blocks.") for k in keys)
+    assert any(".attn.add_k_proj." in k for k in keys) and any(".attn.to_k." in k for k in keys)
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(trained["pipeline"])
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate() -> np.ndarray:
+        generator = torch.Generator().manual_seed(0)
+        return pipe(
+            "a red square",
+            num_inference_steps=2,
+            height=32,
+            width=32,
+            generator=generator,
+            output_type="np",
+            max_sequence_length=T5_TOKENS,
+        ).images
+
+    without = generate()
+    pipe.load_lora_weights(out)
+    config = pipe.transformer.peft_config[next(iter(pipe.transformer.peft_config))]
+    assert (config.r, config.lora_alpha) == (4, 8)  # the recipe's rank and alpha, from the file's metadata
+    with_lora = generate()
+    assert with_lora.shape == (1, 32, 32, 3) and np.isfinite(with_lora).all()
+    assert np.abs(with_lora - without).max() > 1e-4
+
+
+def test_resume_from_a_checkpoint_gives_the_same_losses(trained: dict) -> None:
+    """Steps 4-6 resumed from step 3 (LoRA, optimizer, schedule, RNG incl. the timestep density's
+    draws, data position, dropout) equal the uninterrupted run's."""
+    assert trained["train"].returncode == 0
+    tmp = trained["tmp"]
+    reference = step_losses(progress(tmp / "out"))
+    checkpoint = tmp / "out" / "checkpoints" / "step-3"
+    resumed = run(
+        accelerate_cmd(
+            trained["recipe"],
+            "--train.output_dir",
+            str(tmp / "resumed"),
+            "--train.load_checkpoint_path",
+            str(checkpoint),
+            "--diffusion.validation_prompts",
+            "[]",
+            "--diffusion.validation_steps",
+            "null",
+        )
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resumed from {checkpoint} at step 3" in resumed.stdout + resumed.stderr
+    after = step_losses(progress(tmp / "resumed"))
+    assert sorted(after) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert after[step] == pytest.approx(reference[step], abs=1e-6), step
+
+
+def test_settings_sd3_cannot_use_are_refused_before_encoding(trained: dict, tmp_path: Path) -> None:
+    result = _cli(
+        "prepare-dataset",
+        str(trained["recipe"]),
+        "--diffusion.snr_gamma",
+        "5.0",
+        "--data.dataset_prepared_path",
+        str(tmp_path / "prepared"),
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "diffusion.snr_gamma: Min-SNR weighting is for epsilon / v-prediction UNets" in result.stderr
+    assert not (tmp_path / "prepared").exists()
