@@ -213,6 +213,12 @@ def combination_problems(recipe: Any, engine: Engine, *, cuda_available: bool) -
             f"{where}: fsdp_version {engine.fsdp_version} is not supported; set fsdp_config.fsdp_version: 2 "
             "(FSDP2, as in accelerate_configs/fsdp2.yaml)"
         )
+    if getattr(recipe.model, "kind", "llm") == "diffusion" and engine.kind in ("fsdp", "deepspeed"):
+        problems.append(
+            f"{where}: diffusion LoRA training runs on one process or DDP, not {engine.describe}: only the "
+            "LoRA weights train (a few MB), so sharding saves nothing; use single_gpu or multi_gpu "
+            "(multi_cpu without GPUs)"
+        )
     if engine.kind == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         problems.append(f"{where}: DeepSpeed is not installed: pip install -e '.[deepspeed]'")
     if engine.kind == "deepspeed" and engine.offload_optimizer and recipe.train.optimizer != "adamw":

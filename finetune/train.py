@@ -511,7 +511,12 @@ def evaluate(run: Run) -> dict[str, float]:
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": total_count}
 
 
-def checkpoint(run: Run) -> Path:
+def checkpoint(run: Any) -> Path:
+    """checkpoints/step-N of the run (accelerate state + `run.state`), pushed with hub.strategy every_save.
+
+    Shared with the diffusion loop: `run` needs accelerator, recipe, state (a dataclass with `step`),
+    output_dir and total_steps.
+    """
     state = dataclasses.asdict(run.state)
     path = save_checkpoint(
         run.accelerator,
@@ -539,7 +544,7 @@ def checkpoint(run: Run) -> Path:
     return path
 
 
-def should_save(run: Run) -> bool:
+def should_save(run: Any) -> bool:
     """save_steps (every N optimizer steps) and save_epochs (every N epochs, fractions allowed)."""
     train, step = run.recipe.train, run.state.step
     if train.save_steps and step % train.save_steps == 0:
@@ -616,7 +621,7 @@ def train_loop(run: Run, log: ProgressLog) -> None:
                 log.log({"step": st.step, "event": "eval", **metrics})
                 if train.report_to:
                     acc.log(metrics, step=st.step)
-            run.stop_reason = _stop_reason(run, stop, started)
+            run.stop_reason = stop_reason(run, stop, started)
             if run.stop_reason is not None:
                 break
             if should_save(run):
@@ -643,36 +648,48 @@ def train_loop(run: Run, log: ProgressLog) -> None:
 
 
 def _account(run: Run, result: dict, interval: dict, log: ProgressLog) -> None:
-    st, train = run.state, run.recipe.train
+    st = run.state
     if result.get("skipped"):
         log.log({"step": st.step, "event": "skipped_iteration"})
         return
-    if not result["applied"]:
-        st.nonfinite_in_a_row += 1
-        st.nonfinite_steps += 1
-        log.log(
-            {
-                "step": st.step,
-                "event": "nonfinite_loss",
-                "loss": result["loss"],
-                "in_a_row": st.nonfinite_in_a_row,
-            }
-        )
-        if st.nonfinite_in_a_row >= train.max_consecutive_nonfinite:
-            # Nonfinite steps never update the weights or the optimizer, so they are still the last good
-            # state. The checkpoint is named after the steps consumed (data position and schedule are
-            # there): naming it after an earlier step would overwrite that step's real checkpoint.
-            path = checkpoint(run)
-            raise FinetuneError(
-                f"{st.nonfinite_in_a_row} nonfinite losses in a row (limit train.max_consecutive_nonfinite="
-                f"{train.max_consecutive_nonfinite}); the last good state (weights and optimizer as of the last "
-                f"finite loss) is saved at {path}. Lower train.lr, check the data, or use bf16 instead of fp16."
-            )
+    if not count_nonfinite(run, result, log):
         return
-    st.nonfinite_in_a_row = 0
-    st.fp16_skipped_steps += int(result.get("fp16_skipped", False))
     st.num_trainable_tokens += result["trainable"]
     interval["trainable"] += result["trainable"]
+
+
+def count_nonfinite(run: Any, result: dict, log: ProgressLog) -> bool:
+    """Count a step's outcome; True when its update was applied.
+
+    A nonfinite step is logged; after train.max_consecutive_nonfinite of them in a row the run saves
+    a checkpoint and stops. Nonfinite steps never update the weights or the optimizer, so they are
+    still the last good state. The checkpoint is named after the steps consumed (data position and
+    schedule are there): naming it after an earlier step would overwrite that step's real checkpoint.
+    Shared with the diffusion loop (`run.state` has the nonfinite and fp16 counters).
+    """
+    st, train = run.state, run.recipe.train
+    if result["applied"]:
+        st.nonfinite_in_a_row = 0
+        st.fp16_skipped_steps += int(result.get("fp16_skipped", False))
+        return True
+    st.nonfinite_in_a_row += 1
+    st.nonfinite_steps += 1
+    log.log(
+        {
+            "step": st.step,
+            "event": "nonfinite_loss",
+            "loss": result["loss"],
+            "in_a_row": st.nonfinite_in_a_row,
+        }
+    )
+    if st.nonfinite_in_a_row >= train.max_consecutive_nonfinite:
+        path = checkpoint(run)
+        raise FinetuneError(
+            f"{st.nonfinite_in_a_row} nonfinite losses in a row (limit train.max_consecutive_nonfinite="
+            f"{train.max_consecutive_nonfinite}); the last good state (weights and optimizer as of the last "
+            f"finite loss) is saved at {path}. Lower train.lr, check the data, or use bf16 instead of fp16."
+        )
+    return False
 
 
 def _seq_stats(batch: dict) -> tuple[float, int]:
@@ -724,8 +741,11 @@ def _log_step(run: Run, result: dict, interval: dict, log: ProgressLog, peak: fl
     interval.update(t0=time.perf_counter(), tokens=0, trainable=0, seq_sq=0.0, seq=0)
 
 
-def _stop_reason(run: Run, stop: StopFlag, started: float) -> str | None:
-    """Agree across processes on whether to stop (a signal or the time limit)."""
+def stop_reason(run: Any, stop: StopFlag, started: float) -> str | None:
+    """Agree across processes on whether to stop (a signal or the time limit).
+
+    Shared with the diffusion loop: `run` needs `accelerator` and `recipe`.
+    """
     acc, limit = run.accelerator, run.recipe.train.exit_duration_in_mins
     flags = torch.tensor(
         [stop.signal_name is not None, limit is not None and (time.monotonic() - started) / 60 >= limit],
@@ -827,9 +847,10 @@ def save_final(run: Run, final_metrics: dict) -> None:
     acc.wait_for_everyone()
 
 
-def push_final(run: Run) -> str:
+def push_final(run: Any, extra_files: list[Path] = ()) -> str:
     """Upload the final outputs: the top-level files of output_dir (adapter or model, tokenizer, card,
-    resolved recipe, progress log), not checkpoints/, base_model/, the trace or tracker folders.
+    resolved recipe, progress log) plus `extra_files` under output_dir (the diffusion samples the card
+    shows); not checkpoints/, base_model/, the trace or tracker folders.
 
     They are hard-linked (copied where links fail) into a staging folder beside them, so nothing
     large is copied and push_folder uploads exactly that set.
@@ -837,13 +858,19 @@ def push_final(run: Run) -> str:
     from finetune.hub import push_folder
 
     hub = run.recipe.hub
+    files = [
+        path
+        for path in sorted(run.output_dir.iterdir())
+        if path.is_file() and not path.name.startswith(".") and not path.name.endswith(".lock")
+    ]
     with tempfile.TemporaryDirectory(dir=run.output_dir, prefix=".hub-upload-") as staging:
-        for path in sorted(run.output_dir.iterdir()):
-            if path.is_file() and not path.name.startswith(".") and not path.name.endswith(".lock"):
-                try:
-                    os.link(path, Path(staging) / path.name)
-                except OSError:
-                    shutil.copy2(path, Path(staging) / path.name)
+        for path in [*files, *extra_files]:
+            target = Path(staging) / Path(path).relative_to(run.output_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, target)
+            except OSError:
+                shutil.copy2(path, target)
         sha = push_folder(
             staging, hub.model_id, private=hub.private, commit_message=f"finetune: step {run.state.step}"
         )

@@ -13,10 +13,8 @@ consumed in the current epoch (what resume skips). Precision: the frozen UNet is
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import math
-import tempfile
 import time
 from dataclasses import dataclass, field
 from itertools import islice
@@ -25,11 +23,20 @@ from typing import Any
 
 import torch
 
-from finetune.checkpoint import find_checkpoint, load_train_state, save_checkpoint
+from finetune.checkpoint import find_checkpoint, load_train_state
 from finetune.config import Recipe, recipe_to_dict
 from finetune.errors import FinetuneError
 from finetune.metrics import ProgressLog, host_peak_rss_gib, peak_memory_gib
-from finetune.train import StopFlag, _flat, crosses_epoch_mark, schedule_length
+from finetune.train import (
+    StopFlag,
+    _flat,
+    checkpoint,
+    count_nonfinite,
+    push_final,
+    schedule_length,
+    should_save,
+    stop_reason,
+)
 from finetune.yaml_io import dump_yaml
 
 
@@ -223,6 +230,10 @@ def setup(recipe: Recipe, accelerator) -> DiffusionRun:
         shift_factor=prepared.manifest["latents"].get("shift_factor") or 0.0,
         ema=ema,
     )
+    # From here on each process draws its own noise, timesteps and flips: their images differ, and the
+    # same draws on every rank would waste the batch's diversity. Everything above (LoRA init
+    # included) used the same seed on every rank; one process keeps exactly the seed it had.
+    set_seed(train.seed, device_specific=True, deterministic=train.enable_full_determinism)
     checkpoint_path = find_checkpoint(train.load_checkpoint_path, output_dir)
     if checkpoint_path is not None:
         accelerator.load_state(str(checkpoint_path))
@@ -397,15 +408,15 @@ def train_loop(run: DiffusionRun, log: ProgressLog) -> None:
             st.step += 1
             run.steps_here += 1
             run.scheduler.step()
-            _account(run, result, log)
+            count_nonfinite(run, result, log)
             if st.step % train.log_steps == 0 or st.step == run.total_steps:
                 _log_step(run, result, interval, log)
             if settings.validation_steps and st.step % settings.validation_steps == 0:
                 sample(run, log)  # before the checkpoint: a resumed run continues from the same RNG state
-            run.stop_reason = _stop_reason(run, stop, started)
+            run.stop_reason = stop_reason(run, stop, started)
             if run.stop_reason is not None:
                 break
-            if _should_save(run):
+            if should_save(run):
                 checkpoint(run)
             if (
                 train.empty_cache_steps
@@ -422,31 +433,6 @@ def train_loop(run: DiffusionRun, log: ProgressLog) -> None:
         path = checkpoint(run)
         log.message(
             f"stopping: {run.stop_reason}; checkpoint at {path}. Resume with --train.load_checkpoint_path auto"
-        )
-
-
-def _account(run: DiffusionRun, result: dict, log: ProgressLog) -> None:
-    st, train = run.state, run.recipe.train
-    if result["applied"]:
-        st.nonfinite_in_a_row = 0
-        st.fp16_skipped_steps += int(result.get("fp16_skipped", False))
-        return
-    st.nonfinite_in_a_row += 1
-    st.nonfinite_steps += 1
-    log.log(
-        {
-            "step": st.step,
-            "event": "nonfinite_loss",
-            "loss": result["loss"],
-            "in_a_row": st.nonfinite_in_a_row,
-        }
-    )
-    if st.nonfinite_in_a_row >= train.max_consecutive_nonfinite:
-        path = checkpoint(run)
-        raise FinetuneError(
-            f"{st.nonfinite_in_a_row} nonfinite losses in a row (limit train.max_consecutive_nonfinite="
-            f"{train.max_consecutive_nonfinite}); the last good state is saved at {path}. Lower train.lr, or use "
-            "bf16 instead of fp16."
         )
 
 
@@ -480,56 +466,6 @@ def _log_step(run: DiffusionRun, result: dict, interval: dict, log: ProgressLog)
             {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=st.step
         )
     interval.update(t0=time.perf_counter(), images=0)
-
-
-def _stop_reason(run: DiffusionRun, stop: StopFlag, started: float) -> str | None:
-    """Agree across processes on whether to stop (a signal or the time limit)."""
-    acc, limit = run.accelerator, run.recipe.train.exit_duration_in_mins
-    flags = torch.tensor(
-        [stop.signal_name is not None, limit is not None and (time.monotonic() - started) / 60 >= limit],
-        dtype=torch.float32,
-    )
-    if acc.num_processes > 1:  # sync point: every rank must stop at the same step
-        flags = acc.reduce(flags.to(acc.device), reduction="sum").cpu()
-    if flags[0] > 0:
-        return f"received {stop.signal_name or 'a stop signal on another process'}"
-    if flags[1] > 0:
-        return f"train.exit_duration_in_mins ({limit}) reached"
-    return None
-
-
-def _should_save(run: DiffusionRun) -> bool:
-    train, step = run.recipe.train, run.state.step
-    if train.save_steps and step % train.save_steps == 0:
-        return True
-    return bool(train.save_epochs) and crosses_epoch_mark(
-        step, steps_per_epoch=run.steps_per_epoch, save_epochs=train.save_epochs
-    )
-
-
-def checkpoint(run: DiffusionRun) -> Path:
-    """checkpoints/step-N via finetune.checkpoint (LoRA weights, optimizer, scheduler, RNG, EMA, state)."""
-    path = save_checkpoint(
-        run.accelerator,
-        run.output_dir,
-        run.state.step,
-        {"state": dataclasses.asdict(run.state), "total_steps": run.total_steps},
-        dump_yaml(recipe_to_dict(run.recipe)),
-        total_limit=run.recipe.train.save_total_limit,
-    )
-    run.accelerator.print(f"checkpoint saved: {path}")
-    hub = run.recipe.hub
-    if hub.model_id and hub.strategy == "every_save" and run.accelerator.is_main_process:
-        from finetune.hub import push_folder
-
-        push_folder(
-            path,
-            hub.model_id,
-            private=hub.private,
-            commit_message=f"checkpoint step {run.state.step}",
-            path_in_repo=f"checkpoints/{path.name}",
-        )
-    return path
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -615,35 +551,5 @@ def save_final(run: DiffusionRun) -> None:
             samples=[(prompt, path.relative_to(run.output_dir).as_posix()) for prompt, path in run.samples],
         )
         if recipe.hub.model_id:
-            push_outputs(run)
+            push_final(run, extra_files=[path for _, path in run.samples])
     acc.wait_for_everyone()
-
-
-def push_outputs(run: DiffusionRun) -> str:
-    """Upload the LoRA weights, card, resolved recipe, progress log and the final samples.
-
-    Like finetune.train.push_final (top-level files of output_dir, hard-linked into a staging
-    folder), plus the sample images the card shows.
-    """
-    import os
-    import shutil
-
-    from finetune.hub import push_folder
-
-    hub = run.recipe.hub
-    files = [p for p in sorted(run.output_dir.iterdir()) if p.is_file() and not p.name.startswith(".")]
-    files = [p for p in files if not p.name.endswith(".lock")]
-    files += [path for _, path in run.samples]
-    with tempfile.TemporaryDirectory(dir=run.output_dir, prefix=".hub-upload-") as staging:
-        for path in files:
-            target = Path(staging) / path.relative_to(run.output_dir)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(path, target)
-            except OSError:
-                shutil.copy2(path, target)
-        sha = push_folder(
-            staging, hub.model_id, private=hub.private, commit_message=f"finetune: step {run.state.step}"
-        )
-    run.accelerator.print(f"pushed {run.output_dir} to {hub.model_id} (commit {sha})")
-    return sha

@@ -173,3 +173,20 @@ def test_dreambooth_dog_photos_with_prior_preservation(tmp_path: Path, shared_da
     assert "generating 2 class images" in out and "images: 7 in, 7 kept (5 instance, 2 class)" in out
     assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").is_file()
     assert sorted(step_losses(progress(tmp_path / "out"))) == [1, 2]
+
+
+def test_hub_push_uploads_the_lora_card_and_samples(trained: dict, hub_repo_id: str) -> None:
+    """hub.model_id: the diffusers-format LoRA, the model card and the sample images it shows go up."""
+    from huggingface_hub import HfApi
+
+    out = trained["tmp"] / "pushed"
+    args = ["--train.max_steps", "1", "--train.save_steps", "0", "--train.output_dir", str(out)]
+    result = run(accelerate_cmd(trained["recipe"], *args, "--hub.model_id", hub_repo_id))
+    assert result.returncode == 0, result.stderr[-4000:]
+    files = set(HfApi().list_repo_files(hub_repo_id))
+    assert {"pytorch_lora_weights.safetensors", "README.md", "recipe.resolved.yaml"} <= files
+    samples = {f for f in files if f.startswith("samples/")}
+    assert samples and all(f.endswith(".png") for f in samples)
+    card = (out / "README.md").read_text()
+    assert all(s.removeprefix("samples/") in card for s in samples)  # the card shows what was pushed
+    assert not any(f.startswith("checkpoints/") for f in files)

@@ -276,3 +276,20 @@ def test_refusals_name_the_fix():
     for name in ("zero1", "zero2", "zero3", "multi_cpu", "single_gpu"):
         engine = read_accelerate_config(ACCELERATE_CONFIGS / f"{name}.yaml")
         assert combination_problems(recipe, engine, cuda_available=False) == [], name
+
+
+def test_diffusion_runs_on_one_process_or_ddp():
+    recipe = Recipe.model_validate(
+        {
+            "model": {"kind": "diffusion", "model_path": "org/sd"},
+            "data": {"datasets": [{"path": "images", "type": "images"}]},
+            "train": {"output_dir": "out"},
+        }
+    )
+    for name in ("zero2", "fsdp2"):
+        engine = read_accelerate_config(ACCELERATE_CONFIGS / f"{name}.yaml")
+        (problem,) = combination_problems(recipe, engine, cuda_available=True)
+        assert "diffusion LoRA training runs on one process or DDP" in problem and "multi_gpu" in problem
+    for name in ("single_gpu", "multi_gpu", "multi_cpu"):
+        engine = read_accelerate_config(ACCELERATE_CONFIGS / f"{name}.yaml")
+        assert combination_problems(recipe, engine, cuda_available=False) == []
