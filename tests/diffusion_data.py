@@ -77,3 +77,51 @@ def diffusion_recipe(tmp: Path, pipeline: Path, data: Path, *, type_: str = "ima
         "lora": {"lora_rank": 4, "lora_alpha": 8},
         "diffusion": {"resolution": 32, "encode_batch_size": 4, **diffusion},
     }
+
+
+def assert_lora_changes_generation(pipe, out: Path, **call) -> None:
+    """`pipe.load_lora_weights(out)` loads the trained LoRA and changes a seeded 32 px generation."""
+    import numpy as np
+    import torch
+
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate():
+        generator = torch.Generator().manual_seed(0)
+        return pipe(
+            "a red square",
+            num_inference_steps=2,
+            height=32,
+            width=32,
+            generator=generator,
+            output_type="np",
+            **call,
+        ).images
+
+    without = generate()
+    pipe.load_lora_weights(out)
+    with_lora = generate()
+    assert with_lora.shape == (1, 32, 32, 3) and np.isfinite(with_lora).all()
+    assert np.abs(with_lora - without).max() > 1e-4
+
+
+def assert_resumes_exactly(trained: dict, from_step: int, *extra: str) -> None:
+    """A run resumed from checkpoints/step-`from_step` of trained["tmp"]/out (validation off) logs the
+    same losses for the later steps as the uninterrupted run, to 1e-6."""
+    import pytest
+
+    from tests.integration._run import accelerate_cmd, progress, run, step_losses
+
+    assert trained["train"].returncode == 0
+    tmp = trained["tmp"]
+    checkpoint = tmp / "out" / "checkpoints" / f"step-{from_step}"
+    overrides = ["--train.output_dir", str(tmp / "resumed"), "--train.load_checkpoint_path", str(checkpoint)]
+    overrides += ["--diffusion.validation_prompts", "[]", "--diffusion.validation_steps", "null", *extra]
+    resumed = run(accelerate_cmd(trained["recipe"], *overrides), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resumed from {checkpoint} at step {from_step}" in resumed.stdout + resumed.stderr
+    reference, after = step_losses(progress(tmp / "out")), step_losses(progress(tmp / "resumed"))
+    later = sorted(s for s in reference if s > from_step)
+    assert later and sorted(after) == later
+    for step in later:
+        assert after[step] == pytest.approx(reference[step], abs=1e-6), step

@@ -9,10 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import yaml
 
-from tests.diffusion_data import diffusion_recipe, write_color_folder
+from tests.diffusion_data import (
+    assert_lora_changes_generation,
+    assert_resumes_exactly,
+    diffusion_recipe,
+    write_color_folder,
+)
 from tests.integration._run import REPO, accelerate_cmd, env, progress, run, step_losses
 
 pytestmark = pytest.mark.slow
@@ -101,47 +105,13 @@ def test_train_saves_a_lora_that_diffusers_loads(trained: dict) -> None:
     pipe = StableDiffusionPipeline.from_pretrained(
         trained["pipeline"], safety_checker=None, requires_safety_checker=False
     )
-    pipe.set_progress_bar_config(disable=True)
-
-    def generate() -> np.ndarray:
-        generator = torch.Generator().manual_seed(0)
-        return pipe(
-            "a red square", num_inference_steps=2, height=32, width=32, generator=generator, output_type="np"
-        ).images
-
-    without = generate()
-    pipe.load_lora_weights(out)
-    with_lora = generate()
-    assert with_lora.shape == (1, 32, 32, 3) and np.isfinite(with_lora).all()
-    assert np.abs(with_lora - without).max() > 1e-4
+    assert_lora_changes_generation(pipe, out)
 
 
 def test_resume_from_a_checkpoint_gives_the_same_losses(trained: dict) -> None:
     """Steps 4-6 resumed from the step-3 checkpoint (LoRA, optimizer, schedule, RNG, EMA, data position)
     equal the uninterrupted run's (shuffle, flips, dropout, noise, EMA and accumulation all on)."""
-    assert trained["train"].returncode == 0
-    tmp = trained["tmp"]
-    reference = step_losses(progress(tmp / "out"))
-    checkpoint = tmp / "out" / "checkpoints" / "step-3"
-    resumed = run(
-        accelerate_cmd(
-            trained["recipe"],
-            "--train.output_dir",
-            str(tmp / "resumed"),
-            "--train.load_checkpoint_path",
-            str(checkpoint),
-            "--diffusion.validation_prompts",
-            "[]",
-            "--diffusion.validation_steps",
-            "null",
-        )
-    )
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert f"resumed from {checkpoint} at step 3" in resumed.stdout + resumed.stderr
-    after = step_losses(progress(tmp / "resumed"))
-    assert sorted(after) == [4, 5, 6]
-    for step in (4, 5, 6):
-        assert after[step] == pytest.approx(reference[step], abs=1e-6), step
+    assert_resumes_exactly(trained, 3)
 
 
 def test_dreambooth_dog_photos_with_prior_preservation(tmp_path: Path, shared_data: Path) -> None:

@@ -10,10 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import yaml
 
-from tests.diffusion_data import diffusion_recipe, write_color_folder
+from tests.diffusion_data import (
+    assert_lora_changes_generation,
+    assert_resumes_exactly,
+    diffusion_recipe,
+    write_color_folder,
+)
 from tests.integration._run import REPO, accelerate_cmd, env, progress, run, step_losses
 
 pytestmark = pytest.mark.slow
@@ -108,55 +112,15 @@ def test_train_saves_a_lora_that_stable_diffusion_3_loads(trained: dict) -> None
     assert any(".attn.add_k_proj." in k for k in keys) and any(".attn.to_k." in k for k in keys)
 
     pipe = StableDiffusion3Pipeline.from_pretrained(trained["pipeline"])
-    pipe.set_progress_bar_config(disable=True)
-
-    def generate() -> np.ndarray:
-        generator = torch.Generator().manual_seed(0)
-        return pipe(
-            "a red square",
-            num_inference_steps=2,
-            height=32,
-            width=32,
-            generator=generator,
-            output_type="np",
-            max_sequence_length=T5_TOKENS,
-        ).images
-
-    without = generate()
-    pipe.load_lora_weights(out)
+    assert_lora_changes_generation(pipe, out, max_sequence_length=T5_TOKENS)
     config = pipe.transformer.peft_config[next(iter(pipe.transformer.peft_config))]
     assert (config.r, config.lora_alpha) == (4, 8)  # the recipe's rank and alpha, from the file's metadata
-    with_lora = generate()
-    assert with_lora.shape == (1, 32, 32, 3) and np.isfinite(with_lora).all()
-    assert np.abs(with_lora - without).max() > 1e-4
 
 
 def test_resume_from_a_checkpoint_gives_the_same_losses(trained: dict) -> None:
     """Steps 4-6 resumed from step 3 (LoRA, optimizer, schedule, RNG incl. the timestep density's
     draws, data position, dropout) equal the uninterrupted run's."""
-    assert trained["train"].returncode == 0
-    tmp = trained["tmp"]
-    reference = step_losses(progress(tmp / "out"))
-    checkpoint = tmp / "out" / "checkpoints" / "step-3"
-    resumed = run(
-        accelerate_cmd(
-            trained["recipe"],
-            "--train.output_dir",
-            str(tmp / "resumed"),
-            "--train.load_checkpoint_path",
-            str(checkpoint),
-            "--diffusion.validation_prompts",
-            "[]",
-            "--diffusion.validation_steps",
-            "null",
-        )
-    )
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert f"resumed from {checkpoint} at step 3" in resumed.stdout + resumed.stderr
-    after = step_losses(progress(tmp / "resumed"))
-    assert sorted(after) == [4, 5, 6]
-    for step in (4, 5, 6):
-        assert after[step] == pytest.approx(reference[step], abs=1e-6), step
+    assert_resumes_exactly(trained, 3)
 
 
 def test_settings_sd3_cannot_use_are_refused_before_encoding(trained: dict, tmp_path: Path) -> None:

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 import yaml
 
-from tests.diffusion_data import diffusion_recipe, write_color_folder
+from tests.diffusion_data import (
+    assert_lora_changes_generation,
+    assert_resumes_exactly,
+    diffusion_recipe,
+    write_color_folder,
+)
 from tests.integration._run import accelerate_cmd, progress, run, step_losses
 
 pytestmark = pytest.mark.slow
@@ -64,49 +68,13 @@ def test_sdxl_trains_and_saves_a_lora_that_the_sdxl_pipeline_loads(sdxl: dict) -
     from diffusers import StableDiffusionXLPipeline
 
     pipe = StableDiffusionXLPipeline.from_pretrained(sdxl["pipeline"])
-    pipe.set_progress_bar_config(disable=True)
-
-    def generate() -> np.ndarray:
-        generator = torch.Generator().manual_seed(0)
-        return pipe(
-            "a red square", num_inference_steps=2, height=32, width=32, generator=generator, output_type="np"
-        ).images
-
-    without = generate()
-    pipe.load_lora_weights(out)
+    assert_lora_changes_generation(pipe, out)
     assert any("lora" in name for name, _ in pipe.unet.named_parameters())
-    with_lora = generate()
-    assert with_lora.shape == (1, 32, 32, 3) and np.isfinite(with_lora).all()
-    assert np.abs(with_lora - without).max() > 1e-4
 
 
 def test_sdxl_resume_from_a_checkpoint_gives_the_same_losses(sdxl: dict) -> None:
     """Steps 3-4 (the second epoch) resumed from step 2 equal the uninterrupted run's."""
-    assert sdxl["train"].returncode == 0
-    tmp = sdxl["tmp"]
-    checkpoint = tmp / "out" / "checkpoints" / "step-2"
-    resumed = run(
-        accelerate_cmd(
-            sdxl["recipe"],
-            "--train.output_dir",
-            str(tmp / "resumed"),
-            "--train.load_checkpoint_path",
-            str(checkpoint),
-            "--train.report_to",
-            "[]",
-            "--diffusion.validation_prompts",
-            "[]",
-            "--diffusion.validation_steps",
-            "null",
-        ),
-        timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert f"resumed from {checkpoint} at step 2" in resumed.stdout + resumed.stderr
-    reference, after = step_losses(progress(tmp / "out")), step_losses(progress(tmp / "resumed"))
-    assert sorted(after) == [3, 4]
-    for step in (3, 4):
-        assert after[step] == pytest.approx(reference[step], abs=1e-6), step
+    assert_resumes_exactly(sdxl, 2, "--train.report_to", "[]")
 
 
 def test_validation_images_and_scalars_reach_tensorboard(sdxl: dict) -> None:
