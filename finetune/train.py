@@ -49,19 +49,24 @@ from finetune.yaml_io import dump_yaml
 
 
 @dataclass
-class TrainState:
-    """What, besides accelerate's state (weights, optimizer, scheduler, RNG), resume needs."""
+class LoopState:
+    """What, besides accelerate's state (weights, optimizer, scheduler, RNG), resume needs; the
+    counters every loop keeps (the LLM and diffusion loops add their own)."""
 
     step: int = 0
     epoch: int = 0
     micro_step_in_epoch: int = 0
-    num_tokens: int = 0
-    num_trainable_tokens: int = 0
     nonfinite_in_a_row: int = 0
     nonfinite_steps: int = 0
-    skipped_iterations: int = 0
     fp16_skipped_steps: int = 0
     train_seconds: float = 0.0
+
+
+@dataclass
+class TrainState(LoopState):
+    num_tokens: int = 0
+    num_trainable_tokens: int = 0
+    skipped_iterations: int = 0
 
 
 @dataclass

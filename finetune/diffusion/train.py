@@ -28,6 +28,7 @@ from finetune.config import Recipe, recipe_to_dict
 from finetune.errors import FinetuneError
 from finetune.metrics import ProgressLog, host_peak_rss_gib, peak_memory_gib
 from finetune.train import (
+    LoopState,
     StopFlag,
     _flat,
     checkpoint,
@@ -41,17 +42,10 @@ from finetune.yaml_io import dump_yaml
 
 
 @dataclass
-class DiffusionState:
-    """What, besides accelerate's state (LoRA weights, optimizer, scheduler, RNG, EMA), resume needs."""
+class DiffusionState(LoopState):
+    """The loop's counters (accelerate's state holds LoRA weights, optimizer, scheduler, RNG, EMA)."""
 
-    step: int = 0
-    epoch: int = 0
-    micro_step_in_epoch: int = 0
     num_images: int = 0
-    nonfinite_in_a_row: int = 0
-    nonfinite_steps: int = 0
-    fp16_skipped_steps: int = 0
-    train_seconds: float = 0.0
 
 
 @dataclass

@@ -66,3 +66,8 @@ def demo_overrides(tmp: Path, *extra: str) -> list[str]:
         str(tmp / "prepared"),
         *extra,
     ]
+
+
+def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`finetune ARGS` (python -m finetune.cli) in a subprocess, from the repository root."""
+    return run([sys.executable, "-m", "finetune.cli", *args], timeout=timeout)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,22 +15,11 @@ from tests.diffusion_data import (
     diffusion_recipe,
     write_color_folder,
 )
-from tests.integration._run import REPO, accelerate_cmd, env, progress, run, step_losses
+from tests.integration._run import accelerate_cmd, cli, progress, run, step_losses
 
 pytestmark = pytest.mark.slow
 
 STEPS = 6
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "finetune.cli", *args],
-        cwd=REPO,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +49,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
     recipe["lora"]["lora_dropout"] = 0.1  # resume must also replay the dropout masks
     path = tmp / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    prepare = _cli("prepare-dataset", str(path))
+    prepare = cli("prepare-dataset", str(path))
     train = run(accelerate_cmd(path))  # prepares again: must find the cache
     return {"tmp": tmp, "pipeline": pipeline, "recipe": path, "prepare": prepare, "train": train}
 

@@ -4,8 +4,6 @@ checkpoint and exact resume, save, and diffusers' StableDiffusion3Pipeline.load_
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,23 +16,12 @@ from tests.diffusion_data import (
     diffusion_recipe,
     write_color_folder,
 )
-from tests.integration._run import REPO, accelerate_cmd, env, progress, run, step_losses
+from tests.integration._run import accelerate_cmd, cli, progress, run, step_losses
 
 pytestmark = pytest.mark.slow
 
 STEPS = 6
 T5_TOKENS = 24
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "finetune.cli", *args],
-        cwd=REPO,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +50,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
     recipe["lora"]["lora_dropout"] = 0.1  # resume must also replay the dropout masks
     path = tmp / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    prepare = _cli("prepare-dataset", str(path))
+    prepare = cli("prepare-dataset", str(path))
     train = run(accelerate_cmd(path))  # prepares again: must find the cache
     return {"tmp": tmp, "pipeline": pipeline, "recipe": path, "prepare": prepare, "train": train}
 
@@ -124,7 +111,7 @@ def test_resume_from_a_checkpoint_gives_the_same_losses(trained: dict) -> None:
 
 
 def test_settings_sd3_cannot_use_are_refused_before_encoding(trained: dict, tmp_path: Path) -> None:
-    result = _cli(
+    result = cli(
         "prepare-dataset",
         str(trained["recipe"]),
         "--diffusion.snr_gamma",
