@@ -219,6 +219,13 @@ def combination_problems(recipe: Any, engine: Engine, *, cuda_available: bool) -
             "LoRA weights train (a few MB), so sharding saves nothing; use single_gpu or multi_gpu "
             "(multi_cpu without GPUs)"
         )
+    if engine.kind == "deepspeed" and engine.num_processes > 1 and not cuda_available:
+        # Accelerate (1.15) gives a DeepSpeed run without a GPU no distributed backend: every process
+        # would believe it is the only one (and the main one), and they would clash writing checkpoints.
+        problems.append(
+            f"{where}: DeepSpeed without GPUs runs one process, not {engine.num_processes}: Accelerate treats "
+            "each CPU process as the only one; use --num-processes 1, or multi_cpu for several CPU processes"
+        )
     if engine.kind == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         problems.append(f"{where}: DeepSpeed is not installed: pip install -e '.[deepspeed]'")
     if engine.kind == "deepspeed" and engine.offload_optimizer and recipe.train.optimizer != "adamw":

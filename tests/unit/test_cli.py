@@ -288,6 +288,14 @@ def test_train_needs_a_recipe(capsys: pytest.CaptureFixture) -> None:
 # ------------------------------------------------------------------------------------ launching
 
 
+@pytest.fixture
+def gpu_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a machine with GPUs: the shipped multi-GPU configs pass the pre-launch checks."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
 def test_launch_command_with_config() -> None:
     config_path = ACCELERATE_CONFIGS / f"{CONFIG_NAMES[0]}.yaml"
     cmd = launch_command("r.yaml", ["--train.lr", "1e-4", "--train.seed=3"], config_path)
@@ -304,7 +312,7 @@ def test_launch_command_without_config_is_one_process() -> None:
     assert cmd[-2:] == [str(TRAIN_SCRIPT), "r.yaml"]
 
 
-def test_train_execs_accelerate_launch(recipe_path: Path, fake_execv: list, capsys) -> None:
+def test_train_execs_accelerate_launch(recipe_path: Path, fake_execv: list, capsys, gpu_node) -> None:
     name = "zero2"
     with pytest.raises(Exec):
         main(["train", str(recipe_path), "--accelerate-config", name, "--train.seed", "3"])
@@ -313,7 +321,7 @@ def test_train_execs_accelerate_launch(recipe_path: Path, fake_execv: list, caps
     assert "+ " + " ".join(expected) in capsys.readouterr().err
 
 
-def test_train_uses_the_recipe_accelerate_config(recipe_path: Path, fake_execv: list) -> None:
+def test_train_uses_the_recipe_accelerate_config(recipe_path: Path, fake_execv: list, gpu_node) -> None:
     name = "zero3"
     with pytest.raises(Exec):
         main(["train", str(recipe_path), "--train.accelerate_config", name])
@@ -364,7 +372,7 @@ def test_multi_cpu_config_launches_through_torchrun():
     assert cmd[-3:] == ["r.yaml", "--train.seed", "3"]
 
 
-def test_launch_options_reach_accelerate_launch(recipe_path: Path, fake_execv: list) -> None:
+def test_launch_options_reach_accelerate_launch(recipe_path: Path, fake_execv: list, gpu_node) -> None:
     args = ["--num-processes", "16", "--num-machines", "2", "--machine-rank", "1"]
     args += ["--main-process-ip", "node0", "--main-process-port", "29501"]
     with pytest.raises(Exec):
@@ -401,7 +409,9 @@ def test_train_refuses_fsdp_without_gpu(
     assert fake_execv == []
 
 
-def test_train_refuses_optimizer_offload_without_adamw(recipe_path: Path, fake_execv: list, capsys) -> None:
+def test_train_refuses_optimizer_offload_without_adamw(
+    recipe_path: Path, fake_execv: list, capsys, gpu_node
+) -> None:
     args = ["--train.optimizer", "sgd"]
     assert main(["train", str(recipe_path), "--accelerate-config", "zero3_offload", *args]) == 2
     err = capsys.readouterr().err
@@ -428,3 +438,16 @@ def test_slurm_script_uses_real_train_options(recipe_path: Path, fake_execv: lis
     with pytest.raises(Exec):
         main(["train", str(recipe_path), "--accelerate-config", config, *args])
     assert fake_execv[0][fake_execv[0].index("--machine_rank") + 1] == "1"
+
+
+def test_train_refuses_multi_process_deepspeed_without_gpus(
+    recipe_path: Path, fake_execv: list, capsys, monkeypatch
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["train", str(recipe_path), "--accelerate-config", "zero3", "--num-processes", "2"]) == 2
+    assert "DeepSpeed without GPUs runs one process, not 2" in capsys.readouterr().err
+    assert fake_execv == []
+    with pytest.raises(Exec):  # one process is what runs on CPU
+        main(["train", str(recipe_path), "--accelerate-config", "zero3", "--num-processes", "1"])

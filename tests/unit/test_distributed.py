@@ -275,6 +275,8 @@ def test_refusals_name_the_fix():
     )
     for name in ("zero1", "zero2", "zero3", "multi_cpu", "single_gpu"):
         engine = read_accelerate_config(ACCELERATE_CONFIGS / f"{name}.yaml")
+        if engine.kind == "deepspeed":  # one process on CPU (see the next test)
+            engine = Engine(**{**engine.__dict__, "num_processes": 1})
         assert combination_problems(recipe, engine, cuda_available=False) == [], name
 
 
@@ -293,3 +295,15 @@ def test_diffusion_runs_on_one_process_or_ddp():
     for name in ("single_gpu", "multi_gpu", "multi_cpu"):
         engine = read_accelerate_config(ACCELERATE_CONFIGS / f"{name}.yaml")
         assert combination_problems(recipe, engine, cuda_available=False) == []
+
+
+def test_deepspeed_without_gpus_is_one_process():
+    recipe = _recipe()
+    engine = Engine(
+        **{**read_accelerate_config(ACCELERATE_CONFIGS / "zero3.yaml").__dict__, "num_processes": 2}
+    )
+    (problem,) = combination_problems(recipe, engine, cuda_available=False)
+    assert "DeepSpeed without GPUs runs one process, not 2" in problem and "--num-processes 1" in problem
+    assert combination_problems(recipe, engine, cuda_available=True) == []
+    one = Engine(**{**engine.__dict__, "num_processes": 1})
+    assert combination_problems(recipe, one, cuda_available=False) == []
