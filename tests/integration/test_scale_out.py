@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,12 +42,13 @@ def prepared(tmp_path_factory):
     return tmp_path_factory.mktemp("prepared")
 
 
-def finetune_train(out: Path, prepared: Path, *args: str) -> None:
+def finetune_train(out: Path, prepared: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "finetune.cli", "train", str(DEMO), *args, *COMMON]
     cmd += ["--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared)]
     # DeepSpeed picks its CPU accelerator itself; ACCELERATE_USE_CPU would turn the engine off.
     result = run(cmd, unset=("ACCELERATE_USE_CPU",) if "zero" in " ".join(args) else ())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
 
 
 def close(a: dict[int, float], b: dict[int, float], tol: float) -> bool:
@@ -233,3 +235,24 @@ def test_qlora_with_zero2_offload(tmp_path, prepared, pretrained):
     losses = step_losses(progress(out))
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1]
     assert (out / "adapter_model.safetensors").is_file()
+
+
+@needs_deepspeed
+def test_zero3_random_init_saves_a_whole_base_model(tmp_path, prepared):
+    """A random-init model built under ZeRO-3 (partitioned by deepspeed.zero.Init) is gathered before
+    base_model/ is written, so the adapter loads onto complete weights; counts use the full sizes."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    args = ["--accelerate-config", "zero3", "--num-processes", "1", *ZERO_STEPS]
+    result = finetune_train(out, prepared, *args)
+    # The same counts as without an engine (LoRA + embed/lm_head of the demo model).
+    assert "parameters: 258,048 trainable / 832,128 total" in result.stdout + result.stderr
+    weights = load_file(out / "base_model" / "model.safetensors")
+    assert weights["model.embed_tokens.weight"].shape == (704, 128)
+    assert all(t.numel() > 0 for t in weights.values())
+    trained = _trained_logits(out, out / "checkpoints" / "step-4", out / "base_model", lora=True)
+    exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base_model"), out)
+    assert torch.allclose(_logits(exported), trained, atol=1e-4)
