@@ -564,7 +564,11 @@ class HubSection(_Section):
 # projections, as in diffusers' LoRA examples. UNets (SD 1.x/2.x, SDXL) have only the first four;
 # SD3's joint attention also projects the text stream (add_*_proj, to_add_out), and the eight are
 # the defaults of diffusers' train_dreambooth_lora_sd3.py. (Names match as suffixes: on SD3.5's
-# dual-attention blocks the first four also adapt `attn2`, which that script leaves out.)
+# dual-attention blocks the first four also adapt `attn2`, which that script leaves out.) Flux's
+# double-stream blocks have the same eight and its single-stream blocks attn.to_q/k/v, all adapted;
+# diffusers' train_dreambooth_lora_flux.py also adapts the feed-forward layers (ff.net.0.proj,
+# ff.net.2, ff_context.net.*), which recipes/diffusion/flux_lora.yaml lists (UNets have ff.net.* too,
+# so they cannot join this family-independent default).
 DIFFUSION_DEFAULT_LORA_TARGETS = [
     "to_k",
     "to_q",
@@ -647,24 +651,32 @@ class DiffusionSection(_Section):
     prediction_type: Literal["epsilon", "v_prediction", "flow_matching"] | None = Field(
         None,
         description="What the denoiser predicts; null = what the pipeline's scheduler defines "
-        "(its prediction_type for UNets; flow_matching for SD3, whose FlowMatchEulerDiscreteScheduler "
+        "(its prediction_type for UNets; flow_matching for SD3 and Flux, whose FlowMatchEulerDiscreteScheduler "
         "gives the noise levels: input (1 - sigma) * latents + sigma * noise, target noise - latents).",
     )
     weighting_scheme: Literal["none", "logit_normal", "mode", "sigma_sqrt", "cosmap"] = Field(
         "logit_normal",
-        description="Flow matching (SD3) only, as diffusers' SD3 scripts: logit_normal / mode draw "
+        description="Flow matching (SD3, Flux) only, as diffusers' SD3 and Flux scripts: logit_normal / mode draw "
         "timesteps from that density (SD3 paper), sigma_sqrt / cosmap draw them uniformly and weight "
         "the loss; none = uniform, unweighted.",
     )
     logit_mean: float = Field(0.0, description="weighting_scheme logit_normal: mean of the normal.")
     logit_std: float = Field(1.0, gt=0, description="weighting_scheme logit_normal: std of the normal.")
     mode_scale: float = Field(1.29, description="weighting_scheme mode: its scale parameter.")
-    max_sequence_length: int = Field(
-        256,
+    max_sequence_length: int | None = Field(
+        None,
         ge=1,
         le=512,
-        description="SD3: T5 tokens per caption (the pipeline's default, also used for validation "
-        "images). The cache holds (77 + this) x 4096 floats per image.",
+        description="SD3 and Flux: T5 tokens per caption, also used for validation images; null = the "
+        "pipeline's default (SD3: 256, Flux: 512). The cache holds (77 + this) x 4096 floats per image "
+        "for SD3, this x 4096 for Flux.",
+    )
+    guidance_scale: float = Field(
+        3.5,
+        ge=0,
+        description="Flux only: the embedded guidance value a guidance-distilled transformer (FLUX.1-dev) "
+        "is trained with, as diffusers' Flux scripts (3.5); ignored, with a message, by transformers "
+        "without guidance embeddings (FLUX.1-schnell), where a non-default value is an error.",
     )
     use_ema: bool = Field(
         False,
@@ -683,7 +695,12 @@ class DiffusionSection(_Section):
     )
     num_validation_images: int = Field(2, ge=1, description="Images generated per validation prompt.")
     validation_inference_steps: int = Field(25, ge=1, description="Denoising steps per validation image.")
-    validation_guidance_scale: float = Field(7.5, ge=0, description="Classifier-free guidance scale.")
+    validation_guidance_scale: float = Field(
+        7.5,
+        ge=0,
+        description="Classifier-free guidance scale (Flux: the pipeline's embedded guidance_scale, "
+        "3.5 for FLUX.1-dev; no effect on FLUX.1-schnell).",
+    )
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
         problems: list[Problem] = []
@@ -709,7 +726,14 @@ class DiffusionSection(_Section):
         """Loss settings that contradict prediction_type or weighting_scheme (what the pipeline's
         family rules out when prediction_type is null is checked at prepare time)."""
         problems: list[Problem] = []
-        flow_fields = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "max_sequence_length")
+        flow_fields = (
+            "weighting_scheme",
+            "logit_mean",
+            "logit_std",
+            "mode_scale",
+            "max_sequence_length",
+            "guidance_scale",
+        )
         if ok("prediction_type", "snr_gamma", "noise_offset", *flow_fields):
             if self.prediction_type == "flow_matching":
                 if self.snr_gamma is not None:
@@ -736,7 +760,8 @@ class DiffusionSection(_Section):
                             (
                                 name,
                                 getattr(self, name),
-                                f"applies to flow matching (SD3) only, not prediction_type {self.prediction_type}",
+                                f"applies to flow matching (SD3, Flux) only, not prediction_type "
+                                f"{self.prediction_type}",
                             )
                         )
         if ok("weighting_scheme", "logit_mean", "logit_std", "mode_scale"):

@@ -145,7 +145,8 @@ def render_diffusion_model_card(
         ("buckets", ", ".join(f"{k}: {v}" for k, v in (manifest.get("buckets") or {}).items())),
     ]
     objective = ("noise offset / min-SNR gamma", f"{diffusion['noise_offset']} / {diffusion['snr_gamma']}")
-    if manifest.get("pipeline", {}).get("family") == "sd3":  # flow matching weights timesteps its own way
+    # Flow matching (SD3, Flux) weights timesteps its own way.
+    if manifest.get("pipeline", {}).get("family") in ("sd3", "flux"):
         objective = ("objective", f"flow matching, weighting_scheme {diffusion['weighting_scheme']}")
     hyper = [
         ("resolution", f"{diffusion['resolution']} (buckets: {diffusion['aspect_ratio_buckets']})"),

@@ -7,6 +7,6 @@ saves `pytorch_lora_weights.safetensors` that `pipeline.load_lora_weights(output
 
 Modules: model (pipeline parts, LoRA), sources (image records from folders and the Hub), images
 (EXIF, buckets, resize and crop), cache (fingerprint, encoding, manifest), loader (bucketed batches),
-objective (noise, targets, min-SNR; flow matching for SD3), sampling (validation images, class images), train (the loop),
+objective (noise, targets, min-SNR; flow matching for SD3 and Flux), sampling (validation images, class images), train (the loop),
 tiny (tiny random pipelines for tests, demos and benchmarks).
 """

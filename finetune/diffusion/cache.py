@@ -8,14 +8,15 @@ file lock keeps two processes from building the same fingerprint.
 What one row holds (one row = one example, identified by `index`, never by a dataloader position,
 so shuffling can never pair a latent with another image's caption):
 
-* the caption and the text-encoder outputs of that caption (`prompt_embeds`, SDXL and SD3: also
-  `pooled_prompt_embeds`; SD3: CLIP-L + CLIP-G + T5 as StableDiffusion3Pipeline.encode_prompt
-  computes them, with diffusion.max_sequence_length T5 tokens), computed once per distinct caption;
+* the caption and the text-encoder outputs of that caption (`prompt_embeds`, SDXL, SD3 and Flux:
+  also `pooled_prompt_embeds`; SD3: CLIP-L + CLIP-G + T5 as StableDiffusion3Pipeline.encode_prompt
+  computes them, Flux: T5 hidden states and CLIP's pooled output as FluxPipeline.encode_prompt does,
+  with diffusion.max_sequence_length T5 tokens), computed once per distinct caption;
 * the latent distribution of the resized and cropped image: `latent_mean` and `latent_std`
   (raw: neither shifted nor scaled, for every family). Training samples `mean + std * N(0, 1)` at
   every step, as encoding every step would, instead of freezing one sample at prepare time, then
-  applies the VAE's `(z - shift_factor) * scaling_factor` (both recorded in the manifest; SD3's VAE
-  has a shift factor, SD/SDXL's none);
+  applies the VAE's `(z - shift_factor) * scaling_factor` (both recorded in the manifest; SD3's and
+  Flux's VAEs have a shift factor, SD/SDXL's none);
 * with `random_flip`, the same for the horizontally flipped image (`*_flipped`): flips cannot be
   drawn per step once latents are cached, so both variants are stored and the loader picks one per
   (seed, epoch, position);
@@ -178,9 +179,11 @@ def fingerprint_inputs(recipe: Any, info: PipelineInfo) -> dict:
         "text_encoders": [component_identity(info.path, name, info.revision) for name in text_parts],
         "image": image_settings,
     }
-    # Only SD3 reads it; the key is absent for SD/SDXL, so their fingerprints stay what they were.
-    if info.family == "sd3":
-        inputs["text"] = {"max_sequence_length": settings.max_sequence_length}
+    # Only the T5 pipelines (SD3, Flux) read it, resolved (null = the pipeline's default); the key is
+    # absent for SD/SDXL, so their fingerprints stay what they were.
+    length = info.sequence_length(settings.max_sequence_length)
+    if length is not None:
+        inputs["text"] = {"max_sequence_length": length}
     return inputs
 
 
@@ -264,7 +267,7 @@ def _build(
     scratch.mkdir(parents=True)
     try:
         t0 = time.perf_counter()
-        features = _features(flip=settings.random_flip, sdxl=info.family in ("sdxl", "sd3"))
+        features = _features(flip=settings.random_flip, sdxl=info.family in ("sdxl", "sd3", "flux"))
         from datasets.arrow_writer import ArrowWriter
 
         # Written batch by batch: memory stays at one encode batch however large the dataset.
@@ -390,7 +393,11 @@ def _encode_batch(batch, records, settings, vae, tokenizers, encoders, info, rec
         )
     captions = sorted({records[index].caption for index, *_ in items})
     embeds = encode_prompts(
-        tokenizers, encoders, captions, info.family, max_sequence_length=settings.max_sequence_length
+        tokenizers,
+        encoders,
+        captions,
+        info.family,
+        max_sequence_length=info.sequence_length(settings.max_sequence_length),
     )
     position = {caption: k for k, caption in enumerate(captions)}
     rows = []
@@ -426,7 +433,7 @@ def _encode_batch(batch, records, settings, vae, tokenizers, encoders, info, rec
 
 
 def _features(*, flip: bool, sdxl: bool) -> datasets.Features:
-    """Column types; `sdxl`: the pooled text embedding column too (SDXL and SD3)."""
+    """Column types; `sdxl`: the pooled text embedding column too (SDXL, SD3 and Flux)."""
     ints = ["bucket", "height", "width", "original_height", "original_width", "crop_top", "crop_left"]
     spec: dict[str, Any] = {
         "index": datasets.Value("int64"),

@@ -3,9 +3,11 @@
 Supported: UNet pipelines, i.e. StableDiffusionPipeline (SD 1.x / 2.x, epsilon or v-prediction) and
 StableDiffusionXLPipeline (two text encoders, pooled embeddings and size/crop time ids), and
 StableDiffusion3Pipeline (SD3: an SD3Transformer2DModel trained with flow matching, CLIP-L + CLIP-G +
-T5 text encoders, a VAE with a shift factor). Other transformer pipelines (Flux, Sana, PixArt, ...)
-are refused with a clear error. The denoiser (UNet or SD3 transformer) is still called `unet` in
-the training loop's variables; `PipelineInfo.denoiser_name` says which it is.
+T5 text encoders, a VAE with a shift factor) and FluxPipeline (Flux: a FluxTransformer2DModel trained
+with flow matching on 2x2-packed latents, a pooled CLIP + T5 text encoder, embedded guidance on
+guidance-distilled checkpoints). Other transformer pipelines (Sana, PixArt, ...) are refused with a
+clear error. The denoiser (UNet or transformer) is still called `unet` in the training loop's
+variables; `PipelineInfo.denoiser_name` says which it is.
 """
 
 from __future__ import annotations
@@ -24,10 +26,16 @@ FAMILIES = {
     "StableDiffusionPipeline": "sd",
     "StableDiffusionXLPipeline": "sdxl",
     "StableDiffusion3Pipeline": "sd3",
+    "FluxPipeline": "flux",
 }
-SUPPORTED = "StableDiffusionPipeline (SD 1.x/2.x), StableDiffusionXLPipeline (SDXL) and StableDiffusion3Pipeline (SD3)"
+SUPPORTED = (
+    "StableDiffusionPipeline (SD 1.x/2.x), StableDiffusionXLPipeline (SDXL), StableDiffusion3Pipeline (SD3) "
+    "and FluxPipeline (Flux)"
+)
 # Families whose denoiser is trained with flow matching (the rest: epsilon / v-prediction).
-FLOW_MATCHING_FAMILIES = ("sd3",)
+FLOW_MATCHING_FAMILIES = ("sd3", "flux")
+# T5 tokens per caption when diffusion.max_sequence_length is null: each pipeline's own default.
+DEFAULT_SEQUENCE_LENGTH = {"sd3": 256, "flux": 512}
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -38,7 +46,7 @@ class PipelineInfo:
     path: str
     revision: str | None
     class_name: str
-    family: str  # "sd", "sdxl" or "sd3"
+    family: str  # "sd", "sdxl", "sd3" or "flux"
     vae_path: str | None = None  # a separate VAE (diffusion.vae_path), else the pipeline's vae/
 
     @property
@@ -49,7 +57,7 @@ class PipelineInfo:
 
     @property
     def text_encoder_names(self) -> tuple[str, ...]:
-        count = {"sd": 1, "sdxl": 2, "sd3": 3}[self.family]
+        count = {"sd": 1, "sdxl": 2, "sd3": 3, "flux": 2}[self.family]
         return ("text_encoder", "text_encoder_2", "text_encoder_3")[:count]
 
     @property
@@ -58,12 +66,20 @@ class PipelineInfo:
 
     @property
     def denoiser_name(self) -> str:
-        """The pipeline component that is trained: `unet`, or `transformer` for SD3."""
-        return "transformer" if self.family == "sd3" else "unet"
+        """The pipeline component that is trained: `unet`, or `transformer` for SD3 and Flux."""
+        return "transformer" if self.family in ("sd3", "flux") else "unet"
 
     @property
     def flow_matching(self) -> bool:
         return self.family in FLOW_MATCHING_FAMILIES
+
+    def sequence_length(self, max_sequence_length: int | None) -> int | None:
+        """T5 tokens per caption: diffusion.max_sequence_length, or the pipeline's default when null;
+        None for the families without T5 (SD, SDXL)."""
+        default = DEFAULT_SEQUENCE_LENGTH.get(self.family)
+        if default is None:
+            return None
+        return max_sequence_length or default
 
     def vae_location(self) -> tuple[str, str | None]:
         """(path, subfolder) of the VAE."""
@@ -106,8 +122,9 @@ def pipeline_info(model_path: str, revision: str | None = None, vae_path: str | 
         ):
             hint = (
                 f"; {class_name} is a transformer-based pipeline that training does not support yet (the "
-                "supported transformer-based pipeline is StableDiffusion3Pipeline, e.g. "
-                "stabilityai/stable-diffusion-3-medium-diffusers)"
+                "supported transformer-based pipelines are StableDiffusion3Pipeline, e.g. "
+                "stabilityai/stable-diffusion-3-medium-diffusers, and FluxPipeline, e.g. "
+                "black-forest-labs/FLUX.1-dev)"
             )
         else:
             hint = ""
@@ -131,7 +148,19 @@ def settings_problems(info: PipelineInfo, settings: Any) -> list[str]:
     the rest, known only once model_index.json has been read.
     """
     problems = []
-    defaults = {name: type(settings).model_fields[name].get_default() for name in FLOW_MATCHING_FIELDS}
+    fields = type(settings).model_fields
+    defaults = {name: fields[name].get_default() for name in FLOW_MATCHING_FIELDS}
+    guidance_changed = settings.guidance_scale != fields["guidance_scale"].get_default()
+    if guidance_changed and info.family != "flux":
+        problems.append(
+            f"diffusion.guidance_scale: the embedded guidance of guidance-distilled Flux transformers; "
+            f"{info.class_name} has none: remove it (sampling uses diffusion.validation_guidance_scale)"
+        )
+    elif guidance_changed and not guidance_embeds(info):
+        problems.append(
+            f"diffusion.guidance_scale: the transformer of {info.path} has no guidance embedding "
+            "(config.guidance_embeds false, e.g. FLUX.1-schnell), so there is nothing to condition on: remove it"
+        )
     if info.flow_matching:
         if settings.prediction_type not in (None, "flow_matching"):
             problems.append(
@@ -156,10 +185,21 @@ def settings_problems(info: PipelineInfo, settings: Any) -> list[str]:
         for name, default in defaults.items():
             if getattr(settings, name) != default:
                 problems.append(
-                    f"diffusion.{name}: applies to flow-matching pipelines (SD3) only, not to "
+                    f"diffusion.{name}: applies to flow-matching pipelines (SD3, Flux) only, not to "
                     f"{info.class_name}: remove it"
                 )
     return problems
+
+
+def guidance_embeds(info: PipelineInfo) -> bool:
+    """Whether the pipeline's Flux transformer is guidance-distilled (FLUX.1-dev: yes, schnell: no);
+    False for the other families."""
+    if info.family != "flux":
+        return False
+    from diffusers import FluxTransformer2DModel
+
+    config = FluxTransformer2DModel.load_config(info.path, subfolder="transformer", revision=info.revision)
+    return bool(config.get("guidance_embeds", False))
 
 
 def check_settings(info: PipelineInfo, settings: Any) -> None:
@@ -193,14 +233,14 @@ def load_unet(info: PipelineInfo, dtype: torch.dtype):
 
 
 def load_denoiser(info: PipelineInfo, dtype: torch.dtype):
-    """The model that training adapts: the UNet, or SD3's SD3Transformer2DModel."""
-    if info.family != "sd3":
+    """The model that training adapts: the UNet, SD3's SD3Transformer2DModel or Flux's
+    FluxTransformer2DModel."""
+    if info.family not in ("sd3", "flux"):
         return load_unet(info, dtype)
-    from diffusers import SD3Transformer2DModel
+    import diffusers
 
-    return SD3Transformer2DModel.from_pretrained(
-        info.path, subfolder="transformer", revision=info.revision, dtype=dtype
-    )
+    cls = diffusers.SD3Transformer2DModel if info.family == "sd3" else diffusers.FluxTransformer2DModel
+    return cls.from_pretrained(info.path, subfolder="transformer", revision=info.revision, dtype=dtype)
 
 
 def load_vae(info: PipelineInfo, device: torch.device | str = "cpu"):
@@ -239,8 +279,9 @@ def load_text_encoders(info: PipelineInfo, device: torch.device | str = "cpu") -
 def load_noise_scheduler(info: PipelineInfo, prediction_type: str | None):
     """The training noise schedule, with an optional override of what the UNet predicts.
 
-    UNets: DDPM with the pipeline scheduler's betas. SD3: the pipeline's own
-    FlowMatchEulerDiscreteScheduler (its `sigmas`, shifted by its `shift`, give the noise levels).
+    UNets: DDPM with the pipeline scheduler's betas. SD3 and Flux: the pipeline's own
+    FlowMatchEulerDiscreteScheduler (its `sigmas` give the noise levels: shifted by its `shift`, or
+    unshifted when it shifts dynamically at inference, as Flux's does).
     """
     from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
 
@@ -255,7 +296,7 @@ def load_noise_scheduler(info: PipelineInfo, prediction_type: str | None):
         )
     if prediction_type == "flow_matching":
         raise FinetuneError(
-            f"diffusion.prediction_type: flow_matching is for flow-matching pipelines (SD3); {info.class_name} "
+            f"diffusion.prediction_type: flow_matching is for flow-matching pipelines (SD3, Flux); {info.class_name} "
             "predicts epsilon or v_prediction (null = its scheduler's)"
         )
     scheduler = DDPMScheduler.from_pretrained(info.path, subfolder="scheduler", revision=info.revision)
@@ -270,16 +311,19 @@ def load_noise_scheduler(info: PipelineInfo, prediction_type: str | None):
 
 
 def pixel_multiple(info: PipelineInfo) -> int:
-    """Image sides must be multiples of this: VAE downsampling x UNet downsampling (SD3: x patch size).
+    """Image sides must be multiples of this: VAE downsampling x UNet downsampling (SD3: x patch size,
+    Flux: x 2, the 2x2 patches FluxPipeline packs latents into).
 
-    64 for SD and SDXL (8 x 8), 16 for SD3 (8 x 2). Read from the configs, so tiny test pipelines
-    get their own value.
+    64 for SD and SDXL (8 x 8), 16 for SD3 (8 x 2) and Flux (8 x 2). Read from the configs, so tiny
+    test pipelines get their own value.
     """
     from diffusers import AutoencoderKL, SD3Transformer2DModel, UNet2DConditionModel
 
     path, subfolder = info.vae_location()
     vae_config = AutoencoderKL.load_config(path, subfolder=subfolder, revision=info.revision)
     vae_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
+    if info.family == "flux":  # FluxPipeline._pack_latents: 2x2 latent patches, whatever config.patch_size
+        return vae_factor * 2
     if info.family == "sd3":
         config = SD3Transformer2DModel.load_config(info.path, subfolder="transformer", revision=info.revision)
         return vae_factor * config["patch_size"]
@@ -289,7 +333,8 @@ def pixel_multiple(info: PipelineInfo) -> int:
 
 
 def max_pixel_side(info: PipelineInfo) -> int | None:
-    """The longest image side the denoiser accepts, in pixels; None when unbounded (UNets).
+    """The longest image side the denoiser accepts, in pixels; None when unbounded (UNets, Flux's
+    rotary position embeddings).
 
     SD3's transformer crops a fixed position-embedding grid of `pos_embed_max_size` patches per side.
     """
@@ -303,7 +348,12 @@ def max_pixel_side(info: PipelineInfo) -> int | None:
 
 @torch.no_grad()
 def encode_prompts(
-    tokenizers: list, encoders: list, prompts: list[str], family: str, *, max_sequence_length: int = 256
+    tokenizers: list,
+    encoders: list,
+    prompts: list[str],
+    family: str,
+    *,
+    max_sequence_length: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Text-encoder outputs as the pipelines compute them (float32, on the encoders' device).
 
@@ -312,10 +362,13 @@ def encode_prompts(
     (StableDiffusionXLPipeline.encode_prompt with clip_skip None). sd3: the pipeline's own
     encode_prompt: `prompt_embeds` = both CLIPs' penultimate hidden states concatenated, zero-padded
     to T5's width, followed by T5's `max_sequence_length` hidden states; `pooled_prompt_embeds` =
-    both CLIPs' projected outputs concatenated.
+    both CLIPs' projected outputs concatenated. flux: FluxPipeline.encode_prompt: `prompt_embeds` =
+    T5's `max_sequence_length` hidden states, `pooled_prompt_embeds` = CLIP's pooled output (the
+    text ids are zeros, made at training time).
     """
-    if family == "sd3":
-        return _encode_prompts_sd3(tokenizers, encoders, prompts, max_sequence_length)
+    if family in ("sd3", "flux"):
+        length = max_sequence_length or DEFAULT_SEQUENCE_LENGTH[family]
+        return _encode_prompts_t5(tokenizers, encoders, prompts, family, length)
     out: dict[str, torch.Tensor] = {}
     hidden = []
     for tokenizer, encoder in zip(tokenizers, encoders, strict=True):
@@ -338,23 +391,30 @@ def encode_prompts(
     return out
 
 
-def _encode_prompts_sd3(tokenizers, encoders, prompts, max_sequence_length) -> dict[str, torch.Tensor]:
-    from diffusers import StableDiffusion3Pipeline
+def _encode_prompts_t5(tokenizers, encoders, prompts, family, max_sequence_length) -> dict[str, torch.Tensor]:
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
-    # A pipeline of the text encoders only: StableDiffusion3Pipeline.encode_prompt is then exactly
-    # what inference computes (the transformer, VAE and scheduler are not needed for it).
-    names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    # A pipeline of the text encoders only: the pipeline's encode_prompt is then exactly what
+    # inference computes (the transformer, VAE and scheduler are not needed for it).
+    names = ("text_encoder", "text_encoder_2", "text_encoder_3")[: len(encoders)]
     parts = dict(zip(names, encoders, strict=True))
     parts |= {n.replace("text_encoder", "tokenizer"): t for n, t in zip(names, tokenizers, strict=True)}
-    pipe = StableDiffusion3Pipeline(transformer=None, scheduler=None, vae=None, **parts)
-    prompt_embeds, _, pooled, _ = pipe.encode_prompt(
-        prompts,
-        None,
-        None,
-        device=encoders[0].device,
-        do_classifier_free_guidance=False,
-        max_sequence_length=max_sequence_length,
-    )
+    device = encoders[0].device
+    if family == "flux":
+        pipe = FluxPipeline(transformer=None, scheduler=None, vae=None, **parts)
+        prompt_embeds, pooled, _ = pipe.encode_prompt(
+            prompts, None, device=device, max_sequence_length=max_sequence_length
+        )
+    else:
+        pipe = StableDiffusion3Pipeline(transformer=None, scheduler=None, vae=None, **parts)
+        prompt_embeds, _, pooled, _ = pipe.encode_prompt(
+            prompts,
+            None,
+            None,
+            device=device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=max_sequence_length,
+        )
     return {"prompt_embeds": prompt_embeds.float(), "pooled_prompt_embeds": pooled.float()}
 
 
@@ -416,14 +476,15 @@ def add_lora(
 def lora_state_dict(unet: torch.nn.Module, family: str = "sd") -> dict[str, torch.Tensor]:
     """The denoiser's LoRA weights as diffusers' training scripts save them.
 
-    UNets: converted to the diffusers naming (train_text_to_image_lora*.py); SD3's transformer: the
-    PEFT naming, as train_dreambooth_lora_sd3.py writes (both load with `load_lora_weights`).
+    UNets: converted to the diffusers naming (train_text_to_image_lora*.py); SD3's and Flux's
+    transformers: the PEFT naming, as train_dreambooth_lora_{sd3,flux}.py write (all load with
+    `load_lora_weights`).
     """
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
     state = get_peft_model_state_dict(unet)
-    return state if family == "sd3" else convert_state_dict_to_diffusers(state)
+    return state if family in ("sd3", "flux") else convert_state_dict_to_diffusers(state)
 
 
 def save_lora(info: PipelineInfo, unet: torch.nn.Module, folder: str | Path, **kwargs: Any) -> None:

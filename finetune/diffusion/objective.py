@@ -1,13 +1,17 @@
 """The denoising loss of one batch: noise, timesteps, target, min-SNR weights, prior-preservation weight.
 
-Two objectives, chosen by the pipeline's family: `diffusion_loss` (UNets: epsilon or v-prediction)
-and `flow_matching_loss` (SD3: rectified flow). Uses the scheduler's own `add_noise` /
-`get_velocity` / `sigmas` and diffusers' `compute_snr`, `compute_density_for_timestep_sampling` and
-`compute_loss_weighting_for_sd3`; what is written here is only the glue those lack (sampling cached
-latent distributions, per-sample weighting, the prior-preservation split).
+Objectives chosen by the pipeline's family: `diffusion_loss` (UNets: epsilon or v-prediction),
+`flow_matching_loss` (SD3: rectified flow) and `flux_loss` (Flux: rectified flow on 2x2-packed
+latents, with embedded guidance). Uses the scheduler's own `add_noise` / `get_velocity` / `sigmas`,
+FluxPipeline's latent packing and position ids, and diffusers' `compute_snr`,
+`compute_density_for_timestep_sampling` and `compute_loss_weighting_for_sd3`; what is written here
+is only the glue those lack (sampling cached latent distributions, per-sample weighting, the
+prior-preservation split).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -132,32 +136,115 @@ def flow_matching_loss(
     As diffusers' train_dreambooth_lora_sd3.py with `--precondition_outputs 0` (its default 1 is
     this loss times sigma^2). Prior preservation as in `diffusion_loss`.
     """
-    from diffusers.training_utils import compute_loss_weighting_for_sd3
-
-    latents = sample_latents(batch["latent_mean"], batch["latent_std"], scaling_factor, shift_factor)
-    noise = torch.randn_like(latents)
-    timesteps, sigmas = flow_sigmas(
+    draws = _flow_draws(
         scheduler,
-        latents.shape[0],
+        batch,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
         weighting_scheme=weighting_scheme,
         logit_mean=logit_mean,
         logit_std=logit_std,
         mode_scale=mode_scale,
     )
-    timesteps = timesteps.to(latents.device)
-    sigmas = sigmas.to(latents.device, torch.float32).view(-1, 1, 1, 1)
-    noisy = (1.0 - sigmas) * latents + sigmas * noise
-    target = noise - latents
     pred = transformer(
-        hidden_states=noisy.to(model_dtype),
-        timestep=timesteps,
+        hidden_states=draws.noisy.to(model_dtype),
+        timestep=draws.timesteps,
         encoder_hidden_states=batch["prompt_embeds"].to(model_dtype),
         pooled_projections=batch["pooled_prompt_embeds"].to(model_dtype),
         return_dict=False,
     )[0]
-    weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=sigmas).float()
-    per_sample = (weighting * (pred.float() - target.float()) ** 2).mean(dim=(1, 2, 3))
+    per_sample = _weighted_mse(pred, draws, weighting_scheme)
     return combine_prior(per_sample, batch["is_prior"], prior_loss_weight)
+
+
+def flux_loss(
+    transformer,
+    scheduler,
+    batch: dict[str, torch.Tensor],
+    *,
+    scaling_factor: float,
+    shift_factor: float = 0.0,
+    guidance_scale: float | None = None,
+    weighting_scheme: str = "logit_normal",
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+    prior_loss_weight: float = 1.0,
+    model_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Rectified-flow loss of Flux, as diffusers' train_dreambooth_lora_flux.py computes it.
+
+    The same draws and target as `flow_matching_loss`, but the transformer sees the noisy latents
+    packed into 2x2 patches (`FluxPipeline._pack_latents`) with their position ids, zero text ids,
+    `timestep / 1000`, and `guidance_scale` as its embedded guidance (None for transformers without
+    guidance embeddings, e.g. FLUX.1-schnell); its prediction is unpacked before the loss. The
+    schedule's sigmas are the scheduler's: Flux's shifts dynamically at inference only, so training
+    draws unshifted sigmas, as that script does. Latent sides must be even (`pixel_multiple`).
+    """
+    from diffusers import FluxPipeline
+
+    draws = _flow_draws(
+        scheduler,
+        batch,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        weighting_scheme=weighting_scheme,
+        logit_mean=logit_mean,
+        logit_std=logit_std,
+        mode_scale=mode_scale,
+    )
+    bsz, channels, height, width = draws.latents.shape
+    if height % 2 or width % 2:
+        raise ValueError(f"Flux packs 2x2 latent patches: latent sides {height}x{width} must be even")
+    device = draws.latents.device
+    packed = FluxPipeline._pack_latents(draws.noisy, bsz, channels, height, width)
+    img_ids = FluxPipeline._prepare_latent_image_ids(bsz, height // 2, width // 2, device, model_dtype)
+    prompt_embeds = batch["prompt_embeds"].to(model_dtype)
+    txt_ids = torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=model_dtype)
+    guidance = None
+    if guidance_scale is not None:
+        guidance = torch.full((bsz,), float(guidance_scale), device=device, dtype=torch.float32)
+    pred = transformer(
+        hidden_states=packed.to(model_dtype),
+        timestep=draws.timesteps / 1000,
+        guidance=guidance,
+        pooled_projections=batch["pooled_prompt_embeds"].to(model_dtype),
+        encoder_hidden_states=prompt_embeds,
+        txt_ids=txt_ids,
+        img_ids=img_ids,
+        return_dict=False,
+    )[0]
+    # vae_scale_factor 1: height and width are already latent sides.
+    pred = FluxPipeline._unpack_latents(pred, height, width, 1)
+    per_sample = _weighted_mse(pred, draws, weighting_scheme)
+    return combine_prior(per_sample, batch["is_prior"], prior_loss_weight)
+
+
+class _FlowDraws(NamedTuple):
+    latents: torch.Tensor
+    noisy: torch.Tensor
+    target: torch.Tensor
+    timesteps: torch.Tensor
+    sigmas: torch.Tensor  # shaped (batch, 1, 1, 1)
+
+
+def _flow_draws(scheduler, batch, *, scaling_factor, shift_factor, weighting_scheme, **density) -> _FlowDraws:
+    """Latents, noise and noise levels of a flow-matching step, drawn in this order (resumable)."""
+    latents = sample_latents(batch["latent_mean"], batch["latent_std"], scaling_factor, shift_factor)
+    noise = torch.randn_like(latents)
+    timesteps, sigmas = flow_sigmas(scheduler, latents.shape[0], weighting_scheme=weighting_scheme, **density)
+    timesteps = timesteps.to(latents.device)
+    sigmas = sigmas.to(latents.device, torch.float32).view(-1, 1, 1, 1)
+    noisy = (1.0 - sigmas) * latents + sigmas * noise
+    return _FlowDraws(latents, noisy, noise - latents, timesteps, sigmas)
+
+
+def _weighted_mse(pred: torch.Tensor, draws: _FlowDraws, weighting_scheme: str) -> torch.Tensor:
+    """Per-sample mean of `weighting x (pred - target)^2` (weights: `compute_loss_weighting_for_sd3`)."""
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=draws.sigmas).float()
+    return (weighting * (pred.float() - draws.target.float()) ** 2).mean(dim=(1, 2, 3))
 
 
 def combine_prior(per_sample: torch.Tensor, prior: torch.Tensor, prior_loss_weight: float) -> torch.Tensor:

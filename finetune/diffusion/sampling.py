@@ -45,7 +45,7 @@ def generate(
 ) -> list[list[Any]]:
     """`num_images` PIL images per prompt, seeded per (seed, prompt, image): the same every run.
 
-    `max_sequence_length`: SD3's T5 length (the one training cached); None for SD / SDXL.
+    `max_sequence_length`: SD3's or Flux's T5 length (the one training cached); None for SD / SDXL.
 
     The global RNG is left untouched (forked), so sampling in the middle of training does not change
     the noise drawn by the next training steps, and a resumed run stays identical.
@@ -142,7 +142,7 @@ def ensure_class_images(
                 resolution=settings.resolution,
                 seed=recipe.train.seed + have + made,
                 device=device,
-                max_sequence_length=settings.max_sequence_length if info.family == "sd3" else None,
+                max_sequence_length=info.sequence_length(settings.max_sequence_length),
             )[0]
             for image in images:
                 path, suffix = folder / f"class-{have + made:05d}.png", 0

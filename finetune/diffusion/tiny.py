@@ -2,12 +2,13 @@
 
 For tests, the CPU demo recipe and benchmarks: `build_tiny_pipeline(folder)` writes a diffusers
 folder that `StableDiffusionPipeline.from_pretrained(folder)` loads, with a byte-level CLIP
-tokenizer made here (every byte is a token; no merges), so it runs offline. The SD3 layout also
-needs a T5 tokenizer: a character-level Unigram vocabulary made here (`t5_tokenizer`).
+tokenizer made here (every byte is a token; no merges), so it runs offline. The SD3 and Flux
+layouts also need a T5 tokenizer: a character-level Unigram vocabulary made here (`t5_tokenizer`).
 
     python -m finetune.diffusion.tiny outputs/tiny-sd            # SD 1.x layout
     python -m finetune.diffusion.tiny outputs/tiny-sdxl --sdxl   # SDXL layout (two text encoders)
     python -m finetune.diffusion.tiny outputs/tiny-sd3 --sd3     # SD3 layout (transformer, CLIP x2 + T5)
+    python -m finetune.diffusion.tiny outputs/tiny-flux --flux   # Flux layout (transformer, CLIP + T5)
 """
 
 from __future__ import annotations
@@ -68,15 +69,21 @@ def t5_tokenizer():
 
 
 def build_tiny_pipeline(
-    folder: str | Path, *, sdxl: bool = False, sd3: bool = False, seed: int = 0, max_length: int = 16
+    folder: str | Path,
+    *,
+    sdxl: bool = False,
+    sd3: bool = False,
+    flux: bool = False,
+    seed: int = 0,
+    max_length: int = 16,
 ) -> Path:
-    """Save a tiny random SD (or SDXL, or SD3) pipeline to `folder`: 32-channel UNet and VAE (2 blocks each).
+    """Save a tiny random SD (or SDXL, SD3, Flux) pipeline to `folder`: 32-channel UNet and VAE (2 blocks each).
 
-    Pixel sides must be multiples of 4 (VAE /2, UNet /2; SD3: VAE /2, patch 2); 32-64 px images keep
-    a training step in the tens of milliseconds on a CPU.
+    Pixel sides must be multiples of 4 (VAE /2, UNet /2; SD3: VAE /2, patch 2; Flux: VAE /2, 2x2
+    packing); 32-64 px images keep a training step in the tens of milliseconds on a CPU.
     """
-    if sdxl and sd3:
-        raise ValueError("build_tiny_pipeline: choose sdxl or sd3, not both")
+    if sdxl + sd3 + flux > 1:
+        raise ValueError("build_tiny_pipeline: choose one of sdxl, sd3 and flux")
     from diffusers import (
         AutoencoderKL,
         DDPMScheduler,
@@ -139,6 +146,8 @@ def build_tiny_pipeline(
     )
     if sd3:
         pipe = _tiny_sd3(text_config, tokenizer, seed)
+    elif flux:
+        pipe = _tiny_flux(text_config, tokenizer, seed)
     elif sdxl:
         unet = UNet2DConditionModel(
             **unet_kwargs,
@@ -185,22 +194,11 @@ def _tiny_sd3(text_config, clip_tokenizer, seed: int):
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
     )
-    from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
     torch.manual_seed(seed)
     tokenizer_3 = t5_tokenizer()
-    t5 = T5Config(
-        vocab_size=len(tokenizer_3),
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        pad_token_id=tokenizer_3.pad_token_id,
-        eos_token_id=tokenizer_3.eos_token_id,
-        decoder_start_token_id=tokenizer_3.pad_token_id,
-    )
+    t5 = _t5_config(tokenizer_3)
     transformer = SD3Transformer2DModel(
         sample_size=16,
         patch_size=2,
@@ -242,13 +240,89 @@ def _tiny_sd3(text_config, clip_tokenizer, seed: int):
     )
 
 
+def _t5_config(tokenizer):
+    """A 2-layer, 32-wide T5 encoder over `tokenizer`'s vocabulary."""
+    from transformers import T5Config
+
+    return T5Config(
+        vocab_size=len(tokenizer),
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _tiny_flux(text_config, clip_tokenizer, seed: int):
+    """FluxPipeline: a FluxTransformer2DModel with one double- and one single-stream block and
+    guidance embeddings (FLUX.1-dev's layout), a 16-channel VAE with Flux's shift and scaling
+    factors, a CLIP text encoder (pooled output) and a 2-layer T5; FLUX.1-dev's scheduler config
+    (dynamic shifting)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    torch.manual_seed(seed)
+    tokenizer_2 = t5_tokenizer()
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=64,  # 16 latent channels x a 2x2 patch (FluxPipeline._pack_latents)
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=32,  # T5 width
+        pooled_projection_dim=32,  # CLIP width
+        guidance_embeds=True,
+        axes_dims_rope=(2, 2, 4),  # sums to attention_head_dim
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(32, 64),
+        latent_channels=16,
+        layers_per_block=1,
+        norm_num_groups=32,
+        sample_size=32,
+        scaling_factor=0.3611,  # Flux's VAE values: latents = (z - shift_factor) * scaling_factor
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    return FluxPipeline(
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=CLIPTextModel(text_config(32)),
+        tokenizer=clip_tokenizer,
+        text_encoder_2=T5EncoderModel(_t5_config(tokenizer_2)),
+        tokenizer_2=tokenizer_2,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write a tiny random Stable Diffusion pipeline folder.")
     parser.add_argument("folder")
     parser.add_argument("--sdxl", action="store_true", help="SDXL layout (two text encoders)")
     parser.add_argument("--sd3", action="store_true", help="SD3 layout (transformer, CLIP x2 + T5)")
+    parser.add_argument("--flux", action="store_true", help="Flux layout (transformer, CLIP + T5)")
     args = parser.parse_args(argv)
-    print(build_tiny_pipeline(args.folder, sdxl=args.sdxl, sd3=args.sd3))
+    print(build_tiny_pipeline(args.folder, sdxl=args.sdxl, sd3=args.sd3, flux=args.flux))
     return 0
 
 

@@ -66,6 +66,7 @@ class DiffusionRun:
     weight_dtype: torch.dtype
     scaling_factor: float
     shift_factor: float = 0.0  # the VAE's (SD3: 0.0609); latents = (z - shift) * scaling_factor
+    guidance_scale: float | None = None  # Flux's embedded guidance; None without guidance embeddings
     ema: Any = None
     state: DiffusionState = field(default_factory=DiffusionState)
     stop_reason: str | None = None
@@ -122,6 +123,7 @@ def setup(recipe: Recipe, accelerator) -> DiffusionRun:
     from finetune.diffusion.loader import make_loader
     from finetune.diffusion.model import (
         add_lora,
+        guidance_embeds,
         load_denoiser,
         load_noise_scheduler,
         pipeline_info,
@@ -158,6 +160,13 @@ def setup(recipe: Recipe, accelerator) -> DiffusionRun:
         f"{info.denoiser_name} LoRA: {trainable:,} trainable / {total:,} total parameters ({info.class_name})"
     )
     noise_scheduler = load_noise_scheduler(info, settings.prediction_type)
+    guidance_scale = None
+    if guidance_embeds(info):
+        guidance_scale = settings.guidance_scale
+    elif info.family == "flux":  # a non-default value was refused when the cache was prepared
+        accelerator.print(
+            f"diffusion.guidance_scale: not used: the transformer of {info.path} has no guidance embedding"
+        )
     optimizer = build_optimizer(
         unet,
         name=train.optimizer,
@@ -222,6 +231,7 @@ def setup(recipe: Recipe, accelerator) -> DiffusionRun:
         weight_dtype=dtype,
         scaling_factor=prepared.manifest["latents"]["scaling_factor"],
         shift_factor=prepared.manifest["latents"].get("shift_factor") or 0.0,
+        guidance_scale=guidance_scale,
         ema=ema,
     )
     # From here on each process draws its own noise, timesteps and flips: their images differ, and the
@@ -340,8 +350,8 @@ def train_step(run: DiffusionRun, window: list[dict]) -> dict[str, Any]:
 
 
 def micro_batch_loss(run: DiffusionRun, batch: dict) -> torch.Tensor:
-    """The family's objective: flow matching (SD3) or epsilon / v-prediction (UNets)."""
-    from finetune.diffusion.objective import diffusion_loss, flow_matching_loss
+    """The family's objective: flow matching (SD3, Flux) or epsilon / v-prediction (UNets)."""
+    from finetune.diffusion.objective import diffusion_loss, flow_matching_loss, flux_loss
 
     settings = run.recipe.diffusion
     common = dict(
@@ -350,17 +360,18 @@ def micro_batch_loss(run: DiffusionRun, batch: dict) -> torch.Tensor:
         model_dtype=run.weight_dtype,
     )
     if run.info.flow_matching:
-        return flow_matching_loss(
-            run.unet,
-            run.noise_scheduler,
-            batch,
+        flow = dict(
             shift_factor=run.shift_factor,
             weighting_scheme=settings.weighting_scheme,
             logit_mean=settings.logit_mean,
             logit_std=settings.logit_std,
             mode_scale=settings.mode_scale,
-            **common,
         )
+        if run.info.family == "flux":
+            return flux_loss(
+                run.unet, run.noise_scheduler, batch, guidance_scale=run.guidance_scale, **flow, **common
+            )
+        return flow_matching_loss(run.unet, run.noise_scheduler, batch, **flow, **common)
     return diffusion_loss(
         run.unet,
         run.noise_scheduler,
@@ -497,7 +508,7 @@ def sample(run: DiffusionRun, log: ProgressLog) -> None:
                     resolution=settings.resolution,
                     seed=run.recipe.train.seed,
                     device=acc.device,
-                    max_sequence_length=settings.max_sequence_length if run.info.family == "sd3" else None,
+                    max_sequence_length=run.info.sequence_length(settings.max_sequence_length),
                 )
         finally:
             unet.train()

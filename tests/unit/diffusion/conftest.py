@@ -1,4 +1,4 @@
-"""Tiny random SD / SDXL / SD3 pipelines shared by the diffusion unit tests (built once per session)."""
+"""Tiny random SD / SDXL / SD3 / Flux pipelines shared by the diffusion unit tests (built once per session)."""
 
 from __future__ import annotations
 
@@ -26,3 +26,10 @@ def tiny_sd3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from finetune.diffusion.tiny import build_tiny_pipeline
 
     return build_tiny_pipeline(tmp_path_factory.mktemp("pipelines") / "tiny-sd3", sd3=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from finetune.diffusion.tiny import build_tiny_pipeline
+
+    return build_tiny_pipeline(tmp_path_factory.mktemp("pipelines") / "tiny-flux", flux=True)

@@ -24,16 +24,17 @@ from finetune.errors import FinetuneError
     ("class_name", "text"),
     [
         (
-            "FluxPipeline",
+            "SanaPipeline",
             "transformer-based pipeline that training does not support yet (the supported transformer-based "
-            "pipeline is StableDiffusion3Pipeline",
+            "pipelines are StableDiffusion3Pipeline",
         ),
+        ("FluxImg2ImgPipeline", "use the text-to-image FluxPipeline"),
         ("StableDiffusion3Img2ImgPipeline", "use the text-to-image StableDiffusion3Pipeline"),
         ("StableDiffusionImg2ImgPipeline", "use the text-to-image StableDiffusionPipeline"),
         (
             "KandinskyPipeline",
-            "supports StableDiffusionPipeline (SD 1.x/2.x), StableDiffusionXLPipeline (SDXL) and "
-            "StableDiffusion3Pipeline (SD3)",
+            "supports StableDiffusionPipeline (SD 1.x/2.x), StableDiffusionXLPipeline (SDXL), "
+            "StableDiffusion3Pipeline (SD3) and FluxPipeline (Flux)",
         ),
     ],
 )
