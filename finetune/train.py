@@ -626,24 +626,34 @@ def train_loop(run: Run, log: ProgressLog) -> None:
                 log.log({"step": st.step, "event": "eval", **metrics})
                 if train.report_to:
                     acc.log(metrics, step=st.step)
-            run.stop_reason = stop_reason(run, stop, started)
-            if run.stop_reason is not None:
+            if not end_of_step(run, stop, started):
                 break
-            if should_save(run):
-                checkpoint(run)
-            if (
-                train.empty_cache_steps
-                and st.step % train.empty_cache_steps == 0
-                and torch.cuda.is_available()
-            ):
-                torch.cuda.empty_cache()
-            if train.gc_steps and st.step % train.gc_steps == 0:
-                gc.collect()
         if epoch_done:
             st.epoch += 1
             st.micro_step_in_epoch = 0
     if profiler is not None:
         _stop_profiler(profiler, run)
+    checkpoint_if_stopped(run, log)
+
+
+def end_of_step(run: Any, stop: StopFlag, started: float) -> bool:
+    """After an optimizer step: agree on stopping (False: stop now), else checkpoint when due and
+    release memory every empty_cache_steps / gc_steps. Shared with the diffusion loop."""
+    train, step = run.recipe.train, run.state.step
+    run.stop_reason = stop_reason(run, stop, started)
+    if run.stop_reason is not None:
+        return False
+    if should_save(run):
+        checkpoint(run)
+    if train.empty_cache_steps and step % train.empty_cache_steps == 0 and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if train.gc_steps and step % train.gc_steps == 0:
+        gc.collect()
+    return True
+
+
+def checkpoint_if_stopped(run: Any, log: ProgressLog) -> None:
+    """A run stopped by a signal or the time limit ends with a checkpoint to resume from."""
     if run.stop_reason is not None:
         path = checkpoint(run)
         log.message(

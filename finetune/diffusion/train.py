@@ -13,7 +13,6 @@ consumed in the current epoch (what resume skips). Precision: the frozen UNet is
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -31,12 +30,11 @@ from finetune.train import (
     LoopState,
     StopFlag,
     _flat,
-    checkpoint,
+    checkpoint_if_stopped,
     count_nonfinite,
+    end_of_step,
     push_final,
     schedule_length,
-    should_save,
-    stop_reason,
 )
 from finetune.yaml_io import dump_yaml
 
@@ -418,27 +416,12 @@ def train_loop(run: DiffusionRun, log: ProgressLog) -> None:
                 _log_step(run, result, interval, log)
             if settings.validation_steps and st.step % settings.validation_steps == 0:
                 sample(run, log)  # before the checkpoint: a resumed run continues from the same RNG state
-            run.stop_reason = stop_reason(run, stop, started)
-            if run.stop_reason is not None:
+            if not end_of_step(run, stop, started):
                 break
-            if should_save(run):
-                checkpoint(run)
-            if (
-                train.empty_cache_steps
-                and st.step % train.empty_cache_steps == 0
-                and torch.cuda.is_available()
-            ):
-                torch.cuda.empty_cache()
-            if train.gc_steps and st.step % train.gc_steps == 0:
-                gc.collect()
         if epoch_done:
             st.epoch += 1
             st.micro_step_in_epoch = 0
-    if run.stop_reason is not None:
-        path = checkpoint(run)
-        log.message(
-            f"stopping: {run.stop_reason}; checkpoint at {path}. Resume with --train.load_checkpoint_path auto"
-        )
+    checkpoint_if_stopped(run, log)
 
 
 def _log_step(run: DiffusionRun, result: dict, interval: dict, log: ProgressLog) -> None:
