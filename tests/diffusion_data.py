@@ -125,3 +125,30 @@ def assert_resumes_exactly(trained: dict, from_step: int, *extra: str) -> None:
     assert later and sorted(after) == later
     for step in later:
         assert after[step] == pytest.approx(reference[step], abs=1e-6), step
+
+
+def prepare_and_train(tmp: Path, family: str, *, steps: int, **diffusion) -> dict:
+    """A tiny pipeline of `family` (sd, sdxl, sd3, flux) and 8 coloured images (jsonl captions),
+    prepared with the CLI, then trained `steps` steps (accumulation 2, checkpoints every 3 steps, LoRA
+    dropout so resume must replay the masks) through `accelerate launch`, which prepares again and
+    must find the cache. Returns what the tests read: tmp, pipeline, recipe, prepare, train."""
+    import yaml
+
+    from finetune.diffusion.tiny import build_tiny_pipeline
+    from tests.integration._run import accelerate_cmd, cli, run
+
+    flags = {"sd": {}, "sdxl": {"sdxl": True}, "sd3": {"sd3": True}, "flux": {"flux": True}}[family]
+    pipeline = build_tiny_pipeline(tmp / f"tiny-{family}", **flags)
+    write_color_folder(tmp / "imgs", captions="jsonl")
+    validation = {"validation_prompts": ["a red square"], "validation_steps": 3, "num_validation_images": 1}
+    recipe = diffusion_recipe(
+        tmp, pipeline, tmp / "imgs", random_flip=True, validation_inference_steps=2, **validation, **diffusion
+    )
+    recipe["data"]["dataloader_drop_last"] = False
+    recipe["train"].update(max_steps=steps, save_steps=3, gradient_accumulation_steps=2)
+    recipe["lora"]["lora_dropout"] = 0.1
+    path = tmp / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    prepare = cli("prepare-dataset", str(path))
+    train = run(accelerate_cmd(path))
+    return {"tmp": tmp, "pipeline": pipeline, "recipe": path, "prepare": prepare, "train": train}

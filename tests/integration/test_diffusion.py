@@ -13,9 +13,9 @@ from tests.diffusion_data import (
     assert_lora_changes_generation,
     assert_resumes_exactly,
     diffusion_recipe,
-    write_color_folder,
+    prepare_and_train,
 )
-from tests.integration._run import accelerate_cmd, cli, progress, run, step_losses
+from tests.integration._run import accelerate_cmd, progress, run, step_losses
 
 pytestmark = pytest.mark.slow
 
@@ -25,33 +25,15 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A tiny SD pipeline, 8 coloured images of 3 shapes, prepared twice and trained for STEPS steps."""
-    from finetune.diffusion.tiny import build_tiny_pipeline
-
-    tmp = tmp_path_factory.mktemp("diffusion")
-    pipeline = build_tiny_pipeline(tmp / "tiny-sd")
-    write_color_folder(tmp / "imgs", captions="jsonl")
-    recipe = diffusion_recipe(
-        tmp,
-        pipeline,
-        tmp / "imgs",
-        random_flip=True,
+    return prepare_and_train(
+        tmp_path_factory.mktemp("diffusion"),
+        "sd",
+        steps=STEPS,
         snr_gamma=5.0,
         noise_offset=0.05,
         use_ema=True,
         ema_decay=0.9,
-        validation_prompts=["a red square"],
-        validation_steps=3,
-        num_validation_images=1,
-        validation_inference_steps=2,
     )
-    recipe["data"]["dataloader_drop_last"] = False
-    recipe["train"].update(max_steps=STEPS, save_steps=3, gradient_accumulation_steps=2)
-    recipe["lora"]["lora_dropout"] = 0.1  # resume must also replay the dropout masks
-    path = tmp / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    prepare = cli("prepare-dataset", str(path))
-    train = run(accelerate_cmd(path))  # prepares again: must find the cache
-    return {"tmp": tmp, "pipeline": pipeline, "recipe": path, "prepare": prepare, "train": train}
 
 
 def test_prepare_then_cache_hit(trained: dict) -> None:
