@@ -97,3 +97,29 @@ def build_scheduler(
             optimizer, num_warmup_steps, num_training_steps, min_lr=lr_min
         )
     raise FinetuneError(f"train.lr_decay_style: unknown schedule {style!r}")
+
+
+def optimizer_for(model: torch.nn.Module, train, *, cpu_offload: bool = False) -> torch.optim.Optimizer:
+    """`build_optimizer` with the recipe's train section (optimizer, lr, decay, Adam settings)."""
+    return build_optimizer(
+        model,
+        name=train.optimizer,
+        lr=train.lr,
+        weight_decay=train.weight_decay,
+        no_decay_params=train.no_decay_params,
+        betas=(train.adam_beta1, train.adam_beta2),
+        eps=train.adam_eps,
+        cpu_offload=cpu_offload,
+    )
+
+
+def scheduler_for(optimizer: torch.optim.Optimizer, train, total_steps: int):
+    """`build_scheduler` with the recipe's train section over `total_steps` optimizer steps."""
+    return build_scheduler(
+        optimizer,
+        style=train.lr_decay_style,
+        num_warmup_steps=int(train.lr_warmup_ratio * total_steps),
+        num_training_steps=total_steps,
+        lr=train.lr,
+        lr_min=train.lr_min,
+    )

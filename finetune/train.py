@@ -269,18 +269,11 @@ def setup(recipe: Recipe, accelerator) -> Run:
     accelerator.print(f"parameters: {trainable:,} trainable / {total:,} total")
 
     from finetune.distributed import engine_from_env
-    from finetune.optim import build_optimizer, build_scheduler
+    from finetune.optim import optimizer_for, scheduler_for
 
     engine = engine_from_env()
-    optimizer = build_optimizer(
-        model,
-        name=train.optimizer,
-        lr=train.lr,
-        weight_decay=train.weight_decay,
-        no_decay_params=train.no_decay_params,
-        betas=(train.adam_beta1, train.adam_beta2),
-        eps=train.adam_eps,
-        cpu_offload=engine.kind == "deepspeed" and engine.offload_optimizer,
+    optimizer = optimizer_for(
+        model, train, cpu_offload=engine.kind == "deepspeed" and engine.offload_optimizer
     )
     pad_id = pad_token_id(tokenizer)
     train_dl = make_dataloader(
@@ -324,14 +317,7 @@ def setup(recipe: Recipe, accelerator) -> Run:
         num_train_epochs=train.num_train_epochs,
         max_steps=train.max_steps,
     )
-    scheduler = build_scheduler(
-        optimizer,
-        style=train.lr_decay_style,
-        num_warmup_steps=int(train.lr_warmup_ratio * total_steps),
-        num_training_steps=total_steps,
-        lr=train.lr,
-        lr_min=train.lr_min,
-    )
+    scheduler = scheduler_for(optimizer, train, total_steps)
     if engine.kind == "deepspeed":
         # Given the scheduler, the DeepSpeed engine would step it inside backward (and not on skipped
         # steps); the loop steps it itself, once per optimizer step, as for every other engine. It

@@ -79,6 +79,13 @@ def diffusion_recipe(tmp: Path, pipeline: Path, data: Path, *, type_: str = "ima
     }
 
 
+def validated_recipe(tmp: Path, pipeline: Path, data: Path, **diffusion):
+    """`diffusion_recipe(...)` validated into a Recipe."""
+    from finetune.config import Recipe
+
+    return Recipe.model_validate(diffusion_recipe(tmp, pipeline, data, **diffusion))
+
+
 def assert_lora_changes_generation(pipe, out: Path, **call) -> None:
     """`pipe.load_lora_weights(out)` loads the trained LoRA and changes a seeded 32 px generation."""
     import numpy as np

@@ -85,7 +85,6 @@ def build_tiny_pipeline(
     if sdxl + sd3 + flux > 1:
         raise ValueError("build_tiny_pipeline: choose one of sdxl, sd3 and flux")
     from diffusers import (
-        AutoencoderKL,
         DDPMScheduler,
         StableDiffusionPipeline,
         StableDiffusionXLPipeline,
@@ -125,17 +124,7 @@ def build_tiny_pipeline(
         attention_head_dim=8,
         norm_num_groups=32,
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(32, 64),
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=32,
-        sample_size=32,
-    )
+    vae = _tiny_vae(latent_channels=4)
     scheduler = DDPMScheduler(
         beta_start=0.00085,
         beta_end=0.012,
@@ -189,7 +178,6 @@ def _tiny_sd3(text_config, clip_tokenizer, seed: int):
     """StableDiffusion3Pipeline: 2-layer SD3Transformer2DModel, a 16-channel VAE with SD3's shift
     and scaling factors, two projected CLIP encoders and a 2-layer T5 (SD3 medium's layout)."""
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
@@ -212,21 +200,7 @@ def _tiny_sd3(text_config, clip_tokenizer, seed: int):
         pooled_projection_dim=32,  # the two CLIPs' pooled projections, 16 + 16
         pos_embed_max_size=32,  # latents up to 64 x 64 (128 px)
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(32, 64),
-        latent_channels=16,
-        layers_per_block=1,
-        norm_num_groups=32,
-        sample_size=32,
-        scaling_factor=1.5305,  # SD3's VAE values: latents = (z - shift_factor) * scaling_factor
-        shift_factor=0.0609,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
+    vae = _tiny_vae(latent_channels=16, scaling_factor=1.5305, shift_factor=0.0609)  # SD3's factors
     return StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
@@ -237,6 +211,35 @@ def _tiny_sd3(text_config, clip_tokenizer, seed: int):
         tokenizer_2=clip_tokenizer,
         text_encoder_3=T5EncoderModel(t5),
         tokenizer_3=tokenizer_3,
+    )
+
+
+def _tiny_vae(
+    *, latent_channels: int, scaling_factor: float | None = None, shift_factor: float | None = None
+):
+    """A 2-block AutoencoderKL (spatial factor 2). With `shift_factor` (SD3, Flux: latents =
+    (z - shift_factor) * scaling_factor) it has no quant convs, as those VAEs have none."""
+    from diffusers import AutoencoderKL
+
+    factors = {}
+    if shift_factor is not None:
+        factors = {
+            "scaling_factor": scaling_factor,
+            "shift_factor": shift_factor,
+            "use_quant_conv": False,
+            "use_post_quant_conv": False,
+        }
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(32, 64),
+        latent_channels=latent_channels,
+        layers_per_block=1,
+        norm_num_groups=32,
+        sample_size=32,
+        **factors,
     )
 
 
@@ -263,7 +266,7 @@ def _tiny_flux(text_config, clip_tokenizer, seed: int):
     guidance embeddings (FLUX.1-dev's layout), a 16-channel VAE with Flux's shift and scaling
     factors, a CLIP text encoder (pooled output) and a 2-layer T5; FLUX.1-dev's scheduler config
     (dynamic shifting)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5EncoderModel
 
     torch.manual_seed(seed)
@@ -280,21 +283,7 @@ def _tiny_flux(text_config, clip_tokenizer, seed: int):
         guidance_embeds=True,
         axes_dims_rope=(2, 2, 4),  # sums to attention_head_dim
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(32, 64),
-        latent_channels=16,
-        layers_per_block=1,
-        norm_num_groups=32,
-        sample_size=32,
-        scaling_factor=0.3611,  # Flux's VAE values: latents = (z - shift_factor) * scaling_factor
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
+    vae = _tiny_vae(latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159)  # Flux's factors
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,
         shift=3.0,

@@ -127,7 +127,7 @@ def setup(recipe: Recipe, accelerator) -> DiffusionRun:
         pipeline_info,
         weight_dtype,
     )
-    from finetune.optim import build_optimizer, build_scheduler
+    from finetune.optim import optimizer_for, scheduler_for
 
     train, settings = recipe.train, recipe.diffusion
     output_dir = Path(train.output_dir)
@@ -165,15 +165,7 @@ def setup(recipe: Recipe, accelerator) -> DiffusionRun:
         accelerator.print(
             f"diffusion.guidance_scale: not used: the transformer of {info.path} has no guidance embedding"
         )
-    optimizer = build_optimizer(
-        unet,
-        name=train.optimizer,
-        lr=train.lr,
-        weight_decay=train.weight_decay,
-        no_decay_params=train.no_decay_params,
-        betas=(train.adam_beta1, train.adam_beta2),
-        eps=train.adam_eps,
-    )
+    optimizer = optimizer_for(unet, train)
     # This rank's share of every epoch (the same number of batches on every rank, no image
     # repeated): the loader is not passed through accelerator.prepare, train_step moves batches.
     train_dl = make_loader(
@@ -203,14 +195,7 @@ def setup(recipe: Recipe, accelerator) -> DiffusionRun:
         num_train_epochs=train.num_train_epochs,
         max_steps=train.max_steps,
     )
-    scheduler = build_scheduler(
-        optimizer,
-        style=train.lr_decay_style,
-        num_warmup_steps=int(train.lr_warmup_ratio * total_steps),
-        num_training_steps=total_steps,
-        lr=train.lr,
-        lr_min=train.lr_min,
-    )
+    scheduler = scheduler_for(optimizer, train, total_steps)
     scheduler = accelerator.prepare(scheduler)
     run = DiffusionRun(
         recipe=recipe,

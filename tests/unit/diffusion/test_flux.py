@@ -14,7 +14,7 @@ import torch
 import yaml
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from finetune.config import DIFFUSION_DEFAULT_LORA_TARGETS, Recipe, load_recipe
+from finetune.config import DIFFUSION_DEFAULT_LORA_TARGETS, load_recipe
 from finetune.data.prepare import compute_fingerprint
 from finetune.diffusion.cache import fingerprint_inputs, prepare_images
 from finetune.diffusion.model import (
@@ -32,13 +32,9 @@ from finetune.diffusion.model import (
 )
 from finetune.diffusion.objective import flux_loss
 from finetune.errors import RecipeError
-from tests.diffusion_data import COLORS, color_of, diffusion_recipe, write_color_folder
+from tests.diffusion_data import COLORS, color_of, validated_recipe, write_color_folder
 
 ATTENTION = {"to_k", "to_q", "to_v", "to_out.0", "add_k_proj", "add_q_proj", "add_v_proj", "to_add_out"}
-
-
-def _recipe(tmp: Path, pipeline: Path, data: Path, **diffusion) -> Recipe:
-    return Recipe.model_validate(diffusion_recipe(tmp, pipeline, data, **diffusion))
 
 
 # ------------------------------------------------------------------------------------- pipeline
@@ -323,7 +319,7 @@ def test_cached_flux_embeddings_are_the_pipelines_and_pair_with_their_images(
 
     folder = tmp_path / "imgs"
     write_color_folder(folder, captions="jsonl", count=4)
-    recipe = _recipe(tmp_path, tiny_flux, folder, max_sequence_length=20, aspect_ratio_buckets=False)
+    recipe = validated_recipe(tmp_path, tiny_flux, folder, max_sequence_length=20, aspect_ratio_buckets=False)
     prepared = prepare_images(recipe, log=lambda _: None)
     manifest = prepared.manifest
     assert (manifest["latents"]["scaling_factor"], manifest["latents"]["shift_factor"]) == (0.3611, 0.1159)
@@ -358,7 +354,7 @@ def test_max_sequence_length_is_in_the_flux_fingerprint(tmp_path: Path, tiny_flu
 
     def inputs(**diffusion) -> dict:
         return fingerprint_inputs(
-            _recipe(tmp_path, tiny_flux, folder, **diffusion), pipeline_info(str(tiny_flux))
+            validated_recipe(tmp_path, tiny_flux, folder, **diffusion), pipeline_info(str(tiny_flux))
         )
 
     default, explicit, short = inputs(), inputs(max_sequence_length=512), inputs(max_sequence_length=64)
@@ -369,7 +365,7 @@ def test_max_sequence_length_is_in_the_flux_fingerprint(tmp_path: Path, tiny_flu
 def test_sides_that_do_not_pack_are_refused(tmp_path: Path, tiny_flux: Path) -> None:
     folder = tmp_path / "imgs"
     write_color_folder(folder, count=2)
-    recipe = _recipe(tmp_path, tiny_flux, folder, resolution=30)
+    recipe = validated_recipe(tmp_path, tiny_flux, folder, resolution=30)
     with pytest.raises(RecipeError, match=r"diffusion.resolution: 30 is not a multiple of 4 .* use e.g. 32"):
         prepare_images(recipe, log=lambda _: None)
 
@@ -394,19 +390,22 @@ def test_guidance_scale_is_refused_where_nothing_reads_it(
     folder = tmp_path / "imgs"
     write_color_folder(folder, count=2)
     check_settings(
-        pipeline_info(str(tiny_flux)), _recipe(tmp_path, tiny_flux, folder, guidance_scale=1.0).diffusion
+        pipeline_info(str(tiny_flux)),
+        validated_recipe(tmp_path, tiny_flux, folder, guidance_scale=1.0).diffusion,
     )
     with pytest.raises(
         RecipeError, match=r"diffusion.guidance_scale: the embedded guidance of guidance-distilled"
     ):
         check_settings(
-            pipeline_info(str(tiny_sd3)), _recipe(tmp_path, tiny_sd3, folder, guidance_scale=1.0).diffusion
+            pipeline_info(str(tiny_sd3)),
+            validated_recipe(tmp_path, tiny_sd3, folder, guidance_scale=1.0).diffusion,
         )
     schnell = _without_guidance_embeds(tmp_path, tiny_flux)
     info = pipeline_info(str(schnell))
     assert not guidance_embeds(info)
-    check_settings(info, _recipe(tmp_path, schnell, folder).diffusion)  # the default: not used, no error
-    bad = _recipe(tmp_path, schnell, folder, guidance_scale=4.0)
+    # The default guidance_scale: not used, no error.
+    check_settings(info, validated_recipe(tmp_path, schnell, folder).diffusion)
+    bad = validated_recipe(tmp_path, schnell, folder, guidance_scale=4.0)
     with pytest.raises(RecipeError, match=r"diffusion.guidance_scale: .* has no guidance embedding"):
         prepare_images(bad, log=lambda _: None)  # before anything is encoded
     assert not (tmp_path / "prepared").exists()

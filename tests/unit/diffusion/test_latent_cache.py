@@ -23,11 +23,13 @@ from finetune.diffusion.model import (
     load_vae,
     pipeline_info,
 )
-from tests.diffusion_data import COLORS, caption, color_of, diffusion_recipe, write_color_folder
-
-
-def _recipe(tmp: Path, pipeline: Path, data: Path, **diffusion) -> Recipe:
-    return Recipe.model_validate(diffusion_recipe(tmp, pipeline, data, **diffusion))
+from tests.diffusion_data import (
+    COLORS,
+    caption,
+    color_of,
+    validated_recipe,
+    write_color_folder,
+)
 
 
 def _fingerprint(recipe: Recipe) -> str:
@@ -43,7 +45,7 @@ def test_build_manifest_and_cache_hit(tmp_path: Path, tiny_sd: Path) -> None:
     with open(folder / "metadata.jsonl", "a") as f:
         f.write(json.dumps({"file_name": "broken.png", "text": "x"}) + "\n")
         f.write(json.dumps({"file_name": "small.png", "text": "y"}) + "\n")
-    recipe = _recipe(tmp_path, tiny_sd, folder)
+    recipe = validated_recipe(tmp_path, tiny_sd, folder)
     lines: list[str] = []
     first = prepare_images(recipe, log=lines.append)
     m = first.manifest
@@ -67,32 +69,32 @@ def test_build_manifest_and_cache_hit(tmp_path: Path, tiny_sd: Path) -> None:
 def test_fingerprint_changes_exactly_when_the_output_would(tmp_path: Path, tiny_sd: Path) -> None:
     folder = tmp_path / "imgs"
     write_color_folder(folder, captions="txt", count=3)
-    base = _fingerprint(_recipe(tmp_path, tiny_sd, folder))
+    base = _fingerprint(validated_recipe(tmp_path, tiny_sd, folder))
     # Not changing the output: same inputs again, other paths, unrelated files, training settings.
     moved = tmp_path / "moved"
     shutil.copytree(folder, moved)
     (moved / "README.md").write_text("notes")
-    same = _recipe(tmp_path, tiny_sd, moved, snr_gamma=5.0, validation_prompts=["x"])
+    same = validated_recipe(tmp_path, tiny_sd, moved, snr_gamma=5.0, validation_prompts=["x"])
     same.train.lr = 0.5
     assert _fingerprint(same) == base
-    assert _fingerprint(_recipe(tmp_path, tiny_sd, folder, encode_batch_size=1)) == base
+    assert _fingerprint(validated_recipe(tmp_path, tiny_sd, folder, encode_batch_size=1)) == base
     # Changing it.
-    assert _fingerprint(_recipe(tmp_path, tiny_sd, folder, resolution=36)) != base
-    assert _fingerprint(_recipe(tmp_path, tiny_sd, folder, random_flip=True)) != base
-    assert _fingerprint(_recipe(tmp_path, tiny_sd, folder, center_crop=True)) != base
+    assert _fingerprint(validated_recipe(tmp_path, tiny_sd, folder, resolution=36)) != base
+    assert _fingerprint(validated_recipe(tmp_path, tiny_sd, folder, random_flip=True)) != base
+    assert _fingerprint(validated_recipe(tmp_path, tiny_sd, folder, center_crop=True)) != base
     (moved / "red.txt").write_text("a different caption")
-    assert _fingerprint(_recipe(tmp_path, tiny_sd, moved)) != base
+    assert _fingerprint(validated_recipe(tmp_path, tiny_sd, moved)) != base
     (moved / "red.txt").write_text(caption("red") + "\n")
-    assert _fingerprint(_recipe(tmp_path, tiny_sd, moved)) == base
+    assert _fingerprint(validated_recipe(tmp_path, tiny_sd, moved)) == base
     data = bytearray((moved / "green.png").read_bytes())
     data[-20] ^= 1  # one byte of one image
     (moved / "green.png").write_bytes(bytes(data))
-    assert _fingerprint(_recipe(tmp_path, tiny_sd, moved)) != base
+    assert _fingerprint(validated_recipe(tmp_path, tiny_sd, moved)) != base
     other_vae = tmp_path / "other-sd"
     shutil.copytree(tiny_sd, other_vae)
     config = json.loads((other_vae / "vae" / "config.json").read_text())
     (other_vae / "vae" / "config.json").write_text(json.dumps({**config, "scaling_factor": 0.5}))
-    assert _fingerprint(_recipe(tmp_path, other_vae, folder)) != base
+    assert _fingerprint(validated_recipe(tmp_path, other_vae, folder)) != base
 
 
 def test_latents_stay_paired_with_their_captions_under_shuffle(tmp_path: Path, tiny_sd: Path) -> None:
@@ -100,7 +102,7 @@ def test_latents_stay_paired_with_their_captions_under_shuffle(tmp_path: Path, t
     VAE encoding of the image its caption names, and its embeddings those of that caption."""
     folder = tmp_path / "imgs"
     write_color_folder(folder, captions="jsonl")
-    recipe = _recipe(tmp_path, tiny_sd, folder, random_flip=True, center_crop=True)
+    recipe = validated_recipe(tmp_path, tiny_sd, folder, random_flip=True, center_crop=True)
     prepared = prepare_images(recipe, log=lambda _: None)
     info = pipeline_info(str(tiny_sd))
     vae = load_vae(info)
@@ -141,7 +143,9 @@ def test_flipped_latents_are_the_flipped_image(tmp_path: Path, tiny_sd: Path) ->
     half.paste((0, 0, 250), (16, 0, 32, 32))
     half.save(folder / "half.png")
     (folder / "half.txt").write_text("left red right blue")
-    prepared = prepare_images(_recipe(tmp_path, tiny_sd, folder, random_flip=True), log=lambda _: None)
+    prepared = prepare_images(
+        validated_recipe(tmp_path, tiny_sd, folder, random_flip=True), log=lambda _: None
+    )
     row = prepared.train.with_format("numpy")[0]
     vae = load_vae(pipeline_info(str(tiny_sd)))
     plain = encode_pixels(vae, torch.from_numpy(img.to_pixels(half))[None])[0]
@@ -154,7 +158,7 @@ def test_flipped_latents_are_the_flipped_image(tmp_path: Path, tiny_sd: Path) ->
 def test_sdxl_rows_carry_pooled_embeddings_and_size_conditioning(tmp_path: Path, tiny_sdxl: Path) -> None:
     folder = tmp_path / "imgs"
     write_color_folder(folder, captions="txt", count=3)
-    prepared = prepare_images(_recipe(tmp_path, tiny_sdxl, folder), log=lambda _: None)
+    prepared = prepare_images(validated_recipe(tmp_path, tiny_sdxl, folder), log=lambda _: None)
     assert prepared.manifest["pipeline"]["family"] == "sdxl"
     loader = make_loader(prepared.train, batch_size=1, seed=0, drop_last=False)
     batch = next(iter(loader))
@@ -167,4 +171,6 @@ def test_sdxl_rows_carry_pooled_embeddings_and_size_conditioning(tmp_path: Path,
 def test_resolution_must_fit_the_pipeline(tmp_path: Path, tiny_sd: Path) -> None:
     write_color_folder(tmp_path / "imgs", captions="txt", count=1)
     with pytest.raises(Exception, match=r"resolution: 33 is not a multiple of 4"):
-        prepare_images(_recipe(tmp_path, tiny_sd, tmp_path / "imgs", resolution=33), log=lambda _: None)
+        prepare_images(
+            validated_recipe(tmp_path, tiny_sd, tmp_path / "imgs", resolution=33), log=lambda _: None
+        )

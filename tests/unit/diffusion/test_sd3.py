@@ -11,7 +11,7 @@ import torch
 import yaml
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from finetune.config import DIFFUSION_DEFAULT_LORA_TARGETS, Recipe, load_recipe
+from finetune.config import DIFFUSION_DEFAULT_LORA_TARGETS, load_recipe
 from finetune.data.prepare import compute_fingerprint
 from finetune.diffusion.cache import fingerprint_inputs, prepare_images
 from finetune.diffusion.model import (
@@ -29,13 +29,9 @@ from finetune.diffusion.model import (
 )
 from finetune.diffusion.objective import flow_matching_loss, flow_sigmas
 from finetune.errors import FinetuneError, RecipeError
-from tests.diffusion_data import COLORS, color_of, diffusion_recipe, write_color_folder
+from tests.diffusion_data import COLORS, color_of, validated_recipe, write_color_folder
 
 SD3_TARGETS = {"to_k", "to_q", "to_v", "to_out.0", "add_k_proj", "add_q_proj", "add_v_proj", "to_add_out"}
-
-
-def _recipe(tmp: Path, pipeline: Path, data: Path, **diffusion) -> Recipe:
-    return Recipe.model_validate(diffusion_recipe(tmp, pipeline, data, **diffusion))
 
 
 # ------------------------------------------------------------------------------------- pipeline
@@ -290,7 +286,7 @@ def test_cached_sd3_embeddings_are_the_pipelines_and_pair_with_their_images(
 
     folder = tmp_path / "imgs"
     write_color_folder(folder, captions="jsonl", count=5)
-    recipe = _recipe(tmp_path, tiny_sd3, folder, max_sequence_length=20, aspect_ratio_buckets=False)
+    recipe = validated_recipe(tmp_path, tiny_sd3, folder, max_sequence_length=20, aspect_ratio_buckets=False)
     prepared = prepare_images(recipe, log=lambda _: None)
     latents = prepared.manifest["latents"]
     assert (latents["scaling_factor"], latents["shift_factor"]) == (1.5305, 0.0609)
@@ -322,7 +318,7 @@ def test_max_sequence_length_is_in_the_sd3_fingerprint_only(
     write_color_folder(folder, count=2)
 
     def fingerprint(pipeline: Path, **diffusion) -> tuple[str, dict]:
-        recipe = _recipe(tmp_path, pipeline, folder, **diffusion)
+        recipe = validated_recipe(tmp_path, pipeline, folder, **diffusion)
         inputs = fingerprint_inputs(recipe, pipeline_info(str(pipeline)))
         return compute_fingerprint(inputs), inputs
 
@@ -335,7 +331,7 @@ def test_max_sequence_length_is_in_the_sd3_fingerprint_only(
 def test_buckets_beyond_the_position_embeddings_are_refused(tmp_path: Path, tiny_sd3: Path) -> None:
     folder = tmp_path / "imgs"
     write_color_folder(folder, count=2)
-    recipe = _recipe(tmp_path, tiny_sd3, folder, resolution=160)
+    recipe = validated_recipe(tmp_path, tiny_sd3, folder, resolution=160)
     with pytest.raises(
         RecipeError, match=r"diffusion.resolution: 160 gives buckets with sides up to \d+ px, beyond the 128"
     ):
@@ -376,9 +372,9 @@ def test_recipe_rejects_contradicting_objective_settings(tmp_path: Path) -> None
 def test_settings_that_the_pipeline_family_rules_out(tmp_path: Path, tiny_sd3: Path, tiny_sd: Path) -> None:
     folder = tmp_path / "imgs"
     write_color_folder(folder, count=2)
-    fine = _recipe(tmp_path, tiny_sd3, folder, weighting_scheme="cosmap", max_sequence_length=32)
+    fine = validated_recipe(tmp_path, tiny_sd3, folder, weighting_scheme="cosmap", max_sequence_length=32)
     check_settings(pipeline_info(str(tiny_sd3)), fine.diffusion)
-    bad = _recipe(
+    bad = validated_recipe(
         tmp_path, tiny_sd3, folder, snr_gamma=5.0, noise_offset=0.05, prediction_type="v_prediction"
     )
     with pytest.raises(RecipeError) as info:
@@ -389,7 +385,7 @@ def test_settings_that_the_pipeline_family_rules_out(tmp_path: Path, tiny_sd3: P
         "diffusion.snr_gamma",
         "diffusion.noise_offset",
     ]
-    unet = _recipe(tmp_path, tiny_sd, folder, weighting_scheme="none", max_sequence_length=77)
+    unet = validated_recipe(tmp_path, tiny_sd, folder, weighting_scheme="none", max_sequence_length=77)
     with pytest.raises(RecipeError, match=r"diffusion.weighting_scheme: applies to flow-matching pipelines"):
         check_settings(pipeline_info(str(tiny_sd)), unet.diffusion)
     assert not (tmp_path / "prepared").exists()
