@@ -206,6 +206,22 @@ def apply_lora(net, lora: LoraSection, *, gradient_checkpointing: bool):
         raise FinetuneError(f"lora.lora_target_modules: {exc}") from None
 
 
+def upcast_trainable_to_fp32(net) -> int:
+    """Cast trainable 16-bit parameters (e.g. modules_to_save copies of an fp16 base) to fp32; returns
+    how many were cast.
+
+    fp16 loss scaling needs fp32 gradients (torch's GradScaler refuses to unscale fp16 ones), and fp32
+    master weights keep small updates from rounding away; autocast still computes in 16 bits. PEFT
+    already keeps LoRA weights in fp32; this covers the rest.
+    """
+    cast = 0
+    for param in net.parameters():
+        if param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
+            param.data = param.data.float()
+            cast += 1
+    return cast
+
+
 def apply_liger(net) -> None:
     """Patch the model with Liger kernels (fused RMSNorm, RoPE, SwiGLU, cross-entropy)."""
     if importlib.util.find_spec("liger_kernel") is None:

@@ -36,8 +36,12 @@ def build_optimizer(
     betas: tuple[float, float],
     eps: float,
     cpu_offload: bool = False,
+    fused: bool = False,
 ) -> torch.optim.Optimizer:
-    """adamw (fused on CUDA), adamw_8bit (bitsandbytes) or sgd.
+    """adamw (fused kernels with `fused`, for CUDA), adamw_8bit (bitsandbytes) or sgd.
+
+    `fused` is decided by the caller from the device the model will train on: the optimizer is built
+    before `accelerator.prepare` moves the parameters there, so they are still on the CPU here.
 
     `cpu_offload` (DeepSpeed with offload_optimizer): DeepSpeed's CPU AdamW, which updates the
     offloaded fp32 states on the CPU with vectorised kernels (DeepSpeed refuses a plain torch
@@ -55,8 +59,7 @@ def build_optimizer(
 
         return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, eps=eps, adamw_mode=True)
     if name == "adamw":
-        on_cuda = all(p.is_cuda for g in groups for p in g["params"])
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=on_cuda or None)
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
     if name == "adamw_8bit":
         if importlib.util.find_spec("bitsandbytes") is None:
             raise FinetuneError("train.optimizer adamw_8bit needs bitsandbytes: pip install -e '.[qlora]'")
@@ -99,8 +102,11 @@ def build_scheduler(
     raise FinetuneError(f"train.lr_decay_style: unknown schedule {style!r}")
 
 
-def optimizer_for(model: torch.nn.Module, train, *, cpu_offload: bool = False) -> torch.optim.Optimizer:
-    """`build_optimizer` with the recipe's train section (optimizer, lr, decay, Adam settings)."""
+def optimizer_for(
+    model: torch.nn.Module, train, *, cpu_offload: bool = False, device: torch.device | None = None
+) -> torch.optim.Optimizer:
+    """`build_optimizer` with the recipe's train section (optimizer, lr, decay, Adam settings);
+    fused AdamW when `device` (where training runs) is a CUDA device."""
     return build_optimizer(
         model,
         name=train.optimizer,
@@ -110,6 +116,7 @@ def optimizer_for(model: torch.nn.Module, train, *, cpu_offload: bool = False) -
         betas=(train.adam_beta1, train.adam_beta2),
         eps=train.adam_eps,
         cpu_offload=cpu_offload,
+        fused=device is not None and device.type == "cuda",
     )
 
 

@@ -265,6 +265,10 @@ def setup(recipe: Recipe, accelerator) -> Run:
         model = apply_lora(model, recipe.lora, gradient_checkpointing=train.gradient_checkpointing)
         if base_dir is not None:
             model.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
+    if train.mixed_precision == "fp16":
+        from finetune.model import upcast_trainable_to_fp32
+
+        upcast_trainable_to_fp32(model)
     trainable, total = count_parameters(model)
     accelerator.print(f"parameters: {trainable:,} trainable / {total:,} total")
 
@@ -273,7 +277,10 @@ def setup(recipe: Recipe, accelerator) -> Run:
 
     engine = engine_from_env()
     optimizer = optimizer_for(
-        model, train, cpu_offload=engine.kind == "deepspeed" and engine.offload_optimizer
+        model,
+        train,
+        cpu_offload=engine.kind == "deepspeed" and engine.offload_optimizer,
+        device=accelerator.device,
     )
     pad_id = pad_token_id(tokenizer)
     train_dl = make_dataloader(
@@ -437,8 +444,7 @@ def train_step(run: Run, window: list[dict]) -> dict[str, Any]:
         grad_norm = acc.clip_grad_norm_(model.parameters(), train.max_grad_norm)
     elif run.state.step % train.log_steps == train.log_steps - 1:
         grad_norm = acc.clip_grad_norm_(model.parameters(), float("inf"))  # norm only, for the log
-    run.optimizer.step()
-    fp16_skipped = acc.optimizer_step_was_skipped
+    fp16_skipped = optimizer_step(acc, run.optimizer)
     run.optimizer.zero_grad(set_to_none=True)
     return {
         "loss": loss_value,
@@ -447,6 +453,22 @@ def train_step(run: Run, window: list[dict]) -> dict[str, Any]:
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "trainable": int(global_count.item()),
     }
+
+
+def optimizer_step(acc, optimizer) -> bool:
+    """Step the optimizer; True when fp16 loss scaling skipped the update (an overflow).
+
+    The skip is read from the scale, which GradScaler lowers exactly when it finds an inf/NaN
+    gradient: Accelerate's `optimizer_step_was_skipped` watches whether the optimizer's step method
+    ran, but GradScaler always calls the step of a fused optimizer (the fused kernel itself skips the
+    update), so that flag would miss every overflow. Reading the scale is a sync point (fp16 only).
+    """
+    if acc.scaler is None:
+        optimizer.step()
+        return False
+    scale_before = acc.scaler.get_scale()
+    optimizer.step()
+    return acc.scaler.get_scale() < scale_before
 
 
 def _deepspeed_result(run: Run, loss_value: float, trainable: int) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from finetune.train import (
     checkpoint_if_stopped,
     count_nonfinite,
     end_of_step,
+    optimizer_step,
     push_final,
     schedule_length,
 )
@@ -165,7 +166,7 @@ def setup(recipe: Recipe, accelerator) -> DiffusionRun:
         accelerator.print(
             f"diffusion.guidance_scale: not used: the transformer of {info.path} has no guidance embedding"
         )
-    optimizer = optimizer_for(unet, train)
+    optimizer = optimizer_for(unet, train, device=accelerator.device)
     # This rank's share of every epoch (the same number of batches on every rank, no image
     # repeated): the loader is not passed through accelerator.prepare, train_step moves batches.
     train_dl = make_loader(
@@ -319,8 +320,7 @@ def train_step(run: DiffusionRun, window: list[dict]) -> dict[str, Any]:
     grad_norm = None
     if train.max_grad_norm is not None:
         grad_norm = acc.clip_grad_norm_(params, train.max_grad_norm)
-    run.optimizer.step()
-    skipped = acc.optimizer_step_was_skipped
+    skipped = optimizer_step(acc, run.optimizer)
     run.optimizer.zero_grad(set_to_none=True)
     if run.ema is not None and not skipped:
         run.ema.step(params)

@@ -39,6 +39,9 @@ COMMON = [
     "2",
     "--lora.lora_dropout",
     "0.0",
+    # The demo keeps one checkpoint; the resume checks need the middle one too.
+    "--train.save_total_limit",
+    "3",
 ]
 FULL = ["--lora.enable_lora", "false", "--lora.modules_to_save", "[]", "--train.lr", "1e-3"]
 
