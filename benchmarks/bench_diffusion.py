@@ -42,9 +42,9 @@ def _images(folder: Path, count: int) -> None:
 
 
 def _recipe(tmp: Path, pipeline: Path, images: Path, resolution: int, batch: int):
-    from finetune.config import Recipe
+    from finetune.recipe import validate_recipe
 
-    return Recipe.model_validate(
+    return validate_recipe(
         {
             "model": {"kind": "diffusion", "model_path": str(pipeline)},
             "data": {

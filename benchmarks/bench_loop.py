@@ -30,8 +30,8 @@ sys.path.insert(0, str(REPO))
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
-from finetune.config import load_recipe  # noqa: E402
 from finetune.metrics import ProgressLog  # noqa: E402
+from finetune.recipe import load_recipe  # noqa: E402
 from finetune.train import TrainState, setup, train_loop  # noqa: E402
 
 

@@ -87,13 +87,13 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 
 def tokenized_gsm8k(data_dir: Path):
     """GSM8K tokenized by finetune (input_ids, labels), as the packers' common input."""
-    from finetune.config import Recipe
     from finetune.data.sources import load_source
     from finetune.data.tokenize import tokenize_dataset
     from finetune.model import load_tokenizer
+    from finetune.recipe import validate_recipe
 
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = Recipe.model_validate(recipe_dict(data_dir, Path(tmp) / "prepared"))
+        recipe = validate_recipe(recipe_dict(data_dir, Path(tmp) / "prepared"))
     entry = recipe.data.datasets[0]
     tokenizer = load_tokenizer(recipe.model)
     result = tokenize_dataset(
@@ -205,11 +205,11 @@ def worker_ours(data_dir: Path, repeats: int) -> dict:
     import transformers  # noqa: F401
 
     import finetune.model  # noqa: F401
-    from finetune.config import Recipe
     from finetune.data.prepare import prepare
+    from finetune.recipe import validate_recipe
 
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = Recipe.model_validate(recipe_dict(data_dir, Path(tmp) / "prepared"))
+        recipe = validate_recipe(recipe_dict(data_dir, Path(tmp) / "prepared"))
         start = time.perf_counter()
         prepared = prepare(recipe, log=lambda _: None)
         cold = time.perf_counter() - start

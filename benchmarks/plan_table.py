@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from finetune.config import load_recipe
 from finetune.plan import make_plan
+from finetune.recipe import load_recipe
 
 BASE_RECIPE = "recipes/llama3/llama3_8b_full_fsdp2.yaml"
 LLAMA = {"model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}

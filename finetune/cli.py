@@ -101,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _print_recipe(recipe, explain: bool) -> None:
-    from finetune.config import recipe_to_dict
-    from finetune.yaml_io import dump_yaml
+    from finetune.recipe import recipe_to_dict
+    from finetune.recipe.yaml_io import dump_yaml
 
     if not explain:
         print(dump_yaml(recipe_to_dict(recipe)), end="")
@@ -115,7 +115,7 @@ def explain_lines(recipe) -> list[str]:
     """The resolved recipe as YAML with each field's description as a comment above it."""
     from pydantic import BaseModel
 
-    from finetune.yaml_io import dump_yaml
+    from finetune.recipe.yaml_io import dump_yaml
 
     out: list[str] = []
 
@@ -227,7 +227,7 @@ def check_before_launch(recipe, config: Path | None, launch: dict) -> None:
 
 
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from finetune.config import load_recipe
+    from finetune.recipe import load_recipe
 
     if args.command == "list-configs" or getattr(args, "list_configs", False):
         if overrides:

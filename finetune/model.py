@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from finetune.config import LoraSection, ModelSection
 from finetune.errors import FinetuneError
+from finetune.recipe import LoraSection, ModelSection
 
 logger = logging.getLogger(__name__)
 

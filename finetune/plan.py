@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.config import LoraSection, ModelSection, Recipe
 from finetune.distributed import resolve_ds_config_file
 from finetune.errors import FinetuneError
+from finetune.recipe import LoraSection, ModelSection, Recipe
 
 GiB = 2**30
 # CUDA context (~0.5 GiB on an H100) plus what the caching allocator loses to fragmentation, NCCL and

@@ -35,7 +35,6 @@ import torch
 from accelerate.utils import DistributedType, send_to_device
 
 from finetune.checkpoint import find_checkpoint, load_train_state, save_checkpoint
-from finetune.config import Recipe, load_recipe, recipe_to_dict
 from finetune.data.collate import collate_rows
 from finetune.errors import FinetuneError
 from finetune.metrics import (
@@ -45,7 +44,8 @@ from finetune.metrics import (
     model_flops_per_token,
     peak_memory_gib,
 )
-from finetune.yaml_io import dump_yaml
+from finetune.recipe import Recipe, load_recipe, recipe_to_dict
+from finetune.recipe.yaml_io import dump_yaml
 
 
 @dataclass

@@ -81,9 +81,9 @@ def diffusion_recipe(tmp: Path, pipeline: Path, data: Path, *, type_: str = "ima
 
 def validated_recipe(tmp: Path, pipeline: Path, data: Path, **diffusion):
     """`diffusion_recipe(...)` validated into a Recipe."""
-    from finetune.config import Recipe
+    from finetune.recipe import validate_recipe
 
-    return Recipe.model_validate(diffusion_recipe(tmp, pipeline, data, **diffusion))
+    return validate_recipe(diffusion_recipe(tmp, pipeline, data, **diffusion))
 
 
 def assert_lora_changes_generation(pipe, out: Path, **call) -> None:

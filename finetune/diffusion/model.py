@@ -144,7 +144,7 @@ FLOW_MATCHING_FIELDS = ("weighting_scheme", "logit_mean", "logit_std", "mode_sca
 def settings_problems(info: PipelineInfo, settings: Any) -> list[str]:
     """`diffusion.*` settings that this pipeline's family cannot use, as `path: reason` lines.
 
-    What does not depend on the pipeline is checked with the recipe (finetune.config); this is
+    What does not depend on the pipeline is checked with the recipe (finetune.recipe); this is
     the rest, known only once model_index.json has been read.
     """
     problems = []

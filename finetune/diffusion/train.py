@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from finetune.checkpoint import find_checkpoint, load_train_state
-from finetune.config import Recipe, recipe_to_dict
 from finetune.errors import FinetuneError
 from finetune.metrics import ProgressLog, host_peak_rss_gib, peak_memory_gib
+from finetune.recipe import Recipe, recipe_to_dict
+from finetune.recipe.yaml_io import dump_yaml
 from finetune.train import (
     LoopState,
     StopFlag,
@@ -37,7 +38,6 @@ from finetune.train import (
     push_final,
     schedule_length,
 )
-from finetune.yaml_io import dump_yaml
 
 
 @dataclass

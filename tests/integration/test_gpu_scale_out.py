@@ -137,8 +137,8 @@ HALF_B = (
 def test_planner_within_15_percent_of_measured_peak(tmp_path, mode):
     """`finetune plan` against torch.cuda.max_memory_allocated of a real run (the planner's fixed
     allowance for the CUDA context is not allocator memory, so it is left out of the comparison)."""
-    from finetune.config import load_recipe
     from finetune.plan import CUDA_ALLOWANCE_BYTES, make_plan
+    from finetune.recipe import load_recipe
 
     args = [
         "--model.config_path",
@@ -156,5 +156,7 @@ def test_planner_within_15_percent_of_measured_peak(tmp_path, mode):
     recipe = load_recipe(str(DEMO), [*COMMON, *args])
     plan = make_plan(recipe, accelerate_config="single_gpu")
     predicted = plan.estimate.total_gpu - CUDA_ALLOWANCE_BYTES
-    print(f"planner vs peak ({mode}): predicted {predicted / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB")
+    print(
+        f"planner vs peak ({mode}): predicted {predicted / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB"
+    )
     assert abs(predicted - measured) <= 0.15 * measured, (predicted / 2**30, measured / 2**30)

@@ -83,7 +83,7 @@ def test_fp16_overflow_skips_the_update_and_counts_it(tmp_path, monkeypatch):
     counts it, the scale halves; the next finite step updates the weights."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from finetune.config import load_recipe
+    from finetune.recipe import load_recipe
     from finetune.train import make_accelerator, setup, train_step
 
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)

@@ -325,7 +325,7 @@ def test_gpu_attention_backends_fail_before_data_preparation(
 def test_missing_tracker_is_an_error_with_the_fix(tmp_path, monkeypatch, fresh_accelerate_state):
     import accelerate.utils
 
-    from finetune.config import load_recipe
+    from finetune.recipe import load_recipe
     from finetune.train import make_accelerator
 
     monkeypatch.setattr(accelerate.utils, "is_tensorboard_available", lambda: False)
@@ -371,7 +371,7 @@ def test_fractional_save_epochs(steps_per_epoch, save_epochs, expected):
 def test_unpacked_batches_carry_attention_masks_and_packed_ones_position_ids(tmp_path):
     from datasets import Dataset
 
-    from finetune.config import load_recipe
+    from finetune.recipe import load_recipe
     from finetune.train import _seq_stats, count_tokens, make_dataloader
 
     recipe = load_recipe(DEMO, [*demo_overrides(tmp_path), "--train.micro_batch_size", "2"])

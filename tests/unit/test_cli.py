@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 import finetune.cli as cli
-import finetune.config as config
+import finetune.recipe as config
+import finetune.recipe.schema as schema
 from finetune.cli import (
     ACCELERATE_CONFIGS,
     TRAIN_SCRIPT,
@@ -22,8 +23,8 @@ from finetune.cli import (
     main,
     resolve_accelerate_config,
 )
-from finetune.config import load_recipe, recipe_to_dict
 from finetune.errors import FinetuneError
+from finetune.recipe import load_recipe, recipe_to_dict
 
 SUBCOMMANDS = ["validate", "prepare-dataset", "train", "list-configs", "merge-lora"]
 RECIPE = {
@@ -179,7 +180,7 @@ def test_validate_bad_override_is_exit_2(recipe_path: Path, capsys: pytest.Captu
 
 def test_validate_not_supported_yet(recipe_path: Path, capsys: pytest.CaptureFixture, monkeypatch) -> None:
     monkeypatch.setattr(
-        config,
+        schema,
         "NOT_SUPPORTED_YET",
         {
             "train.gradient_checkpointing": "lands with FSDP2",

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from finetune.cli import ACCELERATE_CONFIGS
-from finetune.config import Recipe
 from finetune.distributed import (
     Engine,
     accelerator_kwargs,
@@ -21,11 +20,12 @@ from finetune.distributed import (
     read_accelerate_config,
 )
 from finetune.errors import FinetuneError
+from finetune.recipe import Recipe, validate_recipe
 from tests.tiny import tiny_model
 
 
 def _recipe(**train) -> Recipe:
-    return Recipe.model_validate(
+    return validate_recipe(
         {
             "model": {"model_path": "org/base"},
             "data": {"datasets": [{"path": "a.jsonl", "type": "alpaca"}]},
@@ -281,7 +281,7 @@ def test_refusals_name_the_fix():
 
 
 def test_diffusion_runs_on_one_process_or_ddp():
-    recipe = Recipe.model_validate(
+    recipe = validate_recipe(
         {
             "model": {"kind": "diffusion", "model_path": "org/sd"},
             "data": {"datasets": [{"path": "images", "type": "images"}]},

@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 import finetune.model
-from finetune.config import LoraSection, ModelSection
 from finetune.errors import FinetuneError
 from finetune.model import (
     apply_lora,
@@ -28,6 +27,7 @@ from finetune.model import (
     merge_lora,
     weight_dtype,
 )
+from finetune.recipe import LoraSection, ModelSection
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_TOKENIZER = str(REPO / "recipes" / "demo" / "tokenizer")
@@ -215,7 +215,7 @@ def test_unknown_target_module_is_a_finetune_error():
 def test_qlora_needs_a_pretrained_model_path():
     pytest.importorskip("bitsandbytes")
     with pytest.raises(FinetuneError, match="model_path"):
-        _build(lora=LoraSection(enable_qlora=True))
+        _build(lora=LoraSection(enable_qlora=True, enable_lora=True))
 
 
 def test_qlora_without_bitsandbytes_says_how_to_install(monkeypatch, base_dir):
@@ -226,7 +226,7 @@ def test_qlora_without_bitsandbytes_says_how_to_install(monkeypatch, base_dir):
         lambda name, *a: None if name == "bitsandbytes" else real(name, *a),
     )
     with pytest.raises(FinetuneError, match=r"bitsandbytes.*\[qlora\]"):
-        _build(ModelSection(model_path=str(base_dir)), LoraSection(enable_qlora=True))
+        _build(ModelSection(model_path=str(base_dir)), LoraSection(enable_qlora=True, enable_lora=True))
 
 
 @needs_bnb
@@ -234,7 +234,7 @@ def test_qlora_without_bitsandbytes_says_how_to_install(monkeypatch, base_dir):
 def test_qlora_quantizes_the_base_and_trains_only_lora(base_dir, quant_type, double_quant):
     import bitsandbytes as bnb
 
-    lora = LoraSection(enable_qlora=True, quant_type=quant_type, double_quant=double_quant, lora_rank=4)
+    lora = LoraSection(enable_qlora=True, enable_lora=True, quant_type=quant_type, double_quant=double_quant, lora_rank=4)
     assert lora.enable_lora  # implied
     net = build_model(
         ModelSection(model_path=str(base_dir)),
@@ -351,5 +351,5 @@ def test_qlora_stores_4bit_weights_in_the_compute_dtype(dtype):
     them together with the rest of the model, which has that dtype."""
     from finetune.model import qlora_config
 
-    config = qlora_config(LoraSection(enable_qlora=True), compute_dtype=dtype)
+    config = qlora_config(LoraSection(enable_qlora=True, enable_lora=True), compute_dtype=dtype)
     assert config.bnb_4bit_quant_storage == dtype and config.bnb_4bit_compute_dtype == dtype

@@ -13,7 +13,6 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from finetune.cli import main
-from finetune.config import LoraSection, Recipe
 from finetune.data.collate import collate_rows
 from finetune.errors import FinetuneError
 from finetune.plan import (
@@ -34,6 +33,7 @@ from finetune.plan import (
     shard_states,
     suggest,
 )
+from finetune.recipe import LoraSection, Recipe, validate_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 P, N = 7_500_000_000, 64  # the ZeRO paper's Figure 1: 7.5B parameters on 64 GPUs
@@ -47,7 +47,7 @@ LLAMA3_OVERRIDES = [
 
 
 def _recipe(train: dict | None = None, lora: dict | None = None, model: dict | None = None) -> Recipe:
-    return Recipe.model_validate(
+    return validate_recipe(
         {
             "model": {"config_path": dict(LLAMA3_8B), "tokenizer_path": "tok", **(model or {})},
             "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}], "sequence_len": 1024},

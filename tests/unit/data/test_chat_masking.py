@@ -16,9 +16,9 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from finetune.config import KNOWN_CHAT_TEMPLATES, DatasetEntry
 from finetune.data.tokenize import IGNORE_INDEX, chat_spans, tokenize_dataset
 from finetune.errors import DataError
+from finetune.recipe import KNOWN_CHAT_TEMPLATES, DatasetEntry
 
 REPO = Path(__file__).resolve().parents[3]
 DEMO = REPO / "recipes" / "demo"

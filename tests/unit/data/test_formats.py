@@ -7,10 +7,10 @@ import doctest
 import datasets
 import pytest
 
-from finetune.config import DatasetEntry
 from finetune.data import formats
 from finetune.data.formats import BadRow
 from finetune.errors import DataError
+from finetune.recipe import DatasetEntry
 
 
 def entry(**kw) -> DatasetEntry:

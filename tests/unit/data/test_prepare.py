@@ -16,7 +16,6 @@ import pytest
 import yaml
 from filelock import FileLock
 
-from finetune.config import Recipe
 from finetune.data import prepare as prepare_mod
 from finetune.data.prepare import (
     MANIFEST_NAME,
@@ -28,6 +27,7 @@ from finetune.data.prepare import (
     prepare_on_main_process,
 )
 from finetune.errors import DataError, RecipeError
+from finetune.recipe import Recipe, validate_recipe
 
 PAD_ID = 3  # <pad> in the demo tokenizer
 WORDS = [
@@ -106,7 +106,7 @@ def _recipe_dict(workdir: Path, **data) -> dict:
 
 
 def _recipe(workdir: Path, **data) -> Recipe:
-    return Recipe.model_validate(_recipe_dict(workdir, **data))
+    return validate_recipe(_recipe_dict(workdir, **data))
 
 
 def _with(d: dict, dotted: str, value) -> Recipe:
@@ -116,7 +116,7 @@ def _with(d: dict, dotted: str, value) -> Recipe:
     for key in parents:
         node = node[int(key)] if isinstance(node, list) else node[key]
     node[last] = value
-    return Recipe.model_validate(d)
+    return validate_recipe(d)
 
 
 def _fp(recipe: Recipe) -> str:
@@ -232,7 +232,7 @@ def test_fingerprint_changes_with_every_output_input(workdir: Path, field: str, 
     base = _recipe_dict(workdir)
     if value == [{"path": "TEST", "type": "completion"}]:
         value = [{"path": str(workdir / "test.jsonl"), "type": "completion"}]
-    assert _fp(_with(base, field, value)) != _fp(Recipe.model_validate(base))
+    assert _fp(_with(base, field, value)) != _fp(validate_recipe(base))
 
 
 UNCHANGED = [
@@ -258,7 +258,7 @@ def test_fingerprint_ignores_what_does_not_change_the_output(workdir: Path, fiel
     base = _recipe_dict(workdir)
     if field == "data.dataloader_num_workers":
         base["data"]["dataloader_prefetch_factor"] = None
-    assert _fp(_with(base, field, value)) == _fp(Recipe.model_validate(base))
+    assert _fp(_with(base, field, value)) == _fp(validate_recipe(base))
 
 
 def test_fingerprint_follows_file_contents(workdir: Path):
@@ -319,7 +319,7 @@ def test_max_seq_len_longer_than_a_row_is_an_error(workdir: Path):
     d = _recipe_dict(workdir)
     d["data"]["datasets"][0]["max_seq_len"] = 512
     with pytest.raises(DataError, match="max_seq_len"):
-        prepare(Recipe.model_validate(d), log=_quiet)
+        prepare(validate_recipe(d), log=_quiet)
 
 
 # ------------------------------------------------------------------------------------ skip / load
@@ -372,7 +372,7 @@ def test_push_needs_a_repo(workdir: Path):
 
 _SCRIPT = """
 import hashlib, json, sys
-from finetune.config import load_recipe
+from finetune.recipe import load_recipe
 from finetune.data.prepare import prepare
 p = prepare(load_recipe(sys.argv[1]), log=lambda s: print(s, file=sys.stderr, flush=True))
 digest = hashlib.sha256(json.dumps(p.train[:], sort_keys=True).encode()).hexdigest()

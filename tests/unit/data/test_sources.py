@@ -14,10 +14,10 @@ import datasets
 import pandas as pd
 import pytest
 
-from finetune.config import DatasetEntry
 from finetune.data import sources
 from finetune.data.sources import load_source, source_fingerprint
 from finetune.errors import DataError
+from finetune.recipe import DatasetEntry
 
 ROWS = [{"text": f"row {i}", "n": i} for i in range(10)]
 

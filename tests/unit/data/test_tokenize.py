@@ -10,12 +10,12 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
-from finetune.config import DatasetEntry
 from finetune.data import tokenize as tokenize_module
 from finetune.data.formats import alpaca_prompt
 from finetune.data.sources import load_source
 from finetune.data.tokenize import IGNORE_INDEX, TokenizeResult, tokenize_dataset
 from finetune.errors import DataError
+from finetune.recipe import DatasetEntry
 
 REPO = Path(__file__).resolve().parents[3]
 DEMO_TOKENIZER = REPO / "recipes" / "demo" / "tokenizer"

@@ -106,8 +106,8 @@ def test_all_linear_and_bad_targets(tiny_sd: Path) -> None:
 
 
 def test_class_images_are_generated_until_there_are_enough(tmp_path: Path, tiny_sd: Path) -> None:
-    from finetune.config import Recipe
     from finetune.diffusion.sampling import ensure_class_images
+    from finetune.recipe import validate_recipe
     from tests.diffusion_data import diffusion_recipe, write_color_folder
 
     write_color_folder(tmp_path / "class", captions="txt", count=1)
@@ -123,7 +123,7 @@ def test_class_images_are_generated_until_there_are_enough(tmp_path: Path, tiny_
         num_class_images=3,
         class_generation_steps=1,
     )
-    recipe = Recipe.model_validate(data)
+    recipe = validate_recipe(data)
     info = pipeline_info(str(tiny_sd))
     assert ensure_class_images(recipe, info, device="cpu", log=lambda _: None) == 2
     assert sorted(p.name for p in (tmp_path / "class").glob("class-*.png")) == [
@@ -134,10 +134,10 @@ def test_class_images_are_generated_until_there_are_enough(tmp_path: Path, tiny_
 
 
 def test_model_card_shows_samples_and_how_to_load() -> None:
-    from finetune.config import Recipe, recipe_to_dict
     from finetune.model_card import render_diffusion_model_card
+    from finetune.recipe import recipe_to_dict, validate_recipe
 
-    recipe = Recipe.model_validate(
+    recipe = validate_recipe(
         {
             "model": {"kind": "diffusion", "model_path": "org/sd"},
             "data": {"datasets": [{"path": "photos", "type": "dreambooth"}]},

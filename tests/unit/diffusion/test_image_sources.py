@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from finetune.config import DatasetEntry, DiffusionSection
 from finetune.diffusion.sources import entry_fingerprint, load_class_images, load_entry
 from finetune.errors import DataError
+from finetune.recipe import DatasetEntry, DiffusionSection
 from tests.diffusion_data import caption, write_color_folder
 
 SETTINGS = DiffusionSection(instance_prompt="a photo of sks thing")

@@ -11,7 +11,6 @@ import pytest
 import torch
 from PIL import Image
 
-from finetune.config import Recipe
 from finetune.data.prepare import compute_fingerprint
 from finetune.diffusion import images as img
 from finetune.diffusion.cache import fingerprint_inputs, prepare_images
@@ -23,6 +22,7 @@ from finetune.diffusion.model import (
     load_vae,
     pipeline_info,
 )
+from finetune.recipe import Recipe
 from tests.diffusion_data import (
     COLORS,
     caption,

@@ -11,7 +11,6 @@ import torch
 import yaml
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from finetune.config import DIFFUSION_DEFAULT_LORA_TARGETS, load_recipe
 from finetune.data.prepare import compute_fingerprint
 from finetune.diffusion.cache import fingerprint_inputs, prepare_images
 from finetune.diffusion.model import (
@@ -29,6 +28,8 @@ from finetune.diffusion.model import (
 )
 from finetune.diffusion.objective import flow_matching_loss, flow_sigmas
 from finetune.errors import FinetuneError, RecipeError
+from finetune.recipe import load_recipe
+from finetune.recipe.diffusion import DIFFUSION_DEFAULT_LORA_TARGETS
 from tests.diffusion_data import COLORS, color_of, validated_recipe, write_color_folder
 
 SD3_TARGETS = {"to_k", "to_q", "to_v", "to_out.0", "add_k_proj", "add_q_proj", "add_v_proj", "to_add_out"}

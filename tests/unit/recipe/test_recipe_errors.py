@@ -1,6 +1,6 @@
 """Recipe error messages: every problem at once, with YAML path, line, bad value, allowed values.
 
-Also the YAML layer they rest on (finetune.yaml_io): exponent floats, syntax errors with line and
+Also the YAML layer they rest on (finetune.recipe.yaml_io): exponent floats, syntax errors with line and
 column, duplicate keys, key line numbers.
 """
 
@@ -16,10 +16,10 @@ import yaml
 from pydantic import ValidationError
 
 from finetune.cli import main
-from finetune.config import Recipe, load_recipe
 from finetune.errors import RecipeError
-from finetune.recipe_errors import format_validation_error, split_path, yaml_path
-from finetune.yaml_io import dump_yaml, key_lines, parse_yaml, read_yaml
+from finetune.recipe import Recipe, load_recipe, validate_recipe
+from finetune.recipe.errors import format_validation_error, split_path, yaml_path
+from finetune.recipe.yaml_io import dump_yaml, key_lines, parse_yaml, read_yaml
 
 # Eleven problems of every kind across all sections; the comment says what each line breaks.
 MANY_PROBLEMS = textwrap.dedent(
@@ -191,9 +191,7 @@ def test_long_values_are_shortened(tmp_path: Path) -> None:
 
 def test_format_validation_error_without_lines() -> None:
     with pytest.raises(ValidationError) as info:
-        Recipe.model_validate(
-            {"model": {"model_path": "m"}, "data": {"datasets": [{"path": "a"}]}, "train": {}}
-        )
+        validate_recipe({"model": {"model_path": "m"}, "data": {"datasets": [{"path": "a"}]}, "train": {}})
     message = format_validation_error(info.value, Recipe, source="inline")
     assert message.splitlines() == [
         "inline: 2 problem(s) in the recipe:",
@@ -205,9 +203,7 @@ def test_format_validation_error_without_lines() -> None:
 
 def test_format_validation_error_extra_problems() -> None:
     with pytest.raises(ValidationError) as info:
-        Recipe.model_validate(
-            {"model": {"model_path": "m"}, "data": {"datasets": [{"path": "a", "type": "x"}]}}
-        )
+        validate_recipe({"model": {"model_path": "m"}, "data": {"datasets": [{"path": "a", "type": "x"}]}})
     message = format_validation_error(
         info.value, Recipe, extra=[("data.datasets.0.shards_idx", 9, "too big")], lines={("data",): 3}
     )

@@ -10,8 +10,10 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-import finetune.config as config
-from finetune.config import (
+import finetune.recipe as config
+import finetune.recipe.schema as schema
+from finetune.errors import RecipeError
+from finetune.recipe import (
     DataSection,
     DatasetEntry,
     HubSection,
@@ -21,8 +23,8 @@ from finetune.config import (
     TrainSection,
     load_recipe,
     recipe_to_dict,
+    validate_recipe,
 )
-from finetune.errors import RecipeError
 
 MINIMAL = {
     "model": {"model_path": "org/base"},
@@ -192,7 +194,7 @@ ENTRY_DEFAULTS = {
 
 @pytest.fixture(scope="module")
 def minimal_recipe() -> Recipe:
-    return Recipe.model_validate(MINIMAL)
+    return validate_recipe(MINIMAL)
 
 
 @pytest.mark.parametrize(("section", "field", "default"), DEFAULTS, ids=[f"{s}.{f}" for s, f, _ in DEFAULTS])
@@ -406,7 +408,7 @@ def test_enable_qlora_implies_enable_lora_only_when_omitted(tmp_path: Path) -> N
     recipe = load(tmp_path, recipe_with(lora={"enable_qlora": True}))
     assert recipe.lora.enable_lora is True
     # The implied value is written out, so the resolved recipe validates again unchanged.
-    again = Recipe.model_validate(recipe_to_dict(recipe))
+    again = validate_recipe(recipe_to_dict(recipe))
     assert again == recipe
     message = error_of(tmp_path, recipe_with(lora={"enable_qlora": True, "enable_lora": False}))
     assert "lora.enable_lora" in message and "got False" in message
@@ -497,7 +499,7 @@ def test_a_rule_already_reported_is_not_repeated(tmp_path: Path) -> None:
 
 def test_not_supported_yet_fields(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        config,
+        schema,
         "NOT_SUPPORTED_YET",
         {
             "model.enable_compile": "compile lands in 0.2",
@@ -524,7 +526,7 @@ def test_not_supported_yet_fields(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 def test_not_supported_yet_is_reported_with_other_errors(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(config, "NOT_SUPPORTED_YET", {"data.datasets.*.shards": "later"})
+    monkeypatch.setattr(schema, "NOT_SUPPORTED_YET", {"data.datasets.*.shards": "later"})
     data = recipe_with(data_entry={"shards": 2, "shards_idx": 0}, train={"seed": "x"})
     message = error_of(tmp_path, data)
     assert "data.datasets[0].shards" in message and "not supported yet (later)" in message

@@ -9,9 +9,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune.config import Recipe, load_recipe
 from finetune.errors import RecipeError
-from finetune.overrides import apply_overrides, check_path, override_paths, parse_override_args, parse_value
+from finetune.recipe import Recipe, load_recipe
+from finetune.recipe.overrides import (
+    apply_overrides,
+    check_path,
+    override_paths,
+    parse_override_args,
+    parse_value,
+)
 
 BASE = {
     "model": {"model_path": "org/base"},

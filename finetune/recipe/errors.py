@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from finetune.overrides import _unwrap, did_you_mean
+from finetune.recipe.overrides import _unwrap, did_you_mean
 
 _LITERAL = re.compile(r"Input should be (.*)$")
 

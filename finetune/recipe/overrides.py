@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from finetune.errors import RecipeError
-from finetune.yaml_io import parse_yaml
+from finetune.recipe.yaml_io import parse_yaml
 
 
 def parse_override_args(args: list[str]) -> list[tuple[str, str]]:
@@ -112,7 +112,7 @@ def _resolve(path: str, root: type[BaseModel]) -> tuple[list[str | int], Any]:
 def check_path(path: str, root: type[BaseModel]) -> list[str | int]:
     """Validate a dotted override path against the schema; return its parts (ints for list items).
 
-    >>> from finetune.config import Recipe
+    >>> from finetune.recipe import Recipe
     >>> check_path("data.datasets.0.path", Recipe)
     ['data', 'datasets', 0, 'path']
     """

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune.config import DIFFUSION_DEFAULT_LORA_TARGETS, Recipe, load_recipe, recipe_to_dict
 from finetune.errors import RecipeError
+from finetune.recipe import load_recipe, recipe_to_dict, validate_recipe
+from finetune.recipe.diffusion import DIFFUSION_DEFAULT_LORA_TARGETS
 
 BASE = {
     "model": {"kind": "diffusion", "model_path": "org/sd"},
@@ -38,25 +39,25 @@ def with_changes(**sections) -> dict:
 
 
 def test_minimal_diffusion_recipe_resolves_its_implied_values() -> None:
-    recipe = Recipe.model_validate(BASE)
+    recipe = validate_recipe(BASE)
     assert recipe.model.kind == "diffusion"
     assert recipe.lora.enable_lora is True
     assert recipe.lora.lora_target_modules == DIFFUSION_DEFAULT_LORA_TARGETS
     assert recipe.diffusion.resolution == 512 and recipe.diffusion.snr_gamma is None
     # The resolved recipe (written next to the outputs) loads back unchanged.
-    assert Recipe.model_validate(recipe_to_dict(recipe)) == recipe
+    assert validate_recipe(recipe_to_dict(recipe)) == recipe
 
 
 def test_section_defaults_when_left_out_and_explicit_all_linear_is_kept() -> None:
     data = with_changes(diffusion=None, lora={"lora_target_modules": "all-linear"})
     data["data"]["datasets"][0]["type"] = "images"
-    recipe = Recipe.model_validate(data)
+    recipe = validate_recipe(data)
     assert recipe.diffusion is not None and recipe.diffusion.caption_column == "text"
     assert recipe.lora.lora_target_modules == "all-linear"
 
 
 def test_llm_recipes_are_unchanged() -> None:
-    recipe = Recipe.model_validate(
+    recipe = validate_recipe(
         {
             "model": {"model_path": "m"},
             "data": {"datasets": [{"path": "a", "type": "alpaca"}]},

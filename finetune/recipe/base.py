@@ -1,0 +1,56 @@
+"""The pieces every recipe section shares: the pydantic base class and the cross-field problem list.
+
+A section's cross-field rules live in its `_problems(ok)`, which returns every problem at once;
+`_combination_error` turns them into one pydantic error that finetune.recipe.errors expands into a
+line per problem. Rules only check: defaults that depend on other fields are filled in before
+validation, in one visible step (finetune.recipe.defaults).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic_core import PydanticCustomError
+
+Problem = tuple[str, Any, str]  # (dotted path relative to the section, bad value, message)
+
+
+def _all_ok(*names: str) -> bool:
+    return True
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=False)
+
+    def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
+        """Cross-field problems of this section; override in sections that have rules.
+
+        `ok(*names)` says whether those fields (dotted paths below this section) validated. It is
+        always true during normal validation; when other fields of the section are invalid,
+        `_salvage` runs the rules again on what did validate, so a rule must check `ok` for every
+        field it reads. That is how a bad combination is reported together with a typo elsewhere.
+        """
+        return []
+
+    @model_validator(mode="after")
+    def _check_combinations(self):
+        _combination_error(self._problems(_all_ok))
+        return self
+
+
+def _combination_error(problems: list[Problem]) -> None:
+    """Raise one pydantic error that carries every cross-field problem of a section.
+
+    Each problem is (field path relative to the section, bad value, message); list items are
+    numeric parts (`datasets.0.type`). The error formatter in finetune.recipe.errors expands them
+    into one line each with its full YAML path, so a user sees every bad combination at once
+    instead of one per run.
+    """
+    if problems:
+        raise PydanticCustomError(
+            "combination",
+            "; ".join(f"{path}: {msg}" for path, _, msg in problems),
+            {"problems": problems},
+        )

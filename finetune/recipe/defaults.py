@@ -1,0 +1,40 @@
+"""Defaults that depend on other fields, filled in one visible step before validation.
+
+A field's own default lives on the field. Some defaults depend on what else the recipe says (QLoRA
+implies LoRA; a diffusion recipe implies LoRA on the attention projections and a `diffusion`
+section with every default). They are written into the raw mapping here, only where the user wrote
+nothing, so validators only check and never change a value; the filled-in values show in
+recipe.resolved.yaml, and a contrary value the user did write is reported by the section's rules.
+
+>>> resolve_defaults({"lora": {"enable_qlora": True}})["lora"]
+{'enable_qlora': True, 'enable_lora': True}
+>>> resolve_defaults({"lora": {"enable_qlora": True, "enable_lora": False}})["lora"]["enable_lora"]
+False
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from finetune.recipe.diffusion import DIFFUSION_DEFAULT_LORA_TARGETS
+
+
+def resolve_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the raw recipe mapping with the dependent defaults filled in where unset.
+
+    Values of the wrong type are left alone for validation to report.
+    """
+    data = copy.deepcopy(data)
+    lora = data.get("lora")
+    if isinstance(lora, dict) and lora.get("enable_qlora") is True:
+        lora.setdefault("enable_lora", True)
+    model = data.get("model")
+    if isinstance(model, dict) and model.get("kind") == "diffusion":
+        if data.get("diffusion") is None:
+            data["diffusion"] = {}
+        lora = data.setdefault("lora", {})
+        if isinstance(lora, dict):
+            lora.setdefault("enable_lora", True)
+            lora.setdefault("lora_target_modules", list(DIFFUSION_DEFAULT_LORA_TARGETS))
+    return data

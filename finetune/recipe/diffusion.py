@@ -1,0 +1,331 @@
+"""The `diffusion` section (model.kind: diffusion) and the rules that tie it to the other sections."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from finetune.recipe.base import Problem, _Section
+from finetune.recipe.data import IMAGE_DATASET_TYPES
+
+if TYPE_CHECKING:
+    from finetune.recipe.schema import Recipe
+
+# LoRA targets of a diffusion recipe when lora.lora_target_modules is not set: the attention
+# projections, as in diffusers' LoRA examples. UNets (SD 1.x/2.x, SDXL) have only the first four;
+# SD3's joint attention also projects the text stream (add_*_proj, to_add_out), and the eight are
+# the defaults of diffusers' train_dreambooth_lora_sd3.py. (Names match as suffixes: on SD3.5's
+# dual-attention blocks the first four also adapt `attn2`, which that script leaves out.) Flux's
+# double-stream blocks have the same eight and its single-stream blocks attn.to_q/k/v, all adapted;
+# diffusers' train_dreambooth_lora_flux.py also adapts the feed-forward layers (ff.net.0.proj,
+# ff.net.2, ff_context.net.*), which recipes/diffusion/flux_lora.yaml lists (UNets have ff.net.* too,
+# so they cannot join this family-independent default).
+DIFFUSION_DEFAULT_LORA_TARGETS = [
+    "to_k",
+    "to_q",
+    "to_v",
+    "to_out.0",
+    "add_k_proj",
+    "add_q_proj",
+    "add_v_proj",
+    "to_add_out",
+]
+
+
+class DiffusionSection(_Section):
+    """Text-to-image LoRA / DreamBooth settings (model.kind: diffusion; base pipeline = model.model_path)."""
+
+    resolution: int = Field(
+        512, ge=8, description="Target side in pixels: buckets hold about resolution^2 pixels."
+    )
+    aspect_ratio_buckets: bool = Field(
+        True,
+        description="Batch images of similar shape together at their bucket's resolution (about "
+        "resolution^2 pixels); false: every image is resized and cropped to resolution x resolution.",
+    )
+    center_crop: bool = Field(
+        False,
+        description="Crop the resized image at its centre; false: a random crop, drawn once per image "
+        "at prepare time from train.seed (the latents are cached).",
+    )
+    random_flip: bool = Field(
+        False,
+        description="Horizontal flip: latents of the flipped image are cached too and each epoch uses "
+        "one of the two per image, drawn from (train.seed, epoch, image).",
+    )
+    min_image_side: int | None = Field(
+        None,
+        ge=1,
+        description="Images whose shorter side is below this many pixels are dropped (counted as "
+        "too_small in the manifest); null = half of resolution.",
+    )
+    caption_column: str = Field(
+        "text",
+        description="images: caption field of metadata.jsonl / metadata.csv rows or of the Hub dataset "
+        "(a .txt file next to an image is used when there is no metadata file).",
+    )
+    image_column: str = Field("image", description="images from the Hub: the image column.")
+    instance_prompt: str | None = Field(
+        None, description="dreambooth: the prompt of every instance image, e.g. 'a photo of sks dog'."
+    )
+    with_prior_preservation: bool = Field(
+        False, description="DreamBooth prior preservation: also train on class images (class_prompt)."
+    )
+    class_data_dir: str | None = Field(
+        None,
+        description="Folder of class images; missing ones (up to num_class_images) are generated with "
+        "the base pipeline at prepare time and saved there.",
+    )
+    class_prompt: str | None = Field(None, description="Prompt of the class images, e.g. 'a photo of a dog'.")
+    num_class_images: int = Field(100, ge=1, description="Class images used for prior preservation.")
+    prior_loss_weight: float = Field(1.0, ge=0, description="Weight of the class-image (prior) loss.")
+    class_generation_steps: int = Field(
+        25, ge=1, description="Inference steps when generating missing class images."
+    )
+    vae_path: str | None = Field(
+        None,
+        description="A separate VAE (folder or Hub id), e.g. an fp16-safe SDXL VAE; null = the "
+        "pipeline's own vae/.",
+    )
+    encode_batch_size: int = Field(
+        8, ge=1, description="Images per VAE / text-encoder batch when caching latents."
+    )
+    noise_offset: float = Field(
+        0.0, ge=0, description="Offset noise scale (0 = off): noise += offset * N(0, 1) per channel."
+    )
+    snr_gamma: float | None = Field(
+        None,
+        gt=0,
+        description="Min-SNR loss weighting gamma (5.0 is the paper's value); null = off. "
+        "Epsilon / v-prediction only (flow matching: weighting_scheme).",
+    )
+    prediction_type: Literal["epsilon", "v_prediction", "flow_matching"] | None = Field(
+        None,
+        description="What the denoiser predicts; null = what the pipeline's scheduler defines "
+        "(its prediction_type for UNets; flow_matching for SD3 and Flux, whose FlowMatchEulerDiscreteScheduler "
+        "gives the noise levels: input (1 - sigma) * latents + sigma * noise, target noise - latents).",
+    )
+    weighting_scheme: Literal["none", "logit_normal", "mode", "sigma_sqrt", "cosmap"] = Field(
+        "logit_normal",
+        description="Flow matching (SD3, Flux) only, as diffusers' SD3 and Flux scripts: logit_normal / mode draw "
+        "timesteps from that density (SD3 paper), sigma_sqrt / cosmap draw them uniformly and weight "
+        "the loss; none = uniform, unweighted.",
+    )
+    logit_mean: float = Field(0.0, description="weighting_scheme logit_normal: mean of the normal.")
+    logit_std: float = Field(1.0, gt=0, description="weighting_scheme logit_normal: std of the normal.")
+    mode_scale: float = Field(1.29, description="weighting_scheme mode: its scale parameter.")
+    max_sequence_length: int | None = Field(
+        None,
+        ge=1,
+        le=512,
+        description="SD3 and Flux: T5 tokens per caption, also used for validation images; null = the "
+        "pipeline's default (SD3: 256, Flux: 512). The cache holds (77 + this) x 4096 floats per image "
+        "for SD3, this x 4096 for Flux.",
+    )
+    guidance_scale: float = Field(
+        3.5,
+        ge=0,
+        description="Flux only: the embedded guidance value a guidance-distilled transformer (FLUX.1-dev) "
+        "is trained with, as diffusers' Flux scripts (3.5); ignored, with a message, by transformers "
+        "without guidance embeddings (FLUX.1-schnell), where a non-default value is an error.",
+    )
+    use_ema: bool = Field(
+        False,
+        description="Keep an EMA of the LoRA weights (diffusers EMAModel); checkpoints hold it and the "
+        "final weights and samples use it.",
+    )
+    ema_decay: float = Field(0.9999, gt=0, lt=1, description="EMA decay.")
+    validation_prompts: list[str] = Field(
+        default_factory=list,
+        description="Prompts sampled every validation_steps and at the end (output_dir/samples/).",
+    )
+    validation_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Sample the validation prompts every N optimizer steps; null = only at the end.",
+    )
+    num_validation_images: int = Field(2, ge=1, description="Images generated per validation prompt.")
+    validation_inference_steps: int = Field(25, ge=1, description="Denoising steps per validation image.")
+    validation_guidance_scale: float = Field(
+        7.5,
+        ge=0,
+        description="Classifier-free guidance scale (Flux: the pipeline's embedded guidance_scale, "
+        "3.5 for FLUX.1-dev; no effect on FLUX.1-schnell).",
+    )
+
+    def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
+        problems: list[Problem] = []
+        prior = ("with_prior_preservation", "class_data_dir", "class_prompt")
+        if ok(*prior) and self.with_prior_preservation:
+            for name in ("class_data_dir", "class_prompt"):
+                if not getattr(self, name):
+                    problems.append(
+                        (name, None, "with_prior_preservation needs class_data_dir and class_prompt")
+                    )
+        if (
+            ok("validation_steps", "validation_prompts")
+            and self.validation_steps
+            and not self.validation_prompts
+        ):
+            problems.append(
+                ("validation_steps", self.validation_steps, "set validation_prompts to sample every N steps")
+            )
+        problems += self._objective_problems(ok)
+        return problems
+
+    def _objective_problems(self, ok: Callable[..., bool]) -> list[Problem]:
+        """Loss settings that contradict prediction_type or weighting_scheme (what the pipeline's
+        family rules out when prediction_type is null is checked at prepare time)."""
+        problems: list[Problem] = []
+        flow_fields = (
+            "weighting_scheme",
+            "logit_mean",
+            "logit_std",
+            "mode_scale",
+            "max_sequence_length",
+            "guidance_scale",
+        )
+        if ok("prediction_type", "snr_gamma", "noise_offset", *flow_fields):
+            if self.prediction_type == "flow_matching":
+                if self.snr_gamma is not None:
+                    problems.append(
+                        (
+                            "snr_gamma",
+                            self.snr_gamma,
+                            "Min-SNR weighting is for epsilon / v_prediction; flow matching weights timesteps "
+                            "with weighting_scheme: remove snr_gamma",
+                        )
+                    )
+                if self.noise_offset:
+                    problems.append(
+                        (
+                            "noise_offset",
+                            self.noise_offset,
+                            "offset noise does not apply to flow matching: set 0",
+                        )
+                    )
+            elif self.prediction_type is not None:
+                for name in flow_fields:
+                    if getattr(self, name) != type(self).model_fields[name].get_default():
+                        problems.append(
+                            (
+                                name,
+                                getattr(self, name),
+                                f"applies to flow matching (SD3, Flux) only, not prediction_type "
+                                f"{self.prediction_type}",
+                            )
+                        )
+        if ok("weighting_scheme", "logit_mean", "logit_std", "mode_scale"):
+            for name, scheme in (
+                ("logit_mean", "logit_normal"),
+                ("logit_std", "logit_normal"),
+                ("mode_scale", "mode"),
+            ):
+                value = getattr(self, name)
+                if self.weighting_scheme != scheme and value != type(self).model_fields[name].get_default():
+                    problems.append(
+                        (
+                            name,
+                            value,
+                            f"is read by weighting_scheme {scheme} only (it is {self.weighting_scheme})",
+                        )
+                    )
+        return problems
+
+
+# Fields of other sections that do nothing in a diffusion recipe: a non-default value is an error
+# (never ignored silently). The reason says what to use instead where there is something.
+_NOT_FOR_DIFFUSION: dict[str, str] = {
+    "model.config_path": "the pipeline folder or Hub id goes in model.model_path",
+    "model.tokenizer_path": "the tokenizer comes from the pipeline's tokenizer/ folder",
+    "model.trust_remote_code": "diffusion pipelines load without repository code",
+    "model.attn_implementation": "the UNet uses diffusers' attention processors",
+    "model.chat_template": "LLM only",
+    "model.enable_liger_kernel": "LLM only",
+    "model.enable_compile": "not supported yet for diffusion",
+    "data.test_datasets": "no evaluation split for diffusion; use diffusion.validation_prompts",
+    "data.val_set_size": "no evaluation split for diffusion; use diffusion.validation_prompts",
+    "data.push_dataset_to_hub": "pushing cached latents is not supported yet",
+    "data.sequence_len": "LLM only",
+    "data.excess_length_strategy": "LLM only",
+    "data.sample_packing": "LLM only",
+    "data.sample_packing_method": "LLM only",
+    "data.sample_packing_sequence_len": "LLM only",
+    "data.eval_sample_packing": "LLM only",
+    "data.pad_to_multiple_of": "LLM only",
+    "lora.modules_to_save": "diffusion trains LoRA adapters only",
+    "lora.enable_qlora": "not supported for diffusion",
+    "lora.use_dora": "not supported yet for diffusion",
+    "lora.use_rslora": "not supported yet for diffusion",
+    "lora.save_lora_only": "diffusion saves the LoRA weights (pytorch_lora_weights.safetensors)",
+    "train.eval_steps": "no evaluation split for diffusion; use diffusion.validation_steps",
+    "train.iterations_to_skip": "not supported yet for diffusion",
+    "train.enable_profiling": "not supported yet for diffusion",
+}
+
+
+def diffusion_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
+    """Combinations of model.kind, the diffusion section and the data entries.
+
+    A diffusion recipe without a `diffusion` section gets one with every default, LoRA is implied
+    (enable_lora) and the LoRA targets default to the UNet's attention projections: finetune.recipe.
+    defaults fills these in before validation (they show in the resolved recipe), so an explicit
+    contrary value is what is left here, and it is an error.
+    """
+    problems: list[Problem] = []
+    if not ok("model.kind"):
+        return problems
+    diffusion = recipe.model.kind == "diffusion"
+    for i, entry in enumerate(recipe.data.datasets if ok("data.datasets") else []):
+        if entry is None:
+            continue
+        if diffusion and entry.type not in IMAGE_DATASET_TYPES:
+            problems.append(
+                (
+                    f"data.datasets.{i}.type",
+                    entry.type,
+                    "a diffusion recipe trains on image sources: use images (captions from metadata.jsonl"
+                    "/.csv, .txt sidecars or a Hub dataset column) or dreambooth (diffusion.instance_prompt)",
+                )
+            )
+        if not diffusion and entry.type in IMAGE_DATASET_TYPES:
+            problems.append(
+                (f"data.datasets.{i}.type", entry.type, "image sources need model.kind: diffusion")
+            )
+    if not diffusion:
+        if ok("diffusion") and recipe.diffusion is not None:
+            problems.append(
+                ("diffusion", "...", "set model.kind: diffusion to use this section, or remove it")
+            )
+        return problems
+    if ok("model.model_path") and not recipe.model.model_path:
+        problems.append(
+            ("model.model_path", None, "name the diffusers pipeline to fine-tune (a folder or a Hub id)")
+        )
+    for path, reason in _NOT_FOR_DIFFUSION.items():
+        section, name = path.split(".")
+        owner = getattr(recipe, section)
+        if ok(path) and owner is not None:
+            value = getattr(owner, name)
+            if value != type(owner).model_fields[name].get_default(call_default_factory=True):
+                problems.append((path, value, f"does not apply to a diffusion recipe ({reason}); remove it"))
+    if ok("lora.enable_lora") and not recipe.lora.enable_lora:
+        problems.append(("lora.enable_lora", False, "diffusion recipes train LoRA adapters: set true"))
+    if ok("diffusion", "data.datasets") and recipe.diffusion is not None:
+        types = {e.type for e in recipe.data.datasets if e is not None}
+        settings = recipe.diffusion
+        if "dreambooth" in types and not settings.instance_prompt:
+            problems.append(
+                ("diffusion.instance_prompt", None, "dreambooth datasets need the prompt of their images")
+            )
+        if settings.instance_prompt and "dreambooth" not in types:
+            problems.append(
+                (
+                    "diffusion.instance_prompt",
+                    settings.instance_prompt,
+                    "is used by dreambooth datasets only; the images type takes captions from the data",
+                )
+            )
+    return problems

@@ -1,0 +1,113 @@
+"""The `train` section: optimisation, schedule, precision, checkpoints, evaluation and logging."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from pydantic import Field
+
+from finetune.recipe.base import Problem, _Section
+
+
+class TrainSection(_Section):
+    output_dir: str = Field(description="Checkpoints, logs, final weights.")
+    seed: int = Field(42, description="Global seed (data order, init, dropout).")
+    micro_batch_size: int = Field(1, ge=1, description="Rows per device per micro step.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro steps per optimizer step.")
+    num_train_epochs: float = Field(1, gt=0, description="Passes over the data.")
+    max_steps: int | None = Field(
+        None, ge=1, description="Optimizer steps; overrides epochs and bounds the LR schedule."
+    )
+    mixed_precision: Literal["bf16", "fp16", "no"] = Field(
+        "bf16", description="bf16, fp16 (dynamic loss scaling), or no."
+    )
+    gradient_checkpointing: bool = Field(False, description="Activation recomputation (non-reentrant).")
+    optimizer: Literal["adamw", "adamw_8bit", "sgd"] = Field("adamw", description="Optimizer.")
+    lr: float = Field(5e-5, gt=0, description="Peak learning rate.")
+    lr_min: float = Field(0.0, ge=0, description="Learning-rate floor at the end of the decay.")
+    lr_warmup_ratio: float = Field(
+        0.0, ge=0, lt=1, description="Fraction of optimizer steps spent warming up."
+    )
+    lr_decay_style: Literal["constant", "linear", "cosine"] = Field(
+        "cosine", description="LR schedule after warmup."
+    )
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    no_decay_params: list[str] = Field(
+        default_factory=lambda: ["bias", "norm"],
+        description="Parameters whose name contains one of these (case-insensitive) get no weight decay.",
+    )
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
+    adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clipping threshold; null = off.")
+    save_steps: int = Field(0, ge=0, description="Checkpoint every N optimizer steps (0 = off).")
+    save_epochs: float = Field(1, ge=0, description="Checkpoint every N epochs, fractions allowed (0 = off).")
+    save_total_limit: int | None = Field(None, ge=1, description="Keep only the newest N checkpoints.")
+    save_hf_weights: bool = Field(True, description="Write HF-format weights or adapter at the end.")
+    load_checkpoint_path: str | None = Field(
+        None, description="A checkpoint to resume from, or `auto` for the latest in output_dir."
+    )
+    eval_steps: int | None = Field(
+        None, ge=1, description="Evaluate every N steps (and at the end when eval data exists)."
+    )
+    log_steps: int = Field(1, ge=1, description="Log every N optimizer steps.")
+    log_format: Literal["progress_bar", "structured"] = Field(
+        "progress_bar", description="progress_bar (tqdm) or structured (key=value lines)."
+    )
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list, description="Trackers (through Accelerate)."
+    )
+    accelerate_config: str | None = Field(
+        None, description="Name in accelerate_configs/ or a path, used by `finetune train`."
+    )
+    exit_duration_in_mins: float | None = Field(
+        None, gt=0, description="Checkpoint and exit cleanly after this many minutes."
+    )
+    iterations_to_skip: list[int] = Field(
+        default_factory=list, description="Optimizer steps whose batches are consumed without an update."
+    )
+    max_consecutive_nonfinite: int = Field(
+        5, ge=1, description="Nonfinite losses in a row before aborting (each one skips its step)."
+    )
+    enable_profiling: bool = Field(False, description="Write a torch profiler trace for a step window.")
+    profile_start_step: int = Field(1, ge=1, description="First profiled optimizer step.")
+    profile_end_step: int = Field(2, ge=1, description="Last profiled optimizer step.")
+    profile_trace_dir: str = Field("trace", description="Trace folder, relative to output_dir.")
+    enable_full_determinism: bool = Field(False, description="Deterministic algorithms (slower).")
+    empty_cache_steps: int = Field(
+        0, ge=0, description="Release the accelerator cache every N steps (0 = off)."
+    )
+    gc_steps: int = Field(0, ge=0, description="Run Python garbage collection every N steps (0 = off).")
+
+    def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
+        problems: list[Problem] = []
+        if ok("max_steps", "save_steps") and self.max_steps is not None and self.save_steps > self.max_steps:
+            problems.append(
+                (
+                    "save_steps",
+                    self.save_steps,
+                    f"is larger than max_steps ({self.max_steps}): no periodic checkpoint would be written; "
+                    "lower it or set 0 to save only at the end",
+                )
+            )
+        if ok("lr", "lr_min") and self.lr_min > self.lr:
+            problems.append(("lr_min", self.lr_min, f"must not exceed lr ({self.lr})"))
+        profiling = ("enable_profiling", "profile_start_step", "profile_end_step")
+        if ok(*profiling) and self.enable_profiling and self.profile_end_step < self.profile_start_step:
+            problems.append(
+                (
+                    "profile_end_step",
+                    self.profile_end_step,
+                    f"must be >= profile_start_step ({self.profile_start_step})",
+                )
+            )
+        if ok("iterations_to_skip") and any(step < 1 for step in self.iterations_to_skip):
+            problems.append(("iterations_to_skip", self.iterations_to_skip, "steps are counted from 1"))
+        if (
+            ok("optimizer", "adam_beta1", "adam_beta2")
+            and self.optimizer == "sgd"
+            and (self.adam_beta1, self.adam_beta2) != (0.9, 0.999)
+        ):
+            problems.append(("optimizer", "sgd", "adam_beta1/adam_beta2 are set but sgd does not use them"))
+        return problems
