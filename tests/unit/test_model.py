@@ -234,7 +234,9 @@ def test_qlora_without_bitsandbytes_says_how_to_install(monkeypatch, base_dir):
 def test_qlora_quantizes_the_base_and_trains_only_lora(base_dir, quant_type, double_quant):
     import bitsandbytes as bnb
 
-    lora = LoraSection(enable_qlora=True, enable_lora=True, quant_type=quant_type, double_quant=double_quant, lora_rank=4)
+    lora = LoraSection(
+        enable_qlora=True, enable_lora=True, quant_type=quant_type, double_quant=double_quant, lora_rank=4
+    )
     assert lora.enable_lora  # implied
     net = build_model(
         ModelSection(model_path=str(base_dir)),

@@ -10,7 +10,6 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-import finetune.recipe as config
 import finetune.recipe.schema as schema
 from finetune.errors import RecipeError
 from finetune.recipe import (
