@@ -11,10 +11,9 @@ import os
 import sys
 from pathlib import Path
 
+from finetune.accelerate_config import list_configs, resolve_accelerate_config
 from finetune.errors import FinetuneError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-ACCELERATE_CONFIGS = REPO_ROOT / "accelerate_configs"
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
 
 OVERRIDES_HELP = (
@@ -141,32 +140,6 @@ def explain_lines(recipe) -> list[str]:
     return out
 
 
-def resolve_accelerate_config(name_or_path: str | None) -> Path | None:
-    """A config name from accelerate_configs/ (with or without .yaml) or a path to a file."""
-    if name_or_path is None:
-        return None
-    path = Path(name_or_path)
-    if path.is_file():
-        return path
-    for candidate in (ACCELERATE_CONFIGS / name_or_path, ACCELERATE_CONFIGS / f"{name_or_path}.yaml"):
-        if candidate.is_file():
-            return candidate
-    names = ", ".join(sorted(p.stem for p in ACCELERATE_CONFIGS.glob("*.yaml")))
-    raise FinetuneError(
-        f"accelerate config {name_or_path!r} is neither a file nor a name in {ACCELERATE_CONFIGS} "
-        f"(available: {names})"
-    )
-
-
-def list_configs() -> list[tuple[str, str]]:
-    """(name, first comment line) for every shipped accelerate config."""
-    rows = []
-    for path in sorted(ACCELERATE_CONFIGS.glob("*.yaml")):
-        first = next((ln[1:].strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
-        rows.append((path.stem, first))
-    return rows
-
-
 LAUNCH_OPTIONS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port")
 
 
@@ -214,16 +187,19 @@ def launch_command(
 
 def check_before_launch(recipe, config: Path | None, launch: dict) -> None:
     """Refuse, before any process starts, a recipe and engine that cannot work together here."""
-    import dataclasses
-
     import torch
 
-    from finetune.distributed import Engine, check_combination, read_accelerate_config
+    from finetune.accelerate_config import read_accelerate_config
+    from finetune.distributed import check_combination
 
-    engine = read_accelerate_config(config) if config is not None else Engine(kind="single")
-    if launch.get("num_processes") is not None:
-        engine = dataclasses.replace(engine, num_processes=launch["num_processes"])
-    check_combination(recipe, engine, cuda_available=torch.cuda.is_available())
+    engine = read_accelerate_config(config, num_processes=launch.get("num_processes"))
+    check_combination(
+        engine,
+        recipe.train,
+        model_kind=recipe.model.kind,
+        qlora=recipe.lora.enable_qlora,
+        cuda_available=torch.cuda.is_available(),
+    )
 
 
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -127,12 +127,19 @@ def make_accelerator(recipe: Recipe):
             raise FinetuneError(
                 f"train.report_to: {tracker} is not installed (pip install -e '.[tracking]' or pip install {tracker})"
             )
-    from finetune.distributed import accelerator_kwargs, check_combination, engine_from_env
+    from finetune.accelerate_config import engine_from_env
+    from finetune.distributed import accelerator_kwargs, check_combination
 
     engine = engine_from_env()
     # The same refusals as `finetune train` makes before launch, for `accelerate launch` users.
-    check_combination(recipe, engine, cuda_available=torch.cuda.is_available())
-    kwargs: dict[str, Any] = accelerator_kwargs(recipe, engine)
+    check_combination(
+        engine,
+        train,
+        model_kind=recipe.model.kind,
+        qlora=recipe.lora.enable_qlora,
+        cuda_available=torch.cuda.is_available(),
+    )
+    kwargs: dict[str, Any] = accelerator_kwargs(train, engine)
     if recipe.model.enable_compile:
         kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor")
     return Accelerator(
@@ -272,14 +279,14 @@ def setup(recipe: Recipe, accelerator) -> Run:
     trainable, total = count_parameters(model)
     accelerator.print(f"parameters: {trainable:,} trainable / {total:,} total")
 
-    from finetune.distributed import engine_from_env
+    from finetune.accelerate_config import engine_from_env
     from finetune.optim import optimizer_for, scheduler_for
 
     engine = engine_from_env()
     optimizer = optimizer_for(
         model,
         train,
-        cpu_offload=engine.kind == "deepspeed" and engine.offload_optimizer,
+        cpu_offload=engine.kind == "deepspeed" and engine.offload_optimizer != "none",
         device=accelerator.device,
     )
     pad_id = pad_token_id(tokenizer)

@@ -13,16 +13,8 @@ import yaml
 import finetune.cli as cli
 import finetune.recipe as config
 import finetune.recipe.schema as schema
-from finetune.cli import (
-    ACCELERATE_CONFIGS,
-    TRAIN_SCRIPT,
-    build_parser,
-    explain_lines,
-    launch_command,
-    list_configs,
-    main,
-    resolve_accelerate_config,
-)
+from finetune.accelerate_config import ACCELERATE_CONFIGS, REPO_ROOT, list_configs, resolve_accelerate_config
+from finetune.cli import TRAIN_SCRIPT, build_parser, explain_lines, launch_command, main
 from finetune.errors import FinetuneError
 from finetune.recipe import load_recipe, recipe_to_dict
 
@@ -427,7 +419,7 @@ def test_slurm_script_uses_real_train_options(recipe_path: Path, fake_execv: lis
 
     import torch
 
-    script = (cli.REPO_ROOT / "docs" / "slurm" / "finetune.sbatch").read_text()
+    script = (REPO_ROOT / "docs" / "slurm" / "finetune.sbatch").read_text()
     used = set(re.findall(r"(--[a-z][a-z-]+) ", script.split("srun", 1)[1]))
     train_parser = build_parser()._subparsers._group_actions[0].choices["train"]
     known = {opt for action in train_parser._actions for opt in action.option_strings}

@@ -6,21 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 
-from finetune.cli import ACCELERATE_CONFIGS
+from finetune.accelerate_config import ACCELERATE_CONFIGS, Engine, read_accelerate_config
 from finetune.distributed import (
-    Engine,
     accelerator_kwargs,
     combination_problems,
-    engine_from_env,
     fill_deepspeed_config,
-    read_accelerate_config,
 )
 from finetune.errors import FinetuneError
 from finetune.recipe import Recipe, validate_recipe
+from tests.launch_env import launch_env
 from tests.tiny import tiny_model
 
 
@@ -34,33 +31,14 @@ def _recipe(**train) -> Recipe:
     )
 
 
-EXPECTED = {
-    "single_gpu": dict(kind="single"),
-    "multi_gpu": dict(kind="ddp", num_processes=8),
-    "multi_cpu": dict(kind="ddp", num_processes=2, use_cpu=True),
-    "fsdp2": dict(kind="fsdp", fsdp_version=2, offload_params=False, hybrid_shard=False),
-    "fsdp2_offload": dict(kind="fsdp", fsdp_version=2, offload_params=True),
-    "fsdp2_hybrid": dict(kind="fsdp", fsdp_version=2, hybrid_shard=True, num_machines=2, num_processes=16),
-    "multi_node": dict(kind="fsdp", fsdp_version=2, num_machines=2, num_processes=16),
-    "zero1": dict(kind="deepspeed", zero_stage=1, offload_optimizer=False, offload_params=False),
-    "zero2": dict(kind="deepspeed", zero_stage=2, offload_optimizer=False),
-    "zero2_offload": dict(kind="deepspeed", zero_stage=2, offload_optimizer=True, offload_params=False),
-    "zero3": dict(kind="deepspeed", zero_stage=3, offload_optimizer=False, offload_params=False),
-    "zero3_offload": dict(kind="deepspeed", zero_stage=3, offload_optimizer=True, offload_params=True),
-}
-
-
-def test_every_shipped_config_is_described_here():
-    assert sorted(EXPECTED) == sorted(p.stem for p in ACCELERATE_CONFIGS.glob("*.yaml"))
-
-
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_read_shipped_config(name: str):
-    engine = read_accelerate_config(ACCELERATE_CONFIGS / f"{name}.yaml")
-    for field, value in EXPECTED[name].items():
-        assert getattr(engine, field) == value, field
-    if engine.kind == "deepspeed":
-        assert engine.ds_config_path == (ACCELERATE_CONFIGS / "deepspeed" / f"{name}.json").resolve()
+def problems(recipe: Recipe, engine: Engine, *, cuda_available: bool) -> list[str]:
+    return combination_problems(
+        engine,
+        recipe.train,
+        model_kind=recipe.model.kind,
+        qlora=recipe.lora.enable_qlora,
+        cuda_available=cuda_available,
+    )
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"])
@@ -75,29 +53,6 @@ def test_shipped_deepspeed_json_leaves_the_recipe_values_auto(name: str):
         assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
 
 
-def test_offload_without_an_engine_is_refused(tmp_path: Path):
-    path = tmp_path / "ddp_offload.yaml"
-    path.write_text(
-        "distributed_type: MULTI_GPU\nnum_processes: 2\nfsdp_config:\n  fsdp_offload_params: true\n"
-    )
-    with pytest.raises(FinetuneError) as info:
-        read_accelerate_config(path)
-    message = str(info.value)
-    assert str(path) in message and "fsdp_offload_params" in message and "MULTI_GPU" in message
-    assert "zero2_offload, zero3_offload or fsdp2_offload" in message
-
-
-def test_deepspeed_json_found_beside_the_config(tmp_path: Path):
-    (tmp_path / "my.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
-    path = tmp_path / "ds.yaml"
-    path.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: my.json\n")
-    engine = read_accelerate_config(path)
-    assert engine.zero_stage == 2 and engine.ds_config_path == (tmp_path / "my.json").resolve()
-    path.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: missing.json\n")
-    with pytest.raises(FinetuneError, match=r"deepspeed_config_file 'missing\.json' not found"):
-        read_accelerate_config(path)
-
-
 # ------------------------------------------------------------------------------- DeepSpeed auto
 
 
@@ -106,7 +61,7 @@ def test_fill_takes_every_auto_value_from_the_recipe():
     recipe = _recipe(
         micro_batch_size=4, gradient_accumulation_steps=8, max_grad_norm=0.5, mixed_precision="bf16"
     )
-    filled = fill_deepspeed_config(ds, recipe, world_size=16, source="zero3.json")
+    filled = fill_deepspeed_config(ds, recipe.train, world_size=16, source="zero3.json")
     assert filled["train_micro_batch_size_per_gpu"] == 4
     assert filled["gradient_accumulation_steps"] == 8
     assert filled["train_batch_size"] == 4 * 8 * 16
@@ -120,7 +75,7 @@ def test_fill_takes_every_auto_value_from_the_recipe():
 def test_fill_no_clipping_and_fp32():
     filled = fill_deepspeed_config(
         {"gradient_clipping": "auto", "bf16": {"enabled": "auto"}},
-        _recipe(max_grad_norm=None, mixed_precision="no"),
+        _recipe(max_grad_norm=None, mixed_precision="no").train,
         world_size=1,
         source="x.json",
     )
@@ -140,7 +95,7 @@ def test_fill_conflicts_name_both_values():
         micro_batch_size=8, gradient_accumulation_steps=4, max_grad_norm=0.3, mixed_precision="no"
     )
     with pytest.raises(FinetuneError) as info:
-        fill_deepspeed_config(ds, recipe, world_size=2, source="mine.json")
+        fill_deepspeed_config(ds, recipe.train, world_size=2, source="mine.json")
     message = str(info.value)
     assert (
         "mine.json: train_micro_batch_size_per_gpu is 2 but the recipe's train.micro_batch_size gives 8"
@@ -159,53 +114,17 @@ def test_deepspeed_plugin_is_accelerates(monkeypatch: pytest.MonkeyPatch):
     engine = read_accelerate_config(ACCELERATE_CONFIGS / "zero3_offload.yaml")
     engine = Engine(**{**engine.__dict__, "num_processes": 4})
     recipe = _recipe(micro_batch_size=2, gradient_accumulation_steps=3, mixed_precision="bf16")
-    plugin = accelerator_kwargs(recipe, engine)["deepspeed_plugin"]
+    plugin = accelerator_kwargs(recipe.train, engine)["deepspeed_plugin"]
     assert plugin.zero_stage == 3 and plugin.zero3_init_flag is True
     assert plugin.offload_optimizer_device == "cpu" and plugin.offload_param_device == "cpu"
     assert plugin.gradient_accumulation_steps == 3
     config = plugin.deepspeed_config
     assert config["train_batch_size"] == 2 * 3 * 4 and config["train_micro_batch_size_per_gpu"] == 2
     assert config["bf16"]["enabled"] is True
-    assert accelerator_kwargs(recipe, Engine(kind="ddp", num_processes=2)) == {}
+    assert accelerator_kwargs(recipe.train, Engine(kind="ddp", num_processes=2)) == {}
 
 
 # --------------------------------------------------------- translation through accelerate launch
-
-
-def _launch_env(name: str) -> dict[str, str]:
-    """The environment `accelerate launch --config_file <name>` gives the training processes, from
-    Accelerate's own launcher code (nothing is started)."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
-
-    parser = launch_command_parser()
-    args = parser.parse_args(["--config_file", str(ACCELERATE_CONFIGS / f"{name}.yaml"), "train.py"])
-    args, defaults, _ = _validate_launch_command(args)
-    if args.use_deepspeed:
-        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
-        _, env = prepare_deepspeed_cmd_env(args)
-    else:
-        env = prepare_multi_gpu_env(args)
-    env["WORLD_SIZE"] = str(args.num_processes)
-    return env
-
-
-@pytest.mark.parametrize(
-    "name", [n for n in sorted(EXPECTED) if EXPECTED[n]["kind"] in ("fsdp", "deepspeed")]
-)
-def test_launch_environment_describes_the_same_engine(name: str):
-    from_file = read_accelerate_config(ACCELERATE_CONFIGS / f"{name}.yaml")
-    from_env = engine_from_env(_launch_env(name))
-    for field in (
-        "kind",
-        "zero_stage",
-        "offload_optimizer",
-        "offload_params",
-        "fsdp_version",
-        "hybrid_shard",
-    ):
-        assert getattr(from_env, field) == getattr(from_file, field), field
-    assert from_env.num_processes == from_file.num_processes
 
 
 @pytest.mark.parametrize("name", ["fsdp2", "fsdp2_offload", "fsdp2_hybrid"])
@@ -216,7 +135,7 @@ def test_fsdp2_plugin_translation(name: str, monkeypatch: pytest.MonkeyPatch):
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    for key, value in _launch_env(name).items():
+    for key, value in launch_env(name).items():
         if key not in os.environ or os.environ[key] != value:
             monkeypatch.setenv(key, value)
     recipe = _recipe(mixed_precision="bf16")
@@ -252,32 +171,29 @@ def test_fsdp2_plugin_translation(name: str, monkeypatch: pytest.MonkeyPatch):
 def test_refusals_name_the_fix():
     recipe = _recipe()
     fsdp = read_accelerate_config(ACCELERATE_CONFIGS / "fsdp2.yaml")
-    (problem,) = combination_problems(recipe, fsdp, cuda_available=False)
+    (problem,) = problems(recipe, fsdp, cuda_available=False)
     assert "needs CUDA GPUs" in problem and "multi_cpu" in problem and "zero" in problem
-    assert combination_problems(recipe, fsdp, cuda_available=True) == []
+    assert problems(recipe, fsdp, cuda_available=True) == []
     fsdp1 = Engine(kind="fsdp", fsdp_version=1, source="old.yaml")
-    assert any(
-        "fsdp_version 1 is not supported" in p
-        for p in combination_problems(recipe, fsdp1, cuda_available=True)
-    )
+    assert any("fsdp_version 1 is not supported" in p for p in problems(recipe, fsdp1, cuda_available=True))
     offload = read_accelerate_config(ACCELERATE_CONFIGS / "zero2_offload.yaml")
-    (problem,) = combination_problems(_recipe(optimizer="adamw_8bit"), offload, cuda_available=True)
+    (problem,) = problems(_recipe(optimizer="adamw_8bit"), offload, cuda_available=True)
     assert "train.optimizer: adamw (not adamw_8bit)" in problem
     qlora = _recipe(mixed_precision="no").model_copy(
         update={"lora": recipe.lora.model_copy(update={"enable_lora": True, "enable_qlora": True})}
     )
-    (problem,) = combination_problems(qlora, fsdp, cuda_available=True)
+    (problem,) = problems(qlora, fsdp, cuda_available=True)
     assert "mixed_precision: bf16" in problem
     ddp_cpu = Engine(kind="deepspeed", zero_stage=2, use_cpu=True, source="cpu_ds.yaml")
     assert any(
         "use_cpu (or ACCELERATE_USE_CPU=true) cannot be combined" in p
-        for p in combination_problems(recipe, ddp_cpu, cuda_available=False)
+        for p in problems(recipe, ddp_cpu, cuda_available=False)
     )
     for name in ("zero1", "zero2", "zero3", "multi_cpu", "single_gpu"):
         engine = read_accelerate_config(ACCELERATE_CONFIGS / f"{name}.yaml")
         if engine.kind == "deepspeed":  # one process on CPU (see the next test)
             engine = Engine(**{**engine.__dict__, "num_processes": 1})
-        assert combination_problems(recipe, engine, cuda_available=False) == [], name
+        assert problems(recipe, engine, cuda_available=False) == [], name
 
 
 def test_diffusion_runs_on_one_process_or_ddp():
@@ -290,11 +206,11 @@ def test_diffusion_runs_on_one_process_or_ddp():
     )
     for name in ("zero2", "fsdp2"):
         engine = read_accelerate_config(ACCELERATE_CONFIGS / f"{name}.yaml")
-        (problem,) = combination_problems(recipe, engine, cuda_available=True)
+        (problem,) = problems(recipe, engine, cuda_available=True)
         assert "diffusion LoRA training runs on one process or DDP" in problem and "multi_gpu" in problem
     for name in ("single_gpu", "multi_gpu", "multi_cpu"):
         engine = read_accelerate_config(ACCELERATE_CONFIGS / f"{name}.yaml")
-        assert combination_problems(recipe, engine, cuda_available=False) == []
+        assert problems(recipe, engine, cuda_available=False) == []
 
 
 def test_deepspeed_without_gpus_is_one_process():
@@ -302,8 +218,8 @@ def test_deepspeed_without_gpus_is_one_process():
     engine = Engine(
         **{**read_accelerate_config(ACCELERATE_CONFIGS / "zero3.yaml").__dict__, "num_processes": 2}
     )
-    (problem,) = combination_problems(recipe, engine, cuda_available=False)
+    (problem,) = problems(recipe, engine, cuda_available=False)
     assert "DeepSpeed without GPUs runs one process, not 2" in problem and "--num-processes 1" in problem
-    assert combination_problems(recipe, engine, cuda_available=True) == []
+    assert problems(recipe, engine, cuda_available=True) == []
     one = Engine(**{**engine.__dict__, "num_processes": 1})
-    assert combination_problems(recipe, one, cuda_available=False) == []
+    assert problems(recipe, one, cuda_available=False) == []

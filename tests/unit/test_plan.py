@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from finetune.accelerate_config import Engine
 from finetune.cli import main
 from finetune.data.collate import collate_rows
 from finetune.errors import FinetuneError
 from finetune.plan import (
     Adapter,
-    Engine,
     GiB,
     ModelInventory,
     States,
@@ -29,7 +29,6 @@ from finetune.plan import (
     make_plan,
     model_states,
     qlora_bytes_per_param,
-    read_engine,
     shard_states,
     suggest,
 )
@@ -99,7 +98,7 @@ def _total(parts) -> float:
 def test_zero_paper_figures(stage, expected_bytes, paper_gb):
     # Mixed-precision Adam: 2P fp16 weights + 2P grads + 12P fp32 master/momentum/variance.
     states = States(trainable_params=P, weights=2 * P, grads=2 * P, optimizer=12 * P)
-    parts = shard_states(states, Engine("deepspeed", num_gpus=N, zero_stage=stage))
+    parts = shard_states(states, Engine("deepspeed", num_processes=N, zero_stage=stage))
     assert _total(parts) == pytest.approx(expected_bytes, rel=1e-12)
     assert round(_total(parts) / 1e9, 1) == paper_gb
 
@@ -109,16 +108,18 @@ def test_deepspeed_model_states_are_the_paper_s():
     recipe = _recipe({"mixed_precision": "bf16"})
     inv = _bare_inventory(P)
     layout = model_states(
-        inv, Adapter(), recipe, Engine("deepspeed", num_gpus=N, zero_stage=0), checkpointing=False
+        inv, Adapter(), recipe, Engine("deepspeed", num_processes=N, zero_stage=0), checkpointing=False
     )
     assert (layout.states.weights, layout.states.grads, layout.states.optimizer) == (2 * P, 2 * P, 12 * P)
     expected = {0: 16 * P, 1: 4 * P + 12 * P / N, 2: 2 * P + 14 * P / N, 3: 16 * P / N}
     for stage, nbytes in expected.items():
-        engine = Engine("deepspeed", num_gpus=N, zero_stage=stage)
+        engine = Engine("deepspeed", num_processes=N, zero_stage=stage)
         states = model_states(inv, Adapter(), recipe, engine, checkpointing=False).states
         by_part = {p.name: p.gpu_bytes for p in shard_states(states, engine)}
         assert sum(by_part.values()) == pytest.approx(nbytes, rel=1e-12)
-    zero1 = {p.name: p.gpu_bytes for p in shard_states(states, Engine("deepspeed", num_gpus=N, zero_stage=1))}
+    zero1 = {
+        p.name: p.gpu_bytes for p in shard_states(states, Engine("deepspeed", num_processes=N, zero_stage=1))
+    }
     assert zero1 == pytest.approx({"weights": 2 * P, "gradients": 2 * P, "optimizer states": 12 * P / N})
 
 
@@ -126,10 +127,10 @@ def test_ddp_and_fsdp_hold_fp32_weights_without_deepspeed():
     """torch_dtype auto + bf16: fp32 weights, fp32 grads, fp32 AdamW states = 16P, sharded 16P/N by FSDP."""
     recipe = _recipe({"mixed_precision": "bf16"})
     inv = _bare_inventory(P)
-    ddp = model_states(inv, Adapter(), recipe, Engine("ddp", num_gpus=8), checkpointing=False).states
+    ddp = model_states(inv, Adapter(), recipe, Engine("ddp", num_processes=8), checkpointing=False).states
     assert (ddp.weights, ddp.grads, ddp.optimizer) == (4 * P, 4 * P, 8 * P)
-    assert _total(shard_states(ddp, Engine("ddp", num_gpus=8))) == 16 * P
-    fsdp = Engine("fsdp", num_gpus=8, zero_stage=3)
+    assert _total(shard_states(ddp, Engine("ddp", num_processes=8))) == 16 * P
+    fsdp = Engine("fsdp", num_processes=8, zero_stage=3)
     states = model_states(inv, Adapter(), recipe, fsdp, checkpointing=False).states
     assert _total(shard_states(states, fsdp)) == pytest.approx(16 * P / 8)
     sgd = _recipe({"mixed_precision": "bf16", "optimizer": "sgd"})
@@ -140,14 +141,16 @@ def test_offload_moves_states_to_the_host():
     states = States(trainable_params=P, weights=2 * P, grads=2 * P, optimizer=12 * P)
     zero2 = {
         p.name: p
-        for p in shard_states(states, Engine("deepspeed", num_gpus=8, zero_stage=2, offload_optimizer="cpu"))
+        for p in shard_states(
+            states, Engine("deepspeed", num_processes=8, zero_stage=2, offload_optimizer="cpu")
+        )
     }
     assert zero2["weights"].gpu_bytes == 2 * P and zero2["optimizer states"].gpu_bytes == 0
     assert zero2["optimizer states"].host_bytes == 12 * P / 8
     assert zero2["gradients"].host_bytes == 4 * P / 8  # the fp32 gradient partition
-    zero3 = Engine("deepspeed", num_gpus=8, zero_stage=3, offload_optimizer="cpu", offload_params="cpu")
+    zero3 = Engine("deepspeed", num_processes=8, zero_stage=3, offload_optimizer="cpu", offload_params="cpu")
     assert _total(shard_states(states, zero3)) == 0
-    fsdp = Engine("fsdp", num_gpus=8, zero_stage=3, offload_optimizer="cpu", offload_params="cpu")
+    fsdp = Engine("fsdp", num_processes=8, zero_stage=3, offload_optimizer="cpu", offload_params="cpu")
     assert sum(p.host_bytes for p in shard_states(states, fsdp)) == pytest.approx(16 * P / 8)
 
 
@@ -157,80 +160,6 @@ def test_offload_moves_states_to_the_host():
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
-
-
-def test_engine_defaults_and_plain_configs(tmp_path):
-    assert read_engine(None) == Engine()
-    assert read_engine(None, num_gpus=4).kind == "ddp"
-    ddp = read_engine(_write(tmp_path / "a.yaml", "distributed_type: MULTI_GPU\nnum_processes: 8\n"))
-    assert (ddp.kind, ddp.num_gpus, ddp.shard_degree) == ("ddp", 8, 1)
-    cpu = read_engine(_write(tmp_path / "b.yaml", "distributed_type: MULTI_CPU\nnum_processes: 2\n"))
-    assert cpu.on_cpu and cpu.kind == "ddp"
-    single = read_engine(_write(tmp_path / "c.yaml", 'distributed_type: "NO"\nnum_processes: 1\n'))
-    assert single.kind == "single"
-    with pytest.raises(FinetuneError, match="TPU"):
-        read_engine(_write(tmp_path / "d.yaml", "distributed_type: TPU\n"))
-    with pytest.raises(FinetuneError, match="multiple of --num-nodes"):
-        read_engine(None, num_gpus=3, num_nodes=2)
-
-
-def test_engine_fsdp(tmp_path):
-    base = "distributed_type: FSDP\nnum_processes: 16\nnum_machines: 2\nfsdp_config:\n  fsdp_version: 2\n"
-    full = read_engine(_write(tmp_path / "f.yaml", base + "  fsdp_reshard_after_forward: true\n"))
-    assert (full.name, full.shard_degree) == ("fsdp2", 16)
-    offload = read_engine(_write(tmp_path / "o.yaml", base + "  fsdp_offload_params: true\n"))
-    assert offload.offload_params == offload.offload_optimizer == "cpu"
-    assert offload.name == "fsdp2_offload"
-    hsdp = base + (
-        "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 8\n"
-    )
-    hybrid = read_engine(_write(tmp_path / "h.yaml", hsdp))
-    assert (hybrid.name, hybrid.shard_degree) == ("fsdp2_hybrid", 8)
-    strategy = read_engine(_write(tmp_path / "s.yaml", base + "  fsdp_sharding_strategy: HYBRID_SHARD\n"))
-    assert strategy.hybrid and strategy.shard_degree == 8  # GPUs per node
-    assert read_engine(tmp_path / "s.yaml", num_gpus=32, num_nodes=4).shard_degree == 8
-    grad_op = read_engine(_write(tmp_path / "g.yaml", base + "  fsdp_reshard_after_forward: false\n"))
-    assert grad_op.zero_stage == 2
-    assert read_engine(tmp_path / "f.yaml", num_gpus=4, num_nodes=1).shard_degree == 4
-
-
-def test_engine_deepspeed_inline_and_json(tmp_path):
-    inline = read_engine(
-        _write(
-            tmp_path / "z2.yaml",
-            "distributed_type: DEEPSPEED\nnum_processes: 8\ndeepspeed_config:\n"
-            "  zero_stage: 2\n  offload_optimizer_device: cpu\n  offload_param_device: none\n",
-        )
-    )
-    assert (inline.zero_stage, inline.offload_optimizer, inline.offload_params) == (2, "cpu", "none")
-    assert inline.name == "zero2_offload"
-    (tmp_path / "ds").mkdir()
-    zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}}
-    _write(
-        tmp_path / "ds" / "zero3.json", json.dumps({"bf16": {"enabled": "auto"}, "zero_optimization": zero})
-    )
-    from_file = read_engine(
-        _write(
-            tmp_path / "z3.yaml",
-            "distributed_type: DEEPSPEED\nnum_processes: 8\ndeepspeed_config:\n"
-            "  deepspeed_config_file: ds/zero3.json\n  zero3_init_flag: true\n",
-        )
-    )
-    assert (from_file.zero_stage, from_file.offload_optimizer, from_file.offload_params) == (3, "cpu", "nvme")
-    parts = {p.name: p for p in shard_states(States(P, 2 * P, 2 * P, 12 * P), from_file)}
-    assert parts["weights"].nvme_bytes == 2 * P / 8 and parts["weights"].host_bytes == 0
-    _write(
-        tmp_path / "bad.yaml",
-        "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: nope.json\n",
-    )
-    with pytest.raises(FinetuneError, match=r"nope\.json.*not found"):
-        read_engine(tmp_path / "bad.yaml")
-    _write(
-        tmp_path / "p.yaml",
-        "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n  offload_param_device: cpu\n",
-    )
-    with pytest.raises(FinetuneError, match="stage 3"):
-        read_engine(tmp_path / "p.yaml")
 
 
 # ------------------------------------------------------------------------------------- LoRA / QLoRA
@@ -384,7 +313,7 @@ def test_predicted_activations_match_saved_tensors(attn, train, lora, model):
 def test_suggestion_keeps_the_global_batch():
     inv = inventory_of(_tiny_llama())
     recipe = _recipe({"micro_batch_size": 2, "gradient_accumulation_steps": 6, "mixed_precision": "bf16"})
-    engine = Engine("ddp", num_gpus=4)
+    engine = Engine("ddp", num_processes=4)
     roomy = suggest(inv, recipe, engine, 80 * GiB)
     assert roomy.global_batch == 2 * 6 * 4
     assert (roomy.micro_batch_size, roomy.gradient_accumulation_steps) == (12, 1)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.cli import resolve_accelerate_config
+from finetune.accelerate_config import resolve_accelerate_config
 from finetune.recipe import load_recipe, recipe_to_dict, validate_recipe
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,153 @@
+"""Activations: what autograd saves for a Llama-style decoder layer per micro batch
+(`activation_bytes`), with and without gradient checkpointing, LoRA inputs and the logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from finetune.plan.inventory import Adapter, ModelInventory
+
+# -------------------------------------------------------------------------------------- activations
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation bytes of one micro-batch (see `activation_bytes` for the formula)."""
+
+    num_layers: int
+    per_layer: float  # saved by autograd in one decoder layer
+    layer_input: float  # one layer's input: all a checkpointed layer keeps
+    head: float  # final norm, lm_head input, ids/labels, rotary tables
+    mask: float  # transformers' mask (bool for sdpa, float for eager), alive through the forward
+    loss_saved: float  # fp32 log-softmax the cross entropy saves
+    logits: float  # logits the model output holds through backward
+    loss_transient: float  # two fp32 b*s*V gradient buffers at the cross-entropy backward
+
+    @property
+    def saved(self) -> float:
+        """What autograd saves without checkpointing (what saved_tensors_hooks sees)."""
+        return self.num_layers * self.per_layer + self.head + self.loss_saved
+
+    @property
+    def logits_and_loss(self) -> float:
+        return self.logits + self.loss_saved + self.loss_transient
+
+    def peak(self, checkpointing: bool) -> float:
+        """Peak bytes: the end of the forward / start of the backward, or with checkpointing the
+        larger of the loss backward and one layer's recomputation."""
+        if not checkpointing:
+            return self.saved + self.mask + self.logits + self.loss_transient
+        loss_step = self.head + self.loss_saved + self.loss_transient
+        kept = self.num_layers * self.layer_input + self.mask + self.logits
+        return kept + max(loss_step, self.per_layer)
+
+
+def activation_bytes(
+    inv: ModelInventory,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    attn_implementation: str,
+    residual_bytes: int,
+    compute_bytes: int,
+    autocast: bool,
+    logits_bytes: int,
+    adapter: Adapter | None = None,
+    lora_dropout: float = 0.0,
+    lora_bytes: int = 4,
+    linear_out_bytes: int | None = None,
+    lm_head_trainable: bool = True,
+    embedding_trainable: bool = True,
+) -> Activations:
+    """Bytes autograd saves in a Llama-style decoder layer for b rows of s tokens.
+
+    With r = residual bytes, c = compute bytes, h hidden, q = heads*head_dim, k = kv_heads*head_dim,
+    i intermediate, a heads, bs = b*s; "copies" = autocast with an fp32 residual (each Linear casts
+    its input separately). Full fine-tuning, per layer:
+      2 RMSNorms        2*((4 + r)*bs*h + 4*bs)        fp32 input, normalized input (for the weight
+                                                       grad; not with frozen norms), rsqrt
+      Linear inputs     bs*h*(3c or r) + bs*h*(2c or r) + c*bs*i   q/k/v, gate/up, down; o_proj
+                                                       reads sdpa's saved output
+      attention sdpa    c*bs*(2q + 2k') + 4*b*a*s      q, k, v, out, logsumexp, plus a c*b*s^2 mask;
+                        + c*b*s^2                      k' = q when a mask makes transformers repeat
+                                                       k/v to every head (packed or padded rows);
+                                                       flash/flex: k' = k, no mask
+      attention eager   4c*bs*q + (4 + c)*b*a*s^2      q, k, v (repeated), o_proj's contiguous input;
+                                                       fp32 softmax and its c-dtype copy
+      MLP               3c*bs*i                        gate output, silu output, up output (in the
+                                                       input dtype r for 4-bit QLoRA linears)
+    LoRA (frozen base): Linear layers save no input, norms only the fp32 input; each adapted Linear
+    saves lora_A's input (its own c copy under autocast, else PEFT's cast to the LoRA dtype, shared
+    by q/k/v and gate/up when no cast is needed; dropout: its output + a bool mask) and lora_A's
+    output (bs*rank).
+    Head: final norm, lm_head input (c*bs*h if trained), fp32 log-softmax 4*bs*V, ids and labels,
+    rotary cos/sin; minus the first norm when the embeddings are frozen (its input needs no grad). The model output holds logits_bytes*bs*V logits through backward, and the
+    cross-entropy backward adds two fp32 bs*V gradients. Transformers' mask (bool b*s^2 for sdpa,
+    r*b*s^2 float for eager) is shared by all layers.
+    Gradient checkpointing keeps r*bs*h per layer and recomputes one layer at a time.
+    """
+    b, s = micro_batch_size, seq_len
+    bs = b * s
+    h, i, a, vocab = inv.hidden_size, inv.intermediate_size, inv.num_heads, inv.vocab_size
+    q, kv = inv.num_heads * inv.head_dim, inv.num_kv_heads * inv.head_dim
+    r, c = residual_bytes, compute_bytes
+    eager = attn_implementation == "eager"
+    full = adapter is None or not adapter.targets
+    norm = (4 + (r if full else 0)) * bs * h + 4 * bs
+    if eager:
+        attention = 3 * c * bs * q + (4 + (c if c != 4 else 0)) * b * a * s * s
+    else:
+        k_saved = q if attn_implementation == "sdpa" else kv
+        attention = c * bs * (2 * q + 2 * k_saved) + 4 * b * a * s
+        attention += c * b * s * s if attn_implementation == "sdpa" else 0
+    if full:
+        copies = autocast and r != c
+        inputs = bs * h * ((3 * c if copies else r) + (2 * c if copies else r)) + c * bs * i
+        inputs += c * bs * q if eager else 0  # the contiguous o_proj input
+    else:
+        inputs = _lora_inputs(
+            adapter, lora_dropout, lora_bytes, autocast=autocast, eager=eager, c=c, r=r, bs=bs
+        )
+    head = norm + (c * bs * h if lm_head_trainable else 0) + 16 * bs + 2 * r * bs * inv.head_dim
+    if not embedding_trainable:  # the first norm's input needs no grad: nothing saved there
+        head -= norm
+    return Activations(
+        num_layers=inv.num_layers,
+        per_layer=2 * norm + attention + 3 * (linear_out_bytes or c) * bs * i + inputs,
+        layer_input=r * bs * h,
+        head=head,
+        mask=(1 if attn_implementation == "sdpa" else r if eager else 0) * b * s * s,
+        loss_saved=4 * bs * vocab,
+        logits=logits_bytes * bs * vocab,
+        loss_transient=8 * bs * vocab,
+    )
+
+
+def _lora_inputs(
+    adapter: Adapter, dropout: float, lora_bytes: int, *, autocast: bool, eager: bool, c: int, r: int, bs: int
+) -> float:
+    """What LoRA saves in one decoder layer: lora_A's input and output per adapted Linear."""
+    targets = [m for m in adapter.targets if m.layer is not None and m.kind == "linear"]
+    layer = [m for m in targets if m.layer == targets[0].layer] if targets else []
+    saved_input = c if autocast else lora_bytes  # the dtype lora_A sees and saves
+    saved = sum(bs * adapter.rank * saved_input for _ in layer)  # lora_A output, saved by lora_B
+    shared: set[str] = set()
+    for m in layer:
+        group = _input_group(m.name)
+        x_bytes = r if group in ("attn_in", "mlp_in") else c  # dtype of the tensor the Linear reads
+        if dropout > 0:  # each adapter: its dropout output and a bool mask
+            saved += (saved_input + 1) * bs * m.in_features
+        elif autocast or x_bytes != lora_bytes:  # PEFT's / autocast's cast: one copy per adapter
+            saved += saved_input * bs * m.in_features
+        elif group not in shared:  # same tensor for q/k/v and gate/up; sdpa already saved o's input
+            shared.add(group)
+            saved += 0 if group == "attn_out" and not eager else x_bytes * bs * m.in_features
+    return saved
+
+
+def _input_group(name: str) -> str:
+    leaf = name.rsplit(".", 1)[-1]
+    return {
+        "q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "attn_out",
+        "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_out",
+    }.get(leaf, name)  # fmt: skip

@@ -1,0 +1,323 @@
+"""The plan: states + activations for the recipe and engine (`estimate`), whether it fits, and what
+to change when it does not (`suggest`); `make_plan` is the entry `finetune plan` calls."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from finetune.accelerate_config import (
+    ACCELERATE_CONFIGS,
+    Engine,
+    read_accelerate_config,
+    resolve_accelerate_config,
+)
+from finetune.errors import FinetuneError
+from finetune.plan.activations import Activations, activation_bytes
+from finetune.plan.inventory import (
+    _MEMORY_UNITS,
+    CUDA_ALLOWANCE_BYTES,
+    DEFAULT_GPU_MEMORY,
+    Adapter,
+    ModelInventory,
+    _modules_to_save,
+    adapter_counts,
+    gib_text,
+    inspect_model,
+)
+from finetune.plan.states import Layout, Part, gathered_bytes, model_states, shard_states
+from finetune.recipe import Recipe
+
+# ---------------------------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Every part on one device for one (recipe, engine, micro batch, checkpointing)."""
+
+    parts: tuple[Part, ...]
+    activations: Activations
+    layout: Layout
+
+    @property
+    def total_gpu(self) -> float:
+        return sum(p.gpu_bytes for p in self.parts)
+
+    @property
+    def total_host(self) -> float:
+        return sum(p.host_bytes for p in self.parts)
+
+
+def estimate(
+    inv: ModelInventory,
+    recipe: Recipe,
+    engine: Engine,
+    *,
+    micro_batch_size: int,
+    checkpointing: bool,
+    adapter: Adapter | None = None,
+) -> Estimate:
+    """Per-device bytes by part: model states, engine extras, activations, the fixed allowance."""
+    adapter = adapter if adapter is not None else adapter_counts(inv, recipe.lora)
+    layout = model_states(inv, adapter, recipe, engine, checkpointing=checkpointing)
+    parts = shard_states(layout.states, engine)
+    if engine.kind == "ddp" and engine.num_processes > 1:
+        note = "gradient_as_bucket_view=False (accelerate's default): a second gradient copy"
+        parts.append(Part("DDP gradient buckets", layout.states.grads, note=note))
+    if layout.autocast_copies:
+        parts.append(
+            Part("autocast weight copies", layout.autocast_copies, note="bf16 casts of fp32 matmul weights")
+        )
+    gathered = gathered_bytes(inv, layout, engine, min(1.0, layout.states.trainable_params / inv.total))
+    if gathered is not None:
+        parts.append(gathered)
+    data = recipe.data
+    trained = {m.name for m in _modules_to_save(inv, recipe.lora.modules_to_save)}
+    full = not recipe.lora.enable_lora
+    embedding = next((m.name for m in inv.modules if m.kind == "embedding"), None)
+    acts = activation_bytes(
+        inv,
+        micro_batch_size=micro_batch_size,
+        seq_len=data.packing_len if data.sample_packing else data.sequence_len,
+        attn_implementation=recipe.model.attn_implementation,
+        residual_bytes=layout.residual_bytes,
+        compute_bytes=layout.compute_bytes,
+        autocast=layout.autocast,
+        logits_bytes=layout.logits_bytes,
+        adapter=adapter,
+        lora_dropout=recipe.lora.lora_dropout,
+        lora_bytes=layout.lora_bytes,
+        linear_out_bytes=layout.linear_out_bytes,
+        lm_head_trainable=full or inv.output_name in trained,
+        embedding_trainable=full or embedding in trained,
+    )
+    label = "activations, " + ("gradient checkpointing" if checkpointing else "no checkpointing")
+    parts.append(Part(label, acts.peak(checkpointing) - acts.logits_and_loss, note="<- recipe"))
+    parts.append(Part("logits + loss", acts.logits_and_loss, note="held logits, fp32 log-softmax and grads"))
+    parts.append(Part("CUDA context + fragmentation", CUDA_ALLOWANCE_BYTES, note="fixed allowance"))
+    return Estimate(tuple(parts), acts, layout)
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """A micro batch that fits with the global batch kept, or what would fit instead."""
+
+    global_batch: int
+    micro_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    gradient_checkpointing: bool = False
+    alternatives: tuple[dict, ...] = ()
+    lines: tuple[str, ...] = ()
+
+
+def suggest(inv: ModelInventory, recipe: Recipe, engine: Engine, gpu_memory: float) -> Suggestion:
+    """Largest micro_batch_size dividing the per-device rows (micro x accumulation) that fits, so
+    micro x accumulation x GPUs stays the recipe's global batch; checkpointing is turned on only
+    when nothing fits without it; if micro 1 does not fit either, other engines and QLoRA are tried."""
+    train = recipe.train
+    rows = train.micro_batch_size * train.gradient_accumulation_steps
+    global_batch = rows * engine.num_processes
+    adapter = adapter_counts(inv, recipe.lora)
+
+    def fits(micro: int, ckpt: bool, eng: Engine = engine, rec: Recipe = recipe) -> bool:
+        ad = adapter if rec is recipe else adapter_counts(inv, rec.lora)
+        est = estimate(inv, rec, eng, micro_batch_size=micro, checkpointing=ckpt, adapter=ad)
+        return est.total_gpu <= gpu_memory
+
+    micros = [m for m in range(rows, 0, -1) if rows % m == 0]
+    for ckpt in dict.fromkeys((train.gradient_checkpointing, True)):
+        micro = next((m for m in micros if fits(m, ckpt)), None)
+        if micro is not None:
+            return _batch_suggestion(recipe, engine, global_batch, micro, ckpt, fits(micro, False))
+    alternatives = []
+    for name, eng, rec, change in _alternatives(recipe, engine):
+        if fits(1, True, eng, rec):
+            est = estimate(inv, rec, eng, micro_batch_size=1, checkpointing=True)
+            alternatives.append({"name": name, "change": change, "total_gpu_bytes": est.total_gpu})
+    lines = [
+        f"does not fit even at micro_batch_size 1 with gradient checkpointing ({gib_text(gpu_memory)} GiB)"
+    ]
+    lines += [
+        f"would fit at micro_batch_size 1 with checkpointing: {a['change']} ({gib_text(a['total_gpu_bytes'])} GiB)"
+        for a in alternatives[:3]
+    ]
+    if not alternatives:
+        lines.append(
+            "nothing tried fits: more GPUs, a shorter data.sample_packing_sequence_len, or LoRA/QLoRA"
+        )
+    return Suggestion(
+        global_batch, gradient_checkpointing=True, alternatives=tuple(alternatives), lines=tuple(lines)
+    )
+
+
+def _batch_suggestion(
+    recipe: Recipe, engine: Engine, global_batch: int, micro: int, ckpt: bool, fits_without_ckpt: bool
+) -> Suggestion:
+    train = recipe.train
+    accumulation = global_batch // (micro * engine.num_processes)
+    same = (micro, accumulation, ckpt) == (
+        train.micro_batch_size,
+        train.gradient_accumulation_steps,
+        train.gradient_checkpointing,
+    )
+    head = (
+        f"micro_batch_size {micro} x gradient_accumulation_steps {accumulation} x {engine.num_processes} "
+        f"device{'s' if engine.num_processes > 1 else ''} = global batch {global_batch}"
+    )
+    lines = [head + (" (the recipe's; the largest micro batch that fits)" if same else "")]
+    if not same:
+        flags = f"--train.micro_batch_size {micro} --train.gradient_accumulation_steps {accumulation}"
+        if ckpt and not train.gradient_checkpointing:
+            flags += " --train.gradient_checkpointing true"
+            lines.append("nothing fits without gradient checkpointing: turn it on")
+        lines.append(f"use: {flags}")
+    if ckpt and fits_without_ckpt:
+        lines.append(
+            "fits without gradient checkpointing too (no recompute, faster): --train.gradient_checkpointing false"
+        )
+    return Suggestion(global_batch, micro, accumulation, ckpt, lines=tuple(lines))
+
+
+def _alternatives(recipe: Recipe, engine: Engine) -> list[tuple[str, Engine, Recipe, str]]:
+    """Other engines (named as the shipped configs) and QLoRA, in order of how much they change."""
+    common = {"num_processes": engine.num_processes, "num_machines": engine.num_machines}
+    cpu = {"offload_optimizer": "cpu", "offload_params": "cpu"}
+    engines = [
+        ("zero2", Engine("deepspeed", zero_stage=2, **common)),
+        ("zero3", Engine("deepspeed", zero_stage=3, **common)),
+        ("fsdp2", Engine("fsdp", zero_stage=3, **common)),
+        ("zero2_offload", Engine("deepspeed", zero_stage=2, offload_optimizer="cpu", **common)),
+        ("zero3_offload", Engine("deepspeed", zero_stage=3, **cpu, **common)),
+        ("fsdp2_offload", Engine("fsdp", zero_stage=3, **cpu, **common)),
+    ]
+    out = []
+    for name, eng in engines:
+        if name == engine.name:
+            continue
+        path = ACCELERATE_CONFIGS / f"{name}.yaml"
+        where = f"accelerate_configs/{name}.yaml" if path.is_file() else f"no {name}.yaml shipped: write one"
+        out.append((name, eng, recipe, f"--accelerate-config {name} ({where})"))
+    if not recipe.lora.enable_qlora:
+        lora = recipe.lora.model_copy(update={"enable_lora": True, "enable_qlora": True})
+        model = recipe.model
+        if model.torch_dtype == "fp32":
+            model = model.model_copy(update={"torch_dtype": "bf16"})
+        qlora = recipe.model_copy(update={"lora": lora, "model": model})
+        out.append(("qlora", engine, qlora, "QLoRA: --lora.enable_qlora true (4-bit base + LoRA)"))
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The whole answer of `finetune plan`."""
+
+    recipe_path: str
+    engine: Engine
+    inventory: ModelInventory
+    adapter: Adapter
+    micro_batch_size: int
+    seq_len: int
+    checkpointing: bool
+    estimate: Estimate
+    other_activations: float  # peak activations with the other checkpointing setting
+    gpu_memory: float
+    gpu_memory_source: str
+    suggestion: Suggestion
+    assumptions: tuple[str, ...] = field(default=())
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate.total_gpu <= self.gpu_memory
+
+    @property
+    def headroom(self) -> float:
+        return self.gpu_memory - self.estimate.total_gpu
+
+
+def make_plan(
+    recipe: Recipe,
+    *,
+    recipe_path: str = "",
+    accelerate_config: str | None = None,
+    num_gpus: int | None = None,
+    num_nodes: int | None = None,
+    gpu_memory: str | None = None,
+    inventory: ModelInventory | None = None,
+) -> Plan:
+    """Plan the recipe under an accelerate config (name or path; default train.accelerate_config)."""
+    if getattr(recipe.model, "kind", "llm") != "llm":
+        raise FinetuneError("finetune plan handles LLM recipes (model.kind: llm), not diffusion pipelines")
+    config = resolve_accelerate_config(accelerate_config or recipe.train.accelerate_config)
+    engine = read_accelerate_config(config, num_processes=num_gpus, num_machines=num_nodes)
+    memory, source = gpu_memory_bytes(gpu_memory)
+    inv = inventory if inventory is not None else inspect_model(recipe.model)
+    adapter = adapter_counts(inv, recipe.lora)
+    train, data = recipe.train, recipe.data
+    ckpt = train.gradient_checkpointing
+    est = estimate(
+        inv, recipe, engine, micro_batch_size=train.micro_batch_size, checkpointing=ckpt, adapter=adapter
+    )
+    return Plan(
+        recipe_path=recipe_path,
+        engine=engine,
+        inventory=inv,
+        adapter=adapter,
+        micro_batch_size=train.micro_batch_size,
+        seq_len=data.packing_len if data.sample_packing else data.sequence_len,
+        checkpointing=ckpt,
+        estimate=est,
+        other_activations=est.activations.peak(not ckpt) - est.activations.logits_and_loss,
+        gpu_memory=memory,
+        gpu_memory_source=source,
+        suggestion=suggest(inv, recipe, engine, memory),
+        assumptions=_assumptions(recipe, engine, est, source),
+    )
+
+
+def gpu_memory_bytes(text: str | None) -> tuple[int, str]:
+    """(bytes, where it came from): --gpu-memory (80GiB, 80GB, 81920MiB), else the first visible CUDA
+    device, else 80 GiB."""
+    if text is not None:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*", text)
+        if not match or match.group(2).lower() not in _MEMORY_UNITS:
+            raise FinetuneError(
+                f"--gpu-memory {text!r}: expected a size with a unit, e.g. 80GiB, 80GB, 24GiB or 81920MiB"
+            )
+        return int(float(match.group(1)) * _MEMORY_UNITS[match.group(2).lower()]), f"--gpu-memory {text}"
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, f"GPU 0 ({props.name})"
+    return DEFAULT_GPU_MEMORY, "default 80 GiB: no CUDA device visible (set --gpu-memory)"
+
+
+def _assumptions(recipe: Recipe, engine: Engine, est: Estimate, memory_source: str) -> tuple[str, ...]:
+    attn = recipe.model.attn_implementation
+    out = [
+        f"model states as this codebase holds them: {est.layout.states.weight_format}, "
+        f"{est.layout.states.optimizer_format}",
+        *est.layout.notes,
+        f"activations: Llama-style decoder layers, {attn} attention"
+        + (" (b*a*s^2 probabilities saved)" if attn == "eager" else " (no s^2 term)")
+        + (", packed/padded rows carry a mask so k/v are repeated to every head" if attn == "sdpa" else ""),
+        "vocabulary from the model config (special tokens added to the tokenizer grow the logits)",
+        f"a fixed {gib_text(CUDA_ALLOWANCE_BYTES)} GiB for the CUDA context, allocator fragmentation and "
+        "communication buckets",
+        f"GPU memory: {memory_source}",
+    ]
+    if engine.kind == "ddp" and engine.num_processes > 1:
+        out.append("DDP keeps gradients twice (accelerate's DDP default gradient_as_bucket_view=False)")
+    if any(p.name == "gathered params" for p in est.parts):
+        out.append(
+            "ZeRO-3/FSDP working set: the unit in use + one prefetched (FSDP2's root unit stays "
+            "gathered) and one layer's unsharded grads"
+        )
+    if est.total_host:
+        out.append(
+            f"host bytes are per GPU process; a node holds {engine.gpus_per_node}x "
+            "(plus pinned buffers, not counted)"
+        )
+    if engine.use_cpu:
+        out.append("CPU processes: 'per-GPU' means per process, in RAM")
+    return tuple(out)

@@ -1,0 +1,111 @@
+"""The plan for people (`format_plan`, a table with the verdict, suggestions and assumptions) and for
+programs (`plan_json`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from finetune.accelerate_config import REPO_ROOT
+from finetune.plan.inventory import gib_text
+from finetune.plan.planner import Plan
+
+# -------------------------------------------------------------------------------------------- output
+
+
+def _params(n: float) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(int(n))
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a readable table with the verdict, suggestions and assumptions."""
+    inv, est, eng = plan.inventory, plan.estimate, plan.engine
+    trainable = est.layout.states.trainable_params
+    lines = [
+        f"plan: {plan.recipe_path}",
+        f"model:  {_params(inv.total)} parameters ({inv.total:,}), {_params(trainable)} trainable; "
+        f"{inv.num_layers} layers, hidden {inv.hidden_size}, vocab {inv.vocab_size:,}, "
+        f"embeddings {'tied' if inv.tied else 'untied'}",
+        f"engine: {eng.describe()}" + (f" [{_short_path(eng.source)}]" if Path(eng.source).is_file() else ""),
+        f"batch:  micro_batch_size {plan.micro_batch_size} x {plan.seq_len} tokens, gradient checkpointing "
+        f"{'on' if plan.checkpointing else 'off'}",
+        "",
+        f"{'part':34s} {'per-GPU GiB':>11s} {'host GiB':>9s}  note",
+    ]
+    other = "no checkpointing" if plan.checkpointing else "gradient checkpointing"
+    for part in est.parts:
+        host = gib_text(part.host_bytes) if part.host_bytes else "-"
+        note = part.note + (f"; NVMe {gib_text(part.nvme_bytes)} GiB" if part.nvme_bytes else "")
+        lines.append(f"{part.name:34s} {gib_text(part.gpu_bytes):>11s} {host:>9s}  {note}")
+        if part.name.startswith("activations"):
+            label, size = f"(activations, {other})", f"({gib_text(plan.other_activations)})"
+            lines.append(f"{label:34s} {size:>11s} {'':>9s}  not counted")
+    lines.append(f"{'total':34s} {gib_text(est.total_gpu):>11s} {gib_text(est.total_host):>9s}")
+    verdict = "yes" if plan.fits else "NO"
+    lines.append(
+        f"fits in {gib_text(plan.gpu_memory)} GiB ({plan.gpu_memory_source}): {verdict}, "
+        f"{'headroom' if plan.fits else 'over by'} {gib_text(abs(plan.headroom))} GiB"
+    )
+    if est.total_host:
+        lines.append(f"host RAM per node: {gib_text(est.total_host * eng.gpus_per_node)} GiB")
+    lines += [f"suggestion: {line}" for line in plan.suggestion.lines]
+    lines.append("assumptions:")
+    lines += [f"  - {a}" for a in plan.assumptions]
+    return "\n".join(lines)
+
+
+def _short_path(path: str) -> str:
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(REPO_ROOT)) if resolved.is_relative_to(REPO_ROOT) else path
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The plan's numbers (bytes) as plain data for --json."""
+    inv, est, acts = plan.inventory, plan.estimate, plan.estimate.activations
+    engine = {**asdict(plan.engine), "name": plan.engine.name, "shard_degree": plan.engine.shard_degree}
+    engine["ds_config_path"] = str(engine["ds_config_path"]) if engine["ds_config_path"] else None
+    return {
+        "recipe": plan.recipe_path,
+        "model": {
+            "params_total": inv.total,
+            "params_trainable": est.layout.states.trainable_params,
+            "lora_params": plan.adapter.lora_params,
+            "modules_to_save_params": plan.adapter.saved_params,
+            "num_layers": inv.num_layers,
+            "hidden_size": inv.hidden_size,
+            "vocab_size": inv.vocab_size,
+            "tied_embeddings": inv.tied,
+        },
+        "engine": engine,
+        "batch": {
+            "micro_batch_size": plan.micro_batch_size,
+            "seq_len": plan.seq_len,
+            "gradient_checkpointing": plan.checkpointing,
+        },
+        "parts": [asdict(p) for p in est.parts],
+        "activations": {
+            "with_checkpointing_bytes": acts.peak(True) - acts.logits_and_loss,
+            "without_checkpointing_bytes": acts.peak(False) - acts.logits_and_loss,
+            "logits_and_loss_bytes": acts.logits_and_loss,
+            "saved_bytes": acts.saved,
+            "used": "with_checkpointing" if plan.checkpointing else "without_checkpointing",
+        },
+        "total_gpu_bytes": est.total_gpu,
+        "total_host_bytes": est.total_host,
+        "host_bytes_per_node": est.total_host * plan.engine.gpus_per_node,
+        "gpu_memory_bytes": plan.gpu_memory,
+        "gpu_memory_source": plan.gpu_memory_source,
+        "fits": plan.fits,
+        "headroom_bytes": plan.headroom,
+        "suggestion": asdict(plan.suggestion),
+        "assumptions": list(plan.assumptions),
+    }
+
+
+def plan_json(plan: Plan) -> str:
+    return json.dumps(plan_to_dict(plan), indent=2)
