@@ -30,9 +30,11 @@ sys.path.insert(0, str(REPO))
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
+from finetune.engine.loop import setup, train_loop  # noqa: E402
+from finetune.engine.state import LoopState  # noqa: E402
 from finetune.metrics import ProgressLog  # noqa: E402
-from finetune.recipe import load_recipe  # noqa: E402
-from finetune.train import TrainState, setup, train_loop  # noqa: E402
+from finetune.objectives import objective_for  # noqa: E402
+from finetune.recipe import load_recipe, recipe_to_dict  # noqa: E402
 
 
 def _fresh_accelerator(recipe) -> Accelerator:
@@ -46,11 +48,22 @@ def _fresh_accelerator(recipe) -> Accelerator:
     )
 
 
+def _setup(recipe):
+    """The engine's run for a recipe (objective built, optimizer, schedule, prepare), without training."""
+    return setup(
+        objective_for(recipe),
+        _fresh_accelerator(recipe),
+        train=recipe.train,
+        hub=recipe.hub,
+        recipe_dict=recipe_to_dict(recipe),
+    )
+
+
 def _bare_loop(run, steps: int) -> float:
     """The textbook Accelerate loop on the same objects; returns seconds per optimizer step."""
     acc, model, opt, sched = run.accelerator, run.model, run.optimizer, run.scheduler
-    ga = run.recipe.train.gradient_accumulation_steps
-    batches = iter(run.train_dl)
+    ga = run.train.gradient_accumulation_steps
+    batches = iter(run.train_loader)
     model.train()
     start = time.perf_counter()
     for _ in range(steps * ga):
@@ -67,7 +80,7 @@ def _bare_loop(run, steps: int) -> float:
 
 
 def _our_loop(run, steps: int, tmp: Path) -> float:
-    run.state = TrainState()
+    run.state = LoopState()
     run.total_steps = steps
     run.stop_reason = None
     log = ProgressLog(tmp / "progress.jsonl", enabled=True, log_format="structured", total_steps=steps)
@@ -111,7 +124,7 @@ def bench_overhead(steps: int, repeats: int) -> dict:
             "4",
         ],
     )
-    run = setup(recipe, _fresh_accelerator(recipe))
+    run = _setup(recipe)
     _our_loop(run, 3, tmp)  # warm-up both paths (allocator, autograd graph caches)
     _bare_loop(run, 3)
     ours, bare = [], []
@@ -164,14 +177,14 @@ train:
 """
         )
         recipe = load_recipe(recipe_path)
-        run = setup(recipe, _fresh_accelerator(recipe))
+        run = _setup(recipe)
         _our_loop(run, 2, tmp)  # warm-up
         elapsed = _our_loop(run, steps, tmp) * steps
         records = [json.loads(x) for x in (tmp / "progress.jsonl").read_text().splitlines()]
         trainable = sum(r["trainable_tokens"] for r in records[-steps:] if r.get("event") is None)
         results["packed" if packed else "padded"] = {
             "trainable_tokens_per_sec": trainable / elapsed,
-            "rows": len(run.train_dl.dataset),
+            "rows": len(run.train_loader.dataset),
         }
     results["ratio"] = (
         results["packed"]["trainable_tokens_per_sec"] / results["padded"]["trainable_tokens_per_sec"]

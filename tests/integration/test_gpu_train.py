@@ -83,8 +83,11 @@ def test_fp16_overflow_skips_the_update_and_counts_it(tmp_path, monkeypatch):
     counts it, the scale halves; the next finite step updates the weights."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from finetune.recipe import load_recipe
-    from finetune.train import make_accelerator, setup, train_step
+    from finetune import engine
+    from finetune.engine.loop import setup
+    from finetune.engine.step import train_step
+    from finetune.objectives import objective_for
+    from finetune.recipe import load_recipe, recipe_to_dict
 
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     AcceleratorState._reset_state(True)
@@ -101,9 +104,16 @@ def test_fp16_overflow_skips_the_update_and_counts_it(tmp_path, monkeypatch):
             str(tmp_path / "prepared"),
         ],
     )
-    run_ = setup(recipe, make_accelerator(recipe))
+    accelerator = engine.make_accelerator(recipe.train, model_kind="llm", qlora=False, compile_model=False)
+    run_ = setup(
+        objective_for(recipe),
+        accelerator,
+        train=recipe.train,
+        hub=recipe.hub,
+        recipe_dict=recipe_to_dict(recipe),
+    )
     lora = next(p for n, p in run_.model.named_parameters() if p.requires_grad and "lora_B" in n)
-    batches = iter(run_.train_dl)
+    batches = iter(run_.train_loader)
     scale = run_.accelerator.scaler.get_scale()
     before = lora.detach().clone()
     hook = lora.register_hook(lambda grad: torch.full_like(grad, float("inf")))

@@ -325,17 +325,17 @@ def test_gpu_attention_backends_fail_before_data_preparation(
 def test_missing_tracker_is_an_error_with_the_fix(tmp_path, monkeypatch, fresh_accelerate_state):
     import accelerate.utils
 
+    from finetune.engine import make_accelerator
     from finetune.recipe import load_recipe
-    from finetune.train import make_accelerator
 
     monkeypatch.setattr(accelerate.utils, "is_tensorboard_available", lambda: False)
     recipe = load_recipe(DEMO, [*demo_overrides(tmp_path), "--train.report_to", "[tensorboard]"])
     with pytest.raises(FinetuneError, match=r"report_to: tensorboard is not installed \(pip install"):
-        make_accelerator(recipe)
+        make_accelerator(recipe.train, model_kind="llm", qlora=False, compile_model=False)
 
 
 def test_schedule_length_max_steps_versus_epochs():
-    from finetune.train import schedule_length
+    from finetune.engine.checkpoints import schedule_length
 
     assert schedule_length(10, gradient_accumulation_steps=1, num_train_epochs=1, max_steps=None) == (10, 10)
     # A short last window still makes a step; fractional epochs round up.
@@ -358,7 +358,7 @@ def test_schedule_length_max_steps_versus_epochs():
     ],
 )
 def test_fractional_save_epochs(steps_per_epoch, save_epochs, expected):
-    from finetune.train import crosses_epoch_mark
+    from finetune.engine.checkpoints import crosses_epoch_mark
 
     got = [
         s
@@ -371,10 +371,8 @@ def test_fractional_save_epochs(steps_per_epoch, save_epochs, expected):
 def test_unpacked_batches_carry_attention_masks_and_packed_ones_position_ids(tmp_path):
     from datasets import Dataset
 
-    from finetune.recipe import load_recipe
-    from finetune.train import _seq_stats, count_tokens, make_dataloader
+    from finetune.data.loader import count_tokens, make_dataloader, seq_stats
 
-    recipe = load_recipe(DEMO, [*demo_overrides(tmp_path), "--train.micro_batch_size", "2"])
     rows = Dataset.from_list(
         [
             {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "position_ids": [0, 1, 2], "extra": 1},
@@ -386,20 +384,21 @@ def test_unpacked_batches_carry_attention_masks_and_packed_ones_position_ids(tmp
             },
         ]
     )
-    unpacked = next(
-        iter(make_dataloader(rows, recipe, pad_id=3, packed=False, shuffle=False, drop_last=False))
+    settings = dict(
+        micro_batch_size=2, seed=0, pad_id=3, shuffle=False, drop_last=False, pad_to_multiple_of=8
     )
+    unpacked = next(iter(make_dataloader(rows, packed=False, **settings)))
     assert set(unpacked) == {"input_ids", "labels", "position_ids", "attention_mask"}
     assert unpacked["input_ids"].shape == (2, 8)  # padded to data.pad_to_multiple_of (8 in the demo)
     assert unpacked["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0]]
     assert (unpacked["labels"][unpacked["attention_mask"] == 0] == -100).all()
     assert count_tokens(unpacked) == 8
-    packed = next(iter(make_dataloader(rows, recipe, pad_id=3, packed=True, shuffle=False, drop_last=False)))
+    packed = next(iter(make_dataloader(rows, packed=True, **settings)))
     assert "attention_mask" not in packed
     assert packed["position_ids"][1].tolist() == [0, 1, 0, 1, 2, 0, 1, 2]
     assert count_tokens(packed) == 16
     # Segments (padding is its own): row 0 = 3 | 5 padding, row 1 = 2 | 3 | 3 padding.
-    assert _seq_stats(packed) == (float(9 + 25 + 4 + 9 + 9), 16)
+    assert seq_stats(packed) == (float(9 + 25 + 4 + 9 + 9), 16)
 
 
 def test_compiled_model_trains_and_saves_the_adapter(tmp_path):

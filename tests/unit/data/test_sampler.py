@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
+from finetune.data.loader import EpochSampler
 from finetune.data.sampler import RankBatchSampler
-from finetune.train import EpochSampler
 
 
 def _ranks(num_rows: int, b: int, world: int, *, drop_last: bool, epoch: int = 0, shuffle: bool = True):

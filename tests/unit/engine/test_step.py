@@ -1,5 +1,5 @@
-"""The optimizer step of the loop (finetune.train.train_step): token-normalised gradient
-accumulation, nonfinite-loss skipping."""
+"""One optimizer step of the engine (finetune.engine.step.train_step) with the causal-LM objective:
+token-normalised gradient accumulation, nonfinite-loss skipping, clipping."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
 from finetune.data.collate import collate_rows
-from finetune.train import TrainState, train_step
+from finetune.engine.state import LoopState
+from finetune.engine.step import train_step
+from finetune.objectives.causal_lm import CausalLMObjective
+from finetune.recipe import validate_recipe
 from tests.tiny import sequences, tiny_model
 
 
@@ -28,12 +31,19 @@ def _run(model, ga: int, max_grad_norm=None):
     model, optimizer = acc.prepare(model, optimizer)
     train = SimpleNamespace(gradient_accumulation_steps=ga, max_grad_norm=max_grad_norm, log_steps=1)
     return SimpleNamespace(
-        accelerator=acc,
-        model=model,
-        optimizer=optimizer,
-        recipe=SimpleNamespace(train=train),
-        state=TrainState(),
+        accelerator=acc, model=model, optimizer=optimizer, train=train, objective=_sft(), state=LoopState()
     )
+
+
+def _sft() -> CausalLMObjective:
+    recipe = validate_recipe(
+        {
+            "model": {"model_path": "org/base"},
+            "data": {"datasets": [{"path": "a.jsonl", "type": "alpaca"}]},
+            "train": {"output_dir": "out"},
+        }
+    )
+    return CausalLMObjective(recipe)
 
 
 def _rows():
@@ -52,9 +62,7 @@ def test_accumulation_matches_one_big_batch():
     out_big = train_step(run_big, [collate_rows(rows, pad_token_id=0, packed=False)])
     assert out_ga["applied"] and out_big["applied"]
     assert (
-        out_ga["trainable"]
-        == out_big["trainable"]
-        == sum(sum(1 for t in r["labels"][1:] if t != -100) for r in rows)
+        out_ga["units"] == out_big["units"] == sum(sum(1 for t in r["labels"][1:] if t != -100) for r in rows)
     )
     assert out_ga["loss"] == pytest.approx(out_big["loss"], rel=1e-5)
     params_ga = dict(run_ga.accelerator.unwrap_model(run_ga.model).named_parameters())

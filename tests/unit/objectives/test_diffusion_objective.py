@@ -1,5 +1,5 @@
-"""finetune.diffusion.train without a pipeline: what an epoch leaves out (said before training), and
-the optimizer step's accumulation (on a linear model)."""
+"""The diffusion objective without a pipeline: what an epoch leaves out (said before training), and
+the engine's step for a loss that is a mean per micro-batch (on a linear model)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-import finetune.diffusion.train as diffusion_train
 from finetune.diffusion.loader import BucketBatchSampler
-from finetune.diffusion.train import _report_dropped
+from finetune.engine.state import LoopState
+from finetune.engine.step import train_step
 from finetune.errors import FinetuneError
+from finetune.objectives.diffusion import DiffusionObjective, report_dropped
 
 BUCKETS = np.array([0] * 5 + [1] * 1)  # 5 square images, 1 wide one
 
@@ -29,12 +30,8 @@ class _Accelerator:
 def _report(*, processes: int, batch_size: int, drop_last: bool) -> list[str]:
     accelerator = _Accelerator(processes)
     sampler = BucketBatchSampler(BUCKETS, batch_size, seed=0, drop_last=drop_last, num_replicas=processes)
-    recipe = SimpleNamespace(
-        train=SimpleNamespace(micro_batch_size=batch_size),
-        data=SimpleNamespace(dataloader_drop_last=drop_last),
-    )
-    prepared = SimpleNamespace(manifest={"buckets": {"32x32": 5, "44x24": 1}}, train=[None] * len(BUCKETS))
-    _report_dropped(accelerator, sampler, prepared, recipe)
+    buckets = {"32x32": 5, "44x24": 1}
+    report_dropped(accelerator, sampler, buckets, micro_batch_size=batch_size, drop_last=drop_last)
     return accelerator.messages
 
 
@@ -63,6 +60,19 @@ def test_no_batch_at_all_is_refused() -> None:
 # ------------------------------------------------------------------------------------- train_step
 
 
+class _SquaredError(DiffusionObjective):
+    """The diffusion objective's normalisation (one unit per micro-batch, a mean loss) on a linear model."""
+
+    def __init__(self):
+        pass
+
+    def loss(self, model, batch, num_units):
+        return ((model(batch["x"]) - batch["y"]) ** 2).mean() / num_units, {}
+
+    def after_update(self, model) -> None:
+        pass
+
+
 def _run(ga: int, model: torch.nn.Module) -> SimpleNamespace:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
@@ -71,21 +81,21 @@ def _run(ga: int, model: torch.nn.Module) -> SimpleNamespace:
     GradientState._reset_state()
     acc = Accelerator(gradient_accumulation_steps=ga, mixed_precision="no", cpu=True)
     model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
-    train = SimpleNamespace(gradient_accumulation_steps=ga, max_grad_norm=None)
+    train = SimpleNamespace(gradient_accumulation_steps=ga, max_grad_norm=None, log_steps=1)
     return SimpleNamespace(
-        accelerator=acc, unet=model, optimizer=optimizer, recipe=SimpleNamespace(train=train), ema=None
+        accelerator=acc,
+        model=model,
+        optimizer=optimizer,
+        train=train,
+        objective=_SquaredError(),
+        state=LoopState(),
     )
 
 
-def _squared_error(run, batch):
-    return ((run.unet(batch["x"]) - batch["y"]) ** 2).mean()
-
-
-def test_an_update_is_the_mean_over_its_window_also_when_the_window_is_short(monkeypatch) -> None:
+def test_an_update_is_the_mean_over_its_window_also_when_the_window_is_short() -> None:
     """A full window of 2 micro-batches, the short last window of an epoch (2 of 4 micro-batches)
     and one batch of both give the same update: accelerate's division by the accumulation steps
     is undone per window length."""
-    monkeypatch.setattr(diffusion_train, "micro_batch_loss", _squared_error)
     g = torch.Generator().manual_seed(0)
     base = torch.nn.Linear(3, 2)
     window = [{"x": torch.randn(2, 3, generator=g), "y": torch.randn(2, 2, generator=g)} for _ in range(2)]
@@ -93,9 +103,9 @@ def test_an_update_is_the_mean_over_its_window_also_when_the_window_is_short(mon
     weights = []
     for ga, batches in ((2, window), (4, window), (1, [whole])):
         run = _run(ga, copy.deepcopy(base))
-        result = diffusion_train.train_step(run, batches)
+        result = train_step(run, batches)
         assert result["applied"]
-        weights.append((result["loss"], run.accelerator.unwrap_model(run.unet).weight.detach().clone()))
+        weights.append((result["loss"], run.accelerator.unwrap_model(run.model).weight.detach().clone()))
     (full_loss, full), (short_loss, short), (one_loss, one) = weights
     assert full_loss == pytest.approx(one_loss) and short_loss == pytest.approx(one_loss)
     assert not torch.equal(full, base.weight)

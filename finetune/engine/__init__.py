@@ -1,0 +1,36 @@
+"""The training engine: the loop every objective shares.
+
+The engine owns everything that does not depend on what is trained: seeding, the optimizer and the
+LR schedule over the real number of optimizer steps, `accelerator.prepare`, the accumulation window
+(token/pair-normalised loss, per-micro-batch gradient sync, clipping, the optimizer step), nonfinite
+and fp16-overflow accounting, stop signals and the time limit, checkpoint cadence and exact resume,
+evaluation cadence, progress.jsonl and the trackers, the profiler, and the final save and Hub push.
+It knows nothing of LLMs, diffusion or preference pairs.
+
+An objective (finetune/objectives/) is what varies: it builds the model and data for the run and
+says what one micro-batch costs. The engine calls it through this narrow interface
+(finetune/engine/objective.py):
+
+* `build(accelerator) -> Parts`: model (unprepared), train loader, manifest. The objective prepares
+  its data here (one process per machine) and registers any extra checkpointed state.
+* `on_prepared(accelerator, model)`: after `accelerator.prepare` (e.g. EMA of the prepared weights).
+* `units(batch)`: how many normalisation units a micro-batch holds (trainable tokens for causal-LM
+  SFT, pairs for preference objectives, 1 per micro-batch for diffusion, whose loss is a mean).
+* `loss(model, batch, num_units) -> (loss, metric sums)`: the micro-batch's loss summed over its
+  units and divided by the units of the whole window on all processes, so that summing the window's
+  losses gives the window's mean; metric sums (e.g. rewards) are averaged the same way for the log.
+* `after_update(model)`: after every applied update (diffusion's EMA).
+* `counts(batch)` and `log_fields(interval, elapsed, totals)`: throughput (tokens/s and MFU, images/s).
+* `evaluate(model, step) -> fields` every `eval_every` steps and at the end (`can_evaluate`).
+* `save(model, metrics) -> extra files`: the final artifacts and model card (every process calls it).
+
+Reading order: loop.py (train -> setup -> train_loop -> save_final), step.py (one window),
+checkpoints.py (cadence, resume), outputs.py (progress records, trackers, profiler, Hub push),
+accelerator.py (the Accelerator of a run), state.py (counters).
+"""
+
+from finetune.engine.accelerator import make_accelerator
+from finetune.engine.loop import train
+from finetune.engine.objective import Objective, Parts
+
+__all__ = ["Objective", "Parts", "make_accelerator", "train"]

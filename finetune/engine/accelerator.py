@@ -1,0 +1,51 @@
+"""The Accelerator of a run: precision, accumulation, trackers and the engine's plugin."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from finetune.errors import FinetuneError
+
+
+def make_accelerator(train, *, model_kind: str, qlora: bool, compile_model: bool):
+    """An Accelerator for the recipe's train section on the engine `accelerate launch` started.
+
+    `model_kind` (model.kind) and `qlora` (lora.enable_qlora) feed the same refusals `finetune train`
+    makes before launch, for `accelerate launch` users; `compile_model` (model.enable_compile) adds
+    the TorchDynamo plugin.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import TorchDynamoPlugin, is_tensorboard_available, is_wandb_available
+
+    from finetune.accelerate_config import engine_from_env
+    from finetune.distributed import accelerator_kwargs, check_combination
+
+    if train.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise FinetuneError(
+            "train.mixed_precision: fp16 with dynamic loss scaling needs a GPU; on CPU use bf16 or no"
+        )
+    available = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available}
+    for tracker in train.report_to:
+        if not available[tracker]():
+            raise FinetuneError(
+                f"train.report_to: {tracker} is not installed (pip install -e '.[tracking]' or pip install {tracker})"
+            )
+    engine = engine_from_env()
+    check_combination(
+        engine, train, model_kind=model_kind, qlora=qlora, cuda_available=torch.cuda.is_available()
+    )
+    kwargs: dict[str, Any] = accelerator_kwargs(train, engine)
+    if compile_model:
+        kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor")
+    return Accelerator(
+        mixed_precision=train.mixed_precision,
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        log_with=list(train.report_to) or None,
+        project_dir=train.output_dir,
+        # The loop steps the scheduler once per optimizer step itself (Accelerate would otherwise
+        # step it num_processes times per call).
+        step_scheduler_with_optimizer=False,
+        **kwargs,
+    )

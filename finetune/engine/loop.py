@@ -1,0 +1,247 @@
+"""The loop every objective shares: setup -> epochs of accumulation windows -> final evaluation -> save."""
+
+from __future__ import annotations
+
+import gc
+import signal
+import time
+from itertools import islice
+from pathlib import Path
+
+import torch
+
+from finetune.engine.checkpoints import (
+    checkpoint,
+    checkpoint_if_stopped,
+    resume,
+    schedule_length,
+    should_save,
+)
+from finetune.engine.outputs import flat, log_step, push_final, start_profiler, stop_profiler
+from finetune.engine.state import Run
+from finetune.engine.step import count_outcome, train_step
+from finetune.metrics import ProgressLog
+from finetune.recipe.yaml_io import dump_yaml
+
+
+def train(objective, accelerator, *, train, hub, recipe_dict: dict) -> int:
+    """Train `objective` with `accelerator` under the recipe's train and hub sections; 0 when done or
+    stopped cleanly (with a checkpoint). `recipe_dict` is the resolved recipe, written next to the
+    outputs, into every checkpoint and to the trackers."""
+    run = setup(objective, accelerator, train=train, hub=hub, recipe_dict=recipe_dict)
+    log = ProgressLog(
+        run.output_dir / "progress.jsonl",
+        enabled=accelerator.is_main_process,
+        log_format=train.log_format,
+        total_steps=run.total_steps,
+        initial_step=run.state.step,
+    )
+    try:
+        train_loop(run, log)
+        if run.stop_reason is not None:
+            return 0
+        final = {"step": run.state.step}
+        if objective.can_evaluate:
+            if run.last_eval is None or run.last_eval[0] != run.state.step:
+                evaluate(run, log)  # else eval_every just evaluated this very state
+            final.update(run.last_eval[1])
+    finally:
+        log.close()
+    if train.save_hf_weights:
+        save_final(run, final)
+    if accelerator.num_processes > 1:  # every process: equal counts, or ranks drifted apart in the data
+        counts = ", ".join(f"{int(run.counts_here.get(k, 0))} {k}" for k in objective.summary_keys)
+        print(
+            f"process {accelerator.process_index}: {run.steps_here} steps, {run.micro_batches_here} "
+            f"micro-batches, {counts}",
+            flush=True,
+        )
+    accelerator.print(f"done: {run.state.step} steps, outputs in {run.output_dir}")
+    return 0
+
+
+def setup(objective, accelerator, *, train, hub, recipe_dict: dict) -> Run:
+    """Seed, the objective's parts, optimizer and schedule over the real number of steps, prepare,
+    resume."""
+    from accelerate.utils import set_seed
+
+    from finetune.accelerate_config import engine_from_env
+    from finetune.optim import optimizer_for, scheduler_for
+
+    output_dir = Path(train.output_dir)
+    set_seed(train.seed, deterministic=train.enable_full_determinism)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "recipe.resolved.yaml").write_text(dump_yaml(recipe_dict))
+    parts = objective.build(accelerator)
+    engine = engine_from_env()
+    optimizer = optimizer_for(
+        parts.model,
+        train,
+        cpu_offload=engine.kind == "deepspeed" and engine.offload_optimizer != "none",
+        device=accelerator.device,
+    )
+    # The schedule length comes from the real number of optimizer steps in the (packed) data.
+    steps_per_epoch, total_steps = schedule_length(
+        len(parts.train_loader),
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        num_train_epochs=train.num_train_epochs,
+        max_steps=train.max_steps,
+    )
+    scheduler = scheduler_for(optimizer, train, total_steps)
+    if engine.kind == "deepspeed":
+        # Given the scheduler, the DeepSpeed engine would step it inside backward (and not on skipped
+        # steps); the loop steps it itself, once per optimizer step, as for every other engine. It
+        # changes the LR in the param groups DeepSpeed's optimizer shares with ours.
+        model, optimizer = accelerator.prepare(parts.model, optimizer)
+        accelerator.register_for_checkpointing(scheduler)
+    else:
+        model, optimizer, scheduler = accelerator.prepare(parts.model, optimizer, scheduler)
+    objective.on_prepared(accelerator, model)
+    run = Run(
+        objective=objective,
+        accelerator=accelerator,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_loader=parts.train_loader,
+        train=train,
+        hub=hub,
+        recipe_dict=recipe_dict,
+        manifest=parts.manifest,
+        output_dir=output_dir,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+    )
+    resume(run)
+    return run
+
+
+# ------------------------------------------------------------------------------------------ loop
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT: the loop finishes the current step, checkpoints and exits 0."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+
+def train_loop(run: Run, log: ProgressLog) -> None:
+    """Epochs of accumulation windows until total_steps; logs, evaluates, checkpoints, stops cleanly."""
+    acc, train, st, objective = run.accelerator, run.train, run.state, run.objective
+    stop = StopFlag()
+    started = time.monotonic()
+    profiler = None
+    interval: dict = {"t0": time.perf_counter()}
+    skip = set(train.iterations_to_skip)
+    if acc.is_main_process and train.report_to:
+        acc.init_trackers(run.output_dir.name, config=flat(run.recipe_dict))
+    run.model.train()
+    while st.step < run.total_steps and run.stop_reason is None:
+        # The order of an epoch depends only on (seed, epoch): resume needs no sampler state.
+        run.train_loader.batch_sampler.set_epoch(st.epoch)
+        loader = run.train_loader
+        if st.micro_step_in_epoch:
+            loader = acc.skip_first_batches(run.train_loader, st.micro_step_in_epoch)
+        batches = iter(loader)
+        epoch_done = False
+        while st.step < run.total_steps:
+            window = list(islice(batches, train.gradient_accumulation_steps))
+            if not window:
+                epoch_done = True
+                break
+            st.micro_step_in_epoch += len(window)
+            run.micro_batches_here += len(window)
+            if train.enable_profiling and st.step + 1 == train.profile_start_step:
+                profiler = start_profiler(acc)
+            for batch in window:
+                for key, value in objective.counts(batch).items():
+                    interval[key] = interval.get(key, 0) + value
+                    run.counts_here[key] = run.counts_here.get(key, 0) + value
+            if st.step + 1 in skip:  # train.iterations_to_skip: consumed without forward or update
+                st.skipped_iterations += 1
+                result = {"applied": False, "skipped": True}
+            else:
+                result = train_step(run, window)
+            result["lr"] = run.scheduler.get_last_lr()[0]  # the LR this step used (before the schedule moves)
+            st.step += 1
+            run.steps_here += 1
+            run.scheduler.step()
+            if result.get("skipped"):
+                log.log({"step": st.step, "event": "skipped_iteration"})
+            elif count_outcome(run, result, log):
+                interval["units"] = interval.get("units", 0) + result["units"]
+            if profiler is not None and st.step >= train.profile_end_step:
+                stop_profiler(profiler, run)
+                profiler = None
+            if st.step % train.log_steps == 0 or st.step == run.total_steps:
+                log_step(run, result, interval, log)
+            if objective.eval_every and st.step % objective.eval_every == 0:
+                evaluate(run, log)  # before the checkpoint: a resumed run continues from the same RNG state
+            if not end_of_step(run, stop, started):
+                break
+        if epoch_done:
+            st.epoch += 1
+            st.micro_step_in_epoch = 0
+    if profiler is not None:
+        stop_profiler(profiler, run)
+    checkpoint_if_stopped(run, log)
+
+
+def evaluate(run: Run, log: ProgressLog) -> None:
+    """The objective's evaluation at the current step, written to progress.jsonl."""
+    fields = run.objective.evaluate(run.model, run.state.step)
+    run.last_eval = (run.state.step, fields)
+    log.log({"step": run.state.step, "event": "eval", **fields})
+
+
+def end_of_step(run: Run, stop: StopFlag, started: float) -> bool:
+    """After an optimizer step: agree on stopping (False: stop now), else checkpoint when due and
+    release memory every empty_cache_steps / gc_steps."""
+    train, step = run.train, run.state.step
+    run.stop_reason = stop_reason(run, stop, started)
+    if run.stop_reason is not None:
+        return False
+    if should_save(run):
+        checkpoint(run)
+    if train.empty_cache_steps and step % train.empty_cache_steps == 0 and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if train.gc_steps and step % train.gc_steps == 0:
+        gc.collect()
+    return True
+
+
+def stop_reason(run: Run, stop: StopFlag, started: float) -> str | None:
+    """Agree across processes on whether to stop (a signal or the time limit)."""
+    acc, limit = run.accelerator, run.train.exit_duration_in_mins
+    flags = torch.tensor(
+        [stop.signal_name is not None, limit is not None and (time.monotonic() - started) / 60 >= limit],
+        dtype=torch.float32,
+    )
+    if acc.num_processes > 1:
+        # Sync point: every rank must stop at the same step or the collectives would hang.
+        flags = acc.reduce(flags.to(acc.device), reduction="sum").cpu()
+    if flags[0] > 0:
+        return f"received {stop.signal_name or 'a stop signal on another process'}"
+    if flags[1] > 0:
+        return f"train.exit_duration_in_mins ({limit}) reached"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ save
+
+
+def save_final(run: Run, metrics: dict) -> None:
+    """The objective's final artifacts (every process takes part), then the Hub push."""
+    acc = run.accelerator
+    acc.wait_for_everyone()
+    extra_files = run.objective.save(run.model, {**metrics, **run.state.totals, "units": run.state.num_units})
+    if acc.is_main_process and run.hub.model_id:
+        push_final(run, extra_files=extra_files)
+    acc.wait_for_everyone()

@@ -1,0 +1,104 @@
+"""What a run writes besides checkpoints: the progress record of a step, trackers, the profiler trace,
+and the final Hub push."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from finetune.metrics import ProgressLog, host_peak_rss_gib, peak_memory_gib
+
+
+def log_step(run, result: dict, interval: dict, log: ProgressLog) -> None:
+    """One progress.jsonl record (and tracker scalars) for the steps since the last one."""
+    acc, st = run.accelerator, run.state
+    elapsed = max(time.perf_counter() - interval["t0"], 1e-9)
+    st.train_seconds += elapsed
+    counts = {k: v for k, v in interval.items() if k != "t0"}
+    record = {
+        "step": st.step,
+        "epoch": st.epoch + st.micro_step_in_epoch / max(len(run.train_loader), 1),
+        "loss": result.get("loss"),
+        "lr": result["lr"],
+        "grad_norm": result.get("grad_norm"),
+        **result.get("metrics", {}),
+        **run.objective.log_fields(counts, elapsed, st.totals),
+        "peak_mem_gib": peak_memory_gib(acc.device),
+        "host_rss_gib": host_peak_rss_gib(),
+        "fp16_skipped_steps": st.fp16_skipped_steps if run.train.mixed_precision == "fp16" else None,
+        "loss_scale": acc.scaler.get_scale() if acc.scaler is not None else None,
+        "nonfinite_steps": st.nonfinite_steps,
+    }
+    log.log(record)
+    if run.train.report_to:
+        acc.log(
+            {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=st.step
+        )
+    interval.clear()
+    interval["t0"] = time.perf_counter()
+
+
+def flat(data: dict, prefix: str = "") -> dict:
+    """Nested settings as one level of dotted keys with scalar values (what trackers accept)."""
+    out = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat(value, name + "."))
+        else:
+            out[name] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return out
+
+
+def start_profiler(acc):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if acc.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
+    profiler.__enter__()
+    return profiler
+
+
+def stop_profiler(profiler, run) -> None:
+    profiler.__exit__(None, None, None)
+    trace_dir = run.output_dir / run.train.profile_trace_dir
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    path = trace_dir / f"trace_rank{run.accelerator.process_index}.json"
+    profiler.export_chrome_trace(str(path))
+    run.accelerator.print(f"profiler trace written to {path}")
+
+
+def push_final(run, extra_files: list[Path] = ()) -> str:
+    """Upload the final outputs: the top-level files of output_dir (adapter or model, tokenizer, card,
+    resolved recipe, progress log) plus `extra_files` under output_dir (the diffusion samples the card
+    shows); not checkpoints/, base_model/, the trace or tracker folders.
+
+    They are hard-linked (copied where links fail) into a staging folder beside them, so nothing
+    large is copied and push_folder uploads exactly that set.
+    """
+    from finetune.hub import push_folder
+
+    hub = run.hub
+    files = [
+        path
+        for path in sorted(run.output_dir.iterdir())
+        if path.is_file() and not path.name.startswith(".") and not path.name.endswith(".lock")
+    ]
+    with tempfile.TemporaryDirectory(dir=run.output_dir, prefix=".hub-upload-") as staging:
+        for path in [*files, *extra_files]:
+            target = Path(staging) / Path(path).relative_to(run.output_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, target)
+            except OSError:
+                shutil.copy2(path, target)
+        sha = push_folder(
+            staging, hub.model_id, private=hub.private, commit_message=f"finetune: step {run.state.step}"
+        )
+    run.accelerator.print(f"pushed {run.output_dir} to {hub.model_id} (commit {sha})")
+    return sha

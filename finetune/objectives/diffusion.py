@@ -1,0 +1,341 @@
+"""Diffusion LoRA / DreamBooth: the denoising (or flow-matching) loss on cached VAE latents.
+
+Precision: the frozen UNet (or SD3/Flux transformer, still called `unet` here) is held in the
+weight dtype (the mixed-precision dtype under `model.torch_dtype: auto`), the LoRA weights in fp32
+(fp16 loss scaling needs fp32 gradients); the VAE only ran at prepare time, in fp32. Every
+micro-batch loss is a mean over its images, so a micro-batch is the normalisation unit: the window's
+update is the mean over its micro-batches. "Evaluation" is validation samples (images) every
+`diffusion.validation_steps` and at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.engine.objective import Parts
+from finetune.errors import FinetuneError
+
+
+class _DeviceEMA:
+    """diffusers' EMAModel, registered for checkpointing, put back on the device after a load (its
+    restored shadow weights arrive on the CPU)."""
+
+    def __init__(self, ema, device):
+        self.ema, self.device = ema, device
+
+    def state_dict(self) -> dict:
+        return self.ema.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ema.load_state_dict(state)
+        self.ema.to(self.device)
+
+
+def report_dropped(accelerator, sampler, buckets: dict, *, micro_batch_size: int, drop_last: bool) -> None:
+    """Refuse an epoch without batches; say which images an epoch leaves out (drop_last, small buckets)."""
+    processes = accelerator.num_processes
+    if len(sampler) == 0:
+        raise FinetuneError(
+            f"no training batches: no bucket holds train.micro_batch_size x processes ({micro_batch_size} "
+            f"x {processes}) images (buckets: {buckets}); lower micro_batch_size, set "
+            "data.dataloader_drop_last: false, or diffusion.aspect_ratio_buckets: false"
+        )
+    dropped = sampler.dropped_rows(0)
+    if not dropped:
+        return
+    if drop_last:
+        accelerator.print(
+            f"data.dataloader_drop_last: {dropped} images per epoch do not fill a batch "
+            f"of train.micro_batch_size x processes ({micro_batch_size} x {processes}) in their bucket "
+            "and are left out (a different set each epoch)"
+        )
+    else:
+        accelerator.print(
+            f"warning: {dropped} images per epoch are in buckets with fewer images than processes "
+            f"({processes}) and are never trained on; use fewer processes, add images, or set "
+            f"diffusion.aspect_ratio_buckets: false (buckets: {buckets})"
+        )
+
+
+class DiffusionObjective:
+    """LoRA on a diffusers pipeline's denoiser (SD 1.x/2.x, SDXL, SD3, Flux)."""
+
+    name = "diffusion"
+    summary_keys = ("images",)
+
+    def __init__(self, recipe):
+        # The objective is built by the entry point from the whole recipe and keeps only its parts.
+        self.recipe = recipe
+        self.train, self.settings = recipe.train, recipe.diffusion
+        self.can_evaluate = bool(self.settings.validation_prompts)
+        self.eval_every = self.settings.validation_steps if self.can_evaluate else None
+        self.accelerator = None
+        self.info: Any = None  # PipelineInfo
+        self.noise_scheduler: Any = None
+        self.weight_dtype = torch.float32
+        self.scaling_factor, self.shift_factor = 1.0, 0.0
+        self.guidance_scale: float | None = None  # Flux's embedded guidance; None without it
+        self.ema: Any = None
+        self.manifest: dict = {}
+        self.pipeline: Any = None  # built at the first validation, kept for the next ones
+        self.samples: list = []  # (prompt, path) of the latest validation
+
+    # ----------------------------------------------------------------------------------- build
+
+    def build(self, accelerator) -> Parts:
+        from finetune.data.prepare import prepare_on_main_process
+        from finetune.diffusion.cache import prepare_images
+        from finetune.diffusion.loader import make_loader
+        from finetune.diffusion.model import load_noise_scheduler, pipeline_info
+
+        self.accelerator = accelerator
+        recipe, train, settings = self.recipe, self.train, self.settings
+        self.info = pipeline_info(recipe.model.model_path, recipe.model.revision, settings.vae_path)
+        # One process per machine encodes; the others wait, however long the VAE takes, then load
+        # the cache it wrote.
+        prepared = prepare_on_main_process(
+            recipe, accelerator, build=partial(prepare_images, device=accelerator.device)
+        )
+        self.manifest = prepared.manifest
+        self.scaling_factor = prepared.manifest["latents"]["scaling_factor"]
+        self.shift_factor = prepared.manifest["latents"].get("shift_factor") or 0.0
+        unet = self._denoiser(accelerator)
+        self.noise_scheduler = load_noise_scheduler(self.info, settings.prediction_type)
+        self._guidance(accelerator)
+        # This rank's share of every epoch (the same number of batches on every rank, no image
+        # repeated): the loader is not passed through accelerator.prepare; the engine moves batches.
+        train_loader = make_loader(
+            prepared.train,
+            batch_size=train.micro_batch_size,
+            seed=train.seed,
+            drop_last=recipe.data.dataloader_drop_last,
+            num_workers=recipe.data.dataloader_num_workers,
+            num_replicas=accelerator.num_processes,
+            rank=accelerator.process_index,
+        )
+        report_dropped(
+            accelerator,
+            train_loader.batch_sampler,
+            prepared.manifest["buckets"],
+            micro_batch_size=train.micro_batch_size,
+            drop_last=recipe.data.dataloader_drop_last,
+        )
+        self._checkpoint_lora_only()
+        return Parts(model=unet, train_loader=train_loader, manifest=prepared.manifest)
+
+    def _denoiser(self, accelerator):
+        from finetune.diffusion.model import add_lora, load_denoiser, weight_dtype
+
+        lora = self.recipe.lora
+        self.weight_dtype = weight_dtype(self.recipe.model.torch_dtype, self.train.mixed_precision)
+        unet = load_denoiser(self.info, self.weight_dtype)
+        trainable = add_lora(
+            unet,
+            rank=lora.lora_rank,
+            alpha=lora.lora_alpha,
+            dropout=lora.lora_dropout,
+            targets=lora.lora_target_modules,
+            gradient_checkpointing=self.train.gradient_checkpointing,
+        )
+        total = sum(p.numel() for p in unet.parameters())
+        accelerator.print(
+            f"{self.info.denoiser_name} LoRA: {trainable:,} trainable / {total:,} total parameters "
+            f"({self.info.class_name})"
+        )
+        return unet
+
+    def _guidance(self, accelerator) -> None:
+        from finetune.diffusion.model import guidance_embeds
+
+        if guidance_embeds(self.info):
+            self.guidance_scale = self.settings.guidance_scale
+        elif self.info.family == "flux":  # a non-default value was refused when the cache was prepared
+            accelerator.print(
+                f"diffusion.guidance_scale: not used: the transformer of {self.info.path} has no guidance embedding"
+            )
+
+    def _checkpoint_lora_only(self) -> None:
+        """Checkpoints hold the LoRA weights (pytorch_lora_weights.safetensors), not the frozen UNet.
+
+        accelerate's save_state would otherwise write the whole UNet (3.4 GB for SD 1.5 in fp32) at
+        every checkpoint. The hooks take the models out of accelerate's hands and save/load the
+        adapter in the diffusers format instead.
+        """
+        from finetune.diffusion.model import load_lora_into_unet, save_lora
+
+        acc, info = self.accelerator, self.info
+
+        def save_hook(models, weights, output_dir):
+            if acc.is_main_process:
+                for model in models:
+                    save_lora(info, acc.unwrap_model(model), output_dir)
+            weights.clear()  # nothing left for accelerate to save
+
+        def load_hook(models, input_dir):
+            while models:
+                load_lora_into_unet(acc.unwrap_model(models.pop()), input_dir, prefix=info.denoiser_name)
+
+        acc.register_save_state_pre_hook(save_hook)
+        acc.register_load_state_pre_hook(load_hook)
+
+    def on_prepared(self, accelerator, model) -> None:
+        from accelerate.utils import set_seed
+
+        if self.settings.use_ema:
+            from diffusers.training_utils import EMAModel
+
+            self.ema = EMAModel(
+                [p for p in model.parameters() if p.requires_grad], decay=self.settings.ema_decay
+            )
+            self.ema.to(accelerator.device)
+            # Saved and restored with every checkpoint.
+            accelerator.register_for_checkpointing(_DeviceEMA(self.ema, accelerator.device))
+        # From here on each process draws its own noise, timesteps and flips: their images differ, and the
+        # same draws on every rank would waste the batch's diversity. Everything above (LoRA init
+        # included) used the same seed on every rank; one process keeps exactly the seed it had.
+        set_seed(self.train.seed, device_specific=True, deterministic=self.train.enable_full_determinism)
+
+    # ------------------------------------------------------------------------------------ step
+
+    def units(self, batch: dict) -> int:
+        return 1  # the loss is a mean over the micro-batch's images
+
+    def loss(self, model, batch: dict, num_units: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The family's objective: flow matching (SD3, Flux) or epsilon / v-prediction (UNets)."""
+        from finetune.diffusion.objective import diffusion_loss, flow_matching_loss, flux_loss
+
+        settings = self.settings
+        common = dict(
+            scaling_factor=self.scaling_factor,
+            prior_loss_weight=settings.prior_loss_weight,
+            model_dtype=self.weight_dtype,
+        )
+        if self.info.flow_matching:
+            flow = dict(
+                shift_factor=self.shift_factor,
+                weighting_scheme=settings.weighting_scheme,
+                logit_mean=settings.logit_mean,
+                logit_std=settings.logit_std,
+                mode_scale=settings.mode_scale,
+            )
+            if self.info.family == "flux":
+                mean = flux_loss(
+                    model, self.noise_scheduler, batch, guidance_scale=self.guidance_scale, **flow, **common
+                )
+            else:
+                mean = flow_matching_loss(model, self.noise_scheduler, batch, **flow, **common)
+        else:
+            mean = diffusion_loss(
+                model,
+                self.noise_scheduler,
+                batch,
+                noise_offset=settings.noise_offset,
+                snr_gamma=settings.snr_gamma,
+                **common,
+            )
+        return mean / num_units, {}
+
+    def after_update(self, model) -> None:
+        """EMA of the trained weights, after every applied update."""
+        if self.ema is not None:
+            self.ema.step([p for p in model.parameters() if p.requires_grad])
+
+    def counts(self, batch: dict) -> dict[str, float]:
+        return {"images": len(batch["index"])}
+
+    def log_fields(self, interval: dict[str, float], elapsed: float, totals: dict[str, float]) -> dict:
+        acc = self.accelerator
+        images = interval.get("images", 0)  # this process's
+        total = images
+        if acc.num_processes > 1:  # sync point (log steps only): ranks' batches may differ by one image
+            total = int(acc.reduce(torch.tensor(images, device=acc.device), reduction="sum").item())
+        totals["num_images"] = totals.get("num_images", 0) + total
+        return {
+            "images_per_sec": images / elapsed,
+            "images_per_sec_total": total / elapsed,
+            "num_images": totals["num_images"],
+        }
+
+    # ------------------------------------------------------------------------------ validation
+
+    def evaluate(self, model, step: int) -> dict[str, Any]:
+        """Generate the validation prompts' images (main process), save them under samples/step-N/,
+        log them to the trackers.
+
+        With EMA, the samples use the EMA weights (what the final save holds); the trained weights are
+        put back afterwards.
+        """
+        from finetune.diffusion.sampling import generate, load_pipeline, log_to_trackers, save_samples
+
+        acc, settings = self.accelerator, self.settings
+        acc.wait_for_everyone()
+        fields: dict[str, Any] = {"event": "samples"}
+        if acc.is_main_process:
+            unet = acc.unwrap_model(model)
+            params = [p for p in unet.parameters() if p.requires_grad]
+            if self.ema is not None:
+                self.ema.store(params)
+                self.ema.copy_to(params)
+            unet.eval()
+            t0 = time.perf_counter()
+            try:
+                if self.pipeline is None:
+                    self.pipeline = load_pipeline(
+                        self.info, dtype=self.weight_dtype, device=acc.device, unet=unet
+                    )
+                with acc.autocast():
+                    images = generate(
+                        self.pipeline,
+                        settings.validation_prompts,
+                        num_images=settings.num_validation_images,
+                        steps=settings.validation_inference_steps,
+                        guidance_scale=settings.validation_guidance_scale,
+                        resolution=settings.resolution,
+                        seed=self.train.seed,
+                        device=acc.device,
+                        max_sequence_length=self.info.sequence_length(settings.max_sequence_length),
+                    )
+            finally:
+                unet.train()
+                if self.ema is not None:
+                    self.ema.restore(params)
+            folder = Path(self.train.output_dir) / "samples" / f"step-{step}"
+            self.samples = save_samples(images, settings.validation_prompts, folder)
+            fields.update(
+                images=len(self.samples), folder=str(folder), seconds=round(time.perf_counter() - t0, 3)
+            )
+            if self.train.report_to:
+                log_to_trackers(acc, images, settings.validation_prompts, step)
+        acc.wait_for_everyone()
+        return fields
+
+    # ------------------------------------------------------------------------------------ save
+
+    def save(self, model, metrics: dict[str, Any]) -> list[Path]:
+        """pytorch_lora_weights.safetensors (diffusers format; EMA weights when use_ema) and the card."""
+        from finetune.diffusion.model import save_lora
+        from finetune.model_card import write_diffusion_model_card
+        from finetune.recipe import recipe_to_dict
+
+        acc, output_dir = self.accelerator, Path(self.train.output_dir)
+        if not acc.is_main_process:
+            return []
+        unet = acc.unwrap_model(model)
+        params = [p for p in unet.parameters() if p.requires_grad]
+        if self.ema is not None:
+            self.ema.copy_to(params)
+        save_lora(self.info, unet, output_dir)
+        acc.print(f"LoRA weights saved: {output_dir / 'pytorch_lora_weights.safetensors'}")
+        write_diffusion_model_card(
+            output_dir,
+            recipe=recipe_to_dict(self.recipe),
+            manifest=self.manifest,
+            metrics={"step": metrics["step"], "images_seen": metrics.get("num_images", 0)},
+            samples=[(prompt, path.relative_to(output_dir).as_posix()) for prompt, path in self.samples],
+        )
+        return [path for _, path in self.samples]
