@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from finetune.errors import FinetuneError
+from finetune.notices import warn
 from finetune.recipe import LoraSection, ModelSection
 
 logger = logging.getLogger(__name__)
@@ -289,9 +290,7 @@ def merge_lora(adapter_dir: str, output: str, *, base: str | None = None, dtype:
         tokenizer = AutoTokenizer.from_pretrained(tok_source)
     except (OSError, ValueError):
         tokenizer = None
-        logger.warning(
-            "no tokenizer found next to the adapter or base model; merged weights saved without one"
-        )
+        warn("no tokenizer found next to the adapter or base model; merged weights saved without one")
     if tokenizer is not None and len(tokenizer) > net.get_input_embeddings().weight.shape[0]:
         # Training added special tokens and grew the embeddings (trained through modules_to_save, which
         # the adapter holds at the new size): the base must have that size before the adapter loads.

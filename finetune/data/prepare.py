@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import numpy as np
@@ -50,6 +50,10 @@ from finetune.data.packing import (
 from finetune.data.sources import file_hash, load_source, looks_local, source_fingerprint
 from finetune.data.tokenize import IGNORE_INDEX, tokenize_dataset
 from finetune.errors import DataError, RecipeError
+from finetune.notices import warn
+
+if TYPE_CHECKING:
+    from finetune.recipe import Recipe
 
 # Bump when the prepared layout or the meaning of its columns changes: old caches are then ignored.
 FORMAT_VERSION = 1
@@ -81,7 +85,7 @@ class Prepared:
 # ------------------------------------------------------------------------------------ entry points
 
 
-def prepare(recipe: Any, *, push: bool = False, log: Callable[[str], None] = print) -> Prepared:
+def prepare(recipe: Recipe, *, push: bool = False, log: Callable[[str], None] = print) -> Prepared:
     """The prepared dataset of `recipe`: from the cache when present, else built (or pulled) and cached.
 
     `push=True` (or `data.push_dataset_to_hub` when this call builds it) pushes it to the Hub as
@@ -117,7 +121,7 @@ def prepare(recipe: Any, *, push: bool = False, log: Callable[[str], None] = pri
     return prepared
 
 
-def load_prepared(recipe: Any) -> Prepared:
+def load_prepared(recipe: Recipe) -> Prepared:
     """The prepared dataset of `recipe` from the cache only; DataError when it is missing.
 
     When the raw data or the tokenizer files are not available here (a training machine holding
@@ -147,7 +151,7 @@ def load_prepared(recipe: Any) -> Prepared:
 
 
 def prepare_on_main_process(
-    recipe: Any, accelerator: Any, *, push: bool = False, build: Callable[..., Prepared] | None = None
+    recipe: Recipe, accelerator: Any, *, push: bool = False, build: Callable[..., Prepared] | None = None
 ) -> Prepared:
     """`prepare` in a multi-process run: one process per machine builds, the others wait, then read
     the cache.
@@ -190,7 +194,7 @@ def patient_group(days: int = 7):
 # ------------------------------------------------------------------------------------- fingerprint
 
 
-def fingerprint_inputs(recipe: Any, *, with_files: bool = True) -> dict:
+def fingerprint_inputs(recipe: Recipe, *, with_files: bool = True) -> dict:
     """Everything the prepared output depends on, as plain JSON data (hashed by compute_fingerprint).
 
     `with_files=False` leaves out the parts that read the source and tokenizer files.
@@ -317,7 +321,7 @@ def _complete_dirs(root: Path) -> list[Path]:
     ]
 
 
-def _load_by_recipe_settings(recipe: Any, root: Path, *, reason: str) -> Prepared:
+def _load_by_recipe_settings(recipe: Recipe, root: Path, *, reason: str) -> Prepared:
     """Find the cached preparation made with this recipe's settings when the sources can't be hashed."""
     wanted = _without_files(fingerprint_inputs(recipe, with_files=False))
     matches = []
@@ -425,7 +429,9 @@ class _Part:
     bad_row_samples: list = field(default_factory=list)
 
 
-def _build(recipe: Any, inputs: dict, root: Path, fingerprint: str, log: Callable[[str], None]) -> Prepared:
+def _build(
+    recipe: Recipe, inputs: dict, root: Path, fingerprint: str, log: Callable[[str], None]
+) -> Prepared:
     """Tokenize, merge, split, pack and save; returns the saved dataset (memory-mapped)."""
     from finetune.model import load_tokenizer, pad_token_id
 
@@ -529,7 +535,7 @@ def _token_counts(ds: datasets.Dataset) -> tuple[int, int]:
     return num_tokens, num_trainable
 
 
-def _merge_and_split(recipe: Any, parts: list[_Part]) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+def _merge_and_split(recipe: Recipe, parts: list[_Part]) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """Shuffle each (optional), concatenate, shuffle (optional), split off val_set_size with the seed."""
     data, seed = recipe.data, recipe.train.seed
     columns = ["input_ids", "labels"]
@@ -653,13 +659,15 @@ def summary(prepared: Prepared) -> str:
 # -------------------------------------------------------------------------------------------- hub
 
 
-def _pull(recipe: Any, root: Path, fingerprint: str, log: Callable[[str], None]) -> Prepared | None:
+def _pull(recipe: Recipe, root: Path, fingerprint: str, log: Callable[[str], None]) -> Prepared | None:
     """Use the Hub copy of this fingerprint when data.push_dataset_to_hub has it; None otherwise."""
     repo_id = recipe.data.push_dataset_to_hub
     try:
         pulled = hub.pull_prepared_dataset(repo_id, fingerprint)
     except Exception as exc:  # the Hub is a cache here: failing to read it means building locally
-        log(f"warning: could not read {repo_id} config {fingerprint} from the Hub ({exc}); preparing locally")
+        warn(
+            f"could not read {repo_id} config {fingerprint} from the Hub ({exc}); preparing locally", emit=log
+        )
         return None
     if pulled is None:
         return None
@@ -679,7 +687,7 @@ def _pull(recipe: Any, root: Path, fingerprint: str, log: Callable[[str], None])
     return _load_complete(root / fingerprint, source="hub")
 
 
-def _push(recipe: Any, prepared: Prepared, log: Callable[[str], None]) -> None:
+def _push(recipe: Recipe, prepared: Prepared, log: Callable[[str], None]) -> None:
     repo_id = recipe.data.push_dataset_to_hub
     splits = {"train": prepared.train}
     if prepared.eval is not None:

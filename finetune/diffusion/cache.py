@@ -37,7 +37,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import numpy as np
@@ -78,6 +78,9 @@ from finetune.diffusion.sources import (
 )
 from finetune.errors import DataError, RecipeError
 
+if TYPE_CHECKING:
+    from finetune.recipe import Recipe
+
 # Bump when the cached columns or their meaning change: old caches are then ignored.
 CACHE_FORMAT_VERSION = 1
 # Files of a model folder that do not change its outputs.
@@ -85,7 +88,7 @@ _NOT_HASHED = {"README.md", ".gitattributes"}
 
 
 def prepare_images(
-    recipe: Any, *, push: bool = False, log: Callable[[str], None] = print, device: Any = None
+    recipe: Recipe, *, push: bool = False, log: Callable[[str], None] = print, device: Any = None
 ) -> Prepared:
     """The cached latents of a diffusion recipe: from the cache when present, else built and cached.
 
@@ -103,7 +106,7 @@ def prepare_images(
     if settings.with_prior_preservation and not data.skip_prepare_dataset:
         from finetune.diffusion.sampling import ensure_class_images
 
-        ensure_class_images(recipe, info, device=device, log=log)
+        ensure_class_images(settings, info, seed=recipe.train.seed, device=device, log=log)
     inputs = fingerprint_inputs(recipe, info)
     fingerprint = compute_fingerprint(inputs)
     root = Path(data.dataset_prepared_path)
@@ -130,7 +133,7 @@ def prepare_images(
 # ------------------------------------------------------------------------------------- fingerprint
 
 
-def fingerprint_inputs(recipe: Any, info: PipelineInfo) -> dict:
+def fingerprint_inputs(recipe: Recipe, info: PipelineInfo) -> dict:
     """Everything the cached latents depend on, as plain JSON data (hashed by compute_fingerprint).
 
     Not included because they do not change the output: the folder paths of local sources (their
@@ -274,7 +277,7 @@ def _build(
         with ArrowWriter(features=features, path=str(scratch / "rows.arrow")) as writer:
             for batch in _batches(plan, settings.encode_batch_size):
                 for row in _encode_batch(
-                    batch, records, settings, vae, tokenizers, encoders, info, recipe, drops
+                    batch, records, settings, vae, tokenizers, encoders, info, recipe.train.seed, drops
                 ):
                     writer.write(row)
             writer.finalize()
@@ -365,7 +368,7 @@ def _batches(plan: list[tuple[int, int]], size: int):
         yield batch
 
 
-def _encode_batch(batch, records, settings, vae, tokenizers, encoders, info, recipe, drops) -> list[dict]:
+def _encode_batch(batch, records, settings, vae, tokenizers, encoders, info, seed: int, drops) -> list[dict]:
     """Decode, resize, crop (and flip) a batch of same-bucket images and encode them and their captions."""
     multiple = pixel_multiple(info)
     buckets = img.make_buckets(settings.resolution, multiple, enabled=settings.aspect_ratio_buckets)
@@ -377,9 +380,7 @@ def _encode_batch(batch, records, settings, vae, tokenizers, encoders, info, rec
         except img.UnreadableImage as exc:  # header fine, pixels broken (e.g. a truncated file)
             drops.add(record, "unreadable", str(exc))
             continue
-        rng = (
-            None if settings.center_crop else img.crop_rng(recipe.train.seed, f"{record.source}/{record.key}")
-        )
+        rng = None if settings.center_crop else img.crop_rng(seed, f"{record.source}/{record.key}")
         cropped, crop = img.resize_and_crop(image, buckets[bucket], center=settings.center_crop, rng=rng)
         items.append((index, bucket, cropped, crop))
     if not items:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -13,6 +13,9 @@ from filelock import FileLock
 
 from finetune.diffusion.model import PipelineInfo
 from finetune.diffusion.sources import list_images
+
+if TYPE_CHECKING:
+    from finetune.recipe import DiffusionSection
 
 
 def load_pipeline(info: PipelineInfo, *, dtype: torch.dtype, device, unet=None):
@@ -111,14 +114,14 @@ def log_to_trackers(accelerator, images: list[list[Any]], prompts: list[str], st
 
 
 def ensure_class_images(
-    recipe: Any, info: PipelineInfo, *, device, log: Callable[[str], None] = print
+    settings: DiffusionSection, info: PipelineInfo, *, seed: int, device, log: Callable[[str], None] = print
 ) -> int:
     """Generate class images until diffusion.class_data_dir holds num_class_images; returns how many.
 
     Generated with the base pipeline and class_prompt (as diffusers' DreamBooth does), seeded per
-    image from train.seed, saved as PNG. A lock keeps two processes from generating the same files.
+    image from `seed` (train.seed), saved as PNG. A lock keeps two processes from generating the same
+    files.
     """
-    settings = recipe.diffusion
     folder = Path(settings.class_data_dir)
     folder.mkdir(parents=True, exist_ok=True)
     with FileLock(folder.parent / f".{folder.name}.generate.lock"):
@@ -140,7 +143,7 @@ def ensure_class_images(
                 steps=settings.class_generation_steps,
                 guidance_scale=settings.validation_guidance_scale,
                 resolution=settings.resolution,
-                seed=recipe.train.seed + have + made,
+                seed=seed + have + made,
                 device=device,
                 max_sequence_length=info.sequence_length(settings.max_sequence_length),
             )[0]

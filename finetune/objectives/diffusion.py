@@ -19,6 +19,7 @@ import torch
 
 from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
+from finetune.notices import warn
 
 
 class _DeviceEMA:
@@ -55,10 +56,11 @@ def report_dropped(accelerator, sampler, buckets: dict, *, micro_batch_size: int
             "and are left out (a different set each epoch)"
         )
     else:
-        accelerator.print(
-            f"warning: {dropped} images per epoch are in buckets with fewer images than processes "
+        warn(
+            f"{dropped} images per epoch are in buckets with fewer images than processes "
             f"({processes}) and are never trained on; use fewer processes, add images, or set "
-            f"diffusion.aspect_ratio_buckets: false (buckets: {buckets})"
+            f"diffusion.aspect_ratio_buckets: false (buckets: {buckets})",
+            emit=accelerator.print,
         )
 
 

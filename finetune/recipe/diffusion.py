@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field
 
 from finetune.recipe.base import Problem, _Section
-from finetune.recipe.data import IMAGE_DATASET_TYPES
-
-if TYPE_CHECKING:
-    from finetune.recipe.schema import Recipe
 
 # LoRA targets of a diffusion recipe when lora.lora_target_modules is not set: the attention
 # projections, as in diffusers' LoRA examples. UNets (SD 1.x/2.x, SDXL) have only the first four;
@@ -233,99 +229,3 @@ class DiffusionSection(_Section):
                         )
                     )
         return problems
-
-
-# Fields of other sections that do nothing in a diffusion recipe: a non-default value is an error
-# (never ignored silently). The reason says what to use instead where there is something.
-_NOT_FOR_DIFFUSION: dict[str, str] = {
-    "model.config_path": "the pipeline folder or Hub id goes in model.model_path",
-    "model.tokenizer_path": "the tokenizer comes from the pipeline's tokenizer/ folder",
-    "model.trust_remote_code": "diffusion pipelines load without repository code",
-    "model.attn_implementation": "the UNet uses diffusers' attention processors",
-    "model.chat_template": "LLM only",
-    "model.enable_liger_kernel": "LLM only",
-    "model.enable_compile": "not supported yet for diffusion",
-    "data.test_datasets": "no evaluation split for diffusion; use diffusion.validation_prompts",
-    "data.val_set_size": "no evaluation split for diffusion; use diffusion.validation_prompts",
-    "data.push_dataset_to_hub": "pushing cached latents is not supported yet",
-    "data.sequence_len": "LLM only",
-    "data.excess_length_strategy": "LLM only",
-    "data.sample_packing": "LLM only",
-    "data.sample_packing_method": "LLM only",
-    "data.sample_packing_sequence_len": "LLM only",
-    "data.eval_sample_packing": "LLM only",
-    "data.pad_to_multiple_of": "LLM only",
-    "lora.modules_to_save": "diffusion trains LoRA adapters only",
-    "lora.enable_qlora": "not supported for diffusion",
-    "lora.use_dora": "not supported yet for diffusion",
-    "lora.use_rslora": "not supported yet for diffusion",
-    "lora.save_lora_only": "diffusion saves the LoRA weights (pytorch_lora_weights.safetensors)",
-    "train.eval_steps": "no evaluation split for diffusion; use diffusion.validation_steps",
-    "train.iterations_to_skip": "not supported yet for diffusion",
-    "train.enable_profiling": "not supported yet for diffusion",
-}
-
-
-def diffusion_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
-    """Combinations of model.kind, the diffusion section and the data entries.
-
-    A diffusion recipe without a `diffusion` section gets one with every default, LoRA is implied
-    (enable_lora) and the LoRA targets default to the UNet's attention projections: finetune.recipe.
-    defaults fills these in before validation (they show in the resolved recipe), so an explicit
-    contrary value is what is left here, and it is an error.
-    """
-    problems: list[Problem] = []
-    if not ok("model.kind"):
-        return problems
-    diffusion = recipe.model.kind == "diffusion"
-    for i, entry in enumerate(recipe.data.datasets if ok("data.datasets") else []):
-        if entry is None:
-            continue
-        if diffusion and entry.type not in IMAGE_DATASET_TYPES:
-            problems.append(
-                (
-                    f"data.datasets.{i}.type",
-                    entry.type,
-                    "a diffusion recipe trains on image sources: use images (captions from metadata.jsonl"
-                    "/.csv, .txt sidecars or a Hub dataset column) or dreambooth (diffusion.instance_prompt)",
-                )
-            )
-        if not diffusion and entry.type in IMAGE_DATASET_TYPES:
-            problems.append(
-                (f"data.datasets.{i}.type", entry.type, "image sources need model.kind: diffusion")
-            )
-    if not diffusion:
-        if ok("diffusion") and recipe.diffusion is not None:
-            problems.append(
-                ("diffusion", "...", "set model.kind: diffusion to use this section, or remove it")
-            )
-        return problems
-    if ok("model.model_path") and not recipe.model.model_path:
-        problems.append(
-            ("model.model_path", None, "name the diffusers pipeline to fine-tune (a folder or a Hub id)")
-        )
-    for path, reason in _NOT_FOR_DIFFUSION.items():
-        section, name = path.split(".")
-        owner = getattr(recipe, section)
-        if ok(path) and owner is not None:
-            value = getattr(owner, name)
-            if value != type(owner).model_fields[name].get_default(call_default_factory=True):
-                problems.append((path, value, f"does not apply to a diffusion recipe ({reason}); remove it"))
-    if ok("lora.enable_lora") and not recipe.lora.enable_lora:
-        problems.append(("lora.enable_lora", False, "diffusion recipes train LoRA adapters: set true"))
-    if ok("diffusion", "data.datasets") and recipe.diffusion is not None:
-        types = {e.type for e in recipe.data.datasets if e is not None}
-        settings = recipe.diffusion
-        if "dreambooth" in types and not settings.instance_prompt:
-            problems.append(
-                ("diffusion.instance_prompt", None, "dreambooth datasets need the prompt of their images")
-            )
-        if settings.instance_prompt and "dreambooth" not in types:
-            problems.append(
-                (
-                    "diffusion.instance_prompt",
-                    settings.instance_prompt,
-                    "is used by dreambooth datasets only; the images type takes captions from the data",
-                )
-            )
-    return problems

@@ -125,12 +125,18 @@ def test_class_images_are_generated_until_there_are_enough(tmp_path: Path, tiny_
     )
     recipe = validate_recipe(data)
     info = pipeline_info(str(tiny_sd))
-    assert ensure_class_images(recipe, info, device="cpu", log=lambda _: None) == 2
+    assert (
+        ensure_class_images(recipe.diffusion, info, seed=recipe.train.seed, device="cpu", log=lambda _: None)
+        == 2
+    )
     assert sorted(p.name for p in (tmp_path / "class").glob("class-*.png")) == [
         "class-00001.png",
         "class-00002.png",
     ]
-    assert ensure_class_images(recipe, info, device="cpu", log=lambda _: None) == 0
+    assert (
+        ensure_class_images(recipe.diffusion, info, seed=recipe.train.seed, device="cpu", log=lambda _: None)
+        == 0
+    )
 
 
 def test_model_card_shows_samples_and_how_to_load() -> None:

@@ -1,0 +1,27 @@
+"""The one way finetune warns: `warning: <what> <what to do>` on one line.
+
+STYLE.md's rule: what cannot work is an error (FinetuneError); what works but is probably not what
+was meant is a warning, said once at the start; what is unusual but fine is info (logging). Every
+warning goes through `warn`, so they look alike and tests can find them. In a training run, pass
+`emit=accelerator.print` (printed once, by the main process); the prepare step passes its log.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+
+def warn(message: str, *, emit: Callable[[str], None] | None = None) -> str:
+    """Print `warning: <message>` through `emit` (default: standard error); returns the line.
+
+    >>> warn("save_steps (15) is larger than max_steps (4): no periodic checkpoint", emit=print)
+    warning: save_steps (15) is larger than max_steps (4): no periodic checkpoint
+    'warning: save_steps (15) is larger than max_steps (4): no periodic checkpoint'
+    """
+    line = f"warning: {message}"
+    if emit is None:
+        print(line, file=sys.stderr, flush=True)
+    else:
+        emit(line)
+    return line
