@@ -442,7 +442,7 @@ def _build(recipe: Any, inputs: dict, root: Path, fingerprint: str, log: Callabl
     parts = []
     for entry, label, split in entries:
         t0 = time.perf_counter()
-        raw = load_source(entry, num_proc=num_proc, entry_label=label)
+        raw = load_source(entry, num_proc=num_proc, entry_label=label, on_bad_row=data.on_bad_row)
         t1 = time.perf_counter()
         log(f"{label}: {len(raw)} rows from {entry.path}; tokenizing")
         result = tokenize_dataset(
