@@ -198,12 +198,12 @@ def prompt_completion_pairs(batch: dict[str, list], entry: Any) -> list[tuple[st
     Alpaca rows get the prompt template above, or with ``apply_chat_template`` the bare
     instruction (and input, after a blank line) as the user's text. A null or absent input counts
     as empty (it is optional), a null instruction or output is a bad row, and an output that is
-    empty or only whitespace is dropped as ``empty_completion``.
+    empty or only whitespace is dropped as ``empty_completion`` (unless ``train_on_inputs``).
     """
     if entry.type == "input_output":
         fields = (entry.field_prompt, entry.field_completion)
         return [
-            _pair(_text(p, fields[0]), _text(c, fields[1]), fields[1])
+            _pair(_text(p, fields[0]), _text(c, fields[1]), fields[1], entry)
             for p, c in zip(*(batch[f] for f in fields), strict=True)
         ]
     n = len(batch[entry.field_instruction])
@@ -217,7 +217,7 @@ def prompt_completion_pairs(batch: dict[str, list], entry: Any) -> list[tuple[st
         if inp is not None and not isinstance(inp, str):
             out.append(BadRow(entry.field_input, WRONG_TYPE, f"{entry.field_input!r} should be a string"))
         elif isinstance(instr, str):
-            out.append(_pair(prompt(instr, inp), output, entry.field_output))
+            out.append(_pair(prompt(instr, inp), output, entry.field_output, entry))
         else:
             out.append(instr)
     return out
@@ -232,12 +232,12 @@ def user_text(instruction: str, input_text: str | None) -> str:
     return f"{instruction}\n\n{input_text}" if input_text else instruction
 
 
-def _pair(prompt: str | BadRow, completion: str | BadRow, field: str) -> tuple[str, str] | BadRow:
+def _pair(prompt: str | BadRow, completion: str | BadRow, field: str, entry: Any) -> tuple[str, str] | BadRow:
     if isinstance(prompt, BadRow):
         return prompt
     if isinstance(completion, BadRow):
         return completion
-    if not completion.strip():
+    if not completion.strip() and not entry.train_on_inputs:  # with train_on_inputs the prompt trains
         return BadRow(field, EMPTY_COMPLETION, _empty_detail(field, completion), malformed=False)
     return prompt, completion
 
@@ -251,7 +251,7 @@ def pair_conversations(batch: dict[str, list], entry: Any) -> list[list[dict[str
     """Each (prompt, completion) pair as a user turn and an assistant turn, for the chat template.
 
     >>> from types import SimpleNamespace as NS
-    >>> e = NS(type="input_output", field_prompt="question", field_completion="answer", apply_chat_template=True)
+    >>> e = NS(type="input_output", field_prompt="question", field_completion="answer", train_on_inputs=False)
     >>> pair_conversations({"question": ["2+2?"], "answer": ["4"]}, e)
     [[{'role': 'user', 'content': '2+2?'}, {'role': 'assistant', 'content': '4'}]]
     """

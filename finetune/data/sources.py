@@ -294,6 +294,11 @@ def _load_damaged(
         raise DataError(_could_not_load(entry, label, error))
     if on_bad_row == "raise":
         raise DataError(f"{label}: {damage.describe(bad)}")
+    if len(bad) == sum(found.num_rows for found in scans):
+        raise DataError(
+            f"{label}: every row is damaged, nothing to load: {damage.describe(bad, skip_hint=False)} "
+            "Is this a data file of the format its extension says?"
+        )
     logger.warning(
         "%s: skipping %d damaged row(s) (data.on_bad_row: skip; counted in the manifest): %s",
         label,

@@ -131,6 +131,9 @@ def test_empty_completion_is_a_counted_drop_not_a_bad_row() -> None:
     e = entry(type="input_output", field_prompt="q", field_completion="a")
     [bad] = formats.prompt_completion_pairs({"q": ["Q?"], "a": [""]}, e)
     assert isinstance(bad, BadRow) and (bad.field, bad.reason) == ("a", "empty_completion")
+    # With train_on_inputs the prompt is trained: the row is kept.
+    e = entry(type="input_output", field_prompt="q", field_completion="a", train_on_inputs=True)
+    assert formats.prompt_completion_pairs({"q": ["Q?"], "a": [""]}, e) == [("Q?", "")]
 
 
 def test_pair_conversations_for_the_chat_template() -> None:

@@ -420,3 +420,10 @@ def test_fingerprint_url(tmp_path: Path) -> None:
     assert f["size"] == str(path.stat().st_size) and "mtime" in f
     with pytest.raises(DataError, match="could not read the metadata"):
         source_fingerprint(entry((tmp_path / "missing.jsonl").as_uri()))
+
+
+def test_every_row_damaged_is_an_error_in_skip_mode(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(DataError, match="every row is damaged, nothing to load"):
+        load_source(entry(path), on_bad_row="skip")
