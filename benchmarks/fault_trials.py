@@ -349,7 +349,7 @@ def report(results: list[Result]) -> str:
     lines = ["| trial | expected | outcome | message / manifest |", "|---|---|---|---|"]
     for r in results:
         flag = "" if r.outcome == r.trial.expect else " **(!)**"
-        note = r.note.replace("|", "\\|")
+        note = r.note.replace(f"{r.trial.cwd}/", "").replace("|", "\\|")  # paths relative to the trial
         lines.append(f"| {r.trial.name} | {r.trial.expect} | {r.outcome}{flag} | {note[:220]} |")
     lines += ["", "| kind | tried | " + " | ".join(OUTCOMES) + " |", "|---" * (len(OUTCOMES) + 2) + "|"]
     for kind in dict.fromkeys(r.trial.kind for r in results):

@@ -31,6 +31,7 @@ import codecs
 import csv
 import json
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ row. Tokenization turns a marked row into a BadRow and drops the column."""
 
 _UTF16_32_BOMS = (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
 _SAMPLE_CHARS = 80
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of a byte that isn't UTF-8
 
 
 @dataclass(frozen=True)
@@ -194,9 +196,11 @@ def _scan_json_array(path: str) -> FileScan:
     # holding one is the damaged row.
     text = data.decode("utf-8", errors="surrogateescape")
     found = FileScan(path, "json", num_rows=0, array=True)
+    seen, line, byte = 0, 1, 0  # line and byte offset of text[seen], advanced element by element
     for row, (pos, value) in enumerate(_array_elements(path, text)):
-        line = text.count("\n", 0, pos) + 1
-        byte = len(text[:pos].encode("utf-8", errors="surrogateescape"))
+        line += text.count("\n", seen, pos)
+        byte += len(text[seen:pos].encode("utf-8", errors="surrogateescape"))
+        seen = pos
         if _has_surrogates(value):
             detail = "an element holds bytes that are not UTF-8"
             found.bad.append(BadLine(path, line, byte, row, INVALID_UTF8, detail))
@@ -244,37 +248,43 @@ def _scan_csv(path: str, sep: str) -> FileScan:
     then reports a missing field by name.
     """
     found = FileScan(path, "csv", num_rows=0, sep=sep)
-    starts: list[int] = []  # byte offset of each physical line
-    texts: dict[int, str] = {}  # the lines of the current row, by number
+    current: dict[int, tuple[int, str]] = {}  # the lines of the row being read: number -> (offset, text)
 
     def decoded_lines() -> Iterator[str]:
         for number, offset, raw in _lines(path):
-            starts.append(offset)
-            texts[number] = raw.decode("utf-8", errors="surrogateescape")
-            yield texts[number]
+            current[number] = (offset, raw.decode("utf-8", errors="surrogateescape"))
+            yield current[number][1]
 
     reader = csv.reader(decoded_lines(), delimiter=sep)
     limit = csv.field_size_limit()
     csv.field_size_limit(2**31 - 1)  # pandas has no field size limit; the csv module's is 128 KiB
     try:
-        header = next(reader, None)
-        if header is None:
-            return found
-        found.num_columns = len(header)
-        last, row = reader.line_num, 0
-        for record in reader:
-            first, last = last + 1, reader.line_num
-            lines = [texts.pop(n) for n in range(first, last + 1) if n in texts]
-            texts.clear()
-            if not record:
-                continue  # a blank line: pandas skips it
-            problem = _csv_problem(record, lines, len(header), sep)
-            if problem:
-                reason, at, detail = problem
-                found.bad.append(BadLine(path, first, starts[first - 1] + at, row, reason, detail, last))
-            row += 1
+        return _read_csv_rows(found, reader, current)
+    except csv.Error as e:  # e.g. a lone carriage return inside an unquoted field
+        raise DataError(f"{path} line {reader.line_num}: not readable as CSV ({e})") from e
     finally:
         csv.field_size_limit(limit)
+
+
+def _read_csv_rows(found: FileScan, reader: Any, current: dict[int, tuple[int, str]]) -> FileScan:
+    """Check each row `reader` yields; `current` holds the lines of the row just read."""
+    header = next(reader, None)
+    if header is None:
+        return found
+    found.num_columns = len(header)
+    last, row = reader.line_num, 0
+    current.clear()
+    for record in reader:
+        first, last = last + 1, reader.line_num
+        lines = [current[n] for n in range(first, last + 1)]
+        current.clear()
+        if not record:
+            continue  # a blank line: pandas skips it
+        problem = _csv_problem(record, [text for _, text in lines], found.num_columns, found.sep)
+        if problem:
+            reason, at, detail = problem
+            found.bad.append(BadLine(found.path, first, lines[0][0] + at, row, reason, detail, last))
+        row += 1
     found.num_rows = row
     return found
 
@@ -501,8 +511,9 @@ def _skip_space(text: str, pos: int) -> int:
 
 
 def _has_surrogates(value: Any) -> bool:
+    """Whether a parsed JSON value holds a byte that was not UTF-8 (decoded with surrogateescape)."""
     if isinstance(value, str):
-        return any("\udc80" <= ch <= "\udcff" for ch in value)
+        return _ESCAPED_BYTE.search(value) is not None
     if isinstance(value, dict):
         return any(_has_surrogates(k) or _has_surrogates(v) for k, v in value.items())
     if isinstance(value, list):
