@@ -118,7 +118,7 @@ def tokenize_dataset(
         return TokenizeResult(datasets.Dataset.from_dict({k: [] for k in public}, features=public), rows_in=0)
     settings = _settings(entry, tokenizer, chat_template, entry_label)
     fn = _BatchTokenizer(entry, tokenizer, settings, limit, excess_length_strategy)
-    num_proc = _worth_processes(entry.type, len(ds), num_proc)
+    num_proc = _worth_processes("chat_template" if renders_chat(entry) else entry.type, len(ds), num_proc)
     out = ds.map(
         fn,
         batched=True,
