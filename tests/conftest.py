@@ -81,8 +81,9 @@ def repo_root() -> Path:
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    """Real data shared beside the repository (`../shared/data`); skips the test when absent."""
-    path = REPO_ROOT.parent / "shared" / "data"
+    """Real data shared beside the repository (`../shared/data`, or `$FINETUNE_SHARED_DATA` for a
+    checkout elsewhere, e.g. a git worktree); skips the test when absent."""
+    path = Path(os.environ.get("FINETUNE_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data")
     if not path.is_dir():
         pytest.skip(f"shared data not available at {path} (tests using real data need ../shared/data)")
     return path

@@ -4,13 +4,16 @@ Every format is reduced to one of three shapes before tokenization (see finetune
 
 * ``completion``: one text, trained whole.
 * ``alpaca`` and ``input_output``: a (prompt, completion) pair; the prompt is masked unless
-  ``train_on_inputs``.
+  ``train_on_inputs``. With ``apply_chat_template: true`` the pair becomes a user turn and an
+  assistant turn (`pair_conversations`), rendered like ``chat_template`` rows.
 * ``chat_template``: a list of ``{"role", "content", ...}`` messages rendered by a chat template.
 
 ``tokenized`` rows are already ids and are only checked (in tokenize.py).
 
 The batch functions never raise on a malformed row: they return a ``BadRow`` in its place, so that
-``data.on_bad_row`` decides between an error naming the row and a counted skip.
+``data.on_bad_row`` decides between an error naming the row and a counted skip. A well-formed row
+that would train nothing (an empty output) is a ``BadRow`` with ``malformed=False``: dropped and
+counted under its reason alone, never an error.
 
 >>> alpaca_prompt("Add the numbers.", "2 and 3").endswith("### Input:\\n2 and 3\\n\\n### Response:\\n")
 True
@@ -23,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.data.damage import BAD_ROW_COLUMN
 from finetune.errors import DataError
 
 ALPACA_PROMPT_WITH_INPUT = (
@@ -47,15 +51,46 @@ MISSING_FIELD = "missing_field"
 WRONG_TYPE = "wrong_type"
 EMPTY_CONVERSATION = "empty_conversation"
 ROLE_REJECTED = "role_rejected"
+UNKNOWN_ROLE = "unknown_role"
+# Drop reason (not a bad row): the output / completion / trained turns are empty.
+EMPTY_COMPLETION = "empty_completion"
+
+DEFAULT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles chat templates know. Others are known only as targets of the entry's ``role_map``
+(map a role to itself, ``{ipython: ipython}``, to declare one the template supports)."""
 
 
 @dataclass(frozen=True)
 class BadRow:
-    """Why one row can't be used: the field at fault, a reason key, and a sentence for humans."""
+    """Why one row can't be used: the field at fault, a reason key, and a sentence for humans.
+
+    ``malformed=False`` marks a well-formed row that would train nothing: it is dropped and
+    counted under ``reason`` alone (not ``bad_row:<reason>``) and never raises.
+    """
 
     field: str
     reason: str
     detail: str
+    malformed: bool = True
+
+    @property
+    def drop_key(self) -> str:
+        """The manifest's name for this drop.
+
+        >>> BadRow("output", "missing_field", "").drop_key, BadRow("output", "empty_completion", "", False).drop_key
+        ('bad_row:missing_field', 'empty_completion')
+        """
+        return f"bad_row:{self.reason}" if self.malformed else self.reason
+
+
+def known_roles(entry: Any) -> set[str]:
+    """The roles an entry's messages may have after ``role_map``: the defaults and the map's targets.
+
+    >>> from types import SimpleNamespace as NS
+    >>> sorted(known_roles(NS(role_map={"human": "user", "ipython": "ipython"})))
+    ['assistant', 'ipython', 'system', 'tool', 'user']
+    """
+    return {*DEFAULT_ROLES, *entry.role_map.values()}
 
 
 def alpaca_prompt(instruction: str, input_text: str | None) -> str:
@@ -130,6 +165,7 @@ def _message_keys(feature: Any) -> list[str] | None:
 def _missing_name_message(
     entry: Any, label: str, attr: str, name: str, existing: list[str], *, what: str
 ) -> str:
+    existing = [c for c in existing if c != BAD_ROW_COLUMN]
     hint = difflib.get_close_matches(name, existing, n=1)
     did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
     where = "in the dataset" if what == "column" else f"in the messages of column {entry.field_messages!r}"
@@ -159,17 +195,20 @@ def completion_texts(batch: dict[str, list], entry: Any) -> list[str | BadRow]:
 def prompt_completion_pairs(batch: dict[str, list], entry: Any) -> list[tuple[str, str] | BadRow]:
     """(prompt, completion) for each row of an ``alpaca`` or ``input_output`` batch.
 
-    Alpaca rows get the prompt template above; a null or absent input counts as empty (it is
-    optional), a null instruction or output is a bad row.
+    Alpaca rows get the prompt template above, or with ``apply_chat_template`` the bare
+    instruction (and input, after a blank line) as the user's text. A null or absent input counts
+    as empty (it is optional), a null instruction or output is a bad row, and an output that is
+    empty or only whitespace is dropped as ``empty_completion`` (unless ``train_on_inputs``).
     """
     if entry.type == "input_output":
         fields = (entry.field_prompt, entry.field_completion)
         return [
-            _pair(_text(p, fields[0]), _text(c, fields[1]))
+            _pair(_text(p, fields[0]), _text(c, fields[1]), fields[1], entry)
             for p, c in zip(*(batch[f] for f in fields), strict=True)
         ]
     n = len(batch[entry.field_instruction])
     inputs = batch.get(entry.field_input) or [None] * n
+    prompt = user_text if entry.apply_chat_template else alpaca_prompt
     out: list[tuple[str, str] | BadRow] = []
     for instr, inp, output in zip(
         batch[entry.field_instruction], inputs, batch[entry.field_output], strict=True
@@ -178,18 +217,50 @@ def prompt_completion_pairs(batch: dict[str, list], entry: Any) -> list[tuple[st
         if inp is not None and not isinstance(inp, str):
             out.append(BadRow(entry.field_input, WRONG_TYPE, f"{entry.field_input!r} should be a string"))
         elif isinstance(instr, str):
-            out.append(_pair(alpaca_prompt(instr, inp), output))
+            out.append(_pair(prompt(instr, inp), output, entry.field_output, entry))
         else:
             out.append(instr)
     return out
 
 
-def _pair(prompt: str | BadRow, completion: str | BadRow) -> tuple[str, str] | BadRow:
+def user_text(instruction: str, input_text: str | None) -> str:
+    """An alpaca row as the user's turn of a chat: the instruction, then the input after a blank line.
+
+    >>> user_text("Add the numbers.", "2 and 3"), user_text("Say hi.", None)
+    ('Add the numbers.\\n\\n2 and 3', 'Say hi.')
+    """
+    return f"{instruction}\n\n{input_text}" if input_text else instruction
+
+
+def _pair(prompt: str | BadRow, completion: str | BadRow, field: str, entry: Any) -> tuple[str, str] | BadRow:
     if isinstance(prompt, BadRow):
         return prompt
     if isinstance(completion, BadRow):
         return completion
+    if not completion.strip() and not entry.train_on_inputs:  # with train_on_inputs the prompt trains
+        return BadRow(field, EMPTY_COMPLETION, _empty_detail(field, completion), malformed=False)
     return prompt, completion
+
+
+def _empty_detail(field: str, value: str) -> str:
+    what = "empty" if not value else f"only whitespace ({value!r})"
+    return f"{field!r} is {what}: the row would train nothing"
+
+
+def pair_conversations(batch: dict[str, list], entry: Any) -> list[list[dict[str, str]] | BadRow]:
+    """Each (prompt, completion) pair as a user turn and an assistant turn, for the chat template.
+
+    >>> from types import SimpleNamespace as NS
+    >>> e = NS(type="input_output", field_prompt="question", field_completion="answer", train_on_inputs=False)
+    >>> pair_conversations({"question": ["2+2?"], "answer": ["4"]}, e)
+    [[{'role': 'user', 'content': '2+2?'}, {'role': 'assistant', 'content': '4'}]]
+    """
+    return [
+        pair
+        if isinstance(pair, BadRow)
+        else [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+        for pair in prompt_completion_pairs(batch, entry)
+    ]
 
 
 def conversations(batch: dict[str, list], entry: Any) -> list[list[dict[str, Any]] | BadRow]:
@@ -197,19 +268,27 @@ def conversations(batch: dict[str, list], entry: Any) -> list[list[dict[str, Any
 
     Other keys of a message (e.g. ``tool_calls``) are kept for the template; nulls are dropped.
     """
-    return [conversation(value, entry) for value in batch[entry.field_messages]]
+    known = known_roles(entry)
+    return [conversation(value, entry, known) for value in batch[entry.field_messages]]
 
 
-def conversation(value: Any, entry: Any) -> list[dict[str, Any]] | BadRow:
+def conversation(value: Any, entry: Any, known: set[str] | None = None) -> list[dict[str, Any]] | BadRow:
     """One row's messages, normalized (see `conversations`), or the reason it can't be used.
+
+    A role that is not in ``known`` (default: `known_roles`) after ``role_map`` is a bad row:
+    templates render any role string, so a typo or an unmapped ShareGPT role would otherwise
+    train silently in the wrong shape.
 
     >>> from types import SimpleNamespace as NS
     >>> e = NS(field_messages="conversations", message_field_role="from", message_field_content="value",
     ...        role_map={"human": "user", "gpt": "assistant"})
     >>> conversation([{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}], e)
     [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello'}]
+    >>> conversation([{"from": "wizard", "value": "Hi"}], e).reason
+    'unknown_role'
     """
     field, role_key, content_key = entry.field_messages, entry.message_field_role, entry.message_field_content
+    known = known_roles(entry) if known is None else known
     if value is None:
         return BadRow(field, MISSING_FIELD, f"{field!r} is missing or null")
     if not isinstance(value, list):
@@ -229,6 +308,16 @@ def conversation(value: Any, entry: Any) -> list[dict[str, Any]] | BadRow:
         content = _text(content, f"{where}.{content_key}")
         if isinstance(content, BadRow):
             return content
+        role = entry.role_map.get(role, role)
+        if role not in known:  # role_map targets are known: only a role the map left alone gets here
+            return BadRow(f"{where}.{role_key}", UNKNOWN_ROLE, _unknown_role_detail(j, role, known))
         extra = {k: v for k, v in msg.items() if k not in (role_key, content_key) and v is not None}
-        messages.append({**extra, "role": entry.role_map.get(role, role), "content": content})
+        messages.append({**extra, "role": role, "content": content})
     return messages
+
+
+def _unknown_role_detail(j: int, role: str, known: set[str]) -> str:
+    return (
+        f"message {j} has role {role!r}, which is not a chat role ({', '.join(sorted(known))}); map it with "
+        f"role_map, e.g. {{{role}: user}}, or, if the chat template has this role, to itself: {{{role}: {role}}}"
+    )

@@ -448,7 +448,7 @@ def _build(
     parts = []
     for entry, label, split in entries:
         t0 = time.perf_counter()
-        raw = load_source(entry, num_proc=num_proc, entry_label=label)
+        raw = load_source(entry, num_proc=num_proc, entry_label=label, on_bad_row=data.on_bad_row)
         t1 = time.perf_counter()
         log(f"{label}: {len(raw)} rows from {entry.path}; tokenizing")
         result = tokenize_dataset(
@@ -546,8 +546,14 @@ def _merge_and_split(recipe: Recipe, parts: list[_Part]) -> tuple[datasets.Datas
     if data.shuffle_merged_datasets:
         merged = merged.shuffle(seed=seed)
     if len(merged) == 0:
-        dropped = {p.label: p.stats["dropped"] for p in parts}
-        raise DataError(f"no training rows left after tokenization (dropped per dataset: {dropped})")
+        dropped = {f"{p.label} ({p.stats['path']})": p.stats["dropped"] for p in parts}
+        samples = [s for p in parts for s in p.bad_row_samples]
+        first = (
+            f"; first: {samples[0]['dataset']} row {samples[0]['row']}: {samples[0]['detail']}"
+            if samples
+            else ""
+        )
+        raise DataError(f"no training rows left after tokenization (dropped per dataset: {dropped}){first}")
     if not data.val_set_size:
         return merged, None
     n = len(merged)

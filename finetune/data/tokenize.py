@@ -10,11 +10,15 @@ Conventions (the packing and the loss rely on them):
   and the completion are tokenized separately and their ids concatenated, so no token straddles
   the boundary and the mask is exact. ``bos`` is whatever the tokenizer itself adds (its
   post-processor); the eos is trained unless ``train_on_eos: none``.
-* ``chat_template``: see `chat_spans` for how the trained character spans are found; tokens are
-  trained when they overlap a trained span (found through the fast tokenizer's offsets). The
+* ``chat_template`` (and ``alpaca`` / ``input_output`` with ``apply_chat_template``, as a user
+  and an assistant turn): see `chat_spans` for how the trained character spans are found; tokens
+  are trained when they overlap a trained span (found through the fast tokenizer's offsets). The
   tokenizer's own bos is prepended when the rendered text doesn't start with it already.
   ``train_on_inputs: true`` trains every token of the conversation.
 * ``tokenized``: ``input_ids`` (and optional ``labels``) pass through after checks.
+
+Rows loaded as placeholders for damaged lines (marked in ``damage.BAD_ROW_COLUMN``, see
+sources.py) become bad rows here, so they are raised or counted like any other.
 
 Every input row is accounted for: ``rows_in == len(dataset) + sum(dropped.values())``.
 """
@@ -30,9 +34,10 @@ from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
 
-from finetune.data import formats
+from finetune.data import damage, formats
 from finetune.data.formats import BadRow
 from finetune.errors import DataError
 
@@ -42,7 +47,7 @@ BATCH_SIZE = 1000
 # spreads a batch over every core, and starting workers (each gets a pickled copy of the
 # tokenizer) costs more than the Python work they would share. Chat rendering is Python-bound.
 MIN_ROWS_FOR_PROCESSES = 100_000
-MAX_BAD_ROW_SAMPLES = 10
+MAX_BAD_ROW_SAMPLES = 10  # per reason
 
 # Bad-row reasons specific to pre-tokenized rows and to templates.
 OUT_OF_VOCAB = "out_of_vocab"
@@ -76,7 +81,8 @@ class TokenizeResult:
     rows_in: int
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> rows
     truncated: int = 0
-    bad_row_samples: list[dict] = field(default_factory=list)  # the first MAX_BAD_ROW_SAMPLES
+    # The first MAX_BAD_ROW_SAMPLES rows of each reason that has a detail (bad rows, empty completions).
+    bad_row_samples: list[dict] = field(default_factory=list)
 
 
 def tokenize_dataset(
@@ -112,7 +118,7 @@ def tokenize_dataset(
         return TokenizeResult(datasets.Dataset.from_dict({k: [] for k in public}, features=public), rows_in=0)
     settings = _settings(entry, tokenizer, chat_template, entry_label)
     fn = _BatchTokenizer(entry, tokenizer, settings, limit, excess_length_strategy)
-    num_proc = _worth_processes(entry.type, len(ds), num_proc)
+    num_proc = _worth_processes("chat_template" if renders_chat(entry) else entry.type, len(ds), num_proc)
     out = ds.map(
         fn,
         batched=True,
@@ -160,6 +166,13 @@ def _map_fingerprint(
     return Hasher.hash([ds._fingerprint, dump, state, settings, limit, strategy, code])
 
 
+def renders_chat(entry: Any) -> bool:
+    """Whether the entry's rows are rendered with the chat template."""
+    return entry.type == "chat_template" or (
+        entry.type in ("alpaca", "input_output") and entry.apply_chat_template
+    )
+
+
 def _settings(entry: Any, tokenizer: Any, chat_template: str | None, entry_label: str) -> dict[str, Any]:
     """What the batch function needs besides the entry, computed once (and checked) up front."""
     with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
@@ -167,27 +180,44 @@ def _settings(entry: Any, tokenizer: Any, chat_template: str | None, entry_label
     # The ids the tokenizer puts before a text by itself (usually [bos] or nothing).
     start = next((k for k in range(len(with_special)) if with_special[k : k + len(plain)] == plain), 0)
     settings: dict[str, Any] = {"prefix_ids": list(with_special[:start]), "eos_id": tokenizer.eos_token_id}
-    if entry.type in ("completion", "alpaca", "input_output") and tokenizer.eos_token_id is None:
+    if renders_chat(entry):
+        settings["chat_template"] = _check_chat(entry, tokenizer, chat_template, entry_label)
+    elif entry.type in ("completion", "alpaca", "input_output") and tokenizer.eos_token_id is None:
         raise DataError(
             f"{entry_label}: the tokenizer has no eos token, which type {entry.type!r} appends to every "
             "row; set model.special_tokens.eos_token"
         )
-    if entry.type == "chat_template":
-        if not getattr(tokenizer, "is_fast", False):
-            raise DataError(
-                f"{entry_label}: chat masking needs a fast (Rust) tokenizer for its offset mapping; "
-                f"{type(tokenizer).__name__} is not one. Save the tokenizer with a tokenizer.json."
-            )
-        template = chat_template or tokenizer.chat_template
-        if not template:
-            raise DataError(
-                f"{entry_label}: type chat_template needs a chat template, but the tokenizer has none; "
-                "set model.chat_template (a Jinja string or a known name such as chatml or llama2)"
-            )
-        settings["chat_template"] = chat_template
     if entry.type == "tokenized":
         settings["vocab_size"] = len(tokenizer)
     return settings
+
+
+def _check_chat(entry: Any, tokenizer: Any, chat_template: str | None, entry_label: str) -> str | None:
+    """The template override for a chat-rendered entry, after checking the tokenizer and roles."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError(
+            f"{entry_label}: chat masking needs a fast (Rust) tokenizer for its offset mapping; "
+            f"{type(tokenizer).__name__} is not one. Save the tokenizer with a tokenizer.json."
+        )
+    if not (chat_template or tokenizer.chat_template):
+        raise DataError(
+            f"{entry_label}: {_chat_kind(entry)} needs a chat template, but the tokenizer has none; "
+            "set model.chat_template (a Jinja string or a known name such as chatml or llama2)"
+        )
+    known = formats.known_roles(entry)
+    unknown = [r for r in entry.roles_to_train if r not in known]
+    if unknown:
+        mapped = {k: v for k, v in entry.role_map.items() if k in unknown}
+        hint = f" role_map renames {mapped}: name the roles it maps to." if mapped else ""
+        raise DataError(
+            f"{entry_label}.roles_to_train: {unknown} not among the roles messages have after role_map "
+            f"({', '.join(sorted(known))}), so nothing of theirs would be trained.{hint}"
+        )
+    return chat_template
+
+
+def _chat_kind(entry: Any) -> str:
+    return "type chat_template" if entry.type == "chat_template" else "apply_chat_template"
 
 
 # ------------------------------------------------------------------------------------- batch function
@@ -208,12 +238,19 @@ class _BatchTokenizer:
         kind = self.entry.type
         if kind == "completion":
             rows = self._completion(batch)
+        elif kind == "chat_template":
+            rows = self._chat(formats.conversations(batch, self.entry))
+        elif renders_chat(self.entry):
+            rows = self._chat(formats.pair_conversations(batch, self.entry))
         elif kind in ("alpaca", "input_output"):
             rows = self._prompt_completion(batch)
-        elif kind == "chat_template":
-            rows = self._chat(batch)
         else:
             rows = self._tokenized(batch)
+        if damage.BAD_ROW_COLUMN in batch:  # placeholders for damaged lines (see sources.py)
+            rows = [
+                _damaged(mark) if mark else row
+                for row, mark in zip(rows, batch[damage.BAD_ROW_COLUMN], strict=True)
+            ]
         return self._finish(rows, indices)
 
     def _ids(self, texts: list[str]) -> list[list[int]]:
@@ -272,30 +309,27 @@ class _BatchTokenizer:
             rows.append((ids, labels))
         return rows
 
-    def _chat(self, batch: dict[str, list]) -> list[tuple[list[int], list[int]] | BadRow]:
+    def _chat(self, convs: list[list[dict[str, Any]] | BadRow]) -> list[tuple[list[int], list[int]] | BadRow]:
         entry, template = self.entry, self.settings["chat_template"]
 
         def render(messages: list[dict[str, Any]]) -> str:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template)
 
+        field = self._messages_field()
         texts: list[str] = []
         found: list[list[tuple[int, int]] | BadRow] = []
-        for conv in formats.conversations(batch, entry):
-            if isinstance(conv, BadRow):
-                texts.append("")
-                found.append(conv)
-                continue
-            try:
-                if entry.train_on_inputs:
-                    text, spans = _render(render, conv), []
-                else:
-                    text, spans = chat_spans(
-                        conv, render, roles_to_train=entry.roles_to_train, train_on_eos=entry.train_on_eos
-                    )
-            except ChatTemplateError as e:
-                texts.append("")
-                found.append(BadRow(entry.field_messages, e.reason, str(e)))
-                continue
+        for conv in convs:
+            text, spans = "", conv if isinstance(conv, BadRow) else _empty_turns(conv, entry, field)
+            if spans is None:
+                try:
+                    if entry.train_on_inputs:
+                        text, spans = _render(render, conv), []
+                    else:
+                        text, spans = chat_spans(
+                            conv, render, roles_to_train=entry.roles_to_train, train_on_eos=entry.train_on_eos
+                        )
+                except ChatTemplateError as e:
+                    spans = BadRow(field, e.reason, str(e))
             texts.append(text)
             found.append(spans)
         prefix = self.settings["prefix_ids"]
@@ -316,6 +350,12 @@ class _BatchTokenizer:
                 ids, labels = [*prefix, *ids], [IGNORE_INDEX] * len(prefix) + labels
             rows.append((ids, labels))
         return rows
+
+    def _messages_field(self) -> str:
+        """The column a chat row's problems are reported against."""
+        if self.entry.type == "chat_template":
+            return self.entry.field_messages
+        return self.entry.field_completion if self.entry.type == "input_output" else self.entry.field_output
 
     def _tokenized(self, batch: dict[str, list]) -> list[tuple[list[int], list[int]] | BadRow]:
         vocab_size = self.settings["vocab_size"]
@@ -345,7 +385,7 @@ class _BatchTokenizer:
             ids: list[int] = []
             labels: list[int] = []
             if isinstance(row, BadRow):
-                drop, bad_field, detail = f"bad_row:{row.reason}", row.field, row.detail
+                drop, bad_field, detail = row.drop_key, row.field, row.detail
             else:
                 ids, labels = row
                 num_tokens = len(ids)
@@ -372,6 +412,24 @@ class _BatchTokenizer:
             ):
                 out[name].append(value)
         return out
+
+
+def _damaged(mark: str) -> BadRow:
+    """The bad row of a placeholder for a damaged line (its reason and description from the mark)."""
+    reason, detail = damage.parse_mark(mark)
+    return BadRow("", reason, detail)
+
+
+def _empty_turns(conv: list[dict[str, Any]], entry: Any, field: str) -> BadRow | None:
+    """A drop when every turn to train is empty or whitespace (the row would train only end tokens)."""
+    if entry.train_on_inputs:
+        return None
+    trained = [m["content"] for m in conv if m["role"] in entry.roles_to_train]
+    if trained and not any(c.strip() for c in trained):
+        roles = "/".join(entry.roles_to_train)
+        detail = f"every {roles} turn is empty or whitespace: the row would train nothing"
+        return BadRow(field, formats.EMPTY_COMPLETION, detail, malformed=False)
+    return None
 
 
 @dataclass
@@ -578,6 +636,15 @@ def _common_prefix_len(a: str, b: str) -> int:
 # ---------------------------------------------------------------------------------------- accounting
 
 
+def _sample_rows(drop: np.ndarray, details: Any) -> list[int]:
+    """The first MAX_BAD_ROW_SAMPLES rows of each drop reason whose rows carry a detail, in row order."""
+    has_detail = np.asarray(pc.not_equal(details, "").to_numpy(zero_copy_only=False), dtype=bool)
+    picked: list[int] = []
+    for reason in dict.fromkeys(drop[has_detail].tolist()):
+        picked += np.flatnonzero(has_detail & (drop == reason))[:MAX_BAD_ROW_SAMPLES].tolist()
+    return sorted(picked)
+
+
 def _account(
     out: datasets.Dataset, entry: Any, label: str, *, limit: int, strategy: str, on_bad_row: str
 ) -> TokenizeResult:
@@ -594,8 +661,9 @@ def _account(
     source = table.column("source_row")
     if first_bad is not None and (first_long is None or first_bad < first_long):
         row = out[first_bad]
+        where = f"field {row['_field']!r}: " if row["_field"] else ""
         raise DataError(
-            f"{label} ({entry.path}): row {row['source_row']}: field {row['_field']!r}: {row['_detail']}. "
+            f"{label} ({entry.path}): row {row['source_row']}: {where}{row['_detail']}. "
             "Fix the data (or the field mappings of this entry), or set data.on_bad_row: skip to drop "
             "such rows (they are counted in the manifest)."
         )
@@ -615,7 +683,7 @@ def _account(
             "reason": drop[k].removeprefix("bad_row:"),
             "detail": table.column("_detail")[k].as_py(),
         }
-        for k in np.flatnonzero(is_bad)[:MAX_BAD_ROW_SAMPLES]
+        for k in _sample_rows(drop, table.column("_detail"))
     ]
     truncated = int(np.asarray(table.column("_truncated").to_numpy(zero_copy_only=False))[keep].sum())
     kept = out if keep.all() else out.select(np.flatnonzero(keep))

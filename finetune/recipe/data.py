@@ -58,6 +58,15 @@ class DatasetEntry(_Section):
         description="chat_template: which end-of-turn tokens are trained: of every trained turn (turn), "
         "only the last trained turn (last), every turn (all), none.",
     )
+    apply_chat_template: bool = Field(
+        False,
+        description="alpaca / input_output: render each row as a chat with the model's chat template (for "
+        "instruct models): the prompt (alpaca: the instruction, then the input after a blank line) as a user "
+        "turn, the completion as an assistant turn, plus whatever the template adds (e.g. its default "
+        "system prompt). Only the completion and its end-of-turn token (per train_on_eos) are trained. "
+        "E.g. GSM8K: {type: input_output, field_prompt: question, field_completion: answer, "
+        "apply_chat_template: true}.",
+    )
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
         problems: list[Problem] = []
@@ -71,6 +80,19 @@ class DatasetEntry(_Section):
             )
         if ok("type", "roles_to_train") and self.type == "chat_template" and not self.roles_to_train:
             problems.append(("roles_to_train", [], "name at least one role to train, e.g. [assistant]"))
+        if (
+            ok("type", "apply_chat_template")
+            and self.apply_chat_template
+            and self.type not in ("alpaca", "input_output")
+        ):
+            problems.append(
+                (
+                    "apply_chat_template",
+                    True,
+                    f"works with type alpaca or input_output (a prompt and a completion to render as two "
+                    f"turns), not {self.type!r}; remove it",
+                )
+            )
         return problems
 
 

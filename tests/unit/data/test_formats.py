@@ -104,6 +104,54 @@ def test_conversation_role_map_sharegpt() -> None:
     ]
 
 
+def test_unknown_roles_and_role_map_targets() -> None:
+    msgs = [{"role": "ipython", "content": "42"}, {"role": "assistant", "content": "ok"}]
+    bad = formats.conversation(msgs, entry(type="chat_template"))
+    assert isinstance(bad, BadRow) and bad.reason == "unknown_role" and bad.field == "messages[0].role"
+    assert (
+        "'ipython'" in bad.detail and "{ipython: ipython}" in bad.detail and "{ipython: user}" in bad.detail
+    )
+    # A role_map target is a known role: mapping a role to itself declares one the template has.
+    ok = formats.conversation(msgs, entry(type="chat_template", role_map={"ipython": "ipython"}))
+    assert [m["role"] for m in ok] == ["ipython", "assistant"]
+    mapped = formats.conversation(
+        [{"role": "human", "content": "a"}], entry(type="chat_template", role_map={"human": "humano"})
+    )
+    assert mapped == [{"role": "humano", "content": "a"}]  # any role_map target is known, by design
+
+
+def test_empty_completion_is_a_counted_drop_not_a_bad_row() -> None:
+    e = entry(type="alpaca")
+    out = formats.prompt_completion_pairs({"instruction": ["A", "B", "C"], "output": ["done", "", " \n"]}, e)
+    assert out[0] == (formats.alpaca_prompt("A", None), "done")
+    for bad in out[1:]:
+        assert isinstance(bad, BadRow) and not bad.malformed
+        assert (bad.field, bad.reason, bad.drop_key) == ("output", "empty_completion", "empty_completion")
+    assert "is empty" in out[1].detail and "only whitespace" in out[2].detail
+    e = entry(type="input_output", field_prompt="q", field_completion="a")
+    [bad] = formats.prompt_completion_pairs({"q": ["Q?"], "a": [""]}, e)
+    assert isinstance(bad, BadRow) and (bad.field, bad.reason) == ("a", "empty_completion")
+    # With train_on_inputs the prompt is trained: the row is kept.
+    e = entry(type="input_output", field_prompt="q", field_completion="a", train_on_inputs=True)
+    assert formats.prompt_completion_pairs({"q": ["Q?"], "a": [""]}, e) == [("Q?", "")]
+
+
+def test_pair_conversations_for_the_chat_template() -> None:
+    e = entry(type="alpaca", apply_chat_template=True)
+    batch = {"instruction": ["Add.", "Say hi."], "input": ["2 and 3", None], "output": ["5", "hi"]}
+    assert formats.pair_conversations(batch, e) == [
+        [{"role": "user", "content": "Add.\n\n2 and 3"}, {"role": "assistant", "content": "5"}],
+        [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}],
+    ]
+    e = entry(
+        type="input_output", field_prompt="question", field_completion="answer", apply_chat_template=True
+    )
+    out = formats.pair_conversations({"question": ["Q?", None, "Q3"], "answer": ["A", "x", ""]}, e)
+    assert out[0] == [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A"}]
+    assert (out[1].field, out[1].reason) == ("question", "missing_field")
+    assert (out[2].field, out[2].reason) == ("answer", "empty_completion")
+
+
 def test_conversation_keeps_unmapped_roles_and_drops_null_keys() -> None:
     e = entry(type="chat_template")
     msgs = [
@@ -128,6 +176,12 @@ def test_conversation_keeps_unmapped_roles_and_drops_null_keys() -> None:
         ([{"role": "user", "content": None}], "messages[0].content", "missing_field"),
         ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content", "wrong_type"),
         ([{"role": 1, "content": "a"}], "messages[0].role", "wrong_type"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}],
+            "messages[1].role",
+            "unknown_role",
+        ),
+        ([{"role": "User", "content": "a"}], "messages[0].role", "unknown_role"),
     ],
 )
 def test_conversation_bad_rows(value, field, reason) -> None:

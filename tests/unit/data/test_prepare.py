@@ -26,6 +26,7 @@ from finetune.data.prepare import (
     prepare,
     prepare_on_main_process,
 )
+from finetune.data.sources import file_hash
 from finetune.errors import DataError, RecipeError
 from finetune.recipe import Recipe, validate_recipe
 
@@ -207,6 +208,7 @@ CHANGES = [
     ("data.datasets.0.train_on_inputs", True),
     ("data.datasets.0.type", "input_output"),
     ("data.datasets.0.max_seq_len", 64),
+    ("data.datasets.0.apply_chat_template", True),
     ("data.datasets.1.split", "other"),
     ("data.sequence_len", 96),
     ("data.excess_length_strategy", "truncate"),
@@ -320,6 +322,56 @@ def test_max_seq_len_longer_than_a_row_is_an_error(workdir: Path):
     d["data"]["datasets"][0]["max_seq_len"] = 512
     with pytest.raises(DataError, match="max_seq_len"):
         prepare(validate_recipe(d), log=_quiet)
+
+
+# ------------------------------------------------------------------------------------ damaged files
+
+
+def _damage_text_jsonl(workdir: Path) -> bytes:
+    """Make line 5 of text.jsonl invalid JSON and line 10 hold a byte that is not UTF-8; the old bytes."""
+    path = workdir / "text.jsonl"
+    original = path.read_bytes()
+    lines = original.splitlines(keepends=True)
+    lines[4] = b'{"text": "cut short\n'
+    lines[9] = b'{"text": "caf\xe9 au lait"}\n'
+    path.write_bytes(b"".join(lines))
+    return original
+
+
+def test_damaged_lines_are_counted_with_samples_and_cached(workdir: Path):
+    original = _damage_text_jsonl(workdir)
+    recipe = _recipe(workdir)  # on_bad_row: skip
+    prepared = prepare(recipe, log=_quiet)
+    m = prepared.manifest
+    text = m["sources"][1]
+    assert text["rows_in"] == 25 == text["rows_kept"] + text["rows_dropped"]  # every line of the file
+    assert text["dropped"] == {"bad_row:invalid_json": 1, "bad_row:invalid_utf8": 1}
+    assert m["rows_in"] == m["rows_kept"] + m["rows_dropped"]
+    samples = {s["reason"]: s for s in m["bad_row_samples"] if s["dataset"] == "data.datasets[1]"}
+    assert samples["invalid_json"]["row"] == 4 and samples["invalid_utf8"]["row"] == 9
+    assert "text.jsonl line 5 (byte " in samples["invalid_json"]["detail"]
+    assert "text.jsonl line 10 (byte " in samples["invalid_utf8"]["detail"]
+    # The fingerprint hashes the file as it is (damage included), nothing else: the same run is a
+    # cache hit, and fixing the file is a new preparation without the drops.
+    [source_file] = m["fingerprint_inputs"]["datasets"][1]["source"]["files"]
+    assert source_file["blake2b"] == file_hash(workdir / "text.jsonl")
+    again = prepare(_recipe(workdir), log=_quiet)
+    assert again.source == "cache" and again.path == prepared.path
+    (workdir / "text.jsonl").write_bytes(original)
+    fixed = prepare(_recipe(workdir), log=_quiet)
+    assert fixed.path != prepared.path and fixed.manifest["sources"][1]["dropped"] == {}
+
+
+def test_damaged_line_raise_names_it_and_writes_nothing(workdir: Path):
+    _damage_text_jsonl(workdir)
+    base = _recipe_dict(workdir, on_bad_row="raise")
+    recipe = _with(base, "data.datasets", base["data"]["datasets"][1:])
+    with pytest.raises(DataError) as err:
+        prepare(recipe, log=_quiet)
+    msg = str(err.value)
+    assert msg.startswith(f"data.datasets[0]: {workdir / 'text.jsonl'} line 5 (byte ")
+    assert "invalid JSON" in msg and "on_bad_row: skip" in msg
+    assert not any(p.is_dir() for p in (workdir / "prepared").iterdir())
 
 
 # ------------------------------------------------------------------------------------ skip / load

@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 
 from finetune.data import sources
+from finetune.data.damage import BAD_ROW_COLUMN
 from finetune.data.sources import load_source, source_fingerprint
 from finetune.errors import DataError
 from finetune.recipe import DatasetEntry
@@ -143,11 +144,136 @@ def test_bad_split_of_a_file(tmp_path: Path) -> None:
     assert len(load_source(entry(path, split="train[:3]"))) == 3
 
 
-def test_malformed_file_is_a_data_error(tmp_path: Path) -> None:
-    path = tmp_path / "bad.jsonl"
-    path.write_text('{"text": "ok"}\n{not json\n')
-    with pytest.raises(DataError, match="could not load"):
+# ------------------------------------------------------------------------------------ damaged files
+
+
+def marks(ds: datasets.Dataset) -> list[str | None]:
+    """The damage reason of each row (None: an intact row)."""
+    if BAD_ROW_COLUMN not in ds.column_names:
+        return [None] * len(ds)
+    return [m and m.split("\t")[0] for m in ds[BAD_ROW_COLUMN]]
+
+
+def damaged_jsonl(path: Path) -> Path:
+    """Ten rows; row 3 is invalid JSON and row 7 holds a byte that is not UTF-8."""
+    lines = [json.dumps(r).encode() for r in ROWS]
+    lines[3] = b'{"text": "row 3", "n": 3'
+    lines[7] = b'{"text": "row \xe97", "n": 7}'
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def test_damaged_json_line_raise_names_file_line_and_error(tmp_path: Path) -> None:
+    path = damaged_jsonl(tmp_path / "d.jsonl")
+    with pytest.raises(DataError) as err:
+        load_source(entry(path), entry_label="data.datasets[2]")
+    msg = str(err.value)
+    assert msg.startswith(f"data.datasets[2]: {path} line 4 (byte ")
+    assert "invalid JSON" in msg and "Expecting ',' delimiter" in msg
+    assert "2 damaged rows in all, by reason: invalid_json=1, invalid_utf8=1" in msg
+    assert "data.on_bad_row: skip" in msg
+
+
+def test_damaged_json_lines_skip_keeps_rows_in_place(tmp_path: Path) -> None:
+    path = damaged_jsonl(tmp_path / "d.jsonl")
+    ds = load_source(entry(path), on_bad_row="skip")
+    assert len(ds) == 10 and ds["n"][:] == [0, 1, 2, None, 4, 5, 6, None, 8, 9]
+    assert marks(ds) == [None] * 3 + ["invalid_json"] + [None] * 3 + ["invalid_utf8"] + [None] * 2
+    assert f"{path} line 8 (byte " in ds[7][BAD_ROW_COLUMN] and "e9" in ds[7][BAD_ROW_COLUMN]
+    # Slices and shards see the same rows as they would in the undamaged file.
+    assert marks(load_source(entry(path, split="train[3:8]"), on_bad_row="skip")) == [
+        "invalid_json", None, None, None, "invalid_utf8"
+    ]  # fmt: skip
+    shard = load_source(entry(path, shards=2, shards_idx=1), on_bad_row="skip")
+    assert shard["n"][:] == [5, 6, None, 8, 9]
+
+
+def test_damaged_file_in_a_directory_offsets_its_rows(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "d" / "a.jsonl", ROWS[:4])
+    damaged_jsonl(tmp_path / "d" / "b.jsonl")
+    with pytest.raises(DataError, match=r"b\.jsonl line 4"):
+        load_source(entry(tmp_path / "d"))
+    ds = load_source(entry(tmp_path / "d"), on_bad_row="skip")
+    assert len(ds) == 14 and [i for i, m in enumerate(marks(ds)) if m] == [4 + 3, 4 + 7]
+
+
+def test_invalid_utf8_that_pyarrow_loads_is_caught(tmp_path: Path) -> None:
+    # pyarrow's JSON reader loads these bytes without complaint; without the check they would fail
+    # later as a UnicodeDecodeError traceback inside tokenization.
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"text": "fine", "n": 0}\n{"text": "caf\xe9", "n": 1}\n')
+    with pytest.raises(DataError, match=r"d\.jsonl line 2 \(byte 38\): invalid UTF-8: byte\(s\) e9"):
         load_source(entry(path))
+    assert marks(load_source(entry(path), on_bad_row="skip")) == [None, "invalid_utf8"]
+
+
+@pytest.mark.parametrize("name", ["d.csv", "d.txt", "d.json"])
+def test_invalid_utf8_in_csv_text_and_json_array(tmp_path: Path, name: str) -> None:
+    data = {
+        "d.csv": b"text,n\nfine,0\ncaf\xe9,1\nok,2\n",
+        "d.txt": b"fine\ncaf\xe9\nok\n",
+        "d.json": b'[{"text": "fine"},\n {"text": "caf\xe9"},\n {"text": "ok"}]',
+    }[name]
+    path = tmp_path / name
+    path.write_bytes(data)
+    line = 3 if name == "d.csv" else 2  # the header is line 1
+    byte = data.index(b'{"text": "caf') if name == "d.json" else data.index(b"\xe9")  # array: the element
+    with pytest.raises(DataError, match=rf"{name} line {line} \(byte {byte}\)"):
+        load_source(entry(path))
+    ds = load_source(entry(path), on_bad_row="skip")
+    assert marks(ds) == [None, "invalid_utf8", None] and ds["text"][0] == "fine" and ds["text"][2] == "ok"
+
+
+def test_empty_files_and_directories(tmp_path: Path) -> None:
+    (tmp_path / "empty.jsonl").touch()
+    for on_bad_row in ("raise", "skip"):
+        with pytest.raises(DataError, match=r"empty\.jsonl is empty \(0 bytes\)"):
+            load_source(entry(tmp_path / "empty.jsonl"), on_bad_row=on_bad_row)
+    (tmp_path / "header.csv").write_text("text,n\n")
+    with pytest.raises(DataError, match=r"header\.csv has no rows: it holds a header line"):
+        load_source(entry(tmp_path / "header.csv"))
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "empty_dir" / "notes.md").write_text("no data here")
+    with pytest.raises(DataError) as err:
+        load_source(entry(tmp_path / "empty_dir"))
+    assert "empty_dir holds no data files" in str(err.value) and ".jsonl" in str(err.value)
+
+
+def test_ragged_csv_row_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "d.csv"
+    path.write_text("text,n\nrow 0,0\nrow 1, with a comma,1\nrow 2,2\n")
+    with pytest.raises(DataError, match=r"d\.csv line 3 \(byte 15\): 3 fields, but the header has 2"):
+        load_source(entry(path))
+    ds = load_source(entry(path), on_bad_row="skip")
+    assert marks(ds) == [None, "ragged_row", None] and ds["text"][:] == ["row 0", None, "row 2"]
+
+
+def test_not_parquet_is_named_in_both_modes(tmp_path: Path) -> None:
+    path = tmp_path / "d.parquet"
+    path.write_text('{"text": "I am JSON"}\n')
+    for on_bad_row in ("raise", "skip"):
+        with pytest.raises(DataError, match=r"d\.parquet is not a parquet file"):
+            load_source(entry(path), on_bad_row=on_bad_row)
+
+
+def test_other_load_errors_keep_their_root_cause(tmp_path: Path) -> None:
+    # Valid JSON lines whose columns can't be combined: nothing to point at, the parser's reason shown.
+    write_jsonl(tmp_path / "d" / "a.jsonl", [{"text": "a"}])
+    write_jsonl(tmp_path / "d" / "b.jsonl", [{"other": "b"}])
+    with pytest.raises(DataError) as err:
+        load_source(entry(tmp_path / "d"), on_bad_row="skip")
+    assert "could not load" in str(err.value) and "CastError" in str(err.value)
+
+
+def test_clean_copy_is_reused(tmp_path: Path) -> None:
+    path = damaged_jsonl(tmp_path / "d.jsonl")
+    first = load_source(entry(path), on_bad_row="skip")
+    copies = sorted((Path(datasets.config.HF_DATASETS_CACHE) / "finetune-clean-copies").glob("*-d.jsonl"))
+    mtimes = [c.stat().st_mtime_ns for c in copies]
+    second = load_source(entry(path), on_bad_row="skip")
+    assert second._fingerprint == first._fingerprint
+    assert [c.stat().st_mtime_ns for c in copies] == mtimes
 
 
 def test_shards(tmp_path: Path) -> None:
@@ -294,3 +420,10 @@ def test_fingerprint_url(tmp_path: Path) -> None:
     assert f["size"] == str(path.stat().st_size) and "mtime" in f
     with pytest.raises(DataError, match="could not read the metadata"):
         source_fingerprint(entry((tmp_path / "missing.jsonl").as_uri()))
+
+
+def test_every_row_damaged_is_an_error_in_skip_mode(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(DataError, match="every row is damaged, nothing to load"):
+        load_source(entry(path), on_bad_row="skip")

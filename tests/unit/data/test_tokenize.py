@@ -235,6 +235,87 @@ def test_bad_rows_skip_counted_with_ten_samples(tok) -> None:
     assert_accounted(res)
 
 
+@pytest.mark.parametrize("on_bad_row", ["raise", "skip"])
+def test_empty_completions_are_dropped_with_samples(tok, on_bad_row: str) -> None:
+    # Kept, they would train nothing but an eos: dropped and counted in both modes, never an error.
+    rows = [
+        {"instruction": "Add 2 and 3.", "output": "5"},
+        {"instruction": "Say nothing.", "output": ""},
+        {"instruction": "Say a space.", "output": "  \n"},
+    ]
+    res = run(rows, entry("alpaca"), tok, on_bad_row=on_bad_row)
+    assert res.dropped == {"empty_completion": 2} and res.dataset["source_row"][:] == [0]
+    assert [(s["row"], s["field"], s["reason"]) for s in res.bad_row_samples] == [
+        (1, "output", "empty_completion"),
+        (2, "output", "empty_completion"),
+    ]
+    assert_accounted(res)
+    pairs = [{"question": "Q?", "answer": ""}, {"question": "Q2?", "answer": "A2"}]
+    e = entry("input_output", field_prompt="question", field_completion="answer")
+    res = run(pairs, e, tok, on_bad_row=on_bad_row)
+    assert res.dropped == {"empty_completion": 1} and res.bad_row_samples[0]["field"] == "answer"
+
+
+def test_chat_with_only_empty_trained_turns_is_an_empty_completion(tok) -> None:
+    rows = [
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " "}]},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+    ]
+    res = run(rows, entry("chat_template"), tok)
+    assert res.dropped == {"empty_completion": 1} and res.bad_row_samples[0]["field"] == "messages"
+
+
+def test_unknown_role_raise_names_row_field_and_fix(tok) -> None:
+    rows = [
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "wizard", "content": "Abracadabra"}]},
+    ]
+    with pytest.raises(DataError) as err:
+        run(rows, entry("chat_template", path="data/chat.jsonl"), tok)
+    msg = str(err.value)
+    assert "data/chat.jsonl" in msg and "row 1" in msg and "field 'messages[1].role'" in msg
+    assert "'wizard'" in msg and "role_map" in msg and "on_bad_row: skip" in msg
+    res = run(rows, entry("chat_template"), tok, on_bad_row="skip")
+    assert res.dropped == {"bad_row:unknown_role": 1} and res.dataset["source_row"][:] == [0]
+
+
+def test_roles_to_train_must_be_known_roles(tok) -> None:
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}]
+    with pytest.raises(
+        DataError, match=r"roles_to_train: \['gpt'\].*role_map renames \{'gpt': 'assistant'\}"
+    ):
+        run(rows, entry("chat_template", roles_to_train=["gpt"], role_map={"gpt": "assistant"}), tok)
+    res = run(rows, entry("chat_template", roles_to_train=["assistant", "tool"]), tok)
+    assert len(res.dataset) == 1
+
+
+def test_placeholder_rows_become_bad_rows(tok) -> None:
+    # Rows that sources.py loaded in place of damaged lines carry their reason in BAD_ROW_COLUMN.
+    from finetune.data.damage import BAD_ROW_COLUMN
+
+    mark = "invalid_json\td.jsonl line 2 (byte 14): invalid JSON: Expecting value"
+    ds = datasets.Dataset.from_dict({"text": ["fine", None, "also fine"], BAD_ROW_COLUMN: [None, mark, None]})
+    res = run(ds, entry("completion"), tok, on_bad_row="skip")
+    assert res.dropped == {"bad_row:invalid_json": 1} and res.dataset["source_row"][:] == [0, 2]
+    assert res.dataset.column_names == ["input_ids", "labels", "source_row"]
+    assert res.bad_row_samples[0] == {
+        "dataset": "data.datasets[0]",
+        "row": 1,
+        "field": "",
+        "reason": "invalid_json",
+        "detail": "d.jsonl line 2 (byte 14): invalid JSON: Expecting value",
+    }
+    with pytest.raises(DataError, match=r"row 1: d\.jsonl line 2 \(byte 14\): invalid JSON"):
+        run(ds, entry("completion"), tok)
+
+
+def test_samples_are_kept_per_reason(tok) -> None:
+    rows = [{"text": None}] * 15 + [{"text": 3}] * 2
+    res = run(rows, entry("completion"), tok, on_bad_row="skip")
+    reasons = [s["reason"] for s in res.bad_row_samples]
+    assert reasons == ["missing_field"] * 10 + ["wrong_type"] * 2
+
+
 def test_first_problem_in_row_order_is_raised(tok) -> None:
     rows = [{"text": "ok"}, {"text": " ".join(["w"] * 50)}, {"text": None}]
     with pytest.raises(DataError, match="row 1 is"):

@@ -188,6 +188,7 @@ ENTRY_DEFAULTS = {
     "train_on_inputs": False,
     "roles_to_train": ["assistant"],
     "train_on_eos": "turn",
+    "apply_chat_template": False,
 }
 
 
