@@ -6,18 +6,8 @@ fingerprint hashes everything that changes the output (see `fingerprint_inputs`)
 recipe and inputs reuse the folder without tokenizing anything, and any change that alters the
 output gets a new folder.
 
-Safety of the cache:
-
-* Atomic: a preparation is written to `<prepared>/.tmp-<fingerprint>-<pid>/`, `manifest.json` last,
-  then renamed to `<fingerprint>/`. A folder without `manifest.json` is never loaded.
-* One writer: a `filelock.FileLock` on `<prepared>/<fingerprint>.lock` (no timeout) makes a second
-  process wait for the first and then load its result instead of preparing it again.
-* Crashes: temporary folders whose lock nobody holds are stale and are removed on the next run.
-
-Test hook: `FINETUNE_PREPARE_PAUSE_S=<seconds>` pauses inside the pipeline (after `train/` is saved
-into the temporary folder, before the manifest), printing `finetune-prepare: paused` to stderr,
-until the time is up or a file named `resume` appears in the temporary folder. Tests use it to
-kill a run mid-write, or to hold the lock while a second process starts.
+The cache itself (fingerprints, atomic writes, the lock, stale folders) is finetune.data.cache,
+shared with the image prepare step (finetune.diffusion.cache).
 """
 
 from __future__ import annotations
@@ -25,22 +15,28 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
-import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import datasets
 import numpy as np
 import pyarrow.compute as pc
-from filelock import FileLock, Timeout
 
 from finetune import hub
+from finetune.data.cache import (
+    MANIFEST_NAME,
+    Prepared,
+    cached_or_built,
+    canonical_json,
+    complete_dirs,
+    compute_fingerprint,
+    library_versions,
+    load_complete,
+    write_atomically,
+)
 from finetune.data.packing import (
     build_packed_rows,
     pack_multipack,
@@ -57,29 +53,10 @@ if TYPE_CHECKING:
 
 # Bump when the prepared layout or the meaning of its columns changes: old caches are then ignored.
 FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-FINGERPRINT_CHARS = 16  # of the sha256 hex digest: folder and Hub config name
-PAUSE_ENV = "FINETUNE_PREPARE_PAUSE_S"
 # Files in a tokenizer folder that cannot change tokenization (model weights): not hashed.
 _WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx"}
-_PARALLEL_SAVE_BYTES = 256 * 2**20
 # Entry fields that do not change what is prepared.
 _ENTRY_FIELDS_NOT_HASHED = {"trust_remote_code"}
-
-
-@dataclass
-class Prepared:
-    """A prepared dataset: where it is, its splits and its manifest.
-
-    `source` says how this call got it: "built" (prepared now), "cache" (found on disk) or "hub"
-    (pulled from data.push_dataset_to_hub).
-    """
-
-    path: Path
-    train: datasets.Dataset
-    eval: datasets.Dataset | None
-    manifest: dict
-    source: str = "cache"
 
 
 # ------------------------------------------------------------------------------------ entry points
@@ -101,18 +78,13 @@ def prepare(recipe: Recipe, *, push: bool = False, log: Callable[[str], None] = 
         inputs = fingerprint_inputs(recipe)
         fingerprint = compute_fingerprint(inputs)
         root = Path(data.dataset_prepared_path)
-        prepared = _load_complete(root / fingerprint)
-        if prepared is None:
-            root.mkdir(parents=True, exist_ok=True)
-            log(f"preparing dataset {fingerprint} (waiting for the lock if another process prepares it)")
-            with FileLock(root / f"{fingerprint}.lock"):
-                # Another process may have finished it while we waited for the lock.
-                prepared = _load_complete(root / fingerprint)
-                if prepared is None:
-                    _remove_stale(root, fingerprint)
-                    prepared = _pull(recipe, root, fingerprint, log) if data.push_dataset_to_hub else None
-                    if prepared is None:
-                        prepared = _build(recipe, inputs, root, fingerprint, log)
+        prepared = cached_or_built(
+            root,
+            fingerprint,
+            build=lambda: _build(recipe, inputs, root, fingerprint, log),
+            pull=(lambda: _pull(recipe, root, fingerprint, log)) if data.push_dataset_to_hub else None,
+            log=log,
+        )
         if prepared.source == "cache":
             log(f"reusing prepared dataset {fingerprint} at {prepared.path} (nothing to tokenize)")
     if push or (prepared.source == "built" and data.push_dataset_to_hub):
@@ -133,9 +105,9 @@ def load_prepared(recipe: Recipe) -> Prepared:
     except DataError as exc:
         return _load_by_recipe_settings(recipe, root, reason=str(exc))
     fingerprint = compute_fingerprint(inputs)
-    prepared = _load_complete(root / fingerprint)
+    prepared = load_complete(root / fingerprint)
     if prepared is None:
-        others = sorted(p.name for p in _complete_dirs(root))
+        others = sorted(p.name for p in complete_dirs(root))
         hint = (
             f" The cache holds {len(others)} other preparation(s) ({', '.join(others[:5])}): the recipe, "
             "the data or the tokenizer changed since they were made."
@@ -237,19 +209,6 @@ def fingerprint_inputs(recipe: Recipe, *, with_files: bool = True) -> dict:
     }
 
 
-def compute_fingerprint(inputs: dict) -> str:
-    """sha256 of the canonical JSON of `inputs` (sorted keys, no whitespace), shortened.
-
-    >>> compute_fingerprint({"b": 1, "a": [1, 2]}) == compute_fingerprint({"a": [1, 2], "b": 1})
-    True
-    """
-    return hashlib.sha256(_canonical_json(inputs).encode()).hexdigest()[:FINGERPRINT_CHARS]
-
-
-def _canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
 def _entry_inputs(entry: Any, with_files: bool = True) -> dict:
     settings = entry.model_dump(mode="json", exclude=_ENTRY_FIELDS_NOT_HASHED)
     return {"settings": settings, "source": source_fingerprint(entry) if with_files else None}
@@ -300,37 +259,16 @@ def _hub_tokenizer_sha(repo: str, revision: str | None) -> str:
 # ----------------------------------------------------------------------------------------- cache
 
 
-def _load_complete(path: Path, source: str = "cache") -> Prepared | None:
-    """The prepared dataset in `path`, or None when it is absent or has no manifest (incomplete)."""
-    manifest_path = path / MANIFEST_NAME
-    if not manifest_path.is_file():
-        return None
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    train = datasets.load_from_disk(str(path / "train"))
-    eval_ds = datasets.load_from_disk(str(path / "eval")) if (path / "eval").is_dir() else None
-    return Prepared(path=path, train=train, eval=eval_ds, manifest=manifest, source=source)
-
-
-def _complete_dirs(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    return [
-        p
-        for p in root.iterdir()
-        if p.is_dir() and not p.name.startswith(".") and (p / MANIFEST_NAME).is_file()
-    ]
-
-
 def _load_by_recipe_settings(recipe: Recipe, root: Path, *, reason: str) -> Prepared:
     """Find the cached preparation made with this recipe's settings when the sources can't be hashed."""
     wanted = _without_files(fingerprint_inputs(recipe, with_files=False))
     matches = []
-    for path in _complete_dirs(root):
+    for path in complete_dirs(root):
         inputs = json.loads((path / MANIFEST_NAME).read_text(encoding="utf-8")).get("fingerprint_inputs", {})
         if _without_files(inputs) == wanted:
             matches.append(path)
     if len(matches) == 1:
-        return _load_complete(matches[0])
+        return load_complete(matches[0])
     found = (
         f"{len(matches)} cached preparations match its settings"
         if matches
@@ -347,72 +285,7 @@ def _without_files(inputs: dict) -> dict:
     out = {k: v for k, v in inputs.items() if k != "tokenizer"}
     for key in ("datasets", "test_datasets"):
         out[key] = [{"settings": e.get("settings")} for e in inputs.get(key, [])]
-    return json.loads(_canonical_json(out))
-
-
-def _remove_stale(root: Path, fingerprint: str) -> None:
-    """Delete what crashed runs left behind. Called with the lock of `fingerprint` held.
-
-    Our fingerprint's temporary folders and an incomplete `<fingerprint>/` cannot belong to a live
-    writer (it would hold the lock). Other fingerprints' temporary folders are removed only when
-    their lock can be taken at once, i.e. nobody is writing them.
-    """
-    final = root / fingerprint
-    if final.exists() and not (final / MANIFEST_NAME).is_file():
-        shutil.rmtree(final, ignore_errors=True)
-    for tmp in root.glob(".tmp-*"):
-        other = tmp.name.removeprefix(".tmp-").rsplit("-", 1)[0]
-        if other == fingerprint:
-            shutil.rmtree(tmp, ignore_errors=True)
-            continue
-        lock = FileLock(root / f"{other}.lock", blocking=False)
-        try:
-            with lock:
-                shutil.rmtree(tmp, ignore_errors=True)
-        except Timeout:
-            pass  # being written right now
-
-
-def _write_atomically(
-    root: Path,
-    fingerprint: str,
-    splits: dict[str, datasets.Dataset],
-    manifest: dict,
-    *,
-    num_proc: int,
-    num_shards: int | None,
-    started: float | None = None,
-) -> None:
-    """Save splits and manifest (last) into a temporary folder, then rename it into place.
-
-    `started` (a perf_counter value) sets manifest timings.total to the time since then.
-    """
-    start = time.perf_counter()
-    tmp = root / f".tmp-{fingerprint}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name, ds in splits.items():
-        shards = min(num_shards, len(ds)) if num_shards else None
-        # Worker processes cost ~1 s to start: only worth it for large splits.
-        procs = min(num_proc, shards or num_proc) if ds.data.nbytes > _PARALLEL_SAVE_BYTES else 1
-        ds.save_to_disk(str(tmp / name), num_shards=shards, num_proc=procs if procs > 1 else None)
-        if name == "train":
-            _test_pause(tmp)
-    now = time.perf_counter()
-    manifest["timings"]["save"] = round(now - start, 4)
-    if started is not None:
-        manifest["timings"]["total"] = round(now - started, 4)
-    (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.rename(tmp, root / fingerprint)
-
-
-def _test_pause(tmp: Path) -> None:
-    seconds = float(os.environ.get(PAUSE_ENV) or 0)
-    if seconds > 0:
-        print("finetune-prepare: paused", file=sys.stderr, flush=True)
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not (tmp / "resume").exists():
-            time.sleep(0.05)
+    return json.loads(canonical_json(out))
 
 
 # ------------------------------------------------------------------------------------------ build
@@ -484,10 +357,10 @@ def _build(
         rows[name], stats[name] = ds, split_stats
     manifest = _manifest(fingerprint, inputs, parts, stats, timings)
     num_shards = data.num_dataset_shards_to_save
-    _write_atomically(
+    write_atomically(
         root, fingerprint, rows, manifest, num_proc=num_proc, num_shards=num_shards, started=t_start
     )
-    return _load_complete(root / fingerprint, source="built")
+    return load_complete(root / fingerprint, source="built")
 
 
 def _check_lengths(data: Any) -> None:
@@ -610,7 +483,7 @@ def _manifest(fingerprint: str, inputs: dict, parts: list[_Part], splits: dict, 
     train = splits["train"]
     return {
         "fingerprint": fingerprint,
-        "fingerprint_sha256": hashlib.sha256(_canonical_json(inputs).encode()).hexdigest(),
+        "fingerprint_sha256": hashlib.sha256(canonical_json(inputs).encode()).hexdigest(),
         "format_version": FORMAT_VERSION,
         "fingerprint_inputs": inputs,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -627,18 +500,8 @@ def _manifest(fingerprint: str, inputs: dict, parts: list[_Part], splits: dict, 
         "sources": sources,
         "bad_row_samples": [s for p in parts for s in p.bad_row_samples],
         "timings": {k: round(v, 4) for k, v in timings.items()},
-        "versions": _versions(),
+        "versions": library_versions(),
     }
-
-
-def _versions() -> dict:
-    out = {"python": platform.python_version()}
-    for name in ("finetune", "datasets", "transformers", "tokenizers", "pyarrow", "numpy"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
 
 
 def summary(prepared: Prepared) -> str:
@@ -682,7 +545,7 @@ def _pull(recipe: Recipe, root: Path, fingerprint: str, log: Callable[[str], Non
     splits = {name: dataset_dict[name] for name in ("train", "eval") if name in dataset_dict}
     manifest = {**manifest, "pulled_from": repo_id, "timings": dict(manifest.get("timings", {}))}
     num_proc = recipe.data.dataset_num_proc or os.cpu_count() or 1
-    _write_atomically(
+    write_atomically(
         root,
         fingerprint,
         splits,
@@ -690,7 +553,7 @@ def _pull(recipe: Recipe, root: Path, fingerprint: str, log: Callable[[str], Non
         num_proc=num_proc,
         num_shards=recipe.data.num_dataset_shards_to_save,
     )
-    return _load_complete(root / fingerprint, source="hub")
+    return load_complete(root / fingerprint, source="hub")
 
 
 def _push(recipe: Recipe, prepared: Prepared, log: Callable[[str], None]) -> None:

@@ -42,17 +42,16 @@ from typing import TYPE_CHECKING, Any
 import datasets
 import numpy as np
 import torch
-from filelock import FileLock
 
-from finetune.data.prepare import (
+from finetune.data.cache import (
     MANIFEST_NAME,
     Prepared,
-    _canonical_json,
-    _load_complete,
-    _remove_stale,
-    _versions,
-    _write_atomically,
+    cached_or_built,
+    canonical_json,
     compute_fingerprint,
+    library_versions,
+    load_complete,
+    write_atomically,
 )
 from finetune.data.sources import file_hash
 from finetune.diffusion import images as img
@@ -110,20 +109,21 @@ def prepare_images(
     inputs = fingerprint_inputs(recipe, info)
     fingerprint = compute_fingerprint(inputs)
     root = Path(data.dataset_prepared_path)
-    prepared = _load_complete(root / fingerprint)
-    if prepared is None and data.skip_prepare_dataset:
-        raise DataError(
-            f"data.skip_prepare_dataset: no cached latents for this recipe at {root / fingerprint}; create them "
-            "with `finetune prepare-dataset <recipe.yaml>` (same recipe and overrides)"
+    if data.skip_prepare_dataset:
+        prepared = load_complete(root / fingerprint)
+        if prepared is None:
+            raise DataError(
+                f"data.skip_prepare_dataset: no cached latents for this recipe at {root / fingerprint}; create "
+                "them with `finetune prepare-dataset <recipe.yaml>` (same recipe and overrides)"
+            )
+    else:
+        prepared = cached_or_built(
+            root,
+            fingerprint,
+            build=lambda: _build(recipe, info, inputs, root, fingerprint, log, device),
+            log=log,
+            what="image dataset",
         )
-    if prepared is None:
-        root.mkdir(parents=True, exist_ok=True)
-        log(f"preparing image dataset {fingerprint} (waiting for the lock if another process prepares it)")
-        with FileLock(root / f"{fingerprint}.lock"):
-            prepared = _load_complete(root / fingerprint)  # another process may have built it meanwhile
-            if prepared is None:
-                _remove_stale(root, fingerprint)
-                prepared = _build(recipe, info, inputs, root, fingerprint, log, device)
     if prepared.source == "cache":
         log(f"reusing prepared image dataset {fingerprint} at {prepared.path} (nothing to encode)")
     log(summary(prepared))
@@ -294,7 +294,7 @@ def _build(
                 f"examples: {drops.samples[:3] or [b for s in sources for b in s.bad_rows][:3]}"
             )
         manifest = _manifest(fingerprint, inputs, info, vae, sources, drops, rows, buckets, timings)
-        _write_atomically(
+        write_atomically(
             root,
             fingerprint,
             {"train": rows},
@@ -305,7 +305,7 @@ def _build(
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return _load_complete(root / fingerprint, source="built")
+    return load_complete(root / fingerprint, source="built")
 
 
 class _Drops:
@@ -484,7 +484,7 @@ def _manifest(
     prior = np.asarray(rows["is_prior"], dtype=bool) if len(rows) else np.zeros(0, bool)
     manifest = {
         "fingerprint": fingerprint,
-        "fingerprint_sha256": hashlib.sha256(_canonical_json(inputs).encode()).hexdigest(),
+        "fingerprint_sha256": hashlib.sha256(canonical_json(inputs).encode()).hexdigest(),
         "format_version": CACHE_FORMAT_VERSION,
         "kind": "diffusion",
         "fingerprint_inputs": inputs,
@@ -508,20 +508,11 @@ def _manifest(
         "sources": per_source,
         "bad_row_samples": [b for s in sources for b in s.bad_rows][:20] + drops.samples,
         "timings": {k: round(v, 4) for k, v in timings.items()},
-        "versions": _versions() | {"diffusers": _version("diffusers"), "pillow": _version("pillow")},
+        "versions": library_versions("diffusers", "pillow"),
     }
     if manifest["rows_in"] != manifest["rows_kept"] + manifest["rows_dropped"]:
         raise AssertionError(f"image accounting does not balance: {json.dumps(per_source)}")
     return manifest
-
-
-def _version(name: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def summary(prepared: Prepared) -> str:

@@ -17,10 +17,8 @@ import yaml
 from filelock import FileLock
 
 from finetune.data import prepare as prepare_mod
+from finetune.data.cache import MANIFEST_NAME, PAUSE_ENV, compute_fingerprint
 from finetune.data.prepare import (
-    MANIFEST_NAME,
-    PAUSE_ENV,
-    compute_fingerprint,
     fingerprint_inputs,
     load_prepared,
     prepare,

@@ -14,7 +14,7 @@ import torch
 import yaml
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from finetune.data.prepare import compute_fingerprint
+from finetune.data.cache import compute_fingerprint
 from finetune.diffusion.cache import fingerprint_inputs, prepare_images
 from finetune.diffusion.model import (
     add_lora,
