@@ -1,22 +1,36 @@
-"""Checkpoints: `accelerator.save_state` plus our train state, written atomically.
+"""Checkpoints: `accelerator.save_state` plus our train state, written atomically and verifiable.
 
-Layout: output_dir/checkpoints/step-N/ (accelerate state + train_state.json + recipe.resolved.yaml)
-and output_dir/checkpoints/latest (a text file naming the newest complete checkpoint). A checkpoint
-is built in a temporary folder and renamed into place; `latest` is replaced only after that, so a
-run killed mid-save never leaves a half-written checkpoint that resume would pick.
+Layout: output_dir/checkpoints/step-N/ (accelerate state + train_state.json + recipe.resolved.yaml +
+checksums.json) and output_dir/checkpoints/latest (a text file naming the newest complete
+checkpoint). A checkpoint is built in a temporary folder and renamed into place; `latest` is replaced
+only after that, so a run killed mid-save never leaves a half-written checkpoint that resume would
+pick.
+
+checksums.json records every file's size and xxh3-128 digest when the checkpoint is written (by the
+main process, over the files it can see: on several machines without a shared filesystem, its own).
+Resume verifies them: `auto` takes the newest checkpoint that verifies and says which ones it skipped
+and why; an explicit path that fails is an error naming the file. A truncated copy, a flipped bit or
+a missing RNG file is caught before anything loads.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from finetune.errors import FinetuneError
+from finetune.notices import warn
 
 STATE_FILE = "train_state.json"
+CHECKSUMS_FILE = "checksums.json"
+_STEP_NAME = re.compile(r"step-(\d+)")
+_CHUNK = 8 * 2**20
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -37,70 +51,206 @@ def save_checkpoint(
     recipe_yaml: str,
     *,
     total_limit: int | None,
+    keep: Path | None = None,
 ) -> Path:
     """Save model/optimizer/scheduler/RNG state and our train state as checkpoints/step-<step>.
 
     Every process must call this (sharded engines save from every rank); only the main process
-    renames, updates `latest` and rotates.
+    writes the checksums, renames, updates `latest` and rotates (never deleting `keep`). A full disk
+    or an unwritable folder is a FinetuneError saying that the previous checkpoints are intact.
     """
     root = checkpoints_dir(output_dir)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
-    if accelerator.is_main_process:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / STATE_FILE).write_text(json.dumps(train_state, indent=2))
-        (tmp / "recipe.resolved.yaml").write_text(recipe_yaml)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_atomic(root / "latest", final.name + "\n")
-        if total_limit:
-            rotate(root, keep=total_limit)
+    try:
+        if accelerator.is_main_process:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            (tmp / STATE_FILE).write_text(json.dumps(train_state, indent=2))
+            (tmp / "recipe.resolved.yaml").write_text(recipe_yaml)
+            (tmp / CHECKSUMS_FILE).write_text(json.dumps(checksums(tmp), indent=1, sort_keys=True))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_atomic(root / "latest", final.name + "\n")
+            if total_limit:
+                rotate(root, keep=total_limit, protect=keep)
+    except OSError as exc:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise FinetuneError(_os_error_message(exc, f"writing checkpoint {final}", root)) from None
     accelerator.wait_for_everyone()
     return final
 
 
-def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints (those with a train state file), oldest first."""
-    found = [p for p in root.glob("step-*") if (p / STATE_FILE).is_file() and p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[5:]))
+def _os_error_message(exc: OSError, doing: str, root: Path) -> str:
+    reason = {
+        errno.ENOSPC: "no space left on the device",
+        errno.EDQUOT: "disk quota exceeded",
+        errno.EACCES: "permission denied",
+        errno.EROFS: "the filesystem is read-only",
+    }.get(exc.errno, exc.strerror or str(exc))
+    return (
+        f"{doing}: {reason} ({exc.filename or root}). The checkpoints already in {root} are intact; free "
+        "space or fix the folder's permissions, then resume with --train.load_checkpoint_path auto"
+    )
 
 
-def rotate(root: Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints (never the one `latest` names)."""
-    latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+# ------------------------------------------------------------------------------------- checksums
+
+
+def file_digest(path: Path) -> str:
+    """xxh3-128 of a file's bytes, read in chunks (fast enough to hash a 16 GB checkpoint in seconds)."""
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checksums(folder: Path) -> dict[str, dict[str, Any]]:
+    """{relative path: {size, xxh3_128}} for every file under `folder` except checksums.json."""
+    out = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if rel != CHECKSUMS_FILE:
+            out[rel] = {"size": path.stat().st_size, "xxh3_128": file_digest(path)}
+    return out
+
+
+def verify(folder: Path) -> str | None:
+    """None when the checkpoint is complete and every recorded file matches; else why not (one line,
+    naming the file)."""
+    if not folder.is_dir():
+        return f"{folder} does not exist"
+    if not (folder / STATE_FILE).is_file():
+        return f"{folder / STATE_FILE} is missing (the checkpoint was not finished)"
+    record = folder / CHECKSUMS_FILE
+    if not record.is_file():
+        return f"{record} is missing (written by an older finetune, or not finished): it cannot be verified"
+    try:
+        expected = json.loads(record.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return f"{record} is damaged ({exc})"
+    for rel, want in expected.items():
+        path = folder / rel
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != want["size"]:
+            return f"{path} has {size:,} bytes, {want['size']:,} were written (truncated or replaced)"
+        if file_digest(path) != want["xxh3_128"]:
+            return f"{path} does not match its checksum (its bytes changed after it was written)"
+    return None
+
+
+# ------------------------------------------------------------------------------------- listing
+
+
+def step_of(path: Path) -> int | None:
+    match = _STEP_NAME.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def list_checkpoints(root: Path, *, complete_only: bool = True) -> list[Path]:
+    """Checkpoint folders (by default only those with a train state file), oldest first."""
+    found = [p for p in root.glob("step-*") if p.is_dir() and step_of(p) is not None]
+    if complete_only:
+        found = [p for p in found if (p / STATE_FILE).is_file()]
+    return sorted(found, key=step_of)
+
+
+def rotate(root: Path, keep: int, protect: Path | None = None) -> None:
+    """Delete all but the newest `keep` checkpoints (never the one `latest` names, nor `protect`)."""
+    latest = read_latest(root)
     for old in list_checkpoints(root)[:-keep]:
-        if old.name != latest:
+        if old.name != latest and (protect is None or old.resolve() != protect.resolve()):
             shutil.rmtree(old, ignore_errors=True)
 
 
-def find_checkpoint(spec: str | None, output_dir: str | Path) -> Path | None:
-    """Resolve train.load_checkpoint_path: None, `auto` (latest in output_dir, or None), or a path."""
+def read_latest(root: Path) -> str | None:
+    """The folder name `latest` points at, or None when the file is absent or holds no step name."""
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    text = pointer.read_bytes()[:256].decode("utf-8", errors="replace").strip()
+    return text if _STEP_NAME.fullmatch(text) else None
+
+
+def find_checkpoint(
+    spec: str | None, output_dir: str | Path, *, say: Callable[[str], None] = print
+) -> Path | None:
+    """Resolve train.load_checkpoint_path: None, `auto`, or a path; every checkpoint is verified.
+
+    `auto`: the newest checkpoint that verifies, `latest` first; each one passed over is reported
+    through `say` with the reason; None when there is none (a fresh start, said too). A path: that
+    checkpoint, or a FinetuneError naming what is wrong with it.
+    """
     if spec is None:
         return None
-    if spec == "auto":
-        root = checkpoints_dir(output_dir)
-        pointer = root / "latest"
-        if pointer.is_file():
-            candidate = root / pointer.read_text().strip()
-            if (candidate / STATE_FILE).is_file():
-                return candidate
-        complete = list_checkpoints(root)
-        return complete[-1] if complete else None
-    path = Path(spec)
-    if not (path / STATE_FILE).is_file():
-        raise FinetuneError(
-            f"train.load_checkpoint_path: {path} is not a complete checkpoint (no {STATE_FILE}); "
-            "point at output_dir/checkpoints/step-N or use `auto`"
-        )
-    return path
+    if spec != "auto":
+        path = Path(spec)
+        problem = verify(path)
+        if problem is not None:
+            raise FinetuneError(
+                f"train.load_checkpoint_path: {path} cannot be resumed: {problem}. Point at another "
+                "output_dir/checkpoints/step-N (`finetune checkpoints OUTPUT_DIR` lists them) or use `auto`"
+            )
+        return path
+    root = checkpoints_dir(output_dir)
+    candidates = _auto_candidates(root, say)
+    for path in candidates:
+        problem = verify(path)
+        if problem is None:
+            return path
+        warn(f"resume: skipping {path}: {problem}", emit=say)
+    if candidates:
+        warn(f"resume: no checkpoint in {root} verifies; starting fresh from step 0", emit=say)
+    else:
+        say(f"load_checkpoint_path: auto found no checkpoint in {output_dir}; starting fresh")
+    return None
+
+
+def _auto_candidates(root: Path, say: Callable[[str], None]) -> list[Path]:
+    """Checkpoints newest first, the one `latest` names first of all."""
+    folders = list_checkpoints(root, complete_only=False)[::-1] if root.is_dir() else []
+    pointer = root / "latest"
+    if pointer.is_file():
+        name = read_latest(root)
+        if name is None:
+            warn(f"resume: {pointer} does not name a checkpoint; looking at the folders instead", emit=say)
+        elif not (root / name).is_dir():
+            warn(f"resume: {pointer} names {name}, which does not exist; looking at the others", emit=say)
+        else:
+            folders = [root / name, *[p for p in folders if p.name != name]]
+    return folders
 
 
 def load_train_state(path: Path) -> dict[str, Any]:
     return json.loads((path / STATE_FILE).read_text())
+
+
+def describe_checkpoints(output_dir: str | Path) -> list[dict[str, Any]]:
+    """Every checkpoint folder, oldest first, with its step, size, verification result (None = it
+    verifies), and whether `auto` would resume from it."""
+    root = checkpoints_dir(output_dir)
+    folders = list_checkpoints(root, complete_only=False) if root.is_dir() else []
+    problems = {path: verify(path) for path in folders}
+    pick = next((p for p in _auto_candidates(root, lambda _: None) if problems.get(p) is None), None)
+    return [
+        {
+            "path": str(path),
+            "step": step_of(path),
+            "bytes": sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
+            "problem": problems[path],
+            "auto": path == pick,
+        }
+        for path in folders
+    ]

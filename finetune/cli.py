@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", action="store_true", help="print the numbers (bytes) as JSON")
 
+    checkpoints = sub.add_parser(
+        "checkpoints",
+        help="List a run's checkpoints: step, size, whether each verifies, which one `auto` resumes.",
+    )
+    checkpoints.add_argument("output_dir", help="the run's train.output_dir")
+
     merge = sub.add_parser(
         "merge-lora", help="Merge a LoRA adapter into its base model and save full weights."
     )
@@ -185,6 +191,28 @@ def launch_command(
     return [*cmd, str(TRAIN_SCRIPT), recipe_path, *overrides]
 
 
+def print_checkpoints(output_dir: str) -> int:
+    """The table of `finetune checkpoints`; exit 0 when `auto` has a checkpoint to resume, else 1."""
+    from finetune.checkpoint import checkpoints_dir, describe_checkpoints
+
+    rows = describe_checkpoints(output_dir)
+    if not rows:
+        print(f"no checkpoints in {checkpoints_dir(output_dir)}")
+        return 1
+    print(f"{'step':>8}  {'size':>10}  {'auto':4}  status")
+    for row in rows:
+        status = "verifies" if row["problem"] is None else f"DAMAGED: {row['problem']}"
+        size = f"{row['bytes'] / 2**20:,.1f} MiB"
+        print(f"{row['step']:>8}  {size:>10}  {'<-' if row['auto'] else '':4}  {status}")
+    picked = [r for r in rows if r["auto"]]
+    print(
+        f"--train.load_checkpoint_path auto resumes from {picked[0]['path']}"
+        if picked
+        else "--train.load_checkpoint_path auto finds no checkpoint that verifies (a fresh start)"
+    )
+    return 0 if picked else 1
+
+
 def check_before_launch(recipe, config: Path | None, launch: dict) -> None:
     """Refuse, before any process starts, a recipe and engine that cannot work together here."""
     import torch
@@ -211,6 +239,10 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         for name, line in list_configs():
             print(f"{name:16s} {line}")
         return 0
+    if args.command == "checkpoints":
+        if overrides:
+            raise FinetuneError(f"checkpoints takes no recipe overrides, got {' '.join(overrides)}")
+        return print_checkpoints(args.output_dir)
     if args.command == "merge-lora":
         if overrides:
             raise FinetuneError(f"merge-lora takes no recipe overrides, got {' '.join(overrides)}")

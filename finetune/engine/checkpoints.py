@@ -39,17 +39,28 @@ def checkpoint(run) -> Path:
 
 
 def resume(run) -> None:
-    """Load train.load_checkpoint_path (a path, or `auto`: the newest in output_dir) if there is one."""
-    spec = run.train.load_checkpoint_path
-    path = find_checkpoint(spec, run.output_dir)
-    if path is not None:
-        run.accelerator.load_state(str(path))
-        run.state = LoopState.from_dict(load_train_state(path)["state"])
-        run.accelerator.print(f"resumed from {path} at step {run.state.step}")
-    elif spec == "auto":
-        run.accelerator.print(
-            f"load_checkpoint_path: auto found no checkpoint in {run.output_dir}; starting fresh"
-        )
+    """Load train.load_checkpoint_path (a path, or `auto`: the newest verified one in output_dir).
+
+    The main process verifies the checkpoint files (checksums) and chooses; the others follow its
+    choice, so a multi-process run hashes the files once.
+    """
+    acc, spec = run.accelerator, run.train.load_checkpoint_path
+    if spec is None:
+        return
+    choice: list = [None]
+    if acc.is_main_process:
+        path = find_checkpoint(spec, run.output_dir, say=acc.print)
+        choice = [str(path) if path is not None else None]
+    if acc.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(choice)  # sync point
+    if choice[0] is None:
+        return
+    path = Path(choice[0])
+    acc.load_state(str(path))
+    run.state = LoopState.from_dict(load_train_state(path)["state"])
+    acc.print(f"resumed from {path} at step {run.state.step}")
 
 
 def checkpoint_if_stopped(run, log: ProgressLog) -> None:
