@@ -325,6 +325,8 @@ def load_for_inference(path: str, *, base: str | None = None, dtype: str = "auto
         if merge:
             net = net.merge_and_unload()
     else:
+        if base is not None:
+            raise FinetuneError(f"{path}: a base model was given, but this is not an adapter folder")
         source = resolve_path(path)
         try:
             net = AutoModelForCausalLM.from_pretrained(source, dtype=_load_dtype(dtype))
