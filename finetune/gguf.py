@@ -231,11 +231,20 @@ def converted_folder(gguf: Path, *, root: Path | None = None) -> Path:
     sha = file_sha256(gguf)
     folder = root / f"{sha[:16]}-v{CONVERSION_VERSION}"
     if not (folder / MARKER_NAME).is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(folder) + ".lock"):
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(folder) + ".lock")
+            lock.acquire()
+        except OSError as exc:
+            raise FinetuneError(
+                f"cannot write the GGUF conversion cache {root}: {exc}. Set {CACHE_ENV} to a writable folder"
+            ) from None
+        try:
             if not (folder / MARKER_NAME).is_file():
                 _tell(f"{gguf.name}: converting the GGUF file (dequantizing; once per file) to {folder}")
                 _convert_atomically(gguf, folder, sha)
+        finally:
+            lock.release()
     _tell(f"{gguf.name}: using its Hugging Face conversion {folder} as the base model")
     return folder
 
@@ -344,15 +353,20 @@ def resolve_model_source(model: ModelSection) -> ModelSection:
     is local: a GGUF file's converted Hugging Face folder (converted now if not cached, gguf_file then
     None), or the folder a `package://` reference names.
 
-    config_path and tokenizer_path, when unset, follow model_path to that folder.
+    config_path and tokenizer_path, when unset, follow model_path to that folder; set to a GGUF file
+    or a `package://` reference, they are resolved the same way.
     """
-    path = model.model_path
-    gguf = gguf_path(path, model.gguf_file, revision=model.revision)
+    update: dict[str, Any] = {}
+    gguf = gguf_path(model.model_path, model.gguf_file, revision=model.revision)
     if gguf is not None:
-        return model.model_copy(update={"model_path": str(converted_folder(gguf)), "gguf_file": None})
-    if is_package_ref(path):
-        return model.model_copy(update={"model_path": str(resolve_package_path(path))})
-    return model
+        update = {"model_path": str(converted_folder(gguf)), "gguf_file": None}
+    elif is_package_ref(model.model_path):
+        update = {"model_path": str(resolve_package_path(model.model_path))}
+    for name in ("config_path", "tokenizer_path"):  # set apart from model_path: the same forms work
+        value = getattr(model, name)
+        if isinstance(value, str) and (is_gguf_name(value) or is_package_ref(value)):
+            update[name] = resolve_path(value)
+    return model.model_copy(update=update) if update else model
 
 
 def resolve_path(path: str) -> str:

@@ -158,9 +158,21 @@ def test_cache_root_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp
     assert cache_root() == tmp_path / "xdg" / "finetune" / "gguf"
 
 
-def test_model_section_without_gguf_is_unchanged() -> None:
+def test_an_unwritable_cache_is_a_user_error(tmp_path: Path) -> None:
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(FinetuneError, match=f"cannot write the GGUF conversion cache .*Set {CACHE_ENV}"):
+        converted_folder(gguf, root=tmp_path / "a-file" / "cache")
+
+
+def test_model_section_sources_are_made_local() -> None:
     section = ModelSection(model_path="org/base")
     assert resolve_model_source(section) is section
+    import json as package
+
+    local = resolve_model_source(ModelSection(model_path="package://json", tokenizer_path="package://json"))
+    assert local.model_path == local.tokenizer_path == str(Path(package.__file__).parent)
 
 
 # ------------------------------------------------------------------------------- the real model
