@@ -8,7 +8,9 @@ does not start with it. ``use_chat_template=False`` tokenizes a string prompt as
 prefix), for models trained on alpaca or completion text.
 
 Works on a plain transformers model and on a PEFT model; the model is put in eval mode for the
-call and given back in the mode it was in, so the in-training evaluation can call it between steps.
+call and given back in the mode it was in, so the in-training evaluation can call it between steps
+(with `accelerator.unwrap_model(model)`: DDP's wrapper has no `generate`). Each process generates
+for the prompts it is given; a sharded model (FSDP, ZeRO-3) would need every rank in each step.
 """
 
 from __future__ import annotations
