@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -96,8 +97,9 @@ def main() -> None:
     for batch_size, count, seconds in speeds:
         print(f"| {batch_size} | {count} | {seconds:.2f} | {count / seconds:.1f} |")
     print(
-        f"\nconverted folder: {folder} ({sum(p.stat().st_size for p in Path(folder).iterdir()) / 1e6:.0f} MB)"
+        f"\nconverted folder: {sum(p.stat().st_size for p in Path(folder).iterdir()) / 1e6:.0f} MB (removed now)"
     )
+    shutil.rmtree(os.environ["FINETUNE_GGUF_CACHE"])
 
 
 if __name__ == "__main__":
