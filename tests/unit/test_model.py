@@ -23,6 +23,7 @@ from finetune.model import (
     build_model,
     check_attention_backend,
     count_parameters,
+    load_for_inference,
     load_tokenizer,
     merge_lora,
     weight_dtype,
@@ -344,6 +345,25 @@ def test_merge_lora_errors_name_the_fix(tmp_path, base_dir):
     _adapter(base_dir, tmp_path / "adapter", LoraSection(enable_lora=True, lora_rank=2))
     with pytest.raises(FinetuneError, match="--base"):
         merge_lora(str(tmp_path / "adapter"), str(tmp_path / "out"), base=str(tmp_path / "moved"))
+
+
+def test_load_for_inference_takes_an_adapter_or_a_full_model(tmp_path, base_dir):
+    reference = _adapter(base_dir, tmp_path / "adapter", LoraSection(enable_lora=True, lora_rank=4))
+    ids = _ids()
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+        adapter, tokenizer = load_for_inference(str(tmp_path / "adapter"))  # base: the recorded one
+        assert isinstance(adapter, PeftModel) and not adapter.training and len(tokenizer) == 704
+        torch.testing.assert_close(adapter(input_ids=ids).logits, want)
+        merged, _ = load_for_inference(str(tmp_path / "adapter"), base=str(base_dir), merge=True)
+        assert not isinstance(merged, PeftModel)
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
+        full, _ = load_for_inference(str(base_dir), dtype="bf16")
+        assert full.dtype == torch.bfloat16 and not full.training
+    with pytest.raises(FinetuneError, match="not an adapter folder"):
+        load_for_inference(str(base_dir), base=str(base_dir))
+    with pytest.raises(FinetuneError, match="no model loads from it"):
+        load_for_inference(str(tmp_path / "missing"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")

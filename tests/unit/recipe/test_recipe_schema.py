@@ -82,6 +82,7 @@ DEFAULTS = [
     ("model", "model_path", "org/base"),  # set by MINIMAL; the rest are defaults
     ("model", "config_path", None),
     ("model", "tokenizer_path", None),
+    ("model", "gguf_file", None),
     ("model", "revision", None),
     ("model", "trust_remote_code", False),
     ("model", "torch_dtype", "auto"),
@@ -362,6 +363,15 @@ BAD_COMBINATIONS = [
      "model.config_path", "model_type"),
     ("inline-no-tokenizer", {"model": {"model_path": None, "config_path": {"model_type": "llama"}}},
      "model.tokenizer_path", "tokenizer_path must be set"),
+    ("gguf-file-no-folder",
+     {"model": {"model_path": None, "config_path": {"model_type": "llama"}, "tokenizer_path": "t",
+                "gguf_file": "m.gguf"}},
+     "model.gguf_file", "names a file inside model_path"),
+    ("gguf-file-twice", {"model": {"model_path": "models/m.gguf", "gguf_file": "n.gguf"}},
+     "model.gguf_file", "already names a GGUF file"),
+    ("gguf-file-not-gguf", {"model": {"gguf_file": "model.safetensors"}}, "model.gguf_file", ".gguf"),
+    ("gguf-package-missing", {"model": {"model_path": "package://no_such_package_xyz/m.gguf"}},
+     "model.model_path", "no installed Python package 'no_such_package_xyz'"),
 ]  # fmt: skip
 
 
