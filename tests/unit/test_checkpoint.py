@@ -12,7 +12,10 @@ from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file
 
 from finetune.checkpoint import (
+    CHECKSUMS_FILE,
     STATE_FILE,
+    checksums,
+    describe_checkpoints,
     find_checkpoint,
     list_checkpoints,
     load_train_state,
@@ -95,8 +98,10 @@ def test_a_crashed_save_leaves_nothing_resume_would_pick(tmp_path, trained):
 def _fake(root, step, complete=True):
     folder = root / f"step-{step}"
     folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(bytes(range(256)) * 64)
     if complete:
         (folder / STATE_FILE).write_text(json.dumps({"state": {"step": step}}))
+        (folder / CHECKSUMS_FILE).write_text(json.dumps(checksums(folder)))
     return folder
 
 
@@ -129,5 +134,73 @@ def test_find_checkpoint(tmp_path):
     assert find_checkpoint("auto", tmp_path) == newest
     assert find_checkpoint(str(root / "step-4"), tmp_path) == root / "step-4"
     _fake(root, 12, complete=False)
-    with pytest.raises(FinetuneError, match="not a complete checkpoint"):
+    with pytest.raises(FinetuneError, match=r"step-12 cannot be resumed: .*train_state\.json is missing"):
         find_checkpoint(str(root / "step-12"), tmp_path)
+
+
+def test_saved_checkpoints_record_every_file_and_verify(tmp_path, trained):
+    acc, _, _ = trained
+    path = _save(acc, tmp_path, 5)
+    record = json.loads((path / CHECKSUMS_FILE).read_text())
+    assert {"model.safetensors", "optimizer.bin", STATE_FILE, "recipe.resolved.yaml"} <= set(record)
+    assert all(entry["size"] == (path / name).stat().st_size for name, entry in record.items())
+    assert find_checkpoint(str(path), tmp_path) == path
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda f: f.write_bytes(f.read_bytes()[:100]), "bytes, 16,384 were written (truncated"),
+        (lambda f: f.write_bytes(bytes([f.read_bytes()[0] ^ 1]) + f.read_bytes()[1:]), "checksum"),
+        (lambda f: f.unlink(), "is missing"),
+    ],
+    ids=["truncated", "bit-flip", "missing"],
+)
+def test_auto_skips_a_damaged_newest_checkpoint_and_says_why(tmp_path, damage, reason):
+    root = tmp_path / "checkpoints"
+    older = _fake(root, 4)
+    newest = _fake(root, 8)
+    (root / "latest").write_text("step-8\n")
+    damage(newest / "model.safetensors")
+    said = []
+    assert find_checkpoint("auto", tmp_path, say=said.append) == older
+    assert len(said) == 1 and said[0].startswith(f"warning: resume: skipping {newest}") and reason in said[0]
+    with pytest.raises(FinetuneError, match=f"{newest}.*model.safetensors"):
+        find_checkpoint(str(newest), tmp_path)
+
+
+def test_pointer_problems_are_said(tmp_path):
+    root = tmp_path / "checkpoints"
+    newest = _fake(root, 3)
+    said = []
+    (root / "latest").write_bytes(b"\x00\xff\xfegarbage")
+    assert find_checkpoint("auto", tmp_path, say=said.append) == newest
+    (root / "latest").write_text("step-7\n")
+    assert find_checkpoint("auto", tmp_path, say=said.append) == newest
+    assert "does not name a checkpoint" in said[0] and "names step-7, which does not exist" in said[1]
+
+
+def test_when_nothing_verifies_auto_starts_fresh_and_says_so(tmp_path):
+    root = tmp_path / "checkpoints"
+    _fake(root, 2, complete=False)
+    unverifiable = _fake(root, 4)
+    (unverifiable / CHECKSUMS_FILE).unlink()  # e.g. written by an older version
+    said = []
+    assert find_checkpoint("auto", tmp_path, say=said.append) is None
+    assert "cannot be verified" in said[0] and "train_state.json is missing" in said[1]
+    assert said[-1] == f"warning: resume: no checkpoint in {root} verifies; starting fresh from step 0"
+
+
+def test_describe_lists_every_checkpoint_and_the_one_auto_picks(tmp_path):
+    root = tmp_path / "checkpoints"
+    _fake(root, 2)
+    good = _fake(root, 5)
+    bad = _fake(root, 9)
+    (bad / "model.safetensors").write_bytes(b"cut")
+    rows = describe_checkpoints(tmp_path)
+    assert [(r["step"], r["auto"], r["problem"] is None) for r in rows] == [
+        (2, False, True),
+        (5, True, True),
+        (9, False, False),
+    ]
+    assert rows[1]["path"] == str(good) and rows[0]["bytes"] > 16_000
