@@ -14,7 +14,7 @@ Field names, defaults and descriptions are documented by the fields themselves:
 `finetune validate recipe.yaml --explain` prints them.
 """
 
-from finetune.recipe.data import IMAGE_DATASET_TYPES, DataSection, DatasetEntry
+from finetune.recipe.data import IMAGE_DATASET_TYPES, PREFERENCE_DATASET_TYPES, DataSection, DatasetEntry
 from finetune.recipe.diffusion import DiffusionSection
 from finetune.recipe.hub import HubSection
 from finetune.recipe.load import load_recipe, recipe_to_dict, validate_recipe
@@ -27,6 +27,7 @@ __all__ = [
     "IMAGE_DATASET_TYPES",
     "KNOWN_CHAT_TEMPLATES",
     "NOT_SUPPORTED_YET",
+    "PREFERENCE_DATASET_TYPES",
     "DataSection",
     "DatasetEntry",
     "DiffusionSection",

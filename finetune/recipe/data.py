@@ -10,12 +10,25 @@ from pydantic import Field, field_validator
 from finetune.recipe.base import Problem, _Section
 
 DatasetType = Literal[
-    "completion", "alpaca", "input_output", "chat_template", "tokenized", "images", "dreambooth"
+    "completion",
+    "alpaca",
+    "input_output",
+    "chat_template",
+    "tokenized",
+    "preference",
+    "kto",
+    "images",
+    "dreambooth",
 ]
 # Entry types of diffusion recipes (model.kind: diffusion): images with captions (metadata.jsonl /
 # metadata.csv / .txt sidecars in a folder, or columns of a Hub image dataset), or a DreamBooth
 # instance folder whose images all get diffusion.instance_prompt.
 IMAGE_DATASET_TYPES = ("images", "dreambooth")
+# Entry types of preference objectives (train.objective): pairs (prompt, chosen, rejected) for dpo,
+# ipo, simpo and orpo; single completions labelled desirable or not for kto.
+PREFERENCE_DATASET_TYPES = ("preference", "kto")
+# Entry types whose prompt and completions may be rendered as a user and an assistant turn.
+CHAT_RENDERABLE_TYPES = ("alpaca", "input_output", "preference", "kto")
 
 
 class DatasetEntry(_Section):
@@ -38,8 +51,21 @@ class DatasetEntry(_Section):
     field_instruction: str = Field("instruction", description="alpaca: instruction column.")
     field_input: str = Field("input", description="alpaca: optional input/context column.")
     field_output: str = Field("output", description="alpaca: response column.")
-    field_prompt: str = Field("prompt", description="input_output: prompt column.")
-    field_completion: str = Field("completion", description="input_output: completion column.")
+    field_prompt: str = Field(
+        "prompt",
+        description="input_output / preference / kto: prompt column (a string or a list of messages; "
+        "preference may leave it out when chosen and rejected are whole conversations).",
+    )
+    field_completion: str = Field("completion", description="input_output / kto: completion column.")
+    field_chosen: str = Field(
+        "chosen", description="preference: the preferred completion (a string or a list of messages)."
+    )
+    field_rejected: str = Field(
+        "rejected", description="preference: the dispreferred completion (a string or a list of messages)."
+    )
+    field_label: str = Field(
+        "label", description="kto: boolean column, true when the completion is desirable."
+    )
     field_messages: str = Field("messages", description="chat_template: column holding the list of messages.")
     message_field_role: str = Field("role", description="chat_template: key of a message's role.")
     message_field_content: str = Field("content", description="chat_template: key of a message's content.")
@@ -60,10 +86,12 @@ class DatasetEntry(_Section):
     )
     apply_chat_template: bool = Field(
         False,
-        description="alpaca / input_output: render each row as a chat with the model's chat template (for "
-        "instruct models): the prompt (alpaca: the instruction, then the input after a blank line) as a user "
-        "turn, the completion as an assistant turn, plus whatever the template adds (e.g. its default "
-        "system prompt). Only the completion and its end-of-turn token (per train_on_eos) are trained. "
+        description="alpaca / input_output / preference / kto: render each row as a chat with the model's chat "
+        "template (for instruct models): the prompt (alpaca: the instruction, then the input after a blank line) "
+        "as a user turn, the completion (preference: chosen and rejected each) as an assistant turn, plus "
+        "whatever the template adds (e.g. its default system prompt). Only the completion and its end-of-turn "
+        "token (per train_on_eos) are trained. Preference and kto rows whose fields are lists of messages "
+        "are always rendered with the template. "
         "E.g. GSM8K: {type: input_output, field_prompt: question, field_completion: answer, "
         "apply_chat_template: true}.",
     )
@@ -83,14 +111,35 @@ class DatasetEntry(_Section):
         if (
             ok("type", "apply_chat_template")
             and self.apply_chat_template
-            and self.type not in ("alpaca", "input_output")
+            and self.type not in CHAT_RENDERABLE_TYPES
         ):
             problems.append(
                 (
                     "apply_chat_template",
                     True,
-                    f"works with type alpaca or input_output (a prompt and a completion to render as two "
-                    f"turns), not {self.type!r}; remove it",
+                    f"works with type {', '.join(CHAT_RENDERABLE_TYPES)} (a prompt and completions to render "
+                    f"as turns), not {self.type!r}; remove it",
+                )
+            )
+        if ok("type", "train_on_inputs") and self.train_on_inputs and self.type in PREFERENCE_DATASET_TYPES:
+            problems.append(
+                (
+                    "train_on_inputs",
+                    True,
+                    f"type {self.type} scores only completions, given their prompt (never trained): remove it",
+                )
+            )
+        if (
+            ok("type", "train_on_eos")
+            and self.train_on_eos == "all"
+            and self.type in PREFERENCE_DATASET_TYPES
+        ):
+            problems.append(
+                (
+                    "train_on_eos",
+                    "all",
+                    f"type {self.type} scores only the completion's turns (prompt turns are not compared): use "
+                    "turn, last or none",
                 )
             )
         return problems

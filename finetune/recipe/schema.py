@@ -8,12 +8,12 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from finetune.recipe.base import Problem, _Section
-from finetune.recipe.data import IMAGE_DATASET_TYPES, DataSection
+from finetune.recipe.data import IMAGE_DATASET_TYPES, PREFERENCE_DATASET_TYPES, DataSection
 from finetune.recipe.diffusion import DiffusionSection
 from finetune.recipe.hub import HubSection
 from finetune.recipe.lora import LoraSection
 from finetune.recipe.model import ModelSection
-from finetune.recipe.train import TrainSection
+from finetune.recipe.train import PAIRED_OBJECTIVES, TrainSection
 
 # Fields whose behaviour has not landed yet: a non-default value is rejected with this reason, so
 # an accepted field always works (never silently ignored). Paths use `*` for list items.
@@ -35,6 +35,7 @@ class Recipe(_Section):
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
         problems = list(_unsupported_problems(self, ok))
         problems += diffusion_problems(self, ok)
+        problems += objective_problems(self, ok)
         if ok("model.torch_dtype", "train.mixed_precision", "lora.enable_lora", "lora.enable_qlora"):
             problems += _precision_problems(self.model.torch_dtype, self.train.mixed_precision, self.lora)
         if (
@@ -201,4 +202,54 @@ def diffusion_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
                     "is used by dreambooth datasets only; the images type takes captions from the data",
                 )
             )
+    return problems
+
+
+def objective_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
+    """Dataset types that do not fit train.objective, and what a preference objective needs.
+
+    sft trains on text types; dpo, ipo, simpo and orpo on `preference` pairs; kto on `kto` examples,
+    packed (its KL reference point comes from mismatched completions within each packed row).
+    """
+    if not ok("train.objective", "model.kind"):
+        return []
+    objective = recipe.train.objective
+    if recipe.model.kind == "diffusion":
+        if objective != "sft":
+            return [("train.objective", objective, "preference objectives train LLMs, not diffusion models")]
+        return []
+    wanted = "preference" if objective in PAIRED_OBJECTIVES else "kto" if objective == "kto" else None
+    problems: list[Problem] = []
+    for key in ("datasets", "test_datasets"):
+        for i, entry in enumerate(getattr(recipe.data, key) if ok(f"data.{key}") else []):
+            if entry is None or not ok(f"data.{key}.{i}.type") or entry.type in IMAGE_DATASET_TYPES:
+                continue
+            if wanted is None and entry.type in PREFERENCE_DATASET_TYPES:
+                owners = "dpo, ipo, simpo or orpo" if entry.type == "preference" else "kto"
+                problems.append((f"data.{key}.{i}.type", entry.type, f"needs train.objective {owners}"))
+            elif wanted is not None and entry.type != wanted:
+                what = {
+                    "preference": "pairs (prompt, chosen, rejected)",
+                    "kto": "examples (prompt, completion, label)",
+                }
+                problems.append(
+                    (
+                        f"data.{key}.{i}.type",
+                        entry.type,
+                        f"train.objective {objective} trains on {what[wanted]}: use type {wanted}",
+                    )
+                )
+    packing = ("data.sample_packing", "data.eval_sample_packing", "data.test_datasets", "data.val_set_size")
+    if objective == "kto" and ok(*packing):
+        has_eval = bool(recipe.data.test_datasets) or bool(recipe.data.val_set_size)
+        for name in ("sample_packing", "eval_sample_packing"):
+            if not getattr(recipe.data, name) and (name == "sample_packing" or has_eval):
+                problems.append(
+                    (
+                        f"data.{name}",
+                        False,
+                        "kto estimates its KL reference point from mismatched completions within each packed "
+                        "row (as TRL does within a batch): set it true",
+                    )
+                )
     return problems

@@ -9,9 +9,33 @@ from pydantic import Field
 
 from finetune.recipe.base import Problem, _Section
 
+Objective = Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto"]
+PAIRED_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
+"""Objectives trained on preference pairs (dataset type `preference`); `kto` takes type `kto`."""
+REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
+"""Objectives whose loss compares the policy with a reference model (SimPO and ORPO need none)."""
+
+# Which objectives read each objective-specific field: a non-default value under another objective
+# is an error naming the objectives it belongs to (never silently ignored).
+OBJECTIVE_FIELDS: dict[str, tuple[str, ...]] = {
+    "beta": ("dpo", "ipo", "simpo", "orpo", "kto"),
+    "label_smoothing": ("dpo", "simpo"),
+    "dpo_smoothing": ("dpo",),
+    "simpo_gamma": ("simpo",),
+    "orpo_nll_reduction": ("orpo",),
+    "kto_desirable_weight": ("kto",),
+    "kto_undesirable_weight": ("kto",),
+    "precompute_ref_log_probs": REFERENCE_OBJECTIVES,
+}
+
 
 class TrainSection(_Section):
     output_dir: str = Field(description="Checkpoints, logs, final weights.")
+    objective: Objective = Field(
+        "sft",
+        description="What is trained: sft (next-token loss on the trained tokens), or preference tuning: "
+        "dpo, ipo, simpo, orpo (on `preference` pairs) or kto (on `kto` examples labelled desirable or not).",
+    )
     seed: int = Field(42, description="Global seed (data order, init, dropout).")
     micro_batch_size: int = Field(1, ge=1, description="Rows per device per micro step.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro steps per optimizer step.")
@@ -79,6 +103,48 @@ class TrainSection(_Section):
         0, ge=0, description="Release the accelerator cache every N steps (0 = off)."
     )
     gc_steps: int = Field(0, ge=0, description="Run Python garbage collection every N steps (0 = off).")
+    eval_on_start: bool = Field(
+        False, description="Evaluate once before the first step (not when resuming), as a baseline."
+    )
+    # Preference objectives (finetune.losses.preference); OBJECTIVE_FIELDS says which reads which.
+    beta: float = Field(
+        0.1,
+        gt=0,
+        description="dpo/ipo/simpo/orpo/kto: TRL's beta (DPO/KTO temperature of the implicit reward, IPO's "
+        "tau, SimPO's reward scale, ORPO's lambda weighting the odds-ratio term).",
+    )
+    label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="dpo/simpo: probability that a preference label is flipped (0 = off; 0.1 is typical).",
+    )
+    dpo_smoothing: Literal["conservative", "robust"] = Field(
+        "conservative",
+        description="dpo with label_smoothing > 0: conservative (cDPO, Mitchell 2023) or robust (rDPO, "
+        "Chowdhury et al. 2024; TRL's loss_type robust).",
+    )
+    simpo_gamma: float = Field(
+        0.5,
+        description="simpo: target reward margin gamma (TRL's simpo_gamma; the paper's gamma/beta 0.3-0.8).",
+    )
+    orpo_nll_reduction: Literal["sequence", "batch"] = Field(
+        "sequence",
+        description="orpo: the NLL term per pair over its chosen completion tokens (sequence, the paper; "
+        "independent of how pairs are batched) or TRL's (batch: a token mean over every token, prompt "
+        "included, of the micro-batch's chosen sequences).",
+    )
+    kto_desirable_weight: float = Field(1.0, gt=0, description="kto: weight of the desirable examples' loss.")
+    kto_undesirable_weight: float = Field(
+        1.0, gt=0, description="kto: weight of the undesirable examples' loss."
+    )
+    precompute_ref_log_probs: bool = Field(
+        False,
+        description="dpo/ipo/kto: compute the reference log-probs of every prepared pair once before training "
+        "and cache them next to the prepared data (keyed by its fingerprint and the reference model), "
+        "instead of a reference forward every step. Without it the reference is the base with the "
+        "adapters disabled (LoRA) or a frozen copy of the initial model (full fine-tuning).",
+    )
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
         problems: list[Problem] = []
@@ -110,4 +176,29 @@ class TrainSection(_Section):
             and (self.adam_beta1, self.adam_beta2) != (0.9, 0.999)
         ):
             problems.append(("optimizer", "sgd", "adam_beta1/adam_beta2 are set but sgd does not use them"))
+        if ok("objective"):
+            problems += self._objective_problems(ok)
+        return problems
+
+    def _objective_problems(self, ok: Callable[..., bool]) -> list[Problem]:
+        """Objective-specific fields set for an objective that does not read them."""
+        problems: list[Problem] = []
+        for name, owners in OBJECTIVE_FIELDS.items():
+            value = getattr(self, name)
+            if not ok(name) or self.objective in owners or value == type(self).model_fields[name].default:
+                continue
+            problems.append(
+                (
+                    name,
+                    value,
+                    f"belongs to train.objective {' / '.join(owners)}, not {self.objective!r}; remove it "
+                    "or change the objective",
+                )
+            )
+        smoothing = ("objective", "dpo_smoothing", "label_smoothing")
+        robust_unused = self.dpo_smoothing != "conservative" and self.label_smoothing == 0
+        if ok(*smoothing) and self.objective == "dpo" and robust_unused:
+            problems.append(
+                ("dpo_smoothing", self.dpo_smoothing, "has no effect without label_smoothing > 0")
+            )
         return problems

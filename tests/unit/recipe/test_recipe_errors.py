@@ -56,7 +56,7 @@ EXPECTED = [
      "'flex_attention'"),
     ("data.datasets[1].shards_idx (not set; data.datasets[1] at line 9)", "got None: set shards and shards_idx"),
     ("data.datasets[1].type (line 10)", "got 'chat'; allowed: 'completion', 'alpaca', 'input_output', "
-     "'chat_template', 'tokenized', 'images' or 'dreambooth'"),
+     "'chat_template', 'tokenized', 'preference', 'kto', 'images' or 'dreambooth'"),
     ("data.sample_packing_sequence_len (line 13)", "got 256: must be >= sequence_len (512)"),
     ("train.output_dir (not set; train at line 14)", "required field is missing (Checkpoints, logs, final weights.)"),
     ("train.seed (line 15)", "got 'abc': Input should be a valid integer"),
