@@ -4,11 +4,15 @@ Packed rows (several sequences per row) are passed to the model with `position_i
 0 for every sequence and no attention mask: transformers then builds a block-diagonal causal mask
 for sdpa/eager/flex, and flash-attention uses the position_ids for varlen kernels (cu_seqlens), so
 attention never crosses a sequence boundary. Unpacked rows are right-padded with an attention mask.
+Preference rows always use the packed layout (chosen and rejected are two sequences of one row),
+see `collate_preference`.
 """
 
 from __future__ import annotations
 
 import torch
+
+from finetune.data.preference import kto_kl_row
 
 IGNORE_INDEX = -100
 
@@ -43,3 +47,28 @@ def collate_rows(rows: list[dict], *, pad_token_id: int, pad_to_multiple_of: int
     if not packed:
         out["attention_mask"] = attention_mask
     return out
+
+
+def collate_preference(rows: list[dict], *, pad_token_id: int, pad_to_multiple_of: int = 1) -> dict:
+    """Batch packed rows of preference pairs or kto examples (finetune.data.preference).
+
+    Besides the packed token tensors: `num_units` (pairs or examples per row) and, when the rows
+    carry them, `row_index` (their index in the prepared split: where precomputed reference
+    log-probs are looked up); kto rows add `desirable` (one flag per example, row-major) and the KL
+    rows (`kl_input_ids`, `kl_labels`, `kl_position_ids`, as long as the rows themselves).
+    """
+    batch = collate_rows(rows, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of, packed=True)
+    batch["num_units"] = torch.tensor([r["num_units"] for r in rows], dtype=torch.long)
+    if "row_index" in rows[0]:
+        batch["row_index"] = torch.tensor([r["row_index"] for r in rows], dtype=torch.long)
+    if "prompt_lens" in rows[0]:
+        kl_rows = []
+        for r in rows:
+            ids, labels, positions = kto_kl_row(r["input_ids"], r["labels"], r["seq_lens"], r["prompt_lens"])
+            kl_rows.append({"input_ids": ids, "labels": labels, "position_ids": positions})
+        kl = collate_rows(
+            kl_rows, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of, packed=True
+        )
+        batch |= {f"kl_{k}": v for k, v in kl.items()}
+        batch["desirable"] = torch.tensor([d for r in rows for d in r["desirable"]], dtype=torch.bool)
+    return batch

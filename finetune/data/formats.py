@@ -7,6 +7,10 @@ Every format is reduced to one of three shapes before tokenization (see finetune
   ``train_on_inputs``. With ``apply_chat_template: true`` the pair becomes a user turn and an
   assistant turn (`pair_conversations`), rendered like ``chat_template`` rows.
 * ``chat_template``: a list of ``{"role", "content", ...}`` messages rendered by a chat template.
+* ``preference`` and ``kto``: a prompt and completions (two for a preference pair, chosen then
+  rejected; one labelled desirable or not for kto), each a string or a list of messages
+  (`preference_rows`, `kto_rows`); message lists are rendered with the chat template
+  (`completion_conversations`).
 
 ``tokenized`` rows are already ids and are only checked (in tokenize.py).
 
@@ -52,8 +56,11 @@ WRONG_TYPE = "wrong_type"
 EMPTY_CONVERSATION = "empty_conversation"
 ROLE_REJECTED = "role_rejected"
 UNKNOWN_ROLE = "unknown_role"
-# Drop reason (not a bad row): the output / completion / trained turns are empty.
+NOT_A_BOOLEAN = "not_a_boolean"
+# Drop reasons (not bad rows): the output / completion / trained turns are empty; a preference pair
+# whose chosen and rejected completions are the same (it would train nothing).
 EMPTY_COMPLETION = "empty_completion"
+IDENTICAL_COMPLETIONS = "identical_completions"
 
 DEFAULT_ROLES = ("system", "user", "assistant", "tool")
 """The roles chat templates know. Others are known only as targets of the entry's ``role_map``
@@ -127,6 +134,16 @@ def columns_read(entry: Any, column_names: Sequence[str]) -> dict[str, str]:
         return {"field_messages": entry.field_messages}
     if entry.type == "tokenized":
         return {"input_ids": "input_ids"} | ({"labels": "labels"} if "labels" in column_names else {})
+    if entry.type == "preference":
+        cols = {"field_chosen": entry.field_chosen, "field_rejected": entry.field_rejected}
+        if entry.field_prompt in column_names or "field_prompt" in explicit:
+            cols["field_prompt"] = entry.field_prompt
+        return cols
+    if entry.type == "kto":
+        cols = {"field_completion": entry.field_completion, "field_label": entry.field_label}
+        if entry.field_prompt in column_names or "field_prompt" in explicit:
+            cols["field_prompt"] = entry.field_prompt
+        return cols
     raise DataError(f"unknown dataset type {entry.type!r}")
 
 
@@ -272,12 +289,15 @@ def conversations(batch: dict[str, list], entry: Any) -> list[list[dict[str, Any
     return [conversation(value, entry, known) for value in batch[entry.field_messages]]
 
 
-def conversation(value: Any, entry: Any, known: set[str] | None = None) -> list[dict[str, Any]] | BadRow:
+def conversation(
+    value: Any, entry: Any, known: set[str] | None = None, *, field: str | None = None
+) -> list[dict[str, Any]] | BadRow:
     """One row's messages, normalized (see `conversations`), or the reason it can't be used.
 
     A role that is not in ``known`` (default: `known_roles`) after ``role_map`` is a bad row:
     templates render any role string, so a typo or an unmapped ShareGPT role would otherwise
-    train silently in the wrong shape.
+    train silently in the wrong shape. ``field`` names the column in problems (default:
+    ``entry.field_messages``).
 
     >>> from types import SimpleNamespace as NS
     >>> e = NS(field_messages="conversations", message_field_role="from", message_field_content="value",
@@ -287,7 +307,8 @@ def conversation(value: Any, entry: Any, known: set[str] | None = None) -> list[
     >>> conversation([{"from": "wizard", "value": "Hi"}], e).reason
     'unknown_role'
     """
-    field, role_key, content_key = entry.field_messages, entry.message_field_role, entry.message_field_content
+    role_key, content_key = entry.message_field_role, entry.message_field_content
+    field = entry.field_messages if field is None else field
     known = known_roles(entry) if known is None else known
     if value is None:
         return BadRow(field, MISSING_FIELD, f"{field!r} is missing or null")
@@ -321,3 +342,181 @@ def _unknown_role_detail(j: int, role: str, known: set[str]) -> str:
         f"message {j} has role {role!r}, which is not a chat role ({', '.join(sorted(known))}); map it with "
         f"role_map, e.g. {{{role}: user}}, or, if the chat template has this role, to itself: {{{role}: {role}}}"
     )
+
+
+# ----------------------------------------------------------------------------- preference and kto
+
+
+@dataclass(frozen=True)
+class CompletionsRow:
+    """A prompt and the completions scored given it: (chosen, rejected) for a preference pair, one for
+    kto (``desirable`` says whether it is). Each is a string or a list of messages; ``prompt`` is None
+    when the row has none (preference: the shared start of chosen and rejected is the prompt, see
+    `completion_conversations`)."""
+
+    prompt: str | list[dict[str, Any]] | None
+    completions: tuple[str | list[dict[str, Any]], ...]
+    desirable: bool | None = None
+
+
+def preference_rows(batch: dict[str, list], entry: Any) -> list[CompletionsRow | BadRow]:
+    """(prompt, (chosen, rejected)) for each row of a ``preference`` batch.
+
+    A missing or null value is a bad row; an empty completion, or chosen equal to rejected, is a
+    counted drop (the pair would train nothing).
+
+    >>> from types import SimpleNamespace as NS
+    >>> e = NS(field_prompt="prompt", field_chosen="chosen", field_rejected="rejected", role_map={},
+    ...        message_field_role="role", message_field_content="content", field_messages="messages")
+    >>> preference_rows({"prompt": ["2+2?"], "chosen": ["4"], "rejected": ["5"]}, e)[0].completions
+    ('4', '5')
+    >>> preference_rows({"prompt": ["2+2?"], "chosen": ["4"], "rejected": ["4"]}, e)[0].reason
+    'identical_completions'
+    """
+    n = len(batch[entry.field_chosen])
+    prompts = batch.get(entry.field_prompt) or [None] * n
+    known = known_roles(entry)
+    out: list[CompletionsRow | BadRow] = []
+    for prompt, chosen, rejected in zip(
+        prompts, batch[entry.field_chosen], batch[entry.field_rejected], strict=True
+    ):
+        values = [
+            _prompt(prompt, entry, known, batch),
+            _turns(chosen, entry.field_chosen, entry, known),
+            _turns(rejected, entry.field_rejected, entry, known),
+        ]
+        bad = next((v for v in values if isinstance(v, BadRow)), None)
+        if bad is not None:
+            out.append(bad)
+        elif values[1] == values[2]:
+            detail = f"{entry.field_chosen!r} and {entry.field_rejected!r} are the same: the pair would train nothing"
+            out.append(BadRow(entry.field_rejected, IDENTICAL_COMPLETIONS, detail, malformed=False))
+        else:
+            out.append(CompletionsRow(values[0], (values[1], values[2])))
+    return out
+
+
+def kto_rows(batch: dict[str, list], entry: Any) -> list[CompletionsRow | BadRow]:
+    """(prompt, (completion,), desirable) for each row of a ``kto`` batch; the label must be a boolean
+    (or 0/1).
+
+    >>> from types import SimpleNamespace as NS
+    >>> e = NS(field_prompt="prompt", field_completion="completion", field_label="label", role_map={},
+    ...        message_field_role="role", message_field_content="content", field_messages="messages")
+    >>> kto_rows({"prompt": ["2+2?"], "completion": ["4"], "label": [True]}, e)[0].desirable
+    True
+    >>> kto_rows({"prompt": ["2+2?"], "completion": ["4"], "label": ["yes"]}, e)[0].reason
+    'not_a_boolean'
+    """
+    n = len(batch[entry.field_completion])
+    prompts = batch.get(entry.field_prompt) or [None] * n
+    known = known_roles(entry)
+    out: list[CompletionsRow | BadRow] = []
+    for prompt, completion, label in zip(
+        prompts, batch[entry.field_completion], batch[entry.field_label], strict=True
+    ):
+        values = [
+            _prompt(prompt, entry, known, batch),
+            _turns(completion, entry.field_completion, entry, known),
+            _boolean(label, entry.field_label),
+        ]
+        bad = next((v for v in values if isinstance(v, BadRow)), None)
+        out.append(bad if bad is not None else CompletionsRow(values[0], (values[1],), values[2]))
+    return out
+
+
+def _turns(
+    value: Any, field: str, entry: Any, known: set[str], *, optional: bool = False, completion: bool = True
+) -> str | list[dict[str, Any]] | BadRow | None:
+    """A prompt or completion: a string, or a list of messages normalized like a chat row's. An
+    ``optional`` one (a prompt column the data does not have) may be None."""
+    if value is None and optional:
+        return None
+    if isinstance(value, list):
+        return conversation(value, entry, known, field=field)
+    text = _text(value, field)
+    if isinstance(text, str) and completion and not text.strip():
+        return BadRow(field, EMPTY_COMPLETION, _empty_detail(field, text), malformed=False)
+    return text
+
+
+def _prompt(value: Any, entry: Any, known: set[str], batch: dict[str, list]) -> Any:
+    optional = entry.field_prompt not in batch  # no prompt column: None, the completions hold it
+    return _turns(value, entry.field_prompt, entry, known, optional=optional, completion=False)
+
+
+def _boolean(value: Any, field: str) -> bool | BadRow:
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    if value is None:
+        return BadRow(field, MISSING_FIELD, f"{field!r} is missing or null")
+    return BadRow(
+        field, NOT_A_BOOLEAN, f"{field!r} should be true (desirable) or false (undesirable), got {value!r}"
+    )
+
+
+def is_conversational(row: CompletionsRow) -> bool:
+    """Whether any part of the row is a list of messages (then it is rendered with the chat template).
+
+    >>> is_conversational(CompletionsRow("Hi", ("Hello", "Go away"))), is_conversational(CompletionsRow(None, ([],)))
+    (False, True)
+    """
+    return isinstance(row.prompt, list) or any(isinstance(c, list) for c in row.completions)
+
+
+def completion_conversations(
+    row: CompletionsRow, field: str
+) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]] | BadRow:
+    """(shared messages, each completion's messages) to render with a chat template.
+
+    A string prompt is a user turn, a string completion an assistant turn. A completion that already
+    starts with the prompt's messages (chosen and rejected holding whole conversations, as in
+    UltraFeedback) does not repeat them. Then the messages chosen and rejected share at the start
+    join the prompt, as TRL's implicit prompt; a kto completion without a prompt is its last
+    message, the rest its prompt. A completion left with no message is a counted drop.
+
+    >>> row = CompletionsRow("2+2?", ([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+    ...                              "5"))
+    >>> shared, (chosen, rejected) = completion_conversations(row, "chosen")
+    >>> [m["content"] for m in shared], [m["content"] for m in chosen], [m["content"] for m in rejected]
+    (['2+2?'], ['4'], ['5'])
+    """
+    prompt = [] if row.prompt is None else _as_messages(row.prompt, "user")
+    completions = []
+    for value in row.completions:
+        messages = _as_messages(value, "assistant")
+        if prompt and messages[: len(prompt)] == prompt:
+            messages = messages[len(prompt) :]
+        completions.append(messages)
+    if len(completions) > 1:
+        common = _common_start(completions)
+        prompt, completions = prompt + completions[0][:common], [c[common:] for c in completions]
+    elif row.prompt is None and len(completions[0]) > 1:
+        prompt, completions = completions[0][:-1], [completions[0][-1:]]
+    if not all(completions):
+        detail = f"{field!r} holds no message after the prompt: nothing to score"
+        return BadRow(field, EMPTY_COMPLETION, detail, malformed=False)
+    return prompt, completions
+
+
+def shared_text_prefix(texts: Sequence[str]) -> str:
+    """The longest common start of ``texts``, cut after its last whitespace so no word is split (the
+    implicit prompt of string pairs without a prompt column, as TRL's ``extract_prompt``).
+
+    >>> shared_text_prefix(["Human: hi Assistant: hello", "Human: hi Assistant: go away"])
+    'Human: hi Assistant: '
+    """
+    first, *rest = texts
+    n = min(len(t) for t in texts)
+    end = next((i for i in range(n) if any(t[i] != first[i] for t in rest)), n)
+    cut = max(first.rfind(" ", 0, end), first.rfind("\n", 0, end))
+    return first[: cut + 1] if cut >= 0 else ""
+
+
+def _as_messages(value: str | list[dict[str, Any]], role: str) -> list[dict[str, Any]]:
+    return [{"role": role, "content": value}] if isinstance(value, str) else list(value)
+
+
+def _common_start(lists: list[list]) -> int:
+    n = min(len(x) for x in lists)
+    return next((i for i in range(n) if any(x[i] != lists[0][i] for x in lists[1:])), n)

@@ -8,6 +8,11 @@ output gets a new folder.
 
 The cache itself (fingerprints, atomic writes, the lock, stale folders) is finetune.data.cache,
 shared with the image prepare step (finetune.diffusion.cache).
+
+Preference data (entry types `preference` and `kto`, for train.objective dpo/ipo/simpo/orpo and
+kto) goes through the same steps: a pair (kto: an example) is one tokenized example, the unit that
+is counted, split, packed and never cut across rows; finetune.data.preference builds its rows. The
+manifest's `kind` says which (`sft`, `preference`, `kto`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from finetune.data.packing import (
     pack_sequential,
     packing_efficiency,
 )
+from finetune.data.preference import PACKED_KINDS, pack_examples
 from finetune.data.sources import file_hash, load_source, looks_local, source_fingerprint
 from finetune.data.tokenize import IGNORE_INDEX, tokenize_dataset
 from finetune.errors import DataError, RecipeError
@@ -57,6 +63,25 @@ FORMAT_VERSION = 1
 _WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx"}
 # Entry fields that do not change what is prepared.
 _ENTRY_FIELDS_NOT_HASHED = {"trust_remote_code"}
+# Per-example columns of preference pairs and kto examples, kept through merge and split.
+_EXTRA_COLUMNS = ("chosen_len", "desirable", "prompt_len")
+# What one example of each kind is, for the summary.
+_UNIT_NAMES = {"sft": "examples", "preference": "pairs", "kto": "examples"}
+# Above this share of kto examples alone in their packed row (no mismatched completion for the KL
+# estimate), prepare warns.
+_KTO_ALONE_WARN = 0.05
+
+
+def data_kind(data: Any) -> str:
+    """`preference`, `kto` or `sft`: what the data section's entries prepare (the recipe checks that
+    they agree with train.objective).
+
+    >>> from types import SimpleNamespace as NS
+    >>> data_kind(NS(datasets=[NS(type="preference")], test_datasets=[]))
+    'preference'
+    """
+    types = {e.type for e in [*data.datasets, *data.test_datasets]}
+    return next((kind for kind in PACKED_KINDS if kind in types), "sft")
 
 
 # ------------------------------------------------------------------------------------ entry points
@@ -351,16 +376,17 @@ def _build(
     timings["merge_split"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    pad_id = pad_token_id(tokenizer)
-    splits = {"train": _pack(train, data, packed=data.sample_packing, pad_id=pad_id)}
+    pad_id, kind = pad_token_id(tokenizer), data_kind(data)
+    splits = {"train": _pack(train, data, packed=data.sample_packing, pad_id=pad_id, kind=kind)}
     if eval_ds is not None and len(eval_ds):
-        splits["eval"] = _pack(eval_ds, data, packed=data.eval_sample_packing, pad_id=pad_id)
+        splits["eval"] = _pack(eval_ds, data, packed=data.eval_sample_packing, pad_id=pad_id, kind=kind)
     timings["pack"] = time.perf_counter() - t0
 
     rows, stats = {}, {}
     for name, (ds, split_stats) in splits.items():
         rows[name], stats[name] = ds, split_stats
-    manifest = _manifest(fingerprint, inputs, parts, stats, timings)
+        _warn_kto_alone(name, split_stats, log)
+    manifest = _manifest(fingerprint, inputs, parts, stats, timings) | {"kind": kind}
     num_shards = data.num_dataset_shards_to_save
     write_atomically(
         root, fingerprint, rows, manifest, num_proc=num_proc, num_shards=num_shards, started=t_start
@@ -417,6 +443,7 @@ def _merge_and_split(recipe: Recipe, parts: list[_Part]) -> tuple[datasets.Datas
     """Shuffle each (optional), concatenate, shuffle (optional), split off val_set_size with the seed."""
     data, seed = recipe.data, recipe.train.seed
     columns = ["input_ids", "labels"]
+    columns += [c for c in _EXTRA_COLUMNS if parts and c in parts[0].dataset.column_names]
     pieces = [p.dataset.select_columns(columns) for p in parts]
     if data.shuffle_before_merging_datasets:
         pieces = [ds.shuffle(seed=seed) for ds in pieces]
@@ -447,23 +474,30 @@ def _merge_and_split(recipe: Recipe, parts: list[_Part]) -> tuple[datasets.Datas
     return merged.select(np.sort(perm[num_val:])), merged.select(np.sort(perm[:num_val]))
 
 
-def _pack(ds: datasets.Dataset, data: Any, *, packed: bool, pad_id: int) -> tuple[datasets.Dataset, dict]:
-    """Packed rows (or one example per row) and the split's statistics."""
+def _pack(
+    ds: datasets.Dataset, data: Any, *, packed: bool, pad_id: int, kind: str = "sft"
+) -> tuple[datasets.Dataset, dict]:
+    """Packed rows (or one example per row) and the split's statistics. A preference pair or kto
+    example is one example here (finetune.data.preference builds their rows)."""
     lengths = pc.list_value_length(
         ds.select_columns(["input_ids"]).with_format("arrow")[:].column("input_ids")
     )
     lengths = lengths.to_numpy().astype(np.int64)
     num_tokens, num_trainable = _token_counts(ds)
+    bins = None
     if packed:
         capacity = data.packing_len
         if data.sample_packing_method == "multipack":
             bins = pack_multipack(lengths, capacity, group_size=data.sample_packing_group_size)
         else:
             bins = pack_sequential(lengths, capacity)
-        rows = build_packed_rows(ds, bins, pad_to_multiple_of=data.pad_to_multiple_of, pad_token_id=pad_id)
     else:
         capacity = data.sequence_len
-        rows = build_packed_rows(ds, None, pad_to_multiple_of=None, pad_token_id=pad_id)
+    multiple = data.pad_to_multiple_of if packed else None
+    if kind in PACKED_KINDS:
+        rows = pack_examples(ds, bins, kind, pad_to_multiple_of=multiple, pad_token_id=pad_id)
+    else:
+        rows = build_packed_rows(ds, bins, pad_to_multiple_of=multiple, pad_token_id=pad_id)
     num_padded = int(pc.sum(pc.list_value_length(rows.data.column("input_ids"))).as_py() or 0)
     stats = {
         "examples": len(ds),
@@ -476,7 +510,20 @@ def _pack(ds: datasets.Dataset, data: Any, *, packed: bool, pad_id: int) -> tupl
         "num_padding_tokens": num_padded - num_tokens,
         "packing_efficiency": round(packing_efficiency(lengths, len(rows), capacity), 6),
     }
+    if kind == "kto":
+        stats["examples_alone_in_row"] = int(sum(n == 1 for n in rows["num_units"]))
     return rows, stats
+
+
+def _warn_kto_alone(split: str, stats: dict, log: Callable[[str], None]) -> None:
+    """Kto examples alone in their row get no mismatched completion for the KL estimate: say so."""
+    alone = stats.get("examples_alone_in_row", 0)
+    if alone > _KTO_ALONE_WARN * max(stats["examples"], 1):
+        warn(
+            f"{split}: {alone} of {stats['examples']} kto examples are alone in their packed row, so their KL "
+            "estimate uses their own completion; raise data.sample_packing_sequence_len so rows hold several",
+            emit=log,
+        )
 
 
 def _manifest(fingerprint: str, inputs: dict, parts: list[_Part], splits: dict, timings: dict) -> dict:
@@ -518,12 +565,13 @@ def summary(prepared: Prepared) -> str:
         f"  rows: {m['rows_in']} in, {m['rows_kept']} kept, {m['rows_dropped']} dropped ({drops}), "
         f"{m['truncated']} truncated",
     ]
+    unit = _UNIT_NAMES[m.get("kind", "sft")]
     for name in ("train", "eval"):
         if name not in m["splits"]:
             continue
         s = m["splits"][name]
         lines.append(
-            f"  {name}: {s['examples']} examples -> {s['rows']} rows of {s['row_capacity']} "
+            f"  {name}: {s['examples']} {unit} -> {s['rows']} rows of {s['row_capacity']} "
             f"({'packed, ' + s['packing_method'] if s['packed'] else 'unpacked'}); {s['num_tokens']:,} tokens, "
             f"{s['num_trainable_tokens']:,} trainable; packing efficiency {s['packing_efficiency']:.4f}"
         )

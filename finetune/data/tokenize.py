@@ -16,6 +16,15 @@ Conventions (the packing and the loss rely on them):
   tokenizer's own bos is prepended when the rendered text doesn't start with it already.
   ``train_on_inputs: true`` trains every token of the conversation.
 * ``tokenized``: ``input_ids`` (and optional ``labels``) pass through after checks.
+* ``preference``: one example per pair, the chosen sequence then the rejected one in
+  ``input_ids`` / ``labels`` (each ``[bos] prompt completion eos``, prompt masked) with
+  ``chosen_len`` saying where the rejected one starts; ``kto``: ``[bos] prompt completion eos``
+  with ``desirable`` and ``prompt_len``. String prompts are tokenized once for both completions;
+  chat-rendered pairs (message lists, or ``apply_chat_template``) train only the completion's turns,
+  and the shared conversation prefix must give the same tokens before both (else a bad row,
+  ``prefix_mismatch``). The length limit applies to the pair (chosen + rejected), the unit that is
+  packed and never split; ``truncate`` shortens the longer sequence(s) from their end
+  (`finetune.data.preference.fit_lengths`). Both sequences must keep a trained token.
 
 Rows loaded as placeholders for damaged lines (marked in ``damage.BAD_ROW_COLUMN``, see
 sources.py) become bad rows here, so they are raised or counted like any other.
@@ -37,7 +46,7 @@ import numpy as np
 import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
 
-from finetune.data import damage, formats
+from finetune.data import damage, formats, preference
 from finetune.data.formats import BadRow
 from finetune.errors import DataError
 
@@ -53,6 +62,7 @@ MAX_BAD_ROW_SAMPLES = 10  # per reason
 OUT_OF_VOCAB = "out_of_vocab"
 LENGTH_MISMATCH = "length_mismatch"
 TEMPLATE_MISMATCH = "template_mismatch"
+PREFIX_MISMATCH = "prefix_mismatch"
 
 # Drop reasons besides "bad_row:<reason>".
 TOO_LONG = "too_long"
@@ -71,13 +81,25 @@ _FEATURES = datasets.Features(
         "_truncated": datasets.Value("bool"),
     }
 )
+# Per-example columns of preference pairs and kto examples (see the module docstring).
+_EXTRA_FEATURES = {
+    "preference": {"chosen_len": datasets.Value("int32")},
+    "kto": {"desirable": datasets.Value("bool"), "prompt_len": datasets.Value("int32")},
+}
+_EXTRA_EMPTY = {"chosen_len": 0, "desirable": False, "prompt_len": 0}
+
+
+def _features(entry: Any) -> datasets.Features:
+    return datasets.Features({**_FEATURES, **_EXTRA_FEATURES.get(entry.type, {})})
 
 
 @dataclass
 class TokenizeResult:
     """The tokenized rows of one dataset entry and what happened to the others."""
 
-    dataset: datasets.Dataset  # input_ids, labels (list[int]) and source_row (row index in the source)
+    # input_ids, labels (list[int]), source_row (row index in the source); preference: chosen_len;
+    # kto: desirable, prompt_len
+    dataset: datasets.Dataset
     rows_in: int
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> rows
     truncated: int = 0
@@ -113,19 +135,21 @@ def tokenize_dataset(
         raise ValueError(f"on_bad_row must be raise or skip, not {on_bad_row!r}")
     formats.check_columns(entry, ds.column_names, features=ds.features, entry_label=entry_label)
     limit = entry.max_seq_len or sequence_len
+    features = _features(entry)
     if len(ds) == 0:  # datasets skips the function on an empty dataset: no columns would exist
-        public = datasets.Features({k: v for k, v in _FEATURES.items() if k not in _INTERNAL})
+        public = datasets.Features({k: v for k, v in features.items() if k not in _INTERNAL})
         return TokenizeResult(datasets.Dataset.from_dict({k: [] for k in public}, features=public), rows_in=0)
-    settings = _settings(entry, tokenizer, chat_template, entry_label)
+    chat = renders_chat(entry) or _has_messages(entry, ds)
+    settings = _settings(entry, tokenizer, chat_template, entry_label, chat=chat)
     fn = _BatchTokenizer(entry, tokenizer, settings, limit, excess_length_strategy)
-    num_proc = _worth_processes("chat_template" if renders_chat(entry) else entry.type, len(ds), num_proc)
+    num_proc = _worth_processes("chat_template" if chat else entry.type, len(ds), num_proc)
     out = ds.map(
         fn,
         batched=True,
         batch_size=BATCH_SIZE,
         with_indices=True,
         remove_columns=ds.column_names,
-        features=_FEATURES,
+        features=features,
         num_proc=num_proc,
         new_fingerprint=_map_fingerprint(ds, entry, tokenizer, settings, limit, excess_length_strategy),
         desc=f"Tokenizing {entry_label}",
@@ -167,22 +191,33 @@ def _map_fingerprint(
 
 
 def renders_chat(entry: Any) -> bool:
-    """Whether the entry's rows are rendered with the chat template."""
+    """Whether the entry's rows are rendered with the chat template (preference and kto rows also when
+    their columns hold messages, see `_has_messages`)."""
     return entry.type == "chat_template" or (
-        entry.type in ("alpaca", "input_output") and entry.apply_chat_template
+        entry.type in ("alpaca", "input_output", "preference", "kto") and entry.apply_chat_template
     )
 
 
-def _settings(entry: Any, tokenizer: Any, chat_template: str | None, entry_label: str) -> dict[str, Any]:
+def _has_messages(entry: Any, ds: datasets.Dataset) -> bool:
+    """Whether a preference / kto entry has a column of message lists (rendered with the template)."""
+    if entry.type not in ("preference", "kto"):
+        return False
+    columns = formats.columns_read(entry, ds.column_names).values()
+    return any(isinstance(ds.features.get(c), (datasets.List, datasets.LargeList)) for c in columns)
+
+
+def _settings(
+    entry: Any, tokenizer: Any, chat_template: str | None, entry_label: str, *, chat: bool = False
+) -> dict[str, Any]:
     """What the batch function needs besides the entry, computed once (and checked) up front."""
     with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     # The ids the tokenizer puts before a text by itself (usually [bos] or nothing).
     start = next((k for k in range(len(with_special)) if with_special[k : k + len(plain)] == plain), 0)
     settings: dict[str, Any] = {"prefix_ids": list(with_special[:start]), "eos_id": tokenizer.eos_token_id}
-    if renders_chat(entry):
+    if chat or renders_chat(entry):
         settings["chat_template"] = _check_chat(entry, tokenizer, chat_template, entry_label)
-    elif entry.type in ("completion", "alpaca", "input_output") and tokenizer.eos_token_id is None:
+    if not chat and entry.type in _APPENDS_EOS and tokenizer.eos_token_id is None:
         raise DataError(
             f"{entry_label}: the tokenizer has no eos token, which type {entry.type!r} appends to every "
             "row; set model.special_tokens.eos_token"
@@ -216,8 +251,13 @@ def _check_chat(entry: Any, tokenizer: Any, chat_template: str | None, entry_lab
     return chat_template
 
 
+_APPENDS_EOS = ("completion", "alpaca", "input_output", "preference", "kto")
+
+
 def _chat_kind(entry: Any) -> str:
-    return "type chat_template" if entry.type == "chat_template" else "apply_chat_template"
+    if entry.type in ("chat_template", "preference", "kto") and not entry.apply_chat_template:
+        return f"type {entry.type} with messages"
+    return "apply_chat_template"
 
 
 # ------------------------------------------------------------------------------------- batch function
@@ -236,7 +276,13 @@ class _BatchTokenizer:
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         kind = self.entry.type
-        if kind == "completion":
+        if kind in ("preference", "kto"):
+            rows = self._completions(
+                formats.preference_rows(batch, self.entry)
+                if kind == "preference"
+                else formats.kto_rows(batch, self.entry)
+            )
+        elif kind == "completion":
             rows = self._completion(batch)
         elif kind == "chat_template":
             rows = self._chat(formats.conversations(batch, self.entry))
@@ -332,24 +378,117 @@ class _BatchTokenizer:
                     spans = BadRow(field, e.reason, str(e))
             texts.append(text)
             found.append(spans)
-        prefix = self.settings["prefix_ids"]
         rows: list[tuple[list[int], list[int]] | BadRow] = []
         for spans, encoding in zip(found, self._encode(texts, offsets=True), strict=True):
             if isinstance(spans, BadRow):
                 rows.append(spans)
-                continue
-            ids = encoding.ids
-            if entry.train_on_inputs:
-                labels = list(ids)
             else:
-                labels = [IGNORE_INDEX] * len(ids)
-                for a, b in spans:
-                    t0, t1 = _token_range(encoding, a, b)
-                    labels[t0:t1] = ids[t0:t1]
-            if prefix and ids[: len(prefix)] != prefix:
-                ids, labels = [*prefix, *ids], [IGNORE_INDEX] * len(prefix) + labels
-            rows.append((ids, labels))
+                rows.append(self._labelled(encoding, None if entry.train_on_inputs else spans))
         return rows
+
+    def _labelled(self, encoding: Any, spans: list[tuple[int, int]] | None) -> tuple[list[int], list[int]]:
+        """(ids, labels) of a rendered text: tokens overlapping a trained span get labels (every token
+        when `spans` is None), and the tokenizer's bos goes first unless the text starts with it."""
+        ids = encoding.ids
+        if spans is None:
+            labels = list(ids)
+        else:
+            labels = [IGNORE_INDEX] * len(ids)
+            for a, b in spans:
+                t0, t1 = _token_range(encoding, a, b)
+                labels[t0:t1] = ids[t0:t1]
+        prefix = self.settings["prefix_ids"]
+        if prefix and ids[: len(prefix)] != prefix:
+            ids, labels = [*prefix, *ids], [IGNORE_INDEX] * len(prefix) + labels
+        return ids, labels
+
+    # ------------------------------------------------------------------------ preference and kto
+
+    def _completions(self, rows: list[formats.CompletionsRow | BadRow]) -> list[Any]:
+        """Preference pairs / kto examples: strings as ``[bos] prompt completion eos`` (prompt
+        tokenized once), message lists (or apply_chat_template) rendered with the chat template."""
+        chat = [
+            not isinstance(r, BadRow) and (self.entry.apply_chat_template or formats.is_conversational(r))
+            for r in rows
+        ]
+        out: list[Any] = list(rows)
+        for is_chat, done in ((False, self._plain_completions), (True, self._chat_completions)):
+            picked = [k for k, r in enumerate(rows) if not isinstance(r, BadRow) and chat[k] == is_chat]
+            for k, row in zip(picked, done([rows[k] for k in picked]) if picked else [], strict=True):
+                out[k] = row
+        return out
+
+    def _plain_completions(self, rows: list[formats.CompletionsRow]) -> list[Any]:
+        prompts = [
+            r.prompt
+            if r.prompt is not None
+            else formats.shared_text_prefix(r.completions)
+            if len(r.completions) > 1
+            else ""
+            for r in rows
+        ]
+        texts = [
+            c[len(p) :] if r.prompt is None else c
+            for r, p in zip(rows, prompts, strict=True)
+            for c in r.completions
+        ]
+        prompt_ids, completion_ids = self._ids(prompts), iter(self._ids(texts))
+        prefix, eos = self.settings["prefix_ids"], self.settings["eos_id"]
+        end = eos if self._train_eos() else IGNORE_INDEX
+        out = []
+        for row, p_ids in zip(rows, prompt_ids, strict=True):
+            head = [*prefix, *p_ids]
+            sequences = []
+            for _ in row.completions:
+                c_ids = next(completion_ids)
+                sequences.append(([*head, *c_ids, eos], [IGNORE_INDEX] * len(head) + [*c_ids, end]))
+            out.append(_completions_example(row, sequences, prompt_len=len(head)))
+        return out
+
+    def _chat_completions(self, rows: list[formats.CompletionsRow]) -> list[Any]:
+        entry, template = self.entry, self.settings["chat_template"]
+        field = entry.field_chosen if entry.type == "preference" else entry.field_completion
+
+        def render(messages: list[dict[str, Any]]) -> str:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template)
+
+        out: list[Any] = [None] * len(rows)
+        pending = []  # (row index, [(text, spans) per completion])
+        for k, row in enumerate(rows):
+            convs = formats.completion_conversations(row, field)
+            if isinstance(convs, BadRow):
+                out[k] = convs
+                continue
+            shared, completions = convs
+            try:
+                pending.append((k, [self._render_completion(shared, c, render) for c in completions]))
+            except ChatTemplateError as e:
+                out[k] = BadRow(field, e.reason, str(e))
+        encodings = iter(self._encode([text for _, seqs in pending for text, _ in seqs], offsets=True))
+        for k, seqs in pending:
+            encs = [next(encodings) for _ in seqs]
+            mismatch = preference.shared_prefix_problem(
+                [text for text, _ in seqs], [spans for _, spans in seqs], encs
+            )
+            if mismatch:
+                out[k] = BadRow(entry.field_rejected, PREFIX_MISMATCH, mismatch)
+                continue
+            sequences = [self._labelled(enc, spans) for enc, (_, spans) in zip(encs, seqs, strict=True)]
+            labels = sequences[0][1]
+            prompt_len = next((t for t, x in enumerate(labels) if x != IGNORE_INDEX), len(labels))
+            out[k] = _completions_example(rows[k], sequences, prompt_len=prompt_len)
+        return out
+
+    def _render_completion(
+        self, shared: list[dict[str, Any]], completion: list[dict[str, Any]], render: Callable
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and its trained spans: the completion's turns only."""
+        conv = [*shared, *completion]
+        roles = self.entry.roles_to_train
+        trained = [i for i in range(len(shared), len(conv)) if conv[i]["role"] in roles]
+        return chat_spans(
+            conv, render, roles_to_train=roles, train_on_eos=self.entry.train_on_eos, trained=trained
+        )
 
     def _messages_field(self) -> str:
         """The column a chat row's problems are reported against."""
@@ -378,28 +517,49 @@ class _BatchTokenizer:
     def _finish(
         self, rows: list[tuple[list[int], list[int]] | BadRow], indices: list[int]
     ) -> dict[str, list]:
-        """Apply labels[0] = -100, the length policy and the no-trainable-token check."""
-        out: dict[str, list] = {name: [] for name in _FEATURES}
+        """Apply labels[0] = -100 (of each sequence), the length policy and the no-trainable-token check."""
+        features = _features(self.entry)
+        out: dict[str, list] = {name: [] for name in features}
         for row, index in zip(rows, indices, strict=True):
             drop, bad_field, detail, truncated, num_tokens = "", "", "", False, 0
             ids: list[int] = []
             labels: list[int] = []
+            extra = {name: _EXTRA_EMPTY[name] for name in features if name in _EXTRA_EMPTY}
             if isinstance(row, BadRow):
                 drop, bad_field, detail = row.drop_key, row.field, row.detail
             else:
-                ids, labels = row
+                ids, labels, *rest = row
+                extra.update(rest[0] if rest else {})
                 num_tokens = len(ids)
-                if labels:
-                    labels[0] = IGNORE_INDEX  # the first token is never predicted
+                lengths = (
+                    [extra["chosen_len"], num_tokens - extra["chosen_len"]]
+                    if "chosen_len" in extra
+                    else [num_tokens]
+                )
                 if num_tokens > self.limit:
                     if self.strategy == "truncate":
-                        ids, labels, truncated = ids[: self.limit], labels[: self.limit], True
+                        kept = preference.fit_lengths(lengths, self.limit)
+                        ids, labels = (
+                            preference.cut_sequences(ids, lengths, kept),
+                            preference.cut_sequences(labels, lengths, kept),
+                        )
+                        lengths, truncated = kept, True
                     else:
                         drop = TOO_LONG
-                if not drop and labels.count(IGNORE_INDEX) == len(labels):
+                starts = np.cumsum([0, *lengths[:-1]]).tolist()
+                for start in starts if labels else ():
+                    labels[start] = IGNORE_INDEX  # the first token of a sequence is never predicted
+                if not drop and not all(
+                    any(x != IGNORE_INDEX for x in labels[a : a + n])
+                    for a, n in zip(starts, lengths, strict=True)
+                ):
                     drop = NO_TRAINABLE_TOKENS
+                if "chosen_len" in extra:
+                    extra["chosen_len"] = lengths[0]
                 if drop:
                     ids, labels = [], []
+            for name, value in extra.items():
+                out[name].append(value)
             for name, value in (
                 ("input_ids", ids),
                 ("labels", labels),
@@ -412,6 +572,17 @@ class _BatchTokenizer:
             ):
                 out[name].append(value)
         return out
+
+
+def _completions_example(
+    row: formats.CompletionsRow, sequences: list[tuple[list[int], list[int]]], *, prompt_len: int
+) -> tuple[list[int], list[int], dict[str, Any]]:
+    """One example of a preference pair (chosen then rejected, concatenated) or a kto example."""
+    if len(sequences) == 1:
+        (ids, labels) = sequences[0]
+        return ids, labels, {"desirable": row.desirable, "prompt_len": prompt_len}
+    (chosen, chosen_labels), (rejected, rejected_labels) = sequences
+    return [*chosen, *rejected], [*chosen_labels, *rejected_labels], {"chosen_len": len(chosen)}
 
 
 def _damaged(mark: str) -> BadRow:
@@ -495,8 +666,12 @@ def chat_spans(
     *,
     roles_to_train: list[str],
     train_on_eos: str = "turn",
+    trained: list[int] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """Render ``messages`` and return (text, the sorted character spans to train).
+
+    The trained turns are the messages whose role is in ``roles_to_train``, or the indices in
+    ``trained`` when given (a preference completion's turns, not the prompt's).
 
     How the spans are found, for any template (ChatML, Llama-2's folded system prompt, BOS in the
     template, ...), without assumptions about its markup:
@@ -518,7 +693,8 @@ def chat_spans(
     digit, ChatML's ``\n`` after the role) is not.
     """
     full = _render(render, messages)
-    trained = [i for i, m in enumerate(messages) if m["role"] in roles_to_train]
+    if trained is None:
+        trained = [i for i, m in enumerate(messages) if m["role"] in roles_to_train]
     eos_turns = {
         "turn": trained,
         "last": trained[-1:],

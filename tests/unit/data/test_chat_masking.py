@@ -415,7 +415,9 @@ def test_alpaca_rows_through_the_chat_template(demo_tok) -> None:
 
 
 def test_apply_chat_template_needs_a_pair_format() -> None:
-    with pytest.raises(ValidationError, match="apply_chat_template: works with type alpaca or input_output"):
+    with pytest.raises(
+        ValidationError, match="apply_chat_template: works with type alpaca, input_output, preference, kto"
+    ):
         DatasetEntry(path="t.jsonl", type="completion", apply_chat_template=True)
 
 
