@@ -53,6 +53,14 @@ def model_flops_per_token(config, *, num_params: int, num_trainable: int, seq_le
     return matmul + 12 * layers * hidden * seq_len_sq_mean
 
 
+def forward_flops_per_token(config, *, num_params: int, seq_len_sq_mean: float) -> float:
+    """FLOPs per token of a forward pass only (a reference model's, or a no-grad pass): a third of the
+    training formula's attention and 2 FLOPs per parameter."""
+    layers = getattr(config, "num_hidden_layers", 0) or 0
+    hidden = getattr(config, "hidden_size", 0) or 0
+    return 2 * num_params + 4 * layers * hidden * seq_len_sq_mean
+
+
 def peak_memory_gib(device: torch.device) -> float | None:
     """Peak allocated accelerator memory (GiB) since start; None on CPU."""
     if device.type == "cuda":

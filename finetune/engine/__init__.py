@@ -18,10 +18,12 @@ says what one micro-batch costs. The engine calls it through this narrow interfa
   SFT, pairs for preference objectives, 1 per micro-batch for diffusion, whose loss is a mean).
 * `loss(model, batch, num_units) -> (loss, metric sums)`: the micro-batch's loss summed over its
   units and divided by the units of the whole window on all processes, so that summing the window's
-  losses gives the window's mean; metric sums (e.g. rewards) are averaged the same way for the log.
+  losses gives the window's mean; metric sums (e.g. rewards) are averaged the same way for the log,
+  or over their own count where the objective returns one as `count:<name>` (finetune.engine.step).
 * `after_update(model)`: after every applied update (diffusion's EMA).
 * `counts(batch)` and `log_fields(interval, elapsed, totals)`: throughput (tokens/s and MFU, images/s).
-* `evaluate(model, step) -> fields` every `eval_every` steps and at the end (`can_evaluate`).
+* `evaluate(model, step) -> fields` every `eval_every` steps and at the end (`can_evaluate`), and
+  before the first step with train.eval_on_start.
 * `save(model, metrics) -> extra files`: the final artifacts and model card (every process calls it).
 
 Reading order: loop.py (train -> setup -> train_loop -> save_final), step.py (one window),

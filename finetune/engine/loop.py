@@ -142,6 +142,8 @@ def train_loop(run: Run, log: ProgressLog) -> None:
     skip = set(train.iterations_to_skip)
     if acc.is_main_process and train.report_to:
         acc.init_trackers(run.output_dir.name, config=flat(run.recipe_dict))
+    if train.eval_on_start and objective.can_evaluate and st.step == 0:
+        evaluate(run, log)  # the baseline: the model before any update
     run.model.train()
     while st.step < run.total_steps and run.stop_reason is None:
         # The order of an epoch depends only on (seed, epoch): resume needs no sampler state.

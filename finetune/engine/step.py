@@ -83,13 +83,29 @@ def train_step(run, window: list[dict]) -> dict[str, Any]:
     }
 
 
+COUNT_PREFIX = "count:"
+"""A metric sum `name` is averaged over the window's units, or over the window's sum of the metric
+`count:name` when the objective returns one (e.g. KTO's rewards of its desirable examples only); the
+`count:` entries themselves are not logged."""
+
+
 def _means(acc, sums: dict[str, torch.Tensor], num_units: torch.Tensor) -> dict[str, float]:
     """The objective's metric sums over the window, averaged over its units on all processes."""
     if not sums:
         return {}
     names = sorted(sums)
-    stacked = acc.reduce(torch.stack([sums[n] for n in names]), reduction="sum") / num_units
-    return dict(zip(names, stacked.tolist(), strict=True))
+    totals = dict(
+        zip(names, acc.reduce(torch.stack([sums[n] for n in names]), reduction="sum").tolist(), strict=True)
+    )
+    units = float(num_units)
+    means = {}
+    for name, total in totals.items():
+        if name.startswith(COUNT_PREFIX):
+            continue
+        count = totals.get(COUNT_PREFIX + name, units)
+        if count > 0:  # a metric with no example in the window (e.g. no undesirable one) is left out
+            means[name] = total / count
+    return means
 
 
 def optimizer_step(acc, optimizer) -> bool:

@@ -3,6 +3,9 @@
 The loss of a micro-batch is the sum of its token losses divided by the trainable tokens of the
 whole accumulation window on all processes (transformers' `num_items_in_batch`), so the window's
 update is the mean over its trainable tokens, whatever the micro-batch sizes.
+
+The parts any causal-LM objective needs (the model with LoRA / QLoRA, the batch check, throughput
+fields, the final save) are module functions, shared with the preference objective.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 from finetune.data.loader import count_tokens, count_trainable, make_dataloader, seq_stats
 from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
-from finetune.metrics import device_peak_flops, model_flops_per_token
+from finetune.metrics import device_peak_flops, forward_flops_per_token, model_flops_per_token
 
 
 def forward(model, batch: dict, *, num_items: torch.Tensor | None = None):
@@ -70,10 +73,10 @@ class CausalLMObjective:
         # then load it from the cache.
         prepared = prepare_on_main_process(self.recipe, accelerator)
         self.manifest = prepared.manifest
-        model = self._model(accelerator)
+        model, self.flops = build_lm(self.model_settings, self.lora, self.train, self.tokenizer, accelerator)
         pad_id = pad_token_id(self.tokenizer)
         train_loader = self._loader(prepared.train, pad_id, packed=self.data.sample_packing, training=True)
-        self._check_batches(train_loader, len(prepared.train))
+        check_batches(accelerator, train_loader, len(prepared.train), self.train.micro_batch_size)
         if prepared.eval is not None and len(prepared.eval) > 0:
             self.eval_loader = self._loader(
                 prepared.eval, pad_id, packed=self.data.eval_sample_packing, training=False
@@ -81,38 +84,6 @@ class CausalLMObjective:
             self.can_evaluate = True
             self.eval_every = self.train.eval_steps
         return Parts(model=model, train_loader=train_loader, manifest=prepared.manifest)
-
-    def _model(self, accelerator):
-        from finetune.model import (
-            apply_lora,
-            build_model,
-            count_parameters,
-            save_base_model,
-            upcast_trainable_to_fp32,
-        )
-
-        train, output_dir = self.train, Path(self.train.output_dir)
-        model = build_model(
-            self.model_settings,
-            self.lora,
-            mixed_precision=train.mixed_precision,
-            vocab_size=len(self.tokenizer),
-            gradient_checkpointing=train.gradient_checkpointing,
-        )
-        if self.lora.enable_lora:
-            base_dir = None
-            if self.model_settings.model_path is None:
-                base_dir = output_dir / "base_model"
-                save_base_model(model, base_dir, is_main_process=accelerator.is_main_process)
-            model = apply_lora(model, self.lora, gradient_checkpointing=train.gradient_checkpointing)
-            if base_dir is not None:
-                model.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
-        if train.mixed_precision == "fp16":
-            upcast_trainable_to_fp32(model)
-        trainable, total = count_parameters(model)
-        accelerator.print(f"parameters: {trainable:,} trainable / {total:,} total")
-        self.flops = {"num_params": total, "num_trainable": trainable}
-        return model
 
     def _loader(self, dataset, pad_id: int, *, packed: bool, training: bool):
         acc, data = self.accelerator, self.data
@@ -131,22 +102,6 @@ class CausalLMObjective:
             num_replicas=acc.num_processes if training else None,
             rank=acc.process_index,
         )
-
-    def _check_batches(self, loader, num_rows: int) -> None:
-        processes, micro = self.accelerator.num_processes, self.train.micro_batch_size
-        if len(loader) == 0:
-            raise FinetuneError(
-                "no training batches: the prepared train split has fewer rows than "
-                f"train.micro_batch_size x processes ({num_rows} rows); lower micro_batch_size "
-                "or set data.dataloader_drop_last: false"
-            )
-        dropped = loader.batch_sampler.dropped_per_epoch
-        if dropped:
-            self.accelerator.print(
-                f"data.dataloader_drop_last: {dropped} of {num_rows} rows per epoch do not fill a "
-                f"last batch of {micro} x {processes} processes and are not trained on (a different set "
-                "each epoch); set dataloader_drop_last: false to keep them"
-            )
 
     def on_prepared(self, accelerator, model) -> None:
         self.flops["config"] = accelerator.unwrap_model(model).config
@@ -175,24 +130,11 @@ class CausalLMObjective:
 
         Token counts are this process's; trainable tokens (`units`) are all processes'.
         """
-        acc = self.accelerator
-        tokens, trainable = interval.get("tokens", 0), interval.get("units", 0)
-        totals["num_tokens"] = totals.get("num_tokens", 0) + tokens
-        flops_per_token = model_flops_per_token(
-            self.flops["config"],
-            num_params=self.flops["num_params"],
-            num_trainable=self.flops["num_trainable"],
-            seq_len_sq_mean=interval.get("seq_sq", 0.0) / max(interval.get("seq", 0), 1),
-        )
-        tflops = tokens * flops_per_token / elapsed / 1e12
-        peak = device_peak_flops(acc.device)
+        trainable = interval.get("units", 0)
         return {
-            "tokens_per_sec": tokens / elapsed,
-            "tokens_per_sec_total": tokens * acc.num_processes / elapsed,
+            **throughput_fields(self.accelerator, self.flops, interval, elapsed, totals),
             "trainable_tokens": trainable,
             "trainable_tokens_per_sec": trainable / elapsed,
-            "tflops_per_device": tflops,
-            "mfu": tflops * 1e12 / peak if peak else None,
         }
 
     # ------------------------------------------------------------------------------------ eval
@@ -224,59 +166,160 @@ class CausalLMObjective:
 
     def save(self, model, metrics: dict[str, Any]) -> list[Path]:
         """The adapter (or full model) in Hugging Face format, tokenizer and model card."""
-        from accelerate.utils import DistributedType
-
-        from finetune.model_card import write_model_card
         from finetune.recipe import recipe_to_dict
 
-        acc, output_dir = self.accelerator, Path(self.train.output_dir)
-        unwrapped = acc.unwrap_model(model)
-        # Sharded engines must gather the full weights first; otherwise the unwrapped model saves its
-        # own state dict (get_state_dict of a torch.compile'd PEFT model has keys PEFT's save cannot map).
-        sharded = acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-        # ZeRO-3 gathers the 16-bit weights, FSDP2 a full state dict on rank 0 (every rank takes part).
-        state_dict = acc.get_state_dict(model) if sharded else None
-        merge = self.lora.enable_lora and not self.lora.save_lora_only
-        if merge and sharded:
-            self._merge_sharded(unwrapped, state_dict, output_dir)
-        else:
-            if merge:
-                unwrapped = unwrapped.merge_and_unload()
-            unwrapped.save_pretrained(
-                output_dir,
-                state_dict=state_dict,
-                is_main_process=acc.is_main_process,
-                save_function=acc.save,
-                safe_serialization=True,
-            )
-        if acc.is_main_process:
-            self.tokenizer.save_pretrained(output_dir)
-            card_metrics = {"step": metrics["step"], "trainable_tokens": metrics["units"]}
-            card_metrics.update({k: v for k, v in metrics.items() if k.startswith("eval_")})
-            write_model_card(
-                output_dir, recipe=recipe_to_dict(self.recipe), manifest=self.manifest, metrics=card_metrics
-            )
+        card_metrics = {"step": metrics["step"], "trainable_tokens": metrics["units"]}
+        card_metrics.update({k: v for k, v in metrics.items() if k.startswith("eval_")})
+        save_lm(
+            self.accelerator,
+            model,
+            self.tokenizer,
+            lora=self.lora,
+            output_dir=Path(self.train.output_dir),
+            card={"recipe": recipe_to_dict(self.recipe), "manifest": self.manifest, "metrics": card_metrics},
+        )
         return []
 
-    def _merge_sharded(self, unwrapped, state_dict, output_dir: Path) -> None:
-        """The sharded model cannot merge in place: save the adapter, then merge it into the base
-        weights on the main process (the same code as `finetune merge-lora`)."""
-        from accelerate.utils import DistributedType
 
-        from finetune.model import merge_lora
+# ------------------------------------------------------------------------------ shared with preference
 
-        acc = self.accelerator
-        adapter_dir = output_dir / ".adapter-to-merge"
-        unwrapped.save_pretrained(
-            adapter_dir, state_dict=state_dict, is_main_process=acc.is_main_process, safe_serialization=True
+
+def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, dict[str, Any]]:
+    """(the causal LM to train, not yet prepared; its parameter counts for FLOPs): pretrained or
+    random-init weights, LoRA / QLoRA adapters (a random-init base is saved to output_dir/base_model
+    so the adapter can be loaded later), fp32 trainable weights under fp16."""
+    from finetune.model import (
+        apply_lora,
+        build_model,
+        count_parameters,
+        save_base_model,
+        upcast_trainable_to_fp32,
+    )
+
+    output_dir = Path(train.output_dir)
+    model = build_model(
+        model_settings,
+        lora,
+        mixed_precision=train.mixed_precision,
+        vocab_size=len(tokenizer),
+        gradient_checkpointing=train.gradient_checkpointing,
+    )
+    if lora.enable_lora:
+        base_dir = None
+        if model_settings.model_path is None:
+            base_dir = output_dir / "base_model"
+            save_base_model(model, base_dir, is_main_process=accelerator.is_main_process)
+        model = apply_lora(model, lora, gradient_checkpointing=train.gradient_checkpointing)
+        if base_dir is not None:
+            model.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
+    if train.mixed_precision == "fp16":
+        upcast_trainable_to_fp32(model)
+    trainable, total = count_parameters(model)
+    accelerator.print(f"parameters: {trainable:,} trainable / {total:,} total")
+    return model, {"num_params": total, "num_trainable": trainable}
+
+
+def check_batches(accelerator, loader, num_rows: int, micro_batch_size: int) -> None:
+    """Refuse an epoch without batches; say how many rows drop_last leaves out of each epoch."""
+    processes = accelerator.num_processes
+    if len(loader) == 0:
+        raise FinetuneError(
+            "no training batches: the prepared train split has fewer rows than "
+            f"train.micro_batch_size x processes ({num_rows} rows); lower micro_batch_size "
+            "or set data.dataloader_drop_last: false"
         )
-        if acc.is_main_process:
-            self.tokenizer.save_pretrained(adapter_dir)  # its length sizes the embeddings
-            if acc.distributed_type == DistributedType.DEEPSPEED:
-                # Otherwise transformers would load the base for merging partitioned (ZeRO-3 init);
-                # training is over, nothing else is built under ZeRO-3 after this.
-                from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    dropped = loader.batch_sampler.dropped_per_epoch
+    if dropped:
+        accelerator.print(
+            f"data.dataloader_drop_last: {dropped} of {num_rows} rows per epoch do not fill a "
+            f"last batch of {micro_batch_size} x {processes} processes and are not trained on (a different set "
+            "each epoch); set dataloader_drop_last: false to keep them"
+        )
 
-                unset_hf_deepspeed_config()
-            merge_lora(str(adapter_dir), str(output_dir))
-            shutil.rmtree(adapter_dir)
+
+def throughput_fields(
+    accelerator, flops: dict, interval: dict, elapsed: float, totals: dict, *, forward_passes: int = 0
+) -> dict:
+    """tokens/s (this process and all processes), TFLOP/s and MFU of a logging interval.
+
+    `interval` holds this process's `tokens` and the `seq_sq` / `seq` sums of `seq_stats`; `flops`
+    the parameter counts of `build_lm` and the model `config`; `forward_passes` counts the extra
+    forward-only passes over the same tokens (a reference model). Updates totals["num_tokens"].
+    """
+    tokens = interval.get("tokens", 0)
+    totals["num_tokens"] = totals.get("num_tokens", 0) + tokens
+    seq_len_sq_mean = interval.get("seq_sq", 0.0) / max(interval.get("seq", 0), 1)
+    flops_per_token = model_flops_per_token(
+        flops["config"],
+        num_params=flops["num_params"],
+        num_trainable=flops["num_trainable"],
+        seq_len_sq_mean=seq_len_sq_mean,
+    ) + forward_passes * forward_flops_per_token(
+        flops["config"], num_params=flops["num_params"], seq_len_sq_mean=seq_len_sq_mean
+    )
+    tflops = tokens * flops_per_token / elapsed / 1e12
+    peak = device_peak_flops(accelerator.device)
+    return {
+        "tokens_per_sec": tokens / elapsed,
+        "tokens_per_sec_total": tokens * accelerator.num_processes / elapsed,
+        "tflops_per_device": tflops,
+        "mfu": tflops * 1e12 / peak if peak else None,
+    }
+
+
+def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict) -> None:
+    """The adapter (or full model, or the merged model with lora.save_lora_only false) in Hugging Face
+    format with the tokenizer and a model card (`card`: recipe, manifest, metrics); every process calls it.
+    """
+    from accelerate.utils import DistributedType
+
+    from finetune.model_card import write_model_card
+
+    unwrapped = accelerator.unwrap_model(model)
+    # Sharded engines must gather the full weights first; otherwise the unwrapped model saves its
+    # own state dict (get_state_dict of a torch.compile'd PEFT model has keys PEFT's save cannot map).
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    # ZeRO-3 gathers the 16-bit weights, FSDP2 a full state dict on rank 0 (every rank takes part).
+    state_dict = accelerator.get_state_dict(model) if sharded else None
+    merge = lora.enable_lora and not lora.save_lora_only
+    if merge and sharded:
+        _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir)
+    else:
+        if merge:
+            unwrapped = unwrapped.merge_and_unload()
+        unwrapped.save_pretrained(
+            output_dir,
+            state_dict=state_dict,
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+            safe_serialization=True,
+        )
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(output_dir)
+        write_model_card(output_dir, **card)
+
+
+def _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir: Path) -> None:
+    """The sharded model cannot merge in place: save the adapter, then merge it into the base
+    weights on the main process (the same code as `finetune merge-lora`)."""
+    from accelerate.utils import DistributedType
+
+    from finetune.model import merge_lora
+
+    adapter_dir = output_dir / ".adapter-to-merge"
+    unwrapped.save_pretrained(
+        adapter_dir,
+        state_dict=state_dict,
+        is_main_process=accelerator.is_main_process,
+        safe_serialization=True,
+    )
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(adapter_dir)  # its length sizes the embeddings
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            # Otherwise transformers would load the base for merging partitioned (ZeRO-3 init);
+            # training is over, nothing else is built under ZeRO-3 after this.
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+        merge_lora(str(adapter_dir), str(output_dir))
+        shutil.rmtree(adapter_dir)
