@@ -1,0 +1,505 @@
+"""Preference tuning of a causal LM: DPO, IPO, SimPO, ORPO (on pairs) and KTO (on labelled examples).
+
+The data are prepared rows of pairs (finetune.data.preference): chosen_0, rejected_0, chosen_1, ...
+packed with position_ids restarting at every sequence, so one forward scores every sequence of a
+micro-batch and a pair is never split. The losses are finetune.losses.preference's pure functions on
+per-sequence log-prob sums.
+
+Units are pairs (kto: examples): a micro-batch's loss is the sum of its per-pair losses divided by
+the pairs of the whole accumulation window on all processes, so the window's update is the mean over
+its pairs, whatever the micro-batch sizes and packing. Metric sums (rewards, accuracies, margins,
+log-probs) are averaged the same way by the engine (kto's chosen / rejected ones over the desirable
+/ undesirable examples, through `count:` sums).
+
+The reference log-probs (dpo, ipo, kto; simpo and orpo need none) come from
+* the base model with the adapters disabled (LoRA / QLoRA: no second model in memory),
+* a frozen copy of the initial model in eval mode (full fine-tuning),
+* or, with train.precompute_ref_log_probs, a table computed once before training and cached next
+  to the prepared data (finetune.objectives.reference_logps).
+
+KTO's reference point is TRL's: the KL estimate from mismatched completions (each packed row's KL
+row, finetune.data.preference.kto_kl_row), detached, averaged over processes and clamped at 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.engine.objective import Parts
+from finetune.errors import FinetuneError
+from finetune.losses import preference as losses
+from finetune.objectives.causal_lm import build_lm, check_batches, forward, save_lm, throughput_fields
+
+PAIRED = ("dpo", "ipo", "simpo", "orpo")
+WITH_REFERENCE = ("dpo", "ipo", "kto")
+# Columns of prepared preference rows the loaders read (finetune.data.preference).
+COLUMNS = (
+    "input_ids",
+    "labels",
+    "position_ids",
+    "seq_lens",
+    "num_units",
+    "desirable",
+    "prompt_lens",
+    "row_index",
+)
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+class PreferenceObjective:
+    """DPO, IPO, SimPO, ORPO or KTO of a transformers causal LM (full, LoRA, QLoRA) on prepared pairs."""
+
+    def __init__(self, recipe):
+        # The objective is built by the entry point from the whole recipe and keeps only its parts.
+        self.recipe = recipe
+        self.model_settings, self.lora, self.data, self.train = (
+            recipe.model,
+            recipe.lora,
+            recipe.data,
+            recipe.train,
+        )
+        self.name = recipe.train.objective
+        if self.name not in (*PAIRED, "kto"):
+            raise FinetuneError(f"train.objective {self.name!r} is not a preference objective")
+        self.paired = self.name in PAIRED
+        self.unit = "pairs" if self.paired else "examples"
+        self.summary_keys = (self.unit,)
+        self.accelerator: Any = None
+        self.tokenizer: Any = None
+        self.prepared: Any = None
+        self.manifest: dict = {}
+        self.flops: dict[str, Any] = {}
+        self.eval_loader: Any = None
+        self.eval_every: int | None = None
+        self.can_evaluate = False
+        self.reference_model: Any = None  # the frozen copy (full fine-tuning without precomputed log-probs)
+        self.reference_tables: dict[str, Any] = {}  # precomputed: split -> ReferenceTable
+
+    # ----------------------------------------------------------------------------------- build
+
+    def build(self, accelerator) -> Parts:
+        from finetune.data.prepare import prepare_on_main_process
+        from finetune.model import check_attention_backend, load_tokenizer
+
+        self.accelerator = accelerator
+        check_attention_backend(self.model_settings.attn_implementation)
+        self.tokenizer = load_tokenizer(self.model_settings)
+        # One process per machine prepares; the others wait, however long it takes, then read the cache.
+        self.prepared = prepare_on_main_process(self.recipe, accelerator)
+        self.manifest = self.prepared.manifest
+        self._check_prepared_kind()
+        model, self.flops = build_lm(self.model_settings, self.lora, self.train, self.tokenizer, accelerator)
+        if self._reference_source() == "copy":
+            self.reference_model = self._frozen_copy(model, accelerator)
+        train_rows = _with_row_index(self.prepared.train)
+        train_loader = self._loader(train_rows, training=True)
+        check_batches(accelerator, train_loader, len(train_rows), self.train.micro_batch_size)
+        if self.prepared.eval is not None and len(self.prepared.eval) > 0:
+            self.eval_loader = self._loader(_with_row_index(self.prepared.eval), training=False)
+            self.can_evaluate = True
+            self.eval_every = self.train.eval_steps
+        return Parts(model=model, train_loader=train_loader, manifest=self.manifest)
+
+    def _check_prepared_kind(self) -> None:
+        wanted = "preference" if self.paired else "kto"
+        kind = self.manifest.get("kind", "sft")
+        if kind != wanted:
+            raise FinetuneError(
+                f"the prepared dataset at {self.prepared.path} holds {kind} rows, but train.objective "
+                f"{self.name} trains on {wanted} rows: use data entries of type {wanted} and prepare again"
+            )
+
+    def _reference_source(self) -> str | None:
+        """Where the reference log-probs come from: None (simpo, orpo), precomputed, adapter, copy."""
+        if self.name not in WITH_REFERENCE:
+            return None
+        if self.train.precompute_ref_log_probs:
+            return "precomputed"
+        return "adapter" if self.lora.enable_lora else "copy"
+
+    def _frozen_copy(self, model, accelerator):
+        """The reference for full fine-tuning: a copy of the initial weights, frozen, in eval mode."""
+        from accelerate.utils import DistributedType
+
+        if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            raise FinetuneError(
+                f"train.objective {self.name} with full fine-tuning under {accelerator.distributed_type.value}: a "
+                "frozen reference copy would not be sharded; set train.precompute_ref_log_probs: true (the "
+                "reference log-probs are computed once with the sharded model) or train LoRA adapters"
+            )
+        # A second copy of the weights: the memory cost of a full fine-tune's reference.
+        return copy.deepcopy(model).requires_grad_(False).eval()
+
+    def _loader(self, rows, *, training: bool):
+        from finetune.data.collate import collate_preference
+        from finetune.data.loader import make_dataloader
+        from finetune.model import pad_token_id
+
+        acc, data = self.accelerator, self.data
+        pad_id = pad_token_id(self.tokenizer)
+        return make_dataloader(
+            rows,
+            micro_batch_size=self.train.micro_batch_size,
+            seed=self.train.seed,
+            pad_id=pad_id,
+            packed=True,
+            shuffle=training,
+            drop_last=data.dataloader_drop_last if training else False,
+            num_workers=data.dataloader_num_workers,
+            prefetch_factor=data.dataloader_prefetch_factor,
+            pin_memory=data.dataloader_pin_memory,
+            num_replicas=acc.num_processes if training else None,
+            rank=acc.process_index,
+            columns=COLUMNS,
+            collate=partial(
+                collate_preference, pad_token_id=pad_id, pad_to_multiple_of=data.pad_to_multiple_of
+            ),
+        )
+
+    def on_prepared(self, accelerator, model) -> None:
+        self.flops["config"] = accelerator.unwrap_model(model).config
+        if self.reference_model is not None:
+            self.reference_model.to(accelerator.device)
+        if (
+            self.eval_loader is not None
+        ):  # sharded by Accelerate, after the model (DeepSpeed wants that order)
+            self.eval_loader = accelerator.prepare(self.eval_loader)
+        if self._reference_source() == "precomputed":
+            # Before the engine loads a checkpoint: the weights are still the initial ones, the reference.
+            self.reference_tables = self._precompute(model)
+
+    def _precompute(self, model) -> dict:
+        from finetune.data.loader import make_dataloader
+        from finetune.model import pad_token_id
+        from finetune.objectives.reference_logps import cache_path, load_or_compute, reference_key
+
+        acc = self.accelerator
+        key = reference_key(
+            self.model_settings, mixed_precision=self.train.mixed_precision, seed=self.train.seed
+        )
+        path = cache_path(Path(self.data.dataset_prepared_path), self.manifest["fingerprint"], key)
+        splits = {"train": _with_row_index(self.prepared.train)}
+        if self.prepared.eval is not None and len(self.prepared.eval):
+            splits["eval"] = _with_row_index(self.prepared.eval)
+        pad_id = pad_token_id(self.tokenizer)
+
+        def make_batches(rows):
+            from finetune.data.collate import collate_preference
+
+            loader = make_dataloader(
+                rows,
+                micro_batch_size=self.train.micro_batch_size,
+                seed=0,
+                pad_id=pad_id,
+                packed=True,
+                shuffle=False,
+                drop_last=False,
+                columns=COLUMNS,
+                collate=partial(
+                    collate_preference, pad_token_id=pad_id, pad_to_multiple_of=self.data.pad_to_multiple_of
+                ),
+            )
+            for batch in loader:
+                yield {k: v.to(acc.device) for k, v in batch.items()}
+
+        def compute(batch) -> list[torch.Tensor]:
+            heads = self._reference_logps(model, batch)
+            tails = self._reference_logps(model, batch, kl=True) if not self.paired else None
+            return _per_row(batch["num_units"], heads, tails, paired=self.paired)
+
+        model.eval()
+        try:
+            return load_or_compute(acc, path, splits, compute, make_batches, kto=not self.paired)
+        finally:
+            model.train()
+
+    def after_update(self, model) -> None:
+        """Nothing to do after an applied update."""
+
+    # ------------------------------------------------------------------------------------ step
+
+    def units(self, batch: dict) -> torch.Tensor:
+        return batch["num_units"].sum()
+
+    def loss(self, model, batch: dict, num_units: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        out, z0 = self._losses(model, batch, split="train")
+        values = self._unit_values(out, batch, z0)
+        return out.losses.sum() / num_units, {name: v.sum() for name, v in values.items()}
+
+    def _losses(self, model, batch: dict, *, split: str) -> tuple[losses.PreferenceLoss, torch.Tensor | None]:
+        """The micro-batch's per-pair (kto: per-example) losses, and kto's reference point."""
+        train = self.train
+        sums, counts, nll = self._policy_logps(model, batch)
+        if self.name == "simpo":
+            return losses.simpo_loss(
+                sums[0::2], sums[1::2], counts[0::2], counts[1::2],
+                beta=train.beta, gamma=train.simpo_gamma, label_smoothing=train.label_smoothing,
+            ), None  # fmt: skip
+        if self.name == "orpo":
+            nll_sums, nll_counts = nll if nll is not None else (sums[0::2], counts[0::2])
+            return losses.orpo_loss(
+                sums[0::2], sums[1::2], counts[0::2], counts[1::2], nll_sums, nll_counts,
+                beta=train.beta, nll_reduction=train.orpo_nll_reduction,
+            ), None  # fmt: skip
+        ref, ref_kl = self._reference(model, batch, split)
+        if self.name == "kto":
+            z0 = self._kto_reference_point(model, batch, ref_kl)
+            out = losses.kto_loss(
+                sums, ref, batch["desirable"], z0,
+                beta=train.beta, desirable_weight=train.kto_desirable_weight,
+                undesirable_weight=train.kto_undesirable_weight,
+            )  # fmt: skip
+            return out, z0
+        if self.name == "ipo":
+            return losses.ipo_loss(
+                sums[0::2], sums[1::2], ref[0::2], ref[1::2], counts[0::2], counts[1::2], beta=train.beta
+            ), None
+        return losses.dpo_loss(
+            sums[0::2], sums[1::2], ref[0::2], ref[1::2],
+            beta=train.beta, label_smoothing=train.label_smoothing, smoothing=train.dpo_smoothing,
+        ), None  # fmt: skip
+
+    def _policy_logps(self, model, batch: dict):
+        """(per-sequence completion log-prob sums, their token counts, ORPO's batch NLL sums and counts
+        over every token of the chosen sequences, or None)."""
+        labels, position_ids = batch["labels"], batch["position_ids"]
+        num_sequences = self._sequences_per_row(batch)
+        logits = forward(model, _model_inputs(batch)).logits
+        orpo_batch_nll = self.name == "orpo" and self.train.orpo_nll_reduction == "batch"
+        if orpo_batch_nll:  # TRL's NLL term scores the prompt too: one log-prob per real token
+            real = _real_tokens(position_ids, num_sequences)
+            token_logps = losses.token_logps(logits, batch["input_ids"].masked_fill(~real, -100))
+        else:
+            token_logps = losses.token_logps(logits, labels)
+        total = int(num_sequences.sum())
+        sums, counts = losses.sequence_sums(token_logps, labels != -100, position_ids, num_sequences=total)
+        nll = None
+        if orpo_batch_nll:
+            all_sums, all_counts = losses.sequence_sums(token_logps, real, position_ids, num_sequences=total)
+            nll = (all_sums[0::2], all_counts[0::2])
+        return sums, counts, nll
+
+    def _sequences_per_row(self, batch: dict) -> torch.Tensor:
+        return batch["num_units"] * (2 if self.paired else 1)
+
+    # ------------------------------------------------------------------------------- reference
+
+    def _reference(self, model, batch: dict, split: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Reference log-prob sums of the batch's sequences (and kto's KL sequences)."""
+        if self.reference_tables:
+            device = batch["input_ids"].device
+            heads, tails = self.reference_tables[split].rows(
+                batch["row_index"].cpu(), batch["num_units"].cpu()
+            )
+            return heads.to(device), tails.to(device) if not self.paired else None
+        kl = self._reference_logps(model, batch, kl=True) if not self.paired else None
+        return self._reference_logps(model, batch), kl
+
+    def _reference_logps(self, model, batch: dict, *, kl: bool = False) -> torch.Tensor:
+        """The reference model's per-sequence log-prob sums (no gradient): the frozen copy, else the
+        model itself with its adapters disabled (LoRA), or as it is (precomputing before any update)."""
+        acc = self.accelerator
+        inputs = _kl_inputs(batch) if kl else batch
+        with torch.no_grad():
+            if self.reference_model is not None:
+                with acc.autocast():
+                    logits = forward(self.reference_model, _model_inputs(inputs)).logits
+            else:
+                # The unwrapped model: no DDP hooks for a pass that has no backward. Its forward keeps
+                # Accelerate's autocast wrapper.
+                unwrapped = acc.unwrap_model(model)
+                disabled = unwrapped.disable_adapter() if self.lora.enable_lora else contextlib.nullcontext()
+                with disabled:
+                    logits = forward(unwrapped, _model_inputs(inputs)).logits
+            token_logps = losses.token_logps(logits, inputs["labels"])
+            total = int(self._sequences_per_row(batch).sum())
+            sums, _ = losses.sequence_sums(
+                token_logps, inputs["labels"] != -100, inputs["position_ids"], num_sequences=total
+            )
+        return sums
+
+    def _kto_reference_point(self, model, batch: dict, ref_kl: torch.Tensor) -> torch.Tensor:
+        """z0: the policy's KL estimate on the mismatched completions, as TRL: no gradient, the mean
+        over processes (a collective: every process computes a loss for every micro-batch)."""
+        with torch.no_grad():
+            inputs = _kl_inputs(batch)
+            logits = forward(self.accelerator.unwrap_model(model), _model_inputs(inputs)).logits
+            token_logps = losses.token_logps(logits, inputs["labels"])
+            total = int(batch["num_units"].sum())
+            policy_kl, _ = losses.sequence_sums(
+                token_logps, inputs["labels"] != -100, inputs["position_ids"], num_sequences=total
+            )
+        return losses.kto_reference_point(
+            policy_kl, ref_kl, reduce=lambda t: self.accelerator.reduce(t, reduction="mean")
+        )
+
+    # --------------------------------------------------------------------------------- metrics
+
+    def _unit_values(self, out: losses.PreferenceLoss, batch: dict, z0: torch.Tensor | None) -> dict:
+        """Per-unit values whose sums the engine averages (over units, or over a `count:` sum)."""
+        if self.paired:
+            chosen, rejected = out.chosen_rewards, out.rejected_rewards
+            return {
+                "rewards/chosen": chosen,
+                "rewards/rejected": rejected,
+                "rewards/accuracies": (chosen > rejected).float(),
+                "rewards/margins": chosen - rejected,
+                "logps/chosen": out.chosen_logps,
+                "logps/rejected": out.rejected_logps,
+            }
+        desirable = batch["desirable"]
+        values = {"kl": z0.expand(len(desirable))}
+        for side, mask, rewards, logps in (
+            ("chosen", desirable, out.chosen_rewards, out.chosen_logps),
+            ("rejected", ~desirable, out.rejected_rewards, out.rejected_logps),
+        ):
+            for name, picked in ((f"rewards/{side}", rewards), (f"logps/{side}", logps)):
+                values[name] = torch.zeros(len(mask), device=mask.device).masked_scatter(mask, picked.float())
+                values[f"count:{name}"] = mask.float()
+        return values
+
+    def counts(self, batch: dict) -> dict[str, float]:
+        from finetune.data.loader import seq_stats
+
+        seq_sq, seq = seq_stats(batch)
+        real = _real_tokens(batch["position_ids"], self._sequences_per_row(batch))
+        return {
+            "tokens": int(real.sum()),
+            "seq_sq": seq_sq,
+            "seq": seq,
+            self.unit: int(batch["num_units"].sum()),
+        }
+
+    def log_fields(self, interval: dict[str, float], elapsed: float, totals: dict[str, float]) -> dict:
+        """tokens/s (real tokens: prompts counted in both sequences of a pair, no padding), pairs
+        (examples) of the applied steps on all processes and per second, TFLOP/s and MFU (reference
+        and no-grad KL forwards included)."""
+        units = interval.get("units", 0)
+        return {
+            **throughput_fields(
+                self.accelerator, self.flops, interval, elapsed, totals, forward_passes=self._forward_passes()
+            ),
+            self.unit: units,
+            f"{self.unit}_per_sec": units / elapsed,
+        }
+
+    def _forward_passes(self) -> int:
+        """Forward-only passes per token besides the policy's training pass."""
+        reference = 1 if self._reference_source() in ("adapter", "copy") else 0
+        return reference * (2 if self.name == "kto" else 1) + (1 if self.name == "kto" else 0)
+
+    # ------------------------------------------------------------------------------------ eval
+
+    def evaluate(self, model, step: int) -> dict[str, Any]:
+        """The loss and the training metrics over the held-out pairs (examples), prefixed eval_."""
+        acc = self.accelerator
+        model.eval()
+        names: list[str] | None = None
+        totals: torch.Tensor | None = None
+        with torch.no_grad():
+            for batch in self.eval_loader:
+                out, z0 = self._losses(model, batch, split="eval")
+                values = {"loss": out.losses.detach(), **self._unit_values(out, batch, z0)}
+                names = names or sorted(values)
+                # Per-row sums: gather_for_metrics drops the rows Accelerate repeated to even the processes.
+                row = torch.repeat_interleave(
+                    torch.arange(len(batch["num_units"]), device=out.losses.device), batch["num_units"]
+                )
+                table = torch.zeros(len(batch["num_units"]), len(names) + 1, device=out.losses.device)
+                table.index_add_(
+                    0,
+                    row,
+                    torch.stack(
+                        [*(values[n].float() for n in names), torch.ones_like(row, dtype=torch.float)], 1
+                    ),
+                )
+                table = acc.gather_for_metrics(table).sum(0)
+                totals = table if totals is None else totals + table
+        model.train()
+        metrics = self._eval_means(dict(zip([*names, "units"], totals.tolist(), strict=True)))
+        if self.train.report_to:
+            acc.log(metrics, step=step)
+        return metrics
+
+    def _eval_means(self, sums: dict[str, float]) -> dict[str, float]:
+        units = sums.pop("units")
+        out = {}
+        for name, total in sums.items():
+            if name.startswith("count:"):
+                continue
+            count = sums.get(f"count:{name}", units)
+            if count > 0:
+                out[f"eval_{name}"] = total / count
+        if not self.paired and "eval_rewards/chosen" in out and "eval_rewards/rejected" in out:
+            out["eval_rewards/margins"] = out["eval_rewards/chosen"] - out["eval_rewards/rejected"]
+        out[f"eval_{self.unit}"] = int(units)
+        return out
+
+    # ------------------------------------------------------------------------------------ save
+
+    def save(self, model, metrics: dict[str, Any]) -> list[Path]:
+        """The adapter (or full model) in Hugging Face format, tokenizer and model card."""
+        from finetune.recipe import recipe_to_dict
+
+        card_metrics = {"step": metrics["step"], "objective": self.name, self.unit: metrics["units"]}
+        card_metrics.update({k: v for k, v in metrics.items() if k.startswith("eval_")})
+        save_lm(
+            self.accelerator,
+            model,
+            self.tokenizer,
+            lora=self.lora,
+            output_dir=Path(self.train.output_dir),
+            card={"recipe": recipe_to_dict(self.recipe), "manifest": self.manifest, "metrics": card_metrics},
+        )
+        return []
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def _with_row_index(rows):
+    """The prepared rows with their index (where precomputed reference log-probs are looked up)."""
+    return rows if "row_index" in rows.column_names else rows.add_column("row_index", list(range(len(rows))))
+
+
+def _model_inputs(batch: dict) -> dict:
+    return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+
+
+def _kl_inputs(batch: dict) -> dict:
+    """Kto's KL rows in place of the rows (same layout: one KL sequence per example)."""
+    return {k: batch[f"kl_{k}"] for k in ("input_ids", "labels", "position_ids")}
+
+
+def _real_tokens(position_ids: torch.Tensor, num_sequences: torch.Tensor) -> torch.Tensor:
+    """Tokens of a row's real sequences (not its padding, which forms segments after them)."""
+    starts = position_ids == 0
+    starts[:, 0] = True
+    segment = torch.cumsum(starts, dim=1) - 1
+    return segment < num_sequences.to(segment.device)[:, None]
+
+
+def _per_row(
+    num_units: torch.Tensor, heads: torch.Tensor, tails: torch.Tensor | None, *, paired: bool
+) -> list:
+    """Split a batch's row-major per-sequence values by row: 2 x units values each (pairs: chosen and
+    rejected in turn; kto: the examples, then their KL sequences)."""
+    units = num_units.tolist()
+    per_head = [2 * n for n in units] if paired else units
+    rows = list(torch.split(heads, per_head))
+    if tails is not None:
+        rows = [torch.cat([h, t]) for h, t in zip(rows, torch.split(tails, units), strict=True)]
+    return rows
