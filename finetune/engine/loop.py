@@ -144,6 +144,7 @@ def train_loop(run: Run, log: ProgressLog) -> None:
         acc.init_trackers(run.output_dir.name, config=flat(run.recipe_dict))
     if train.eval_on_start and objective.can_evaluate and st.step == 0:
         evaluate(run, log)  # the baseline: the model before any update
+        interval["t0"] = time.perf_counter()  # its time is not the first steps'
     run.model.train()
     while st.step < run.total_steps and run.stop_reason is None:
         # The order of an epoch depends only on (seed, epoch): resume needs no sampler state.

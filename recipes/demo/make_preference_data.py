@@ -40,7 +40,9 @@ def wrong_answer(answer: str, rng: random.Random) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--source", default=str(HERE / "data" / "arithmetic.jsonl"))
     parser.add_argument("--out-dir", default=str(HERE / "data"))
     parser.add_argument("--num-rows", type=int, default=600, help="pairs to write (and kto examples)")
