@@ -173,17 +173,18 @@ class PreferenceObjective:
         self.flops["config"] = accelerator.unwrap_model(model).config
         if self.reference_model is not None:
             self.reference_model.to(accelerator.device)
-        if (
-            self.eval_loader is not None
-        ):  # sharded by Accelerate, after the model (DeepSpeed wants that order)
+        if self.eval_loader is not None:
+            # Sharded by Accelerate, after the model (DeepSpeed wants that order).
             self.eval_loader = accelerator.prepare(self.eval_loader)
         if self._reference_source() == "precomputed":
             # Before the engine loads a checkpoint: the weights are still the initial ones, the reference.
             self.reference_tables = self._precompute(model)
 
     def _precompute(self, model) -> dict:
-        from finetune.data.loader import make_dataloader
-        from finetune.model import pad_token_id
+        """The reference log-probs of every prepared row, from the cache or computed now (in eval mode,
+        adapters disabled, before any update: the model is the reference)."""
+        from accelerate.utils import send_to_device
+
         from finetune.objectives.reference_logps import cache_path, load_or_compute, reference_key
 
         acc = self.accelerator
@@ -194,26 +195,10 @@ class PreferenceObjective:
         splits = {"train": _with_row_index(self.prepared.train)}
         if self.prepared.eval is not None and len(self.prepared.eval):
             splits["eval"] = _with_row_index(self.prepared.eval)
-        pad_id = pad_token_id(self.tokenizer)
 
         def make_batches(rows):
-            from finetune.data.collate import collate_preference
-
-            loader = make_dataloader(
-                rows,
-                micro_batch_size=self.train.micro_batch_size,
-                seed=0,
-                pad_id=pad_id,
-                packed=True,
-                shuffle=False,
-                drop_last=False,
-                columns=COLUMNS,
-                collate=partial(
-                    collate_preference, pad_token_id=pad_id, pad_to_multiple_of=self.data.pad_to_multiple_of
-                ),
-            )
-            for batch in loader:
-                yield {k: v.to(acc.device) for k, v in batch.items()}
+            # In order, not sharded: load_or_compute gives each process its rows.
+            return (send_to_device(batch, acc.device) for batch in self._loader(rows, training=False))
 
         def compute(batch) -> list[torch.Tensor]:
             heads = self._reference_logps(model, batch)
@@ -284,7 +269,7 @@ class PreferenceObjective:
             token_logps = losses.token_logps(logits, batch["input_ids"].masked_fill(~real, -100))
         else:
             token_logps = losses.token_logps(logits, labels)
-        total = int(num_sequences.sum())
+        total = int(num_sequences.sum())  # sync point (sequence_sums has one anyway)
         sums, counts = losses.sequence_sums(token_logps, labels != -100, position_ids, num_sequences=total)
         nll = None
         if orpo_batch_nll:
@@ -324,12 +309,7 @@ class PreferenceObjective:
                 disabled = unwrapped.disable_adapter() if self.lora.enable_lora else contextlib.nullcontext()
                 with disabled:
                     logits = forward(unwrapped, _model_inputs(inputs)).logits
-            token_logps = losses.token_logps(logits, inputs["labels"])
-            total = int(self._sequences_per_row(batch).sum())
-            sums, _ = losses.sequence_sums(
-                token_logps, inputs["labels"] != -100, inputs["position_ids"], num_sequences=total
-            )
-        return sums
+            return _completion_sums(logits, inputs, int(batch["num_units"].sum()) * (2 if self.paired else 1))
 
     def _kto_reference_point(self, model, batch: dict, ref_kl: torch.Tensor) -> torch.Tensor:
         """z0: the policy's KL estimate on the mismatched completions, as TRL: no gradient, the mean
@@ -337,11 +317,7 @@ class PreferenceObjective:
         with torch.no_grad():
             inputs = _kl_inputs(batch)
             logits = forward(self.accelerator.unwrap_model(model), _model_inputs(inputs)).logits
-            token_logps = losses.token_logps(logits, inputs["labels"])
-            total = int(batch["num_units"].sum())
-            policy_kl, _ = losses.sequence_sums(
-                token_logps, inputs["labels"] != -100, inputs["position_ids"], num_sequences=total
-            )
+            policy_kl = _completion_sums(logits, inputs, int(batch["num_units"].sum()))
         return losses.kto_reference_point(
             policy_kl, ref_kl, reduce=lambda t: self.accelerator.reduce(t, reduction="mean")
         )
@@ -482,6 +458,13 @@ def _model_inputs(batch: dict) -> dict:
 def _kl_inputs(batch: dict) -> dict:
     """Kto's KL rows in place of the rows (same layout: one KL sequence per example)."""
     return {k: batch[f"kl_{k}"] for k in ("input_ids", "labels", "position_ids")}
+
+
+def _completion_sums(logits: torch.Tensor, inputs: dict, num_sequences: int) -> torch.Tensor:
+    """Per-sequence sums of the completion tokens' log-probs of a packed batch (row-major)."""
+    token_logps = losses.token_logps(logits, inputs["labels"])
+    mask = inputs["labels"] != -100
+    return losses.sequence_sums(token_logps, mask, inputs["position_ids"], num_sequences=num_sequences)[0]
 
 
 def _real_tokens(position_ids: torch.Tensor, num_sequences: torch.Tensor) -> torch.Tensor:
