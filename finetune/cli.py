@@ -89,6 +89,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", action="store_true", help="print the numbers (bytes) as JSON")
 
+    evaluate = _recipe_parser(
+        sub,
+        "eval",
+        "Evaluate a model: eval loss and perplexity on the recipe's eval split, and the generation metrics of "
+        "its eval.generation_sets; with --adapter or --model, the recipe's base model too, side by side.",
+    )
+    which = evaluate.add_mutually_exclusive_group()
+    which.add_argument("--adapter", metavar="DIR", help="a trained adapter folder (evaluated on its base)")
+    which.add_argument("--model", metavar="DIR", help="a full model folder (e.g. merged or fully fine-tuned)")
+    evaluate.add_argument(
+        "--no-base", action="store_true", help="with --adapter/--model: skip the base model"
+    )
+    evaluate.add_argument(
+        "--output",
+        metavar="FILE",
+        help="where to write eval.json (default: DIR/eval.json, else train.output_dir)",
+    )
+    evaluate.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    talk = sub.add_parser(
+        "chat", help="Talk to a model: an adapter or full model folder, a .gguf file or package:// reference."
+    )
+    talk.add_argument("model_dir", help="adapter folder, model folder, .gguf file or package://pkg/file.gguf")
+    talk.add_argument("--prompt", help="answer this one message and exit (scriptable)")
+    talk.add_argument("--system", help="a system prompt (default: the chat template's own)")
+    talk.add_argument("--max-new-tokens", type=int, default=512, metavar="N")
+    talk.add_argument("--base", help="the adapter's base model, when it moved since training")
+
     checkpoints = sub.add_parser(
         "checkpoints",
         help="List a run's checkpoints: step, size, whether each verifies, which one `auto` resumes.",
@@ -191,6 +219,85 @@ def launch_command(
     return [*cmd, str(TRAIN_SCRIPT), recipe_path, *overrides]
 
 
+def run_chat(args: argparse.Namespace) -> int:
+    """`finetune chat`: load the model once, then one answer (--prompt) or a conversation."""
+    from finetune.evaluation.chat import chat
+    from finetune.model import inference_device, load_for_inference
+
+    model, tokenizer = load_for_inference(args.model_dir, base=args.base)
+    model.to(inference_device())
+    return chat(model, tokenizer, prompt=args.prompt, system=args.system, max_new_tokens=args.max_new_tokens)
+
+
+def run_eval(recipe, args: argparse.Namespace) -> int:
+    """`finetune eval`: the models to compare, the eval split's batches, the generation sets -> table."""
+    from finetune.evaluation.report import evaluate_models, format_table, write_report
+    from finetune.model import base_model_source, inference_device, load_for_inference, load_tokenizer
+
+    target = args.adapter or args.model
+    models = {}
+    if target is None or not args.no_base:
+        base = base_model_source(recipe.model, adapter=args.adapter)
+        models["base"] = lambda: _on_device(
+            load_for_inference(base, tokenizer=load_tokenizer(recipe.model)), inference_device()
+        )
+    if target is not None:
+        models["tuned"] = lambda: _on_device(load_for_inference(target), inference_device())
+    batches = _eval_batches(recipe)
+    if batches is None and not recipe.eval.generation_sets:
+        raise FinetuneError(
+            "nothing to evaluate: the recipe has no eval split (data.val_set_size or data.test_datasets) and "
+            "no eval.generation_sets"
+        )
+    results = evaluate_models(
+        models,
+        eval_batches=batches,
+        sets=recipe.eval.generation_sets,
+        batch_size=recipe.eval.batch_size,
+        progress=not args.no_progress,
+        say=lambda text: print(text, file=sys.stderr),
+    )
+    output = Path(args.output) if args.output else Path(target or recipe.train.output_dir) / "eval.json"
+    write_report(
+        results, output, recipe=args.recipe, models={"base": recipe.model.model_path, "tuned": target}
+    )
+    print(format_table(results))
+    print(f"\nfull results and every sample: {output}")
+    return 0
+
+
+def _on_device(loaded, device):
+    model, tokenizer = loaded
+    return model.to(device), tokenizer
+
+
+def _eval_batches(recipe):
+    """A function tokenizer -> batches of the recipe's prepared eval split, or None without one."""
+    from finetune.data.loader import make_dataloader
+    from finetune.data.prepare import prepare
+    from finetune.model import pad_token_id
+
+    if not (recipe.data.val_set_size or recipe.data.test_datasets):
+        return None
+    prepared = prepare(recipe, log=lambda text: print(text, file=sys.stderr))
+    if prepared.eval is None or len(prepared.eval) == 0:
+        return None
+
+    def batches(tokenizer):
+        return make_dataloader(
+            prepared.eval,
+            micro_batch_size=max(recipe.train.micro_batch_size, 1),
+            seed=recipe.train.seed,
+            pad_id=pad_token_id(tokenizer),
+            packed=recipe.data.eval_sample_packing,
+            shuffle=False,
+            drop_last=False,
+            pad_to_multiple_of=recipe.data.pad_to_multiple_of,
+        )
+
+    return batches
+
+
 def print_checkpoints(output_dir: str) -> int:
     """The table of `finetune checkpoints`; exit 0 when `auto` has a checkpoint to resume, else 1."""
     from finetune.checkpoint import checkpoints_dir, describe_checkpoints
@@ -239,6 +346,10 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         for name, line in list_configs():
             print(f"{name:16s} {line}")
         return 0
+    if args.command == "chat":
+        if overrides:
+            raise FinetuneError(f"chat takes no recipe overrides, got {' '.join(overrides)}")
+        return run_chat(args)
     if args.command == "checkpoints":
         if overrides:
             raise FinetuneError(f"checkpoints takes no recipe overrides, got {' '.join(overrides)}")
@@ -265,6 +376,8 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
 
         prepare(recipe, push=args.push)
         return 0
+    if args.command == "eval":
+        return run_eval(recipe, args)
     if args.command == "plan":
         from finetune.plan import format_plan, make_plan, plan_json
 

@@ -78,9 +78,30 @@ class CausalLMObjective:
             self.eval_loader = self._loader(
                 prepared.eval, pad_id, packed=self.data.eval_sample_packing, training=False
             )
-            self.can_evaluate = True
-            self.eval_every = self.train.eval_steps
+        self._generation_sets(accelerator)
+        self.can_evaluate = self.eval_loader is not None or bool(self.generation_rows)
+        self.eval_every = self.train.eval_steps if self.can_evaluate else None
         return Parts(model=model, train_loader=train_loader, manifest=prepared.manifest)
+
+    def _generation_sets(self, accelerator) -> None:
+        """The eval.generation_sets' rows, when they are scored during training."""
+        from accelerate.utils import DistributedType
+
+        from finetune.evaluation.report import load_generation_rows
+
+        settings = self.eval_settings
+        if not (settings.generation_sets and settings.during_training):
+            return
+        sharded = accelerator.distributed_type == DistributedType.FSDP or (
+            accelerator.distributed_type == DistributedType.DEEPSPEED
+            and accelerator.state.deepspeed_plugin.zero_stage == 3
+        )
+        if sharded:
+            raise FinetuneError(
+                "eval.generation_sets during training: generation with a sharded model (FSDP, ZeRO-3) is not "
+                "supported; set eval.during_training: false and run `finetune eval` on the saved model"
+            )
+        self.generation_rows = {s.name: load_generation_rows(s) for s in settings.generation_sets}
 
     def _model(self, accelerator):
         from finetune.model import (
@@ -104,6 +125,8 @@ class CausalLMObjective:
             if self.model_settings.model_path is None:
                 base_dir = output_dir / "base_model"
                 save_base_model(model, base_dir, is_main_process=accelerator.is_main_process)
+                if accelerator.is_main_process:  # so the base alone loads for eval and chat
+                    self.tokenizer.save_pretrained(base_dir)
             model = apply_lora(model, self.lora, gradient_checkpointing=train.gradient_checkpointing)
             if base_dir is not None:
                 model.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
@@ -197,7 +220,41 @@ class CausalLMObjective:
 
     # ------------------------------------------------------------------------------------ eval
 
-    def evaluate(self, model, step: int) -> dict[str, float]:
+    def evaluate(self, model, step: int) -> dict[str, Any]:
+        """Eval loss and perplexity on the eval split, and the generation sets' scores and samples."""
+        metrics: dict[str, Any] = self._eval_loss(model, step) if self.eval_loader is not None else {}
+        if self.generation_rows:
+            metrics.update(self._generation_metrics(model, step))
+        return metrics
+
+    def _generation_metrics(self, model, step: int) -> dict[str, Any]:
+        """Generation sets scored on the main process (greedy decoding of the unwrapped model); the
+        others wait. Scores and samples go to progress.jsonl, and to the trackers as scalars and text."""
+        from finetune.evaluation.report import score_generation_sets
+
+        acc, fields = self.accelerator, {}
+        if acc.is_main_process:
+            results = score_generation_sets(
+                acc.unwrap_model(model),
+                self.tokenizer,
+                self.eval_settings.generation_sets,
+                self.generation_rows,
+                batch_size=self.eval_settings.batch_size,
+                progress=False,
+            )
+            tracked = {}
+            for name, result in results.items():
+                if result["score"] is not None:
+                    fields[f"eval_{name}_{result['metric']}"] = result["score"]
+                    tracked[f"eval/{name}_{result['metric']}"] = result["score"]
+                fields[f"eval_{name}_samples"] = result["samples"]
+                tracked[f"eval/{name}_samples"] = _samples_markdown(result["samples"])
+            if self.train.report_to:
+                acc.log(tracked, step=step)
+        acc.wait_for_everyone()
+        return fields
+
+    def _eval_loss(self, model, step: int) -> dict[str, float]:
         """Token-weighted eval loss and perplexity over the eval split, gathered across processes."""
         acc = self.accelerator
         model.eval()
@@ -252,7 +309,9 @@ class CausalLMObjective:
         if acc.is_main_process:
             self.tokenizer.save_pretrained(output_dir)
             card_metrics = {"step": metrics["step"], "trainable_tokens": metrics["units"]}
-            card_metrics.update({k: v for k, v in metrics.items() if k.startswith("eval_")})
+            card_metrics.update(
+                {k: v for k, v in metrics.items() if k.startswith("eval_") and isinstance(v, (int, float))}
+            )
             write_model_card(
                 output_dir, recipe=recipe_to_dict(self.recipe), manifest=self.manifest, metrics=card_metrics
             )
@@ -280,3 +339,12 @@ class CausalLMObjective:
                 unset_hf_deepspeed_config()
             merge_lora(str(adapter_dir), str(output_dir))
             shutil.rmtree(adapter_dir)
+
+
+def _samples_markdown(samples: list[dict]) -> str:
+    """Sample generations as a markdown table for the trackers' text panel."""
+    lines = ["| prompt | output | expected | correct |", "|---|---|---|---|"]
+    for sample in samples:
+        cells = [sample["prompt"], sample["output"], sample.get("expected"), sample.get("correct")]
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    return "\n".join(lines)

@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 from finetune.recipe.base import Problem, _Section
 from finetune.recipe.data import IMAGE_DATASET_TYPES, DataSection
 from finetune.recipe.diffusion import DiffusionSection
+from finetune.recipe.eval import EvalSection
 from finetune.recipe.hub import HubSection
 from finetune.recipe.lora import LoraSection
 from finetune.recipe.model import ModelSection
@@ -27,6 +28,10 @@ class Recipe(_Section):
     lora: LoraSection = Field(default_factory=LoraSection, description="LoRA / QLoRA adapters.")
     hub: HubSection = Field(
         default_factory=HubSection, description="Pushing the result to the Hugging Face Hub."
+    )
+    eval: EvalSection = Field(
+        default_factory=EvalSection,
+        description="Generation sets scored by `finetune eval` and during training.",
     )
     diffusion: DiffusionSection | None = Field(
         None, description="Diffusion fine-tuning settings (model.kind: diffusion); null for LLM recipes."
@@ -136,6 +141,7 @@ _NOT_FOR_DIFFUSION: dict[str, str] = {
     "train.eval_steps": "no evaluation split for diffusion; use diffusion.validation_steps",
     "train.iterations_to_skip": "not supported yet for diffusion",
     "train.enable_profiling": "not supported yet for diffusion",
+    "eval.generation_sets": "LLM only; diffusion uses diffusion.validation_prompts",
 }
 
 
