@@ -40,8 +40,9 @@ from finetune.errors import FinetuneError
 IGNORE_INDEX = -100
 # One chunk's fp32 logits are kept under this many elements (256 MiB): see default_chunk_size.
 CHUNK_LOGITS_BUDGET = 1 << 26
-# auto (train.loss_chunk_size: null) chunks when a micro batch's fp32 logits reach this many elements (1 GiB).
-AUTO_CHUNK_MIN_LOGITS = 1 << 28
+# auto (train.loss_chunk_size: null) chunks when a micro batch's fp32 logits reach this many elements (1 GB;
+# the unchunked loss then peaks at about 4 GB for logits, softmax and their gradients).
+AUTO_CHUNK_MIN_LOGITS = 250_000_000
 
 # Config fields of models whose forward changes the logits after the head, with the value that means
 # "unchanged". The head-swap would apply the change to the loss, so those models are refused.
@@ -411,7 +412,9 @@ def resolve_loss_chunk_size(
     """train.loss_chunk_size as the loop uses it: 0 computes the full logits, n > 0 chunks n tokens.
 
     A set value is kept. null (auto) chunks, with `default_chunk_size`, when one micro batch's fp32
-    logits would reach AUTO_CHUNK_MIN_LOGITS elements (1 GiB; as much again for their gradient).
+    logits would reach AUTO_CHUNK_MIN_LOGITS elements (1 GB; the unchunked loss holds about four such
+    tensors at its peak). Below that the saving is small next to weights and optimizer state, and a
+    head that is not a plain Linear (LoRA on lm_head) would pay for its recompute.
 
     >>> resolve_loss_chunk_size(None, vocab_size=128256, tokens_per_micro_batch=8192)
     512

@@ -254,10 +254,27 @@ def test_peft_lora_matches_model_loss(case, kind):
 
 
 def test_peft_lora_on_tied_lm_head_matches_model_loss():
+    """Tied embeddings with LoRA on lm_head, PEFT tying the adapter to the embeddings' too, and the
+    tied weight itself trained (modules_to_save would untie it; requires_grad keeps it shared)."""
     config = LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=["lm_head"]
-    )
+        r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=["lm_head", "embed_tokens"],
+        ensure_weight_tying=True,
+    )  # fmt: skip
     model = get_peft_model(tiny_llama(tie=True), config)
+    base = model.get_base_model()
+    base.model.embed_tokens.base_layer.weight.requires_grad_(True)
+    assert base.lm_head.base_layer.weight is base.model.embed_tokens.base_layer.weight
+    batch = packed_batch()
+    ref_loss, ref_grads = model_reference(model, batch, trainable_count(batch))
+    loss, grads = model_chunked(model, batch, trainable_count(batch), chunk_size=5)
+    assert any("embed_tokens.base_layer.weight" in n for n in grads)
+    assert_same(loss, grads, ref_loss, ref_grads)
+
+
+def test_with_activation_checkpointing_matches_model_loss():
+    model = tiny_llama(tie=True)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
     batch = packed_batch()
     ref_loss, ref_grads = model_reference(model, batch, trainable_count(batch))
     loss, grads = model_chunked(model, batch, trainable_count(batch), chunk_size=5)
@@ -461,6 +478,20 @@ def test_no_tensor_of_tokens_x_vocab_is_made(path):
     assert made <= chunk_size * vocab < num_tokens * vocab
     assert saved <= chunk_size * vocab
     assert head.weight.grad is not None and hidden.grad is not None
+
+
+def test_causal_lm_loss_never_makes_the_logits():
+    """Through a whole model: no tensor made in forward or backward comes near [tokens x vocab]."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    ids = torch.randint(0, 4096, (1, 512))
+    batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(512)[None]}
+    saved, made = _largest_tensors(lambda: causal_lm_loss(model, batch, num_items=511, chunk_size=64))
+    assert max(saved, made) <= 64 * 4096  # the logits would be 8x that
 
 
 def test_the_memory_probe_sees_unchunked_logits():
