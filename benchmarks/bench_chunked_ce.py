@@ -317,8 +317,9 @@ def main() -> None:
         rows.append(run_child({**common, "variant": variant, "chunk_size": chunk}))
         print(json.dumps(rows[-1]), file=sys.stderr)
     what = "head alone (forward + backward)" if args.head else "training step (forward, backward, AdamW)"
+    layers = "" if args.head else f", {args.layers} layers"
     print(
-        f"\n### {what}: vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, one row of "
+        f"\n### {what}: vocab {args.vocab}, hidden {args.hidden}{layers}, one row of "
         f"{args.tokens} tokens{', bf16 weights' if args.bf16 else ''}{', bf16 autocast' if args.autocast else ''}\n"
     )
     print(table(rows, gpu=args.gpu))
