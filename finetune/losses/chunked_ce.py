@@ -13,14 +13,17 @@ Two ways through a chunk, picked by the head's type (measurements: benchmarks/RE
   per chunk under `torch.utils.checkpoint`, so backward recomputes one chunk's logits at a time.
   One head matmul more than the fused path; works for whatever the module computes.
 
-`causal_lm_loss` gets the last hidden states from a model wrapped in any way (PEFT, DDP, DeepSpeed,
-FSDP2, torch.compile) by replacing the forward of its output head, for the length of one call, with
-one that computes the loss: the model's own forward runs unchanged, calls its head once (inside
-that module's call, so ZeRO-3 and FSDP2 have gathered its weight), and hands back the loss sum where
-the logits would be. The loss is thus an output of the wrapped forward, which is what DDP
-(find_unused_parameters) and FSDP2's backward hooks expect. Models that transform the logits after
-the head (Gemma 2 soft-capping, Cohere and Granite scaling) would transform the loss instead: they
-are refused (set train.loss_chunk_size: 0 for them).
+`causal_lm_loss` gets the last hidden states from a model however it is wrapped by replacing the
+forward of its output head, for the length of one call, with one that computes the loss: the
+model's own forward runs unchanged, calls its head once (inside that module's call, so ZeRO-3 and
+FSDP2 have gathered its weight), and hands back the loss sum where the logits would be. The loss is
+thus an output of the wrapped forward, which is what DDP (find_unused_parameters) and FSDP2's
+backward hooks expect, and torch.compile traces it with the rest (one graph, no recompile). Tested:
+PEFT, DDP, DeepSpeed ZeRO-3, torch.compile (aot_eager). FSDP2 rests on the same argument but needs
+GPUs to test. The alternatives were weaker: calling the inner model skips DDP's and FSDP2's
+forward hooks; output_hidden_states plus a loss computed outside the forward reads the head's
+weight where ZeRO-3 has it partitioned. Models that transform the logits after the head (Gemma 2
+soft-capping, Cohere and Granite scaling) would transform the loss instead: they are refused.
 """
 
 from __future__ import annotations
