@@ -276,10 +276,12 @@ def causal_lm_loss(
 def causal_lm_token_logps(
     model: nn.Module, batch: dict[str, torch.Tensor], *, chunk_size: int
 ) -> torch.Tensor:
-    """Log-probability of each next-token label under `model`, [batch, seq] fp32, 0 where there is none.
+    """Log-probability of each label under `model`, aligned with `batch["labels"]`: [batch, seq] fp32.
 
-    Position t holds log p(labels[t + 1] | tokens <= t) (`next_token_labels`); with gradient unless
-    called under no_grad. Wrappers and refusals as in `causal_lm_loss`; MoE router losses are not added.
+    Entry t is log p(labels[t] | tokens < t), 0 at t = 0 and wherever the label is -100: the layout of
+    `finetune.losses.preference.token_logps(model(...).logits, labels)`, which this replaces without
+    the logits. With gradient unless called under no_grad. Wrappers and refusals as in
+    `causal_lm_loss`; MoE router losses are not added.
     """
     labels = next_token_labels(batch["labels"])
     inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -287,7 +289,8 @@ def causal_lm_token_logps(
     def logps(hidden, head):
         return chunked_token_logps(hidden, head, labels, chunk_size)
 
-    return _forward_through_head(model, inputs, logps)[0]
+    next_logps = _forward_through_head(model, inputs, logps)[0]  # entry t scores labels[t + 1]
+    return F.pad(next_logps[..., :-1], (1, 0))
 
 
 def _forward_through_head(model, inputs, compute) -> tuple[torch.Tensor, Any]:

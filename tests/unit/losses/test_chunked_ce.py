@@ -5,7 +5,6 @@ label; no [tokens x vocab] tensor is ever made; wrappers (DDP, torch.compile) an
 from __future__ import annotations
 
 import copy
-import doctest
 import socket
 from types import SimpleNamespace
 
@@ -19,15 +18,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from finetune.data.collate import collate_rows
 from finetune.errors import FinetuneError
-from finetune.losses import chunked_ce
 from finetune.losses.chunked_ce import (
     causal_lm_loss,
     causal_lm_token_logps,
     chunked_cross_entropy,
     chunked_token_logps,
-    next_token_labels,
     resolve_loss_chunk_size,
 )
+from finetune.losses.preference import token_logps
 from tests.tiny import sequences
 
 VOCAB = 97
@@ -306,22 +304,24 @@ def test_batch_with_no_label_gives_zero_loss_and_gradients():
     assert loss.item() == 0.0 and all(torch.all(g == 0) for g in grads.values())
 
 
-def test_token_logps_of_a_model_match_its_logits():
+def test_token_logps_of_a_model_match_preference_token_logps():
+    """causal_lm_token_logps == preference.token_logps(model logits, labels), values and gradients, so
+    the preference objective can swap one for the other (LoRA on lm_head: the checkpointed path)."""
     config = LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=["lm_head"]
-    )
+    )  # fmt: skip
     model = get_peft_model(tiny_llama(), config)
     batch = packed_batch()
-    target = next_token_labels(batch["labels"])
+    weights = torch.randn(batch["labels"].shape)  # a per-token upstream gradient
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs, use_cache=False).logits.float()
-    ref = -F.cross_entropy(logits.transpose(1, 2), target, reduction="none")
-    ref.sum().backward()
+    ref = token_logps(model(**inputs, use_cache=False).logits, batch["labels"])
+    (ref * weights).sum().backward()
     ref_grads = grads_of(model)
     model.zero_grad(set_to_none=True)
     logps = causal_lm_token_logps(model, batch, chunk_size=6)
-    logps.sum().backward()
+    (logps * weights).sum().backward()
     torch.testing.assert_close(logps, ref.detach(), **TOL)
+    assert torch.all(logps[:, 0] == 0) and torch.all(logps[batch["labels"] == -100] == 0)
     for name, grad in grads_of(model).items():
         torch.testing.assert_close(grad, ref_grads[name], **TOL)
 
@@ -504,10 +504,6 @@ def test_the_memory_probe_sees_unchunked_logits():
 
 
 # ---------------------------------------------------------------------------------------- settings
-
-
-def test_doctests():
-    assert doctest.testmod(chunked_ce, extraglobs={"torch": torch}).failed == 0
 
 
 def test_auto_chunk_rule():
