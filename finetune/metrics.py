@@ -88,7 +88,9 @@ class ProgressLog:
             return
         # Strict JSON has no NaN or infinity: a nonfinite value is written as its name ("nan", "inf",
         # "-inf"), so a diverging loss or gradient norm stays visible instead of turning into null.
-        clean = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        clean = {
+            k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()
+        }
         self.file.write(json.dumps(clean, allow_nan=False) + "\n")
         self.file.flush()
         if self.bar is not None:

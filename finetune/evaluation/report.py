@@ -72,21 +72,16 @@ def score_generation_sets(
 
 def token_loss(model, batches) -> dict[str, float]:
     """Token-weighted cross-entropy and perplexity of `model` over collated batches (one process)."""
-    from finetune.objectives.causal_lm import forward
+    from finetune.losses.causal_lm import token_loss_sums
 
     device = next(model.parameters()).device
     total, count = 0.0, 0
     model.eval()
     with torch.no_grad():
         for batch in batches:
-            batch = {k: v.to(device) for k, v in batch.items()}
-            logits = forward(model, batch).logits[:, :-1].float()
-            target = batch["labels"][:, 1:]
-            losses = torch.nn.functional.cross_entropy(
-                logits.transpose(1, 2), target, ignore_index=-100, reduction="sum"
-            )
-            total += float(losses)
-            count += int((target != -100).sum())
+            sums, counts = token_loss_sums(model, {k: v.to(device) for k, v in batch.items()})
+            total += float(sums.sum())
+            count += int(counts.sum())
     loss = total / max(count, 1)
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": count}
 

@@ -17,20 +17,9 @@ import torch
 from finetune.data.loader import count_tokens, count_trainable, make_dataloader, seq_stats
 from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
+from finetune.losses.causal_lm import forward, token_loss_sums
 from finetune.metrics import device_peak_flops, model_flops_per_token
-
-
-def forward(model, batch: dict, *, num_items: torch.Tensor | None = None):
-    """The model's forward on a collated batch (labels included when num_items is given).
-
-    use_cache=False matters for correctness, not only memory: with a KV cache, transformers skips
-    the packed-sequence detection that turns restarting position_ids into a block-diagonal mask,
-    and packed sequences would attend to each other.
-    """
-    if num_items is None:
-        batch = {k: v for k, v in batch.items() if k != "labels"}
-        return model(**batch, use_cache=False)
-    return model(**batch, use_cache=False, num_items_in_batch=num_items)
+from finetune.notices import warn
 
 
 class CausalLMObjective:
@@ -52,6 +41,7 @@ class CausalLMObjective:
         self.tokenizer = None
         self.accelerator = None
         self.flops: dict[str, Any] = {}
+        self.loss_chunk_size = 0  # tokens per chunk of the head's loss; 0 = full logits
         self.manifest: dict = {}
         self.eval_every: int | None = None
         self.can_evaluate = False
@@ -135,7 +125,30 @@ class CausalLMObjective:
         trainable, total = count_parameters(model)
         accelerator.print(f"parameters: {trainable:,} trainable / {total:,} total")
         self.flops = {"num_params": total, "num_trainable": trainable}
+        self.loss_chunk_size = self._chunk_size(model, accelerator)
         return model
+
+    def _chunk_size(self, model, accelerator) -> int:
+        """train.loss_chunk_size resolved for this model (auto: on for large vocab x tokens)."""
+        from finetune.losses.chunked_ce import resolve_loss_chunk_size
+
+        setting = self.train.loss_chunk_size
+        if self.model_settings.enable_liger_kernel:
+            if setting:  # Liger's fused linear cross-entropy already avoids the full logits
+                warn(
+                    "train.loss_chunk_size is ignored with model.enable_liger_kernel: Liger's fused linear "
+                    "cross-entropy already computes the loss without the full logits",
+                    emit=accelerator.print,
+                )
+            return 0
+        size = resolve_loss_chunk_size(
+            setting,
+            vocab_size=model.get_output_embeddings().weight.shape[0],
+            tokens_per_micro_batch=self.train.micro_batch_size * self.data.packing_len,
+        )
+        if size and setting is None:
+            accelerator.print(f"train.loss_chunk_size auto: the loss is computed {size} tokens at a time")
+        return size
 
     def _loader(self, dataset, pad_id: int, *, packed: bool, training: bool):
         acc, data = self.accelerator, self.data
@@ -187,6 +200,10 @@ class CausalLMObjective:
         return count_trainable(batch)
 
     def loss(self, model, batch: dict, num_units: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        if self.loss_chunk_size:
+            from finetune.losses.chunked_ce import causal_lm_loss
+
+            return causal_lm_loss(model, batch, num_items=num_units, chunk_size=self.loss_chunk_size), {}
         return forward(model, batch, num_items=num_units).loss, {}
 
     def counts(self, batch: dict) -> dict[str, float]:
@@ -261,12 +278,7 @@ class CausalLMObjective:
         total_loss, total_count = 0.0, 0
         with torch.no_grad():
             for batch in self.eval_loader:
-                logits = forward(model, batch).logits[:, :-1].float()
-                target = batch["labels"][:, 1:]
-                per_token = torch.nn.functional.cross_entropy(
-                    logits.transpose(1, 2), target, ignore_index=-100, reduction="none"
-                )
-                sums, counts = per_token.sum(dim=1), (target != -100).sum(dim=1)
+                sums, counts = token_loss_sums(model, batch, chunk_size=self.loss_chunk_size)
                 sums, counts = acc.gather_for_metrics((sums, counts))
                 total_loss += float(sums.sum())
                 total_count += int(counts.sum())

@@ -23,6 +23,13 @@ class TrainSection(_Section):
         "bf16", description="bf16, fp16 (dynamic loss scaling), or no."
     )
     gradient_checkpointing: bool = Field(False, description="Activation recomputation (non-reentrant).")
+    loss_chunk_size: int | None = Field(
+        None,
+        ge=0,
+        description="Tokens per chunk of the output head and cross-entropy, which then never materialise "
+        "the whole [tokens x vocab] logits or their gradient; 0 = off (full logits); null = auto: on (with "
+        "a chunk whose fp32 logits fit in 256 MiB) once a micro batch's fp32 logits would reach 1 GB.",
+    )
     optimizer: Literal["adamw", "adamw_8bit", "sgd"] = Field("adamw", description="Optimizer.")
     lr: float = Field(5e-5, gt=0, description="Peak learning rate.")
     lr_min: float = Field(0.0, ge=0, description="Learning-rate floor at the end of the decay.")

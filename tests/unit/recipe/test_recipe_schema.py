@@ -119,6 +119,7 @@ DEFAULTS = [
     ("train", "max_steps", None),
     ("train", "mixed_precision", "bf16"),
     ("train", "gradient_checkpointing", False),
+    ("train", "loss_chunk_size", None),
     ("train", "optimizer", "adamw"),
     ("train", "lr", 5e-5),
     ("train", "lr_min", 0.0),
@@ -165,6 +166,9 @@ DEFAULTS = [
     ("hub", "model_id", None),
     ("hub", "private", True),
     ("hub", "strategy", "end"),
+    ("eval", "generation_sets", []),
+    ("eval", "batch_size", 8),
+    ("eval", "during_training", True),
 ]
 ENTRY_DEFAULTS = {
     "name": None,
