@@ -234,6 +234,12 @@ def run_eval(recipe, args: argparse.Namespace) -> int:
     from finetune.evaluation.report import evaluate_models, format_table, write_report
     from finetune.model import base_model_source, inference_device, load_for_inference, load_tokenizer
 
+    batches = _eval_batches(recipe)
+    if batches is None and not recipe.eval.generation_sets:
+        raise FinetuneError(
+            "nothing to evaluate: the recipe has no eval split (data.val_set_size or data.test_datasets) and "
+            "no eval.generation_sets"
+        )
     target = args.adapter or args.model
     models = {}
     if target is None or not args.no_base:
@@ -243,12 +249,6 @@ def run_eval(recipe, args: argparse.Namespace) -> int:
         )
     if target is not None:
         models["tuned"] = lambda: _on_device(load_for_inference(target), inference_device())
-    batches = _eval_batches(recipe)
-    if batches is None and not recipe.eval.generation_sets:
-        raise FinetuneError(
-            "nothing to evaluate: the recipe has no eval split (data.val_set_size or data.test_datasets) and "
-            "no eval.generation_sets"
-        )
     results = evaluate_models(
         models,
         eval_batches=batches,

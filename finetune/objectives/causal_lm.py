@@ -31,12 +31,9 @@ class CausalLMObjective:
     def __init__(self, recipe):
         # The objective is built by the entry point from the whole recipe and keeps only its parts.
         self.recipe = recipe
-        self.model_settings, self.lora, self.data, self.train = (
-            recipe.model,
-            recipe.lora,
-            recipe.data,
-            recipe.train,
-        )
+        self.model_settings, self.lora, self.data = recipe.model, recipe.lora, recipe.data
+        self.train, self.eval_settings = recipe.train, recipe.eval
+        self.generation_rows: dict[str, list[dict]] = {}
         self.eval_loader = None
         self.tokenizer = None
         self.accelerator = None
