@@ -29,6 +29,10 @@ class CausalLMObjective:
     summary_keys = ("tokens",)
 
     def __init__(self, recipe):
+        from finetune.model import check_attention_backend
+
+        # Before anything is written or prepared: an attention backend that cannot run here fails now.
+        check_attention_backend(recipe.model.attn_implementation)
         # The objective is built by the entry point from the whole recipe and keeps only its parts.
         self.recipe = recipe
         self.model_settings, self.lora, self.data = recipe.model, recipe.lora, recipe.data
@@ -47,11 +51,9 @@ class CausalLMObjective:
 
     def build(self, accelerator) -> Parts:
         from finetune.data.prepare import prepare_on_main_process
-        from finetune.model import check_attention_backend, load_tokenizer, pad_token_id
+        from finetune.model import load_tokenizer, pad_token_id
 
         self.accelerator = accelerator
-        # Before the (possibly long) data preparation: an attention backend that cannot run here fails now.
-        check_attention_backend(self.model_settings.attn_implementation)
         self.tokenizer = load_tokenizer(self.model_settings)
         # One process per machine builds the prepared dataset; the others wait, however long it takes,
         # then load it from the cache.
