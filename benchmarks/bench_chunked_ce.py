@@ -96,7 +96,8 @@ def _model(cfg: dict, device):
         tie_word_embeddings=False,  # as Llama-3 8B: a separate [vocab x hidden] head
     )
     dtype = torch.bfloat16 if cfg["bf16"] else torch.float32
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model if str(device) == "meta" else model.to(device)
 
 
 def _row(cfg: dict, device) -> dict:
@@ -323,7 +324,38 @@ def main() -> None:
         f"{args.tokens} tokens{', bf16 weights' if args.bf16 else ''}{', bf16 autocast' if args.autocast else ''}\n"
     )
     print(table(rows, gpu=args.gpu))
+    if not args.head:
+        print(planner_lines(common, rows))
     print(f"\nMachine: {machine(device)}.")
+
+
+def planner_lines(cfg: dict, rows: list[dict]) -> str:
+    """`finetune plan`'s logits term for this model and row, full and chunked, beside the measured
+    difference of the two peaks (what chunking saves is the logits term, the rest being equal)."""
+    import torch
+
+    from finetune.plan import activation_bytes, inventory_of
+
+    with torch.device("meta"):
+        inv = inventory_of(_model({**cfg, "bf16": False}, "meta"))
+    r, c = (2, 2) if cfg["bf16"] else (4, 2) if cfg["autocast"] else (4, 4)
+    terms = {}
+    for chunk in (0, cfg["chunk_size"]):
+        acts = activation_bytes(
+            inv, micro_batch_size=1, seq_len=cfg["tokens"], attn_implementation="sdpa", residual_bytes=r,
+            compute_bytes=c, autocast=cfg["autocast"], logits_bytes=c, loss_chunk=chunk,
+        )  # fmt: skip
+        terms[chunk] = acts.logits_and_loss / 2**20
+    by_variant = {row["variant"]: row for row in rows}
+    lines = [
+        f"\nPlanner (`finetune plan`'s logits + loss term): {terms[0]:,.0f} MiB with full logits, "
+        f"{terms[cfg['chunk_size']]:,.0f} MiB chunked ({cfg['chunk_size']} tokens); predicted saving "
+        f"{terms[0] - terms[cfg['chunk_size']]:,.0f} MiB."
+    ]
+    if "unchunked" in by_variant and "chunked" in by_variant:
+        measured = by_variant["unchunked"]["delta_mib"] - by_variant["chunked"]["delta_mib"]
+        lines.append(f"Measured saving (difference of the peaks above baseline): {measured:,.0f} MiB.")
+    return "\n".join(lines)
 
 
 def _available_gib() -> float | None:
