@@ -364,6 +364,12 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
 
     recipe = load_recipe(args.recipe, overrides)
+    if args.command != "train":  # the training process says them itself, once
+        from finetune.notices import warn
+        from finetune.recipe import recipe_warnings
+
+        for line in recipe_warnings(recipe):
+            warn(line)
     if args.command == "validate":
         _print_recipe(recipe, args.explain)
         print(f"# {args.recipe}: valid", file=sys.stderr)

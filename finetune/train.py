@@ -20,8 +20,9 @@ from finetune.errors import FinetuneError
 def main(argv: list[str] | None = None) -> int:
     """Run one training job; 0 when done or stopped cleanly (with a checkpoint), 2 on a user error."""
     from finetune import engine
+    from finetune.notices import warn
     from finetune.objectives import objective_for
-    from finetune.recipe import load_recipe, recipe_to_dict
+    from finetune.recipe import load_recipe, recipe_to_dict, recipe_warnings
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
             qlora=recipe.lora.enable_qlora,
             compile_model=recipe.model.enable_compile,
         )
+        for line in recipe_warnings(recipe):  # works, but probably not what was meant: said once, first
+            warn(line, emit=accelerator.print)
         try:
             return engine.train(
                 objective_for(recipe),

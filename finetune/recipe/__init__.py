@@ -18,7 +18,7 @@ from finetune.recipe.data import IMAGE_DATASET_TYPES, DataSection, DatasetEntry
 from finetune.recipe.diffusion import DiffusionSection
 from finetune.recipe.eval import EvalSection, GenerationSet
 from finetune.recipe.hub import HubSection
-from finetune.recipe.load import load_recipe, recipe_to_dict, validate_recipe
+from finetune.recipe.load import load_recipe, recipe_to_dict, recipe_warnings, validate_recipe
 from finetune.recipe.lora import LoraSection
 from finetune.recipe.model import KNOWN_CHAT_TEMPLATES, ModelSection, SpecialTokens
 from finetune.recipe.schema import NOT_SUPPORTED_YET, Recipe
@@ -41,5 +41,6 @@ __all__ = [
     "TrainSection",
     "load_recipe",
     "recipe_to_dict",
+    "recipe_warnings",
     "validate_recipe",
 ]

@@ -139,7 +139,10 @@ class DataSection(_Section):
     shuffle_before_merging_datasets: bool = Field(True, description="Shuffle each dataset before merging.")
     dataloader_num_workers: int = Field(2, ge=0, description="DataLoader worker processes.")
     dataloader_prefetch_factor: int | None = Field(
-        2, ge=1, description="Batches prefetched per worker (must be null when workers = 0)."
+        None,
+        ge=1,
+        description="Batches prefetched per worker; null = torch's default (2) when there are workers "
+        "(torch refuses a value without workers).",
     )
     dataloader_pin_memory: bool = Field(True, description="Pin host memory (ignored on CPU).")
     dataloader_drop_last: bool = Field(True, description="Drop the last incomplete batch.")

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from finetune.recipe.base import Problem, _Section
 
@@ -48,15 +47,19 @@ class TrainSection(_Section):
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
     adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clipping threshold; null = off.")
-    save_steps: int = Field(0, ge=0, description="Checkpoint every N optimizer steps (0 = off).")
-    save_epochs: float = Field(1, ge=0, description="Checkpoint every N epochs, fractions allowed (0 = off).")
+    save_steps: int = Field(0, ge=0, description="Checkpoint every N optimizer steps (0 or null = off).")
+    save_epochs: float = Field(
+        1, ge=0, description="Checkpoint every N epochs, fractions allowed (0 or null = off)."
+    )
     save_total_limit: int | None = Field(None, ge=1, description="Keep only the newest N checkpoints.")
     save_hf_weights: bool = Field(True, description="Write HF-format weights or adapter at the end.")
     load_checkpoint_path: str | None = Field(
         None, description="A checkpoint to resume from, or `auto` for the latest in output_dir."
     )
     eval_steps: int | None = Field(
-        None, ge=1, description="Evaluate every N steps (and at the end when eval data exists)."
+        None,
+        ge=1,
+        description="Evaluate every N steps, and at the end when there is eval data (0 or null = only at the end).",
     )
     log_steps: int = Field(1, ge=1, description="Log every N optimizer steps.")
     log_format: Literal["progress_bar", "structured"] = Field(
@@ -83,38 +86,58 @@ class TrainSection(_Section):
     profile_trace_dir: str = Field("trace", description="Trace folder, relative to output_dir.")
     enable_full_determinism: bool = Field(False, description="Deterministic algorithms (slower).")
     empty_cache_steps: int = Field(
-        0, ge=0, description="Release the accelerator cache every N steps (0 = off)."
+        0, ge=0, description="Release the accelerator cache every N steps (0 or null = off)."
     )
-    gc_steps: int = Field(0, ge=0, description="Run Python garbage collection every N steps (0 = off).")
+    gc_steps: int = Field(
+        0, ge=0, description="Run Python garbage collection every N steps (0 or null = off)."
+    )
 
-    def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
-        problems: list[Problem] = []
-        if ok("max_steps", "save_steps") and self.max_steps is not None and self.save_steps > self.max_steps:
-            problems.append(
+    @field_validator("save_steps", "empty_cache_steps", "gc_steps", "save_epochs", mode="before")
+    @classmethod
+    def _null_is_off(cls, value: Any) -> Any:
+        # One way to say "off" for every cadence: 0 and null both mean never.
+        return 0 if value is None else value
+
+    @field_validator("eval_steps", mode="before")
+    @classmethod
+    def _zero_is_off(cls, value: Any) -> Any:
+        return None if value == 0 and not isinstance(value, bool) else value
+
+    def _warnings(self) -> list[Problem]:
+        found: list[Problem] = []
+        if self.max_steps is not None and self.save_steps > self.max_steps:
+            found.append(
                 (
                     "save_steps",
                     self.save_steps,
-                    f"is larger than max_steps ({self.max_steps}): no periodic checkpoint would be written; "
-                    "lower it or set 0 to save only at the end",
+                    f"is larger than max_steps ({self.max_steps}): no periodic checkpoint will be written "
+                    "(the run still ends with its final save)",
                 )
             )
-        if ok("lr", "lr_min") and self.lr_min > self.lr:
-            problems.append(("lr_min", self.lr_min, f"must not exceed lr ({self.lr})"))
-        profiling = ("enable_profiling", "profile_start_step", "profile_end_step")
-        if ok(*profiling) and self.enable_profiling and self.profile_end_step < self.profile_start_step:
-            problems.append(
+        if self.max_steps is not None and self.eval_steps and self.eval_steps > self.max_steps:
+            found.append(
+                (
+                    "eval_steps",
+                    self.eval_steps,
+                    f"is larger than max_steps ({self.max_steps}): only the final evaluation runs",
+                )
+            )
+        if self.lr_min > self.lr:
+            found.append(
+                ("lr_min", self.lr_min, f"exceeds lr ({self.lr}): the schedule rises instead of decaying")
+            )
+        if self.enable_profiling and self.profile_end_step < self.profile_start_step:
+            found.append(
                 (
                     "profile_end_step",
                     self.profile_end_step,
-                    f"must be >= profile_start_step ({self.profile_start_step})",
+                    f"is before profile_start_step ({self.profile_start_step}): only that one step is profiled",
                 )
             )
-        if ok("iterations_to_skip") and any(step < 1 for step in self.iterations_to_skip):
-            problems.append(("iterations_to_skip", self.iterations_to_skip, "steps are counted from 1"))
-        if (
-            ok("optimizer", "adam_beta1", "adam_beta2")
-            and self.optimizer == "sgd"
-            and (self.adam_beta1, self.adam_beta2) != (0.9, 0.999)
-        ):
-            problems.append(("optimizer", "sgd", "adam_beta1/adam_beta2 are set but sgd does not use them"))
-        return problems
+        if any(step < 1 for step in self.iterations_to_skip):
+            found.append(
+                ("iterations_to_skip", self.iterations_to_skip, "steps count from 1: step 0 is never skipped")
+            )
+        if self.optimizer == "sgd" and (self.adam_beta1, self.adam_beta2) != (0.9, 0.999):
+            found.append(("optimizer", "sgd", "adam_beta1/adam_beta2 are set but sgd ignores them"))
+        return found
