@@ -68,9 +68,55 @@ class CausalLMObjective:
                 prepared.eval, pad_id, packed=self.data.eval_sample_packing, training=False
             )
         self._generation_sets(accelerator)
+        if self.lora.enable_lora:
+            self._checkpoint_trainable_only(accelerator)
         self.can_evaluate = self.eval_loader is not None or bool(self.generation_rows)
         self.eval_every = self.train.eval_steps if self.can_evaluate else None
         return Parts(model=model, train_loader=train_loader, manifest=prepared.manifest)
+
+    def _checkpoint_trainable_only(self, accelerator) -> None:
+        """LoRA checkpoints hold what trains (adapters, modules_to_save), not the frozen base.
+
+        accelerate's save_state would write the whole model at every checkpoint (570 MB for
+        SmolLM2-135M against a 20 MB adapter; 16 GB for Llama-3.1-8B), and a QLoRA base's 4-bit
+        quantization state does not load back into a freshly quantized model. Resume rebuilds the
+        frozen base from the recipe (the same weights, or for a random-init base the same seed) and
+        these hooks restore the trained tensors. DeepSpeed and FSDP save their own formats.
+        """
+        from accelerate.utils import DistributedType
+        from safetensors.torch import load_file, save_file
+
+        if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+            return
+        acc = accelerator
+
+        def trainable(model) -> dict[str, torch.Tensor]:
+            return {n: p for n, p in acc.unwrap_model(model).named_parameters() if p.requires_grad}
+
+        def save_hook(models, weights, output_dir):
+            if acc.is_main_process:
+                for k, model in enumerate(models):
+                    tensors = {n: p.detach().cpu().contiguous() for n, p in trainable(model).items()}
+                    save_file(tensors, str(Path(output_dir) / f"trainable_{k}.safetensors"))
+            weights.clear()  # nothing left for accelerate to save: the frozen base is not written
+
+        def load_hook(models, input_dir):
+            for k, model in enumerate(models):
+                path = Path(input_dir) / f"trainable_{k}.safetensors"
+                params = trainable(model)
+                state = load_file(str(path))
+                if set(state) != set(params):
+                    raise FinetuneError(
+                        f"{path} holds other trained tensors than this run trains ({len(state)} saved, "
+                        f"{len(params)} now): resume with the recipe that wrote the checkpoint"
+                    )
+                with torch.no_grad():
+                    for name, param in params.items():
+                        param.copy_(state[name])
+            models.clear()  # loaded: accelerate must not look for model.safetensors
+
+        accelerator.register_save_state_pre_hook(save_hook)
+        accelerator.register_load_state_pre_hook(load_hook)
 
     def _generation_sets(self, accelerator) -> None:
         """The eval.generation_sets' rows, when they are scored during training."""
@@ -157,7 +203,8 @@ class CausalLMObjective:
             seed=self.train.seed,
             pad_id=pad_id,
             packed=packed,
-            shuffle=training,
+            # data.shuffle_merged_datasets: false keeps the prepared order in training too.
+            shuffle=training and data.shuffle_merged_datasets,
             drop_last=data.dataloader_drop_last if training else False,
             pad_to_multiple_of=data.pad_to_multiple_of,
             num_workers=data.dataloader_num_workers,
@@ -185,10 +232,10 @@ class CausalLMObjective:
 
     def on_prepared(self, accelerator, model) -> None:
         self.flops["config"] = accelerator.unwrap_model(model).config
-        if (
-            self.eval_loader is not None
-        ):  # sharded by Accelerate, after the model (DeepSpeed wants that order)
+        if self.eval_loader is not None:
+            # Sharded by Accelerate, after the model: DeepSpeed wants that order.
             self.eval_loader = accelerator.prepare(self.eval_loader)
+        return None  # no state besides the model's, the optimizer's and the schedule's
 
     def after_update(self, model) -> None:
         """Nothing to do after an applied update."""
