@@ -13,6 +13,7 @@ from pathlib import Path
 
 from finetune.accelerate_config import list_configs, resolve_accelerate_config
 from finetune.errors import FinetuneError
+from finetune.launcher import run_supervised
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
 
@@ -402,10 +403,11 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         launch = {key: getattr(args, key) for key in LAUNCH_OPTIONS}
         check_before_launch(recipe, config, launch)
         cmd = launch_command(args.recipe, overrides, config, launch)
+        env = dict(os.environ)
         if cmd[2] == "torch.distributed.run":
-            os.environ["ACCELERATE_USE_CPU"] = "true"
+            env["ACCELERATE_USE_CPU"] = "true"
         print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-        os.execv(cmd[0], cmd)
+        return run_supervised(cmd, env)
     raise AssertionError(args.command)
 
 

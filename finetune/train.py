@@ -50,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
             # Also on an early stop or an abort: trackers flush their files here.
             accelerator.end_training()
     except FinetuneError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from finetune.launcher import write_status
+
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        write_status(2, str(exc))  # `finetune train` then exits 2 with this message alone
         return 2
 
 

@@ -37,19 +37,18 @@ def recipe_path(tmp_path: Path) -> Path:
 
 
 class Exec(Exception):
-    """Raised by the fake os.execv: `finetune train` got as far as launching."""
+    """Raised by the fake launcher: `finetune train` got as far as launching."""
 
 
 @pytest.fixture
 def fake_execv(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     calls: list[list[str]] = []
 
-    def execv(path: str, argv: list[str]) -> None:
+    def launch(argv: list[str], env: dict) -> int:
         calls.append(list(argv))
-        assert path == argv[0]
         raise Exec
 
-    monkeypatch.setattr(cli.os, "execv", execv)
+    monkeypatch.setattr(cli, "run_supervised", launch)
     return calls
 
 
