@@ -179,7 +179,11 @@ LAUNCH_OPTIONS = ("num_processes", "num_machines", "machine_rank", "main_process
 
 
 def launch_command(
-    recipe_path: str, overrides: list[str], config: Path | None, launch: dict | None = None
+    recipe_path: str,
+    overrides: list[str],
+    config: Path | None,
+    launch: dict | None = None,
+    mixed_precision: str = "no",
 ) -> list[str]:
     """The command line `finetune train` runs: `accelerate launch ...`.
 
@@ -213,7 +217,7 @@ def launch_command(
         # No config: one process on whatever device there is, without accelerate's warnings
         # about unset launcher values.
         launch.setdefault("num_processes", 1)
-        cmd += ["--num_machines", "1", "--dynamo_backend", "no"]
+        cmd += ["--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", mixed_precision]
     for key in LAUNCH_OPTIONS:
         if key in launch:
             cmd += [f"--{key}", str(launch[key])]
@@ -402,7 +406,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         config = resolve_accelerate_config(args.accelerate_config or recipe.train.accelerate_config)
         launch = {key: getattr(args, key) for key in LAUNCH_OPTIONS}
         check_before_launch(recipe, config, launch)
-        cmd = launch_command(args.recipe, overrides, config, launch)
+        cmd = launch_command(args.recipe, overrides, config, launch, recipe.train.mixed_precision)
         env = dict(os.environ)
         if cmd[2] == "torch.distributed.run":
             env["ACCELERATE_USE_CPU"] = "true"

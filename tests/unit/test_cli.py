@@ -336,7 +336,9 @@ def test_train_uses_the_recipe_accelerate_config(recipe_path: Path, fake_execv: 
 def test_train_without_config_runs_one_process(recipe_path: Path, fake_execv: list) -> None:
     with pytest.raises(Exec):
         main(["train", str(recipe_path)])
-    assert fake_execv == [launch_command(str(recipe_path), [], None)]
+    # The recipe's mixed precision is passed on, so accelerate launch has no default to warn about.
+    assert fake_execv == [launch_command(str(recipe_path), [], None, mixed_precision="bf16")]
+    assert fake_execv[0][fake_execv[0].index("--mixed_precision") + 1] == "bf16"
 
 
 def test_train_unknown_config_is_exit_2(recipe_path: Path, fake_execv: list, capsys) -> None:
