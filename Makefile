@@ -26,6 +26,7 @@ bench:           ## benchmarks (figures go to benchmarks/RESULTS.md)
 	$(PYTHON) benchmarks/bench_loop.py
 	$(PYTHON) benchmarks/bench_diffusion.py
 	$(PYTHON) benchmarks/bench_preference_packing.py --threads 1
+	$(PYTHON) benchmarks/bench_chunked_ce.py
 	$(PYTHON) benchmarks/bench_dpo.py
 	$(PYTHON) benchmarks/plan_table.py
 	$(PYTHON) benchmarks/plan_table.py --vs-deepspeed

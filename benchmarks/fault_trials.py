@@ -12,6 +12,8 @@ classifies how it ended:
 * counted drop: exit code 0 and the manifest accounts for every input row (rows_in = kept +
   dropped) with exactly the expected drop reasons, each with a sample;
 * clean load: exit code 0 with nothing dropped, for inputs that are odd but valid (BOM, CRLF);
+* recovered: a damaged or killed training run resumed from the newest checkpoint that verifies, said
+  which one it skipped and why, and logged exactly the losses of a run that was never interrupted;
 * traceback: "Traceback" anywhere in the output. Must be 0;
 * unexpected: anything else (an error where a drop was expected, an error not naming the file, a
   wrong count, a timeout).
@@ -51,7 +53,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "benchmarks" / "RESULTS.md"
 SECTION_START, SECTION_END = "<!-- fault-trials:start -->", "<!-- fault-trials:end -->"
 DEMO_TOKENIZER = REPO_ROOT / "recipes" / "demo" / "tokenizer"
-OUTCOMES = ("clear error", "counted drop", "clean load", "traceback", "unexpected")
+OUTCOMES = ("clear error", "counted drop", "clean load", "recovered", "traceback", "unexpected")
 TIMEOUT_S = 300
 
 
@@ -63,7 +65,7 @@ class Trial:
     name: str
     command: list[str]
     cwd: Path
-    expect: str  # one of OUTCOMES[:3]
+    expect: str  # one of OUTCOMES[:4]
     names: str = ""  # text a clear error must contain (the damaged file's path)
     drops: dict[str, int] = field(default_factory=dict)  # expected manifest drops (counted drop)
     rows_in: int | None = None  # expected manifest rows_in (counted drop, clean load)
@@ -337,8 +339,203 @@ def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in text.lower()).strip("_")
 
 
+# ------------------------------------------------------------------------------- training trials
+
+DEMO = REPO_ROOT / "recipes" / "demo" / "tiny_sft_cpu.yaml"
+TRAIN_STEPS = 12
+TRAIN_ARGS = [
+    "--train.max_steps", str(TRAIN_STEPS), "--train.save_steps", "2", "--train.save_total_limit", "null",
+    "--train.save_epochs", "0", "--train.log_steps", "1", "--train.eval_steps", "null", "--train.log_format",
+    "structured", "--train.save_hf_weights", "false", "--lora.lora_dropout", "0.1",
+    "--train.micro_batch_size", "2",
+]  # fmt: skip
+
+
+def _train_command(folder: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, str(REPO_ROOT / "finetune" / "train.py"), str(DEMO), *TRAIN_ARGS,
+        "--train.output_dir", str(folder / "out"), "--data.dataset_prepared_path", str(folder.parent / "prepared"),
+        # The demo recipe's paths are relative to the repository; trials run in folders of their own.
+        "--model.tokenizer_path", str(REPO_ROOT / "recipes" / "demo" / "tokenizer"),
+        "--data.datasets.0.path", str(REPO_ROOT / "recipes" / "demo" / "data" / "arithmetic.jsonl"),
+        *extra,
+    ]  # fmt: skip
+
+
+def _losses(out: Path) -> dict[int, float]:
+    path = out / "progress.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return {r["step"]: r["loss"] for r in records if r.get("event") is None and "loss" in r}
+
+
+def _reference(root: Path) -> dict[int, float]:
+    """One uninterrupted run: the losses every resumed trial must reproduce."""
+    folder = root / "reference"
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    subprocess.run(_train_command(folder), env=env, check=True, capture_output=True, timeout=TIMEOUT_S)
+    return _losses(folder / "out")
+
+
+def _classify_resume(reference: dict[int, float], *, skipped: str = "") -> Callable:
+    def classify(trial: Trial, proc: subprocess.CompletedProcess) -> tuple[str, str]:
+        output = proc.stdout + proc.stderr
+        if "Traceback" in output:
+            return "traceback", _last_line(proc.stderr)
+        if proc.returncode != 0:
+            return "unexpected", f"exit code {proc.returncode}: {_last_line(proc.stderr)}"
+        said = [ln for ln in output.splitlines() if ln.startswith(("warning: resume", "resumed from"))]
+        if skipped and not any(skipped in ln for ln in said):
+            return "unexpected", f"did not say why it skipped {skipped}: {said}"
+        losses = _losses(trial.cwd / "out")
+        wrong = [s for s, v in reference.items() if abs(losses.get(s, float("nan")) - v) > 1e-6]
+        if wrong:
+            return "unexpected", f"losses differ at steps {wrong[:5]}"
+        return "recovered", "; ".join(said)[:220]
+
+    return classify
+
+
+def _damage(out: Path, how: str) -> tuple[str, str]:
+    """Damage the newest checkpoint (step-12); return (what a clear message must name, checkpoint)."""
+    ckpt = out / "checkpoints" / f"step-{TRAIN_STEPS}"
+    files = {
+        "truncated weights": "trainable_0.safetensors", "bit-flipped optimizer state": "optimizer.bin",
+        "missing RNG state": "random_states_0.pkl", "missing scheduler state": "scheduler.bin",
+        "truncated train state": "train_state.json", "missing checksums": "checksums.json",
+    }  # fmt: skip
+    if how in files:
+        path = ckpt / files[how]
+        data = path.read_bytes()
+        if how.startswith("truncated"):
+            path.write_bytes(data[: len(data) // 3])
+        elif how.startswith("bit-flipped"):
+            path.write_bytes(data[:100] + bytes([data[100] ^ 0x10]) + data[101:])
+        else:
+            path.unlink()
+        return str(path), str(ckpt)
+    if how == "junk in latest":
+        (out / "checkpoints" / "latest").write_bytes(b"\x00\xfe garbage \x81")
+        return "latest", str(ckpt)
+    if how == "latest names a missing folder":
+        shutil.rmtree(ckpt)
+        return "does not exist", str(ckpt)
+    raise ValueError(how)
+
+
+CHECKPOINT_CASES = (
+    "truncated weights", "bit-flipped optimizer state", "missing RNG state", "missing scheduler state",
+    "truncated train state", "missing checksums", "junk in latest", "latest names a missing folder",
+)  # fmt: skip
+
+
+def checkpoint_trials(root: Path) -> list[Trial]:
+    """Damage the newest checkpoint of a finished run, then resume it: `auto` must skip it, say why,
+    and reproduce the uninterrupted losses from the checkpoint before; the damaged checkpoint named
+    explicitly must be a clear error naming the file."""
+    reference = _reference(root / "checkpoint")
+    source = root / "checkpoint" / "reference" / "out"
+    trials = []
+    for case in CHECKPOINT_CASES:
+        for mode in ("auto", "explicit"):
+            folder = root / "checkpoint" / f"{_slug(case)}-{mode}"
+            shutil.copytree(source, folder / "out")
+            names, ckpt = _damage(folder / "out", case)
+            if mode == "auto":
+                # The log ends at step 12: a resume from step 10 must rewrite 11 and 12 identically.
+                command = _train_command(folder, "--train.load_checkpoint_path", "auto")
+                classify = _classify_resume(reference, skipped="step-12" if "latest" not in case else "")
+                trials.append(
+                    Trial("checkpoint", f"{case} [auto]", command, folder, "recovered", classify=classify)
+                )
+            elif "latest" not in case:
+                command = _train_command(folder, "--train.load_checkpoint_path", ckpt)
+                trials.append(
+                    Trial(
+                        "checkpoint", f"{case} [explicit path]", command, folder, "clear error", names=names
+                    )
+                )
+    return trials
+
+
+def sigkill_trials(root: Path, count: int = 20, seed: int = 0) -> list[Trial]:
+    """SIGKILL a training run at a random moment (not only after a checkpoint), then resume with
+    `auto`: every step's loss must equal the uninterrupted run's."""
+    import random
+
+    reference = _reference(root / "sigkill")
+    rng = random.Random(seed)
+    trials = []
+    for k in range(count):
+        folder = root / "sigkill" / f"trial-{k:02d}"
+        folder.mkdir(parents=True)
+        kill_after = round(rng.uniform(0.05, 0.95), 3)  # fraction of the way through the 12 steps
+        delay = round(rng.uniform(0.0, 0.5), 3)  # then anywhere inside the next step or its checkpoint
+        command = [
+            sys.executable,
+            __file__,
+            "--sigkill-child",
+            str(folder),
+            "--at",
+            str(kill_after),
+            "--delay",
+            str(delay),
+        ]
+        classify = _classify_resume(reference)
+        trials.append(
+            Trial(
+                "sigkill",
+                f"kill at {kill_after:.0%} of the steps",
+                command,
+                folder,
+                "recovered",
+                classify=classify,
+            )
+        )
+    return trials
+
+
+def sigkill_child(folder: Path, at: float, delay: float) -> int:
+    """Start the run, SIGKILL its process group once `at` of the steps are logged (any moment: mid-step,
+    mid-checkpoint), then resume it to the end; the parent compares the losses."""
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    target = max(1, int(at * TRAIN_STEPS))
+    proc = subprocess.Popen(
+        _train_command(folder),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + TIMEOUT_S
+    while (
+        time.monotonic() < deadline
+        and proc.poll() is None
+        and max(_losses(folder / "out"), default=0) < target
+    ):
+        time.sleep(0.01)
+    time.sleep(delay)  # land anywhere inside the next step, or its checkpoint
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = subprocess.run(
+        _train_command(folder, "--train.load_checkpoint_path", "auto"),
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    sys.stdout.write(resumed.stdout)
+    sys.stderr.write(resumed.stderr)
+    return resumed.returncode
+
+
 # Trial kinds: name -> function building the trials under a root folder.
-KINDS: dict[str, Callable[[Path], list[Trial]]] = {"data": data_trials}
+KINDS: dict[str, Callable[[Path], list[Trial]]] = {
+    "data": data_trials,
+    "checkpoint": checkpoint_trials,
+    "sigkill": sigkill_trials,
+}
 
 
 # ---------------------------------------------------------------------------------------- report
@@ -383,7 +580,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="trials run at once (each is one CLI process)")
     parser.add_argument("--keep", type=Path, help="build the trials in this folder and keep it")
     parser.add_argument("--write-results", action="store_true", help="update benchmarks/RESULTS.md")
+    parser.add_argument("--sigkill-child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--at", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--delay", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.sigkill_child:
+        return sigkill_child(args.sigkill_child, args.at, args.delay)
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="finetune-fault-trials-"))
     start = time.perf_counter()

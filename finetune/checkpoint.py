@@ -52,11 +52,13 @@ def save_checkpoint(
     *,
     total_limit: int | None,
     keep: Path | None = None,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save model/optimizer/scheduler/RNG state and our train state as checkpoints/step-<step>.
 
     Every process must call this (sharded engines save from every rank); only the main process
-    writes the checksums, renames, updates `latest` and rotates (never deleting `keep`). A full disk
+    writes the train state, `write_extra(folder)` (states kept besides accelerate's), the checksums,
+    renames, updates `latest` and rotates (never deleting `keep`). A full disk
     or an unwritable folder is a FinetuneError saying that the previous checkpoints are intact.
     """
     root = checkpoints_dir(output_dir)
@@ -73,6 +75,8 @@ def save_checkpoint(
         if accelerator.is_main_process:
             (tmp / STATE_FILE).write_text(json.dumps(train_state, indent=2))
             (tmp / "recipe.resolved.yaml").write_text(recipe_yaml)
+            if write_extra is not None:
+                write_extra(tmp)
             (tmp / CHECKSUMS_FILE).write_text(json.dumps(checksums(tmp), indent=1, sort_keys=True))
             if final.exists():
                 shutil.rmtree(final)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from finetune.accelerate_config import list_configs, resolve_accelerate_config
 from finetune.errors import FinetuneError
+from finetune.launcher import run_supervised
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
 
@@ -89,6 +90,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", action="store_true", help="print the numbers (bytes) as JSON")
 
+    evaluate = _recipe_parser(
+        sub,
+        "eval",
+        "Evaluate a model: eval loss and perplexity on the recipe's eval split, and the generation metrics of "
+        "its eval.generation_sets; with --adapter or --model, the recipe's base model too, side by side.",
+    )
+    which = evaluate.add_mutually_exclusive_group()
+    which.add_argument("--adapter", metavar="DIR", help="a trained adapter folder (evaluated on its base)")
+    which.add_argument("--model", metavar="DIR", help="a full model folder (e.g. merged or fully fine-tuned)")
+    evaluate.add_argument(
+        "--no-base", action="store_true", help="with --adapter/--model: skip the base model"
+    )
+    evaluate.add_argument(
+        "--output",
+        metavar="FILE",
+        help="where to write eval.json (default: DIR/eval.json, else train.output_dir)",
+    )
+    evaluate.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    talk = sub.add_parser(
+        "chat", help="Talk to a model: an adapter or full model folder, a .gguf file or package:// reference."
+    )
+    talk.add_argument("model_dir", help="adapter folder, model folder, .gguf file or package://pkg/file.gguf")
+    talk.add_argument("--prompt", help="answer this one message and exit (scriptable)")
+    talk.add_argument("--system", help="a system prompt (default: the chat template's own)")
+    talk.add_argument("--max-new-tokens", type=int, default=512, metavar="N")
+    talk.add_argument("--base", help="the adapter's base model, when it moved since training")
+
     checkpoints = sub.add_parser(
         "checkpoints",
         help="List a run's checkpoints: step, size, whether each verifies, which one `auto` resumes.",
@@ -150,7 +179,11 @@ LAUNCH_OPTIONS = ("num_processes", "num_machines", "machine_rank", "main_process
 
 
 def launch_command(
-    recipe_path: str, overrides: list[str], config: Path | None, launch: dict | None = None
+    recipe_path: str,
+    overrides: list[str],
+    config: Path | None,
+    launch: dict | None = None,
+    mixed_precision: str = "no",
 ) -> list[str]:
     """The command line `finetune train` runs: `accelerate launch ...`.
 
@@ -184,11 +217,90 @@ def launch_command(
         # No config: one process on whatever device there is, without accelerate's warnings
         # about unset launcher values.
         launch.setdefault("num_processes", 1)
-        cmd += ["--num_machines", "1", "--dynamo_backend", "no"]
+        cmd += ["--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", mixed_precision]
     for key in LAUNCH_OPTIONS:
         if key in launch:
             cmd += [f"--{key}", str(launch[key])]
     return [*cmd, str(TRAIN_SCRIPT), recipe_path, *overrides]
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """`finetune chat`: load the model once, then one answer (--prompt) or a conversation."""
+    from finetune.evaluation.chat import chat
+    from finetune.model import inference_device, load_for_inference
+
+    model, tokenizer = load_for_inference(args.model_dir, base=args.base)
+    model.to(inference_device())
+    return chat(model, tokenizer, prompt=args.prompt, system=args.system, max_new_tokens=args.max_new_tokens)
+
+
+def run_eval(recipe, args: argparse.Namespace) -> int:
+    """`finetune eval`: the models to compare, the eval split's batches, the generation sets -> table."""
+    from finetune.evaluation.report import evaluate_models, format_table, write_report
+    from finetune.model import base_model_source, inference_device, load_for_inference, load_tokenizer
+
+    batches = _eval_batches(recipe)
+    if batches is None and not recipe.eval.generation_sets:
+        raise FinetuneError(
+            "nothing to evaluate: the recipe has no eval split (data.val_set_size or data.test_datasets) and "
+            "no eval.generation_sets"
+        )
+    target = args.adapter or args.model
+    models = {}
+    if target is None or not args.no_base:
+        base = base_model_source(recipe.model, adapter=args.adapter)
+        models["base"] = lambda: _on_device(
+            load_for_inference(base, tokenizer=load_tokenizer(recipe.model)), inference_device()
+        )
+    if target is not None:
+        models["tuned"] = lambda: _on_device(load_for_inference(target), inference_device())
+    results = evaluate_models(
+        models,
+        eval_batches=batches,
+        sets=recipe.eval.generation_sets,
+        batch_size=recipe.eval.batch_size,
+        progress=not args.no_progress,
+        say=lambda text: print(text, file=sys.stderr),
+    )
+    output = Path(args.output) if args.output else Path(target or recipe.train.output_dir) / "eval.json"
+    write_report(
+        results, output, recipe=args.recipe, models={"base": recipe.model.model_path, "tuned": target}
+    )
+    print(format_table(results))
+    print(f"\nfull results and every sample: {output}")
+    return 0
+
+
+def _on_device(loaded, device):
+    model, tokenizer = loaded
+    return model.to(device), tokenizer
+
+
+def _eval_batches(recipe):
+    """A function tokenizer -> batches of the recipe's prepared eval split, or None without one."""
+    from finetune.data.loader import make_dataloader
+    from finetune.data.prepare import prepare
+    from finetune.model import pad_token_id
+
+    if not (recipe.data.val_set_size or recipe.data.test_datasets):
+        return None
+    prepared = prepare(recipe, log=lambda text: print(text, file=sys.stderr))
+    if prepared.eval is None or len(prepared.eval) == 0:
+        return None
+
+    def batches(tokenizer):
+        return make_dataloader(
+            prepared.eval,
+            micro_batch_size=max(recipe.train.micro_batch_size, 1),
+            seed=recipe.train.seed,
+            pad_id=pad_token_id(tokenizer),
+            packed=recipe.data.eval_sample_packing,
+            shuffle=False,
+            drop_last=False,
+            pad_to_multiple_of=recipe.data.pad_to_multiple_of,
+        )
+
+    return batches
 
 
 def print_checkpoints(output_dir: str) -> int:
@@ -239,6 +351,10 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         for name, line in list_configs():
             print(f"{name:16s} {line}")
         return 0
+    if args.command == "chat":
+        if overrides:
+            raise FinetuneError(f"chat takes no recipe overrides, got {' '.join(overrides)}")
+        return run_chat(args)
     if args.command == "checkpoints":
         if overrides:
             raise FinetuneError(f"checkpoints takes no recipe overrides, got {' '.join(overrides)}")
@@ -253,6 +369,12 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
 
     recipe = load_recipe(args.recipe, overrides)
+    if args.command != "train":  # the training process says them itself, once
+        from finetune.notices import warn
+        from finetune.recipe import recipe_warnings
+
+        for line in recipe_warnings(recipe):
+            warn(line)
     if args.command == "validate":
         _print_recipe(recipe, args.explain)
         print(f"# {args.recipe}: valid", file=sys.stderr)
@@ -265,6 +387,8 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
 
         prepare(recipe, push=args.push)
         return 0
+    if args.command == "eval":
+        return run_eval(recipe, args)
     if args.command == "plan":
         from finetune.plan import format_plan, make_plan, plan_json
 
@@ -282,11 +406,12 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         config = resolve_accelerate_config(args.accelerate_config or recipe.train.accelerate_config)
         launch = {key: getattr(args, key) for key in LAUNCH_OPTIONS}
         check_before_launch(recipe, config, launch)
-        cmd = launch_command(args.recipe, overrides, config, launch)
+        cmd = launch_command(args.recipe, overrides, config, launch, recipe.train.mixed_precision)
+        env = dict(os.environ)
         if cmd[2] == "torch.distributed.run":
-            os.environ["ACCELERATE_USE_CPU"] = "true"
+            env["ACCELERATE_USE_CPU"] = "true"
         print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-        os.execv(cmd[0], cmd)
+        return run_supervised(cmd, env)
     raise AssertionError(args.command)
 
 

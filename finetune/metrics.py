@@ -94,11 +94,12 @@ class ProgressLog:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        # Strict JSON has no NaN or infinity: a nonfinite value is written as its name ("nan", "inf",
+        # "-inf"), so a diverging loss or gradient norm stays visible instead of turning into null.
         clean = {
-            k: (None if isinstance(v, float) and not math.isfinite(v) and k != "loss" else v)
-            for k, v in record.items()
+            k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()
         }
-        self.file.write(json.dumps(clean, allow_nan=True) + "\n")
+        self.file.write(json.dumps(clean, allow_nan=False) + "\n")
         self.file.flush()
         if self.bar is not None:
             if "step" in record and record.get("event") is None:
@@ -127,9 +128,10 @@ class ProgressLog:
 
 
 def _kv(record: dict[str, Any]) -> str:
+    """key=value for the console; lists and mappings (e.g. sample generations) stay in the file."""
     parts = []
     for key, value in record.items():
-        if value is None:
+        if value is None or isinstance(value, (list, dict)):
             continue
         parts.append(f"{key}={value:.6g}" if isinstance(value, float) else f"{key}={value}")
     return " ".join(parts)

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
+import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,18 @@ from finetune.notices import warn
 from finetune.recipe import LoraSection, ModelSection
 
 logger = logging.getLogger(__name__)
+
+# Quiet, on purpose, two things printed before every run that say nothing a user can act on:
+# - bitsandbytes (which PEFT imports whether or not QLoRA is used) tries at import to fetch an
+#   optional faster CPU kernel from the Hub and warns when it cannot; its own kernel is used then.
+# - PEFT reads `model.is_gradient_checkpointing`, which transformers 5 has deprecated (a FutureWarning
+#   from inside PEFT; finetune itself calls activation_checkpointing_enable).
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+if not torch.cuda.is_available():
+    # DeepSpeed (imported by accelerate whenever it is installed, e.g. to unwrap a model on save) would
+    # detect the CPU itself and warn that it found no GPU: name it with DeepSpeed's own setting.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -325,13 +340,17 @@ def load_adapter(adapter: Path, *, base: str | None = None, dtype: str = "auto")
     return PeftModel.from_pretrained(net, adapter), tokenizer
 
 
-def load_for_inference(path: str, *, base: str | None = None, dtype: str = "auto", merge: bool = False):
+def load_for_inference(
+    path: str, *, base: str | None = None, dtype: str = "auto", merge: bool = False, tokenizer=None
+):
     """(model, tokenizer) in eval mode, ready to generate, from what training wrote or any model:
     an adapter folder (its base + the adapter; merged into the base when `merge`, which generates
     faster), a full model folder or Hub id, or a GGUF file / `package://` reference (converted once).
 
-    `base` overrides an adapter's recorded base; `dtype` is auto (the checkpoint's), bf16, fp16 or fp32.
+    `base` overrides an adapter's recorded base; `dtype` is auto (the checkpoint's), bf16, fp16 or fp32;
+    `tokenizer` replaces the one found next to the model (a recipe's own tokenizer for its base).
     """
+    given = tokenizer
     from transformers import AutoModelForCausalLM
 
     local = Path(path).expanduser()
@@ -350,9 +369,30 @@ def load_for_inference(path: str, *, base: str | None = None, dtype: str = "auto
                 f"{path}: not an adapter folder (no adapter_config.json) and no model loads from it: {exc}"
             ) from None
         tokenizer = _load_tokenizer_or_none(source)
+    tokenizer = given if given is not None else tokenizer
     if tokenizer is None:
         raise FinetuneError(f"{path}: no tokenizer saved with the model or its base; cannot generate text")
     return net.eval(), tokenizer
+
+
+def inference_device() -> torch.device:
+    """Where `finetune eval` and `finetune chat` run the model: the first GPU, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def base_model_source(model: ModelSection, *, adapter: str | None = None) -> str:
+    """The recipe's base model as a loadable location (a GGUF file's converted folder); for a recipe
+    without pretrained weights (a random-init config), the base recorded in `adapter`."""
+    if model.model_path is not None:
+        return resolve_model_source(model).model_path
+    if adapter is not None and (Path(adapter) / "adapter_config.json").is_file():
+        config = json.loads((Path(adapter) / "adapter_config.json").read_text())
+        if config.get("base_model_name_or_path"):
+            return config["base_model_name_or_path"]
+    raise FinetuneError(
+        "the recipe's model has no pretrained weights (model.model_path is null): evaluate a trained "
+        "adapter with --adapter DIR (its saved base is used) or a model folder with --model DIR --no-base"
+    )
 
 
 def _load_dtype(dtype: str):

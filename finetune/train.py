@@ -6,6 +6,7 @@ script runs on one CPU, one GPU, DDP, FSDP2 and DeepSpeed; the accelerate config
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -19,10 +20,17 @@ from finetune.errors import FinetuneError
 
 def main(argv: list[str] | None = None) -> int:
     """Run one training job; 0 when done or stopped cleanly (with a checkpoint), 2 on a user error."""
-    from finetune import engine
-    from finetune.objectives import objective_for
-    from finetune.recipe import load_recipe, recipe_to_dict
+    import torch
 
+    from finetune import engine
+    from finetune.notices import warn
+    from finetune.objectives import objective_for
+    from finetune.recipe import load_recipe, recipe_to_dict, recipe_warnings
+
+    if not torch.cuda.is_available():
+        # DeepSpeed (imported by accelerate whenever it is installed) would detect the CPU itself and
+        # warn that it could not find a GPU; say so up front, with its own setting.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
@@ -35,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
             qlora=recipe.lora.enable_qlora,
             compile_model=recipe.model.enable_compile,
         )
+        for line in recipe_warnings(recipe):  # works, but probably not what was meant: said once, first
+            warn(line, emit=accelerator.print)
         try:
             return engine.train(
                 objective_for(recipe),
@@ -47,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
             # Also on an early stop or an abort: trackers flush their files here.
             accelerator.end_training()
     except FinetuneError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from finetune.launcher import write_status
+
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        write_status(2, str(exc))  # `finetune train` then exits 2 with this message alone
         return 2
 
 

@@ -86,7 +86,7 @@ def make_dataloader(
         **batching,
         collate_fn=collate,
         num_workers=num_workers,
-        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        prefetch_factor=(prefetch_factor or 2) if num_workers > 0 else None,
         pin_memory=pin_memory and torch.cuda.is_available(),
         # Its own generator: creating an iterator draws the workers' base seed from it, not from the
         # global RNG, so a resumed run (which creates its iterator right after restoring the RNG

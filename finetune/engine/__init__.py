@@ -13,7 +13,8 @@ says what one micro-batch costs. The engine calls it through this narrow interfa
 
 * `build(accelerator) -> Parts`: model (unprepared), train loader, manifest. The objective prepares
   its data here (one process per machine) and registers any extra checkpointed state.
-* `on_prepared(accelerator, model)`: after `accelerator.prepare` (e.g. EMA of the prepared weights).
+* `on_prepared(accelerator, model) -> extra state`: after `accelerator.prepare` (e.g. an EMA of the
+  prepared weights, returned so that checkpoints hold it; stored without pickle).
 * `units(batch)`: how many normalisation units a micro-batch holds (trainable tokens for causal-LM
   SFT, pairs for preference objectives, 1 per micro-batch for diffusion, whose loss is a mean).
 * `loss(model, batch, num_units) -> (loss, metric sums)`: the micro-batch's loss summed over its

@@ -6,7 +6,10 @@ import dataclasses
 import math
 from pathlib import Path
 
+import torch
+
 from finetune.checkpoint import find_checkpoint, load_train_state, save_checkpoint
+from finetune.engine.extra_state import load_extra, save_extra
 from finetune.engine.state import LoopState
 from finetune.metrics import ProgressLog
 from finetune.recipe.yaml_io import dump_yaml
@@ -15,6 +18,7 @@ from finetune.recipe.yaml_io import dump_yaml
 def checkpoint(run) -> Path:
     """checkpoints/step-N of the run (accelerate state + the loop state), pushed with hub.strategy
     every_save."""
+    check_finite_weights(run, f"checkpoint step-{run.state.step}")
     state = dataclasses.asdict(run.state)
     path = save_checkpoint(
         run.accelerator,
@@ -23,19 +27,42 @@ def checkpoint(run) -> Path:
         {"state": state, "total_steps": run.total_steps},
         dump_yaml(run.recipe_dict),
         total_limit=run.train.save_total_limit,
+        write_extra=lambda folder: save_extra(run.extra_state, folder),
     )
     run.accelerator.print(f"checkpoint saved: {path}")
     if run.hub.model_id and run.hub.strategy == "every_save" and run.accelerator.is_main_process:
-        from finetune.hub import push_folder
-
-        push_folder(
-            path,
-            run.hub.model_id,
-            private=run.hub.private,
-            commit_message=f"checkpoint step {run.state.step}",
-            path_in_repo=f"checkpoints/{path.name}",
-        )
+        push_checkpoint(run, path)
     return path
+
+
+def push_checkpoint(run, path: Path, *, attempts: int = 3, wait_s: float = 2.0) -> bool:
+    """hub.strategy every_save: push the checkpoint, retrying; a Hub that stays unreachable is a warning
+    and training goes on (the checkpoint is safe on disk; the final push happens at the end)."""
+    import time
+
+    from finetune.hub import push_folder
+    from finetune.notices import warn
+
+    for attempt in range(1, attempts + 1):
+        try:
+            push_folder(
+                path,
+                run.hub.model_id,
+                private=run.hub.private,
+                commit_message=f"checkpoint step {run.state.step}",
+                path_in_repo=f"checkpoints/{path.name}",
+            )
+            return True
+        except Exception as exc:  # network, HTTP and Hub errors alike: none may stop training
+            if attempt == attempts:
+                warn(
+                    f"hub.strategy every_save: pushing {path.name} to {run.hub.model_id} failed {attempts} times "
+                    f"({type(exc).__name__}: {exc}); training goes on, the checkpoint is on disk",
+                    emit=run.accelerator.print,
+                )
+                return False
+            time.sleep(wait_s * attempt)
+    return False
 
 
 def resume(run) -> None:
@@ -58,9 +85,63 @@ def resume(run) -> None:
     if choice[0] is None:
         return
     path = Path(choice[0])
+    check_resumable(path, run.recipe_dict)
     acc.load_state(str(path))
+    load_extra(run.extra_state, path)
     run.state = LoopState.from_dict(load_train_state(path)["state"])
+    run.resumed_at = run.state.step
     acc.print(f"resumed from {path} at step {run.state.step}")
+
+
+# Settings a resumed run cannot change without changing what it continues: the optimizer state, the
+# schedule over the total steps, the data order, the model. Everything else (logging, evaluation and
+# checkpoint cadence, outputs, the Hub, loader workers, time limits) may change on resume.
+TRAJECTORY = {
+    "model": None,  # every field
+    "lora": None,
+    "data": ("datasets", "test_datasets", "val_set_size", "sequence_len", "excess_length_strategy", "on_bad_row",
+             "sample_packing", "sample_packing_method", "sample_packing_sequence_len", "sample_packing_group_size",
+             "pad_to_multiple_of", "shuffle_merged_datasets", "shuffle_before_merging_datasets",
+             "dataloader_drop_last"),
+    "train": ("seed", "micro_batch_size", "gradient_accumulation_steps", "num_train_epochs", "max_steps",
+              "mixed_precision", "optimizer", "lr", "lr_min", "lr_warmup_ratio", "lr_decay_style", "weight_decay",
+              "no_decay_params", "adam_beta1", "adam_beta2", "adam_eps", "max_grad_norm", "iterations_to_skip",
+              "loss_chunk_size", "objective", "beta", "label_smoothing", "dpo_smoothing", "simpo_gamma",
+              "orpo_nll_reduction", "kto_desirable_weight", "kto_undesirable_weight", "precompute_ref_log_probs"),
+    "diffusion": None,
+}  # fmt: skip
+
+
+def check_resumable(path: Path, recipe_dict: dict) -> None:
+    """Refuse a resume whose recipe changes what the checkpoint's run was doing, naming each change.
+
+    A resumed run continues the checkpoint's optimizer state, LR schedule and data order: a new lr or
+    max_steps would be ignored or make the schedule jump, so the change is refused rather than
+    recorded in recipe.resolved.yaml without taking effect.
+    """
+    from finetune.errors import FinetuneError
+    from finetune.recipe.yaml_io import read_yaml
+
+    saved_file = path / "recipe.resolved.yaml"
+    if not saved_file.is_file():
+        return
+    saved = read_yaml(saved_file)
+    changes = []
+    for section, fields in TRAJECTORY.items():
+        before, now = saved.get(section) or {}, recipe_dict.get(section) or {}
+        for name in fields or sorted(set(before) | set(now)):
+            if before.get(name) != now.get(name):
+                changes.append(
+                    f"{section}.{name}: {before.get(name)!r} in the checkpoint, {now.get(name)!r} now"
+                )
+    if changes:
+        raise FinetuneError(
+            f"cannot resume from {path} with a changed recipe: a resumed run continues the checkpoint's "
+            "optimizer, schedule and data order, so these changes would not take effect as written:\n  - "
+            + "\n  - ".join(changes)
+            + "\nRestore them to resume, or start a new run (another train.output_dir, or "
+            "--train.load_checkpoint_path null)"
+        )
 
 
 def checkpoint_if_stopped(run, log: ProgressLog) -> None:
@@ -110,3 +191,21 @@ def schedule_length(
     steps_per_epoch = math.ceil(num_batches / gradient_accumulation_steps)
     total_steps = max_steps or math.ceil(num_train_epochs * steps_per_epoch)
     return steps_per_epoch, total_steps
+
+
+def check_finite_weights(run, what: str) -> None:
+    """Refuse to write trained weights that are not finite (they would replace good ones on disk).
+
+    Nonfinite steps never update the weights, so this only fires when something else broke them;
+    it is one pass over the trainable parameters per save (a sync point).
+    """
+    from finetune.errors import FinetuneError
+
+    bad = [
+        n for n, p in run.model.named_parameters() if p.requires_grad and not bool(torch.isfinite(p).all())
+    ]
+    if bad:
+        raise FinetuneError(
+            f"not writing {what}: {len(bad)} trained tensor(s) hold inf or NaN (first: {bad[0]}); the "
+            "checkpoints already on disk are kept. Resume from the last one with a lower train.lr"
+        )

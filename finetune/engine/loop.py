@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import signal
 import time
 from itertools import islice
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 
 from finetune.engine.checkpoints import (
+    check_finite_weights,
     checkpoint,
     checkpoint_if_stopped,
     resume,
@@ -29,6 +31,10 @@ def train(objective, accelerator, *, train, hub, recipe_dict: dict) -> int:
     stopped cleanly (with a checkpoint). `recipe_dict` is the resolved recipe, written next to the
     outputs, into every checkpoint and to the trackers."""
     run = setup(objective, accelerator, train=train, hub=hub, recipe_dict=recipe_dict)
+    if accelerator.is_main_process:
+        start_progress_log(
+            run.output_dir / "progress.jsonl", resumed_at=run.resumed_at, say=accelerator.print
+        )
     log = ProgressLog(
         run.output_dir / "progress.jsonl",
         enabled=accelerator.is_main_process,
@@ -71,7 +77,7 @@ def setup(objective, accelerator, *, train, hub, recipe_dict: dict) -> Run:
     output_dir = Path(train.output_dir)
     set_seed(train.seed, deterministic=train.enable_full_determinism)
     if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
+        check_output_dir(output_dir)
         (output_dir / "recipe.resolved.yaml").write_text(dump_yaml(recipe_dict))
     parts = objective.build(accelerator)
     engine = engine_from_env()
@@ -89,15 +95,17 @@ def setup(objective, accelerator, *, train, hub, recipe_dict: dict) -> Run:
         max_steps=train.max_steps,
     )
     scheduler = scheduler_for(optimizer, train, total_steps)
+    extra_state = {}
     if engine.kind == "deepspeed":
         # Given the scheduler, the DeepSpeed engine would step it inside backward (and not on skipped
         # steps); the loop steps it itself, once per optimizer step, as for every other engine. It
-        # changes the LR in the param groups DeepSpeed's optimizer shares with ours.
+        # changes the LR in the param groups DeepSpeed's optimizer shares with ours. Its state is
+        # checkpointed beside accelerate's (finetune.engine.extra_state).
         model, optimizer = accelerator.prepare(parts.model, optimizer)
-        accelerator.register_for_checkpointing(scheduler)
+        extra_state["scheduler"] = scheduler
     else:
         model, optimizer, scheduler = accelerator.prepare(parts.model, optimizer, scheduler)
-    objective.on_prepared(accelerator, model)
+    extra_state.update(objective.on_prepared(accelerator, model) or {})
     run = Run(
         objective=objective,
         accelerator=accelerator,
@@ -112,9 +120,63 @@ def setup(objective, accelerator, *, train, hub, recipe_dict: dict) -> Run:
         output_dir=output_dir,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
+        extra_state=extra_state,
     )
     resume(run)
     return run
+
+
+def check_output_dir(output_dir: Path) -> None:
+    """Create train.output_dir, or say clearly why it cannot be written (a file, read-only, no space)."""
+    from finetune.errors import FinetuneError
+
+    if output_dir.exists() and not output_dir.is_dir():
+        raise FinetuneError(f"train.output_dir: {output_dir} is a file, not a folder; choose another path")
+    probe = output_dir / f".write-test-{os.getpid()}"
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise FinetuneError(
+            f"train.output_dir: cannot write to {output_dir}: {exc.strerror or exc}; choose a writable folder"
+        ) from None
+
+
+def start_progress_log(path: Path, *, resumed_at: int | None, say) -> None:
+    """progress.jsonl for this run: a resumed run keeps the records up to its checkpoint's step (the
+    steps after it are replayed) and marks the resume; a fresh run into a folder that holds another
+    run's log starts a new one, keeping the old as progress.N.jsonl."""
+    import json
+
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    if resumed_at is None:
+        n = 1
+        while path.with_name(f"progress.{n}.jsonl").exists():
+            n += 1
+        path.rename(path.with_name(f"progress.{n}.jsonl"))
+        say(
+            f"{path.parent} held another run's progress.jsonl: kept as progress.{n}.jsonl; this run starts a new one"
+        )
+        return
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1  # a line cut short by a crash
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > resumed_at:
+            dropped += 1
+        else:
+            kept.append(line)
+    kept.append(json.dumps({"step": resumed_at, "event": "resumed"}))
+    path.write_text("\n".join(kept) + "\n", encoding="utf-8")
+    if dropped:
+        say(
+            f"progress.jsonl: {dropped} record(s) after step {resumed_at} removed; they are replayed from the checkpoint"
+        )
 
 
 # ------------------------------------------------------------------------------------------ loop
@@ -185,9 +247,13 @@ def train_loop(run: Run, log: ProgressLog) -> None:
                 profiler = None
             if st.step % train.log_steps == 0 or st.step == run.total_steps:
                 log_step(run, result, interval, log)
+            paused = time.perf_counter()
             if objective.eval_every and st.step % objective.eval_every == 0:
                 evaluate(run, log)  # before the checkpoint: a resumed run continues from the same RNG state
-            if not end_of_step(run, stop, started):
+            going_on = end_of_step(run, stop, started)
+            # Evaluation and checkpoint time is not training time: the next interval's tokens/s leave it out.
+            interval["paused"] = interval.get("paused", 0.0) + time.perf_counter() - paused
+            if not going_on:
                 break
         if epoch_done:
             st.epoch += 1
@@ -244,6 +310,7 @@ def save_final(run: Run, metrics: dict) -> None:
     """The objective's final artifacts (every process takes part), then the Hub push."""
     acc = run.accelerator
     acc.wait_for_everyone()
+    check_finite_weights(run, "the final model")
     extra_files = run.objective.save(run.model, {**metrics, **run.state.totals, "units": run.state.num_units})
     if acc.is_main_process and run.hub.model_id:
         push_final(run, extra_files=extra_files)

@@ -41,8 +41,9 @@ class Objective(Protocol):
     def build(self, accelerator) -> Parts:
         """Tokenizer/data/model for this run (data prepared on one process per machine)."""
 
-    def on_prepared(self, accelerator, model) -> None:
-        """Called once the engine has prepared model, optimizer and schedule (before a resume)."""
+    def on_prepared(self, accelerator, model) -> dict[str, Any] | None:
+        """Called once the engine has prepared model, optimizer and schedule (before a resume);
+        returns objects (with state_dict / load_state_dict) to checkpoint besides accelerate's state."""
 
     def units(self, batch: dict) -> torch.Tensor:
         """How many normalisation units this micro-batch holds (trainable tokens, pairs, ...)."""

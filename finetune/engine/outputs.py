@@ -17,9 +17,10 @@ from finetune.metrics import ProgressLog, host_peak_rss_gib, peak_memory_gib
 def log_step(run, result: dict, interval: dict, log: ProgressLog) -> None:
     """One progress.jsonl record (and tracker scalars) for the steps since the last one."""
     acc, st = run.accelerator, run.state
-    elapsed = max(time.perf_counter() - interval["t0"], 1e-9)
+    # Time spent evaluating and checkpointing during the interval ("paused") is not training time.
+    elapsed = max(time.perf_counter() - interval["t0"] - interval.get("paused", 0.0), 1e-9)
     st.train_seconds += elapsed
-    counts = {k: v for k, v in interval.items() if k != "t0"}
+    counts = {k: v for k, v in interval.items() if k not in ("t0", "paused")}
     record = {
         "step": st.step,
         "epoch": st.epoch + st.micro_step_in_epoch / max(len(run.train_loader), 1),

@@ -57,6 +57,8 @@ class Run:
     state: LoopState = field(default_factory=LoopState)
     stop_reason: str | None = None
     last_eval: tuple[int, dict] | None = None  # (step, fields) of the latest evaluation
+    extra_state: dict = field(default_factory=dict)  # name -> object with state_dict, checkpointed
+    resumed_at: int | None = None  # the checkpoint's step when this run resumed
     # This process, this run (not resumed): the per-process summary of a multi-process run.
     steps_here: int = 0
     micro_batches_here: int = 0

@@ -66,11 +66,13 @@ def train_step(run, window: list[dict]) -> dict[str, Any]:
     if not math.isfinite(loss_value):
         run.optimizer.zero_grad(set_to_none=True)
         return {**result, "applied": False}
-    grad_norm = None
-    if train.max_grad_norm is not None:
-        grad_norm = acc.clip_grad_norm_(model.parameters(), train.max_grad_norm)
-    elif run.state.step % train.log_steps == train.log_steps - 1:
-        grad_norm = acc.clip_grad_norm_(model.parameters(), float("inf"))  # norm only, for the log
+    # The gradient norm of every step (clipping at inf when train.max_grad_norm is null: norm only):
+    # a finite loss can still give an inf/NaN gradient, and such an update would ruin the weights.
+    # Under fp16 the scaler finds those itself (and lowers its scale), so its steps are left to it.
+    grad_norm = acc.clip_grad_norm_(model.parameters(), train.max_grad_norm or float("inf"))
+    if acc.scaler is None and not math.isfinite(float(grad_norm)):  # sync point
+        run.optimizer.zero_grad(set_to_none=True)
+        return {**result, "applied": False, "grad_norm": float(grad_norm)}
     fp16_skipped = optimizer_step(acc, run.optimizer)
     run.optimizer.zero_grad(set_to_none=True)
     if not fp16_skipped:
@@ -168,16 +170,18 @@ def count_outcome(run, result: dict, log: ProgressLog) -> bool:
     log.log(
         {
             "step": st.step,
-            "event": "nonfinite_loss",
+            "event": "nonfinite_loss" if not math.isfinite(result["loss"]) else "nonfinite_grad",
             "loss": result["loss"],
+            "grad_norm": result.get("grad_norm"),
             "in_a_row": st.nonfinite_in_a_row,
         }
     )
     if st.nonfinite_in_a_row >= train.max_consecutive_nonfinite:
         path = checkpoint(run)
         raise FinetuneError(
-            f"{st.nonfinite_in_a_row} nonfinite losses in a row (limit train.max_consecutive_nonfinite="
+            f"{st.nonfinite_in_a_row} nonfinite steps in a row (a loss or gradient that is inf or NaN; limit "
+            "train.max_consecutive_nonfinite="
             f"{train.max_consecutive_nonfinite}); the last good state (weights and optimizer as of the last "
-            f"finite loss) is saved at {path}. Lower train.lr, check the data, or use bf16 instead of fp16."
+            f"finite step) is saved at {path}. Lower train.lr, check the data, or use bf16 instead of fp16."
         )
     return False

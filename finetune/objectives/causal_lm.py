@@ -4,8 +4,9 @@ The loss of a micro-batch is the sum of its token losses divided by the trainabl
 whole accumulation window on all processes (transformers' `num_items_in_batch`), so the window's
 update is the mean over its trainable tokens, whatever the micro-batch sizes.
 
-The parts any causal-LM objective needs (the model with LoRA / QLoRA, the batch check, throughput
-fields, the final save) are module functions, shared with the preference objective.
+The parts any causal-LM objective needs (the model with LoRA / QLoRA, LoRA checkpoints of the
+trained tensors only, the batch check, throughput fields, the final save) are module functions,
+shared with the preference objective (finetune/objectives/preference.py).
 """
 
 from __future__ import annotations
@@ -20,20 +21,9 @@ import torch
 from finetune.data.loader import count_tokens, count_trainable, make_dataloader, seq_stats
 from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
+from finetune.losses.causal_lm import forward, token_loss_sums
 from finetune.metrics import device_peak_flops, forward_flops_per_token, model_flops_per_token
-
-
-def forward(model, batch: dict, *, num_items: torch.Tensor | None = None):
-    """The model's forward on a collated batch (labels included when num_items is given).
-
-    use_cache=False matters for correctness, not only memory: with a KV cache, transformers skips
-    the packed-sequence detection that turns restarting position_ids into a block-diagonal mask,
-    and packed sequences would attend to each other.
-    """
-    if num_items is None:
-        batch = {k: v for k, v in batch.items() if k != "labels"}
-        return model(**batch, use_cache=False)
-    return model(**batch, use_cache=False, num_items_in_batch=num_items)
+from finetune.notices import warn
 
 
 class CausalLMObjective:
@@ -43,18 +33,20 @@ class CausalLMObjective:
     summary_keys = ("tokens",)
 
     def __init__(self, recipe):
+        from finetune.model import check_attention_backend
+
+        # Before anything is written or prepared: an attention backend that cannot run here fails now.
+        check_attention_backend(recipe.model.attn_implementation)
         # The objective is built by the entry point from the whole recipe and keeps only its parts.
         self.recipe = recipe
-        self.model_settings, self.lora, self.data, self.train = (
-            recipe.model,
-            recipe.lora,
-            recipe.data,
-            recipe.train,
-        )
+        self.model_settings, self.lora, self.data = recipe.model, recipe.lora, recipe.data
+        self.train, self.eval_settings = recipe.train, recipe.eval
+        self.generation_rows: dict[str, list[dict]] = {}
         self.eval_loader = None
         self.tokenizer = None
         self.accelerator = None
         self.flops: dict[str, Any] = {}
+        self.loss_chunk_size = 0  # tokens per chunk of the head's loss; 0 = full logits
         self.manifest: dict = {}
         self.eval_every: int | None = None
         self.can_evaluate = False
@@ -63,17 +55,16 @@ class CausalLMObjective:
 
     def build(self, accelerator) -> Parts:
         from finetune.data.prepare import prepare_on_main_process
-        from finetune.model import check_attention_backend, load_tokenizer, pad_token_id
+        from finetune.model import load_tokenizer, pad_token_id
 
         self.accelerator = accelerator
-        # Before the (possibly long) data preparation: an attention backend that cannot run here fails now.
-        check_attention_backend(self.model_settings.attn_implementation)
         self.tokenizer = load_tokenizer(self.model_settings)
         # One process per machine builds the prepared dataset; the others wait, however long it takes,
         # then load it from the cache.
         prepared = prepare_on_main_process(self.recipe, accelerator)
         self.manifest = prepared.manifest
         model, self.flops = build_lm(self.model_settings, self.lora, self.train, self.tokenizer, accelerator)
+        self.loss_chunk_size = self._chunk_size(model, accelerator)
         pad_id = pad_token_id(self.tokenizer)
         train_loader = self._loader(prepared.train, pad_id, packed=self.data.sample_packing, training=True)
         check_batches(accelerator, train_loader, len(prepared.train), self.train.micro_batch_size)
@@ -81,9 +72,38 @@ class CausalLMObjective:
             self.eval_loader = self._loader(
                 prepared.eval, pad_id, packed=self.data.eval_sample_packing, training=False
             )
-            self.can_evaluate = True
-            self.eval_every = self.train.eval_steps
+        self._generation_sets(accelerator)
+        if self.lora.enable_lora:
+            checkpoint_trainable_only(accelerator)
+        self.can_evaluate = self.eval_loader is not None or bool(self.generation_rows)
+        self.eval_every = self.train.eval_steps if self.can_evaluate else None
         return Parts(model=model, train_loader=train_loader, manifest=prepared.manifest)
+
+    def _generation_sets(self, accelerator) -> None:
+        """The eval.generation_sets' rows, when they are scored during training."""
+        self.generation_rows = generation_rows(self.eval_settings, accelerator)
+
+    def _chunk_size(self, model, accelerator) -> int:
+        """train.loss_chunk_size resolved for this model (auto: on for large vocab x tokens)."""
+        from finetune.losses.chunked_ce import resolve_loss_chunk_size
+
+        setting = self.train.loss_chunk_size
+        if self.model_settings.enable_liger_kernel:
+            if setting:  # Liger's fused linear cross-entropy already avoids the full logits
+                warn(
+                    "train.loss_chunk_size is ignored with model.enable_liger_kernel: Liger's fused linear "
+                    "cross-entropy already computes the loss without the full logits",
+                    emit=accelerator.print,
+                )
+            return 0
+        size = resolve_loss_chunk_size(
+            setting,
+            vocab_size=model.get_output_embeddings().weight.shape[0],
+            tokens_per_micro_batch=self.train.micro_batch_size * self.data.packing_len,
+        )
+        if size and setting is None:
+            accelerator.print(f"train.loss_chunk_size auto: the loss is computed {size} tokens at a time")
+        return size
 
     def _loader(self, dataset, pad_id: int, *, packed: bool, training: bool):
         acc, data = self.accelerator, self.data
@@ -93,7 +113,8 @@ class CausalLMObjective:
             seed=self.train.seed,
             pad_id=pad_id,
             packed=packed,
-            shuffle=training,
+            # data.shuffle_merged_datasets: false keeps the prepared order in training too.
+            shuffle=training and data.shuffle_merged_datasets,
             drop_last=data.dataloader_drop_last if training else False,
             pad_to_multiple_of=data.pad_to_multiple_of,
             num_workers=data.dataloader_num_workers,
@@ -105,10 +126,10 @@ class CausalLMObjective:
 
     def on_prepared(self, accelerator, model) -> None:
         self.flops["config"] = accelerator.unwrap_model(model).config
-        if (
-            self.eval_loader is not None
-        ):  # sharded by Accelerate, after the model (DeepSpeed wants that order)
+        if self.eval_loader is not None:
+            # Sharded by Accelerate, after the model: DeepSpeed wants that order.
             self.eval_loader = accelerator.prepare(self.eval_loader)
+        return None  # no state besides the model's, the optimizer's and the schedule's
 
     def after_update(self, model) -> None:
         """Nothing to do after an applied update."""
@@ -119,6 +140,10 @@ class CausalLMObjective:
         return count_trainable(batch)
 
     def loss(self, model, batch: dict, num_units: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        if self.loss_chunk_size:
+            from finetune.losses.chunked_ce import causal_lm_loss
+
+            return causal_lm_loss(model, batch, num_items=num_units, chunk_size=self.loss_chunk_size), {}
         return forward(model, batch, num_items=num_units).loss, {}
 
     def counts(self, batch: dict) -> dict[str, float]:
@@ -130,28 +155,45 @@ class CausalLMObjective:
 
         Token counts are this process's; trainable tokens (`units`) are all processes'.
         """
+        fields = throughput_fields(self.accelerator, self.flops, interval, elapsed, totals)
         trainable = interval.get("units", 0)
         return {
-            **throughput_fields(self.accelerator, self.flops, interval, elapsed, totals),
+            "tokens_per_sec": fields["tokens_per_sec"],
+            "tokens_per_sec_total": fields["tokens_per_sec_total"],
             "trainable_tokens": trainable,
             "trainable_tokens_per_sec": trainable / elapsed,
+            "tflops_per_device": fields["tflops_per_device"],
+            "mfu": fields["mfu"],
         }
 
     # ------------------------------------------------------------------------------------ eval
 
-    def evaluate(self, model, step: int) -> dict[str, float]:
+    def evaluate(self, model, step: int) -> dict[str, Any]:
+        """Eval loss and perplexity on the eval split, and the generation sets' scores and samples."""
+        metrics: dict[str, Any] = self._eval_loss(model, step) if self.eval_loader is not None else {}
+        if self.generation_rows:
+            metrics.update(self._generation_metrics(model, step))
+        return metrics
+
+    def _generation_metrics(self, model, step: int) -> dict[str, Any]:
+        return generation_metrics(
+            self.accelerator,
+            model,
+            self.tokenizer,
+            self.eval_settings,
+            self.generation_rows,
+            step=step,
+            report_to=self.train.report_to,
+        )
+
+    def _eval_loss(self, model, step: int) -> dict[str, float]:
         """Token-weighted eval loss and perplexity over the eval split, gathered across processes."""
         acc = self.accelerator
         model.eval()
         total_loss, total_count = 0.0, 0
         with torch.no_grad():
             for batch in self.eval_loader:
-                logits = forward(model, batch).logits[:, :-1].float()
-                target = batch["labels"][:, 1:]
-                per_token = torch.nn.functional.cross_entropy(
-                    logits.transpose(1, 2), target, ignore_index=-100, reduction="none"
-                )
-                sums, counts = per_token.sum(dim=1), (target != -100).sum(dim=1)
+                sums, counts = token_loss_sums(model, batch, chunk_size=self.loss_chunk_size)
                 sums, counts = acc.gather_for_metrics((sums, counts))
                 total_loss += float(sums.sum())
                 total_count += int(counts.sum())
@@ -169,7 +211,9 @@ class CausalLMObjective:
         from finetune.recipe import recipe_to_dict
 
         card_metrics = {"step": metrics["step"], "trainable_tokens": metrics["units"]}
-        card_metrics.update({k: v for k, v in metrics.items() if k.startswith("eval_")})
+        card_metrics.update(
+            {k: v for k, v in metrics.items() if k.startswith("eval_") and isinstance(v, (int, float))}
+        )
         save_lm(
             self.accelerator,
             model,
@@ -181,13 +225,22 @@ class CausalLMObjective:
         return []
 
 
+def _samples_markdown(samples: list[dict]) -> str:
+    """Sample generations as a markdown table for the trackers' text panel."""
+    lines = ["| prompt | output | expected | correct |", "|---|---|---|---|"]
+    for sample in samples:
+        cells = [sample["prompt"], sample["output"], sample.get("expected"), sample.get("correct")]
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------ shared with preference
 
 
 def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, dict[str, Any]]:
     """(the causal LM to train, not yet prepared; its parameter counts for FLOPs): pretrained or
-    random-init weights, LoRA / QLoRA adapters (a random-init base is saved to output_dir/base_model
-    so the adapter can be loaded later), fp32 trainable weights under fp16."""
+    random-init weights, LoRA / QLoRA adapters (a random-init base is saved with the tokenizer to
+    output_dir/base_model, so the adapter can be loaded later), fp32 trainable weights under fp16."""
     from finetune.model import (
         apply_lora,
         build_model,
@@ -209,6 +262,8 @@ def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, 
         if model_settings.model_path is None:
             base_dir = output_dir / "base_model"
             save_base_model(model, base_dir, is_main_process=accelerator.is_main_process)
+            if accelerator.is_main_process:  # so the base alone loads for eval and chat
+                tokenizer.save_pretrained(base_dir)
         model = apply_lora(model, lora, gradient_checkpointing=train.gradient_checkpointing)
         if base_dir is not None:
             model.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
@@ -217,6 +272,101 @@ def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, 
     trainable, total = count_parameters(model)
     accelerator.print(f"parameters: {trainable:,} trainable / {total:,} total")
     return model, {"num_params": total, "num_trainable": trainable}
+
+
+def checkpoint_trainable_only(accelerator) -> None:
+    """LoRA checkpoints hold what trains (adapters, modules_to_save), not the frozen base.
+
+    accelerate's save_state would write the whole model at every checkpoint (570 MB for
+    SmolLM2-135M against a 20 MB adapter; 16 GB for Llama-3.1-8B), and a QLoRA base's 4-bit
+    quantization state does not load back into a freshly quantized model. Resume rebuilds the
+    frozen base from the recipe (the same weights, or for a random-init base the same seed) and
+    these hooks restore the trained tensors. DeepSpeed and FSDP save their own formats.
+    """
+    from accelerate.utils import DistributedType
+    from safetensors.torch import load_file, save_file
+
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        return
+    acc = accelerator
+
+    def trainable(model) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in acc.unwrap_model(model).named_parameters() if p.requires_grad}
+
+    def save_hook(models, weights, output_dir):
+        if acc.is_main_process:
+            for k, model in enumerate(models):
+                tensors = {n: p.detach().cpu().contiguous() for n, p in trainable(model).items()}
+                save_file(tensors, str(Path(output_dir) / f"trainable_{k}.safetensors"))
+        weights.clear()  # nothing left for accelerate to save: the frozen base is not written
+
+    def load_hook(models, input_dir):
+        for k, model in enumerate(models):
+            path = Path(input_dir) / f"trainable_{k}.safetensors"
+            params = trainable(model)
+            state = load_file(str(path))
+            if set(state) != set(params):
+                raise FinetuneError(
+                    f"{path} holds other trained tensors than this run trains ({len(state)} saved, "
+                    f"{len(params)} now): resume with the recipe that wrote the checkpoint"
+                )
+            with torch.no_grad():
+                for name, param in params.items():
+                    param.copy_(state[name])
+        models.clear()  # loaded: accelerate must not look for model.safetensors
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+
+
+def generation_rows(eval_settings, accelerator) -> dict[str, list[dict]]:
+    """The eval.generation_sets' rows by set name, when they are scored during training ({} otherwise)."""
+    from accelerate.utils import DistributedType
+
+    from finetune.evaluation.report import load_generation_rows
+
+    if not (eval_settings.generation_sets and eval_settings.during_training):
+        return {}
+    sharded = accelerator.distributed_type == DistributedType.FSDP or (
+        accelerator.distributed_type == DistributedType.DEEPSPEED
+        and accelerator.state.deepspeed_plugin.zero_stage == 3
+    )
+    if sharded:
+        raise FinetuneError(
+            "eval.generation_sets during training: generation with a sharded model (FSDP, ZeRO-3) is not "
+            "supported; set eval.during_training: false and run `finetune eval` on the saved model"
+        )
+    return {s.name: load_generation_rows(s) for s in eval_settings.generation_sets}
+
+
+def generation_metrics(
+    accelerator, model, tokenizer, eval_settings, rows: dict, *, step: int, report_to: list
+) -> dict[str, Any]:
+    """Generation sets scored on the main process (greedy decoding of the unwrapped model); the
+    others wait. Scores and samples go to progress.jsonl, and to the trackers as scalars and text."""
+    from finetune.evaluation.report import score_generation_sets
+
+    acc, fields = accelerator, {}
+    if acc.is_main_process:
+        results = score_generation_sets(
+            acc.unwrap_model(model),
+            tokenizer,
+            eval_settings.generation_sets,
+            rows,
+            batch_size=eval_settings.batch_size,
+            progress=False,
+        )
+        tracked = {}
+        for name, result in results.items():
+            if result["score"] is not None:
+                fields[f"eval_{name}_{result['metric']}"] = result["score"]
+                tracked[f"eval/{name}_{result['metric']}"] = result["score"]
+            fields[f"eval_{name}_samples"] = result["samples"]
+            tracked[f"eval/{name}_samples"] = _samples_markdown(result["samples"])
+        if report_to:
+            acc.log(tracked, step=step)
+    acc.wait_for_everyone()
+    return fields
 
 
 def check_batches(accelerator, loader, num_rows: int, micro_batch_size: int) -> None:
@@ -232,8 +382,8 @@ def check_batches(accelerator, loader, num_rows: int, micro_batch_size: int) -> 
     if dropped:
         accelerator.print(
             f"data.dataloader_drop_last: {dropped} of {num_rows} rows per epoch do not fill a "
-            f"last batch of {micro_batch_size} x {processes} processes and are not trained on (a different set "
-            "each epoch); set dataloader_drop_last: false to keep them"
+            f"last batch of {micro_batch_size} x {processes} processes and are not trained on (a different "
+            "set each epoch); set dataloader_drop_last: false to keep them"
         )
 
 
@@ -269,8 +419,8 @@ def throughput_fields(
 
 def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict) -> None:
     """The adapter (or full model, or the merged model with lora.save_lora_only false) in Hugging Face
-    format with the tokenizer and a model card (`card`: recipe, manifest, metrics); every process calls it.
-    """
+    format with the tokenizer and a model card (`card`: recipe, manifest, metrics); every process calls
+    it."""
     from accelerate.utils import DistributedType
 
     from finetune.model_card import write_model_card

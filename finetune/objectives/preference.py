@@ -34,7 +34,16 @@ import torch
 from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
 from finetune.losses import preference as losses
-from finetune.objectives.causal_lm import build_lm, check_batches, forward, save_lm, throughput_fields
+from finetune.losses.causal_lm import forward
+from finetune.objectives.causal_lm import (
+    build_lm,
+    check_batches,
+    checkpoint_trainable_only,
+    generation_metrics,
+    generation_rows,
+    save_lm,
+    throughput_fields,
+)
 
 PAIRED = ("dpo", "ipo", "simpo", "orpo")
 WITH_REFERENCE = ("dpo", "ipo", "kto")
@@ -63,6 +72,10 @@ class PreferenceObjective:
     """DPO, IPO, SimPO, ORPO or KTO of a transformers causal LM (full, LoRA, QLoRA) on prepared pairs."""
 
     def __init__(self, recipe):
+        from finetune.model import check_attention_backend
+
+        # Before anything is written or prepared: an attention backend that cannot run here fails now.
+        check_attention_backend(recipe.model.attn_implementation)
         # The objective is built by the entry point from the whole recipe and keeps only its parts.
         self.recipe = recipe
         self.model_settings, self.lora, self.data, self.train = (
@@ -71,6 +84,8 @@ class PreferenceObjective:
             recipe.data,
             recipe.train,
         )
+        self.eval_settings = recipe.eval
+        self.generation_rows: dict[str, list[dict]] = {}
         self.name = recipe.train.objective
         if self.name not in (*PAIRED, "kto"):
             raise FinetuneError(f"train.objective {self.name!r} is not a preference objective")
@@ -92,10 +107,9 @@ class PreferenceObjective:
 
     def build(self, accelerator) -> Parts:
         from finetune.data.prepare import prepare_on_main_process
-        from finetune.model import check_attention_backend, load_tokenizer
+        from finetune.model import load_tokenizer
 
         self.accelerator = accelerator
-        check_attention_backend(self.model_settings.attn_implementation)
         self.tokenizer = load_tokenizer(self.model_settings)
         # One process per machine prepares; the others wait, however long it takes, then read the cache.
         self.prepared = prepare_on_main_process(self.recipe, accelerator)
@@ -109,8 +123,11 @@ class PreferenceObjective:
         check_batches(accelerator, train_loader, len(train_rows), self.train.micro_batch_size)
         if self.prepared.eval is not None and len(self.prepared.eval) > 0:
             self.eval_loader = self._loader(_with_row_index(self.prepared.eval), training=False)
-            self.can_evaluate = True
-            self.eval_every = self.train.eval_steps
+        self.generation_rows = generation_rows(self.eval_settings, accelerator)
+        if self.lora.enable_lora:  # checkpoints hold the adapters, not the frozen base (as SFT's)
+            checkpoint_trainable_only(accelerator)
+        self.can_evaluate = self.eval_loader is not None or bool(self.generation_rows)
+        self.eval_every = self.train.eval_steps if self.can_evaluate else None
         return Parts(model=model, train_loader=train_loader, manifest=self.manifest)
 
     def _check_prepared_kind(self) -> None:
@@ -156,7 +173,8 @@ class PreferenceObjective:
             seed=self.train.seed,
             pad_id=pad_id,
             packed=True,
-            shuffle=training,
+            # data.shuffle_merged_datasets: false keeps the prepared order in training too.
+            shuffle=training and data.shuffle_merged_datasets,
             drop_last=data.dataloader_drop_last if training else False,
             num_workers=data.dataloader_num_workers,
             prefetch_factor=data.dataloader_prefetch_factor,
@@ -170,6 +188,8 @@ class PreferenceObjective:
         )
 
     def on_prepared(self, accelerator, model) -> None:
+        """The model's config for FLOPs, the eval loader sharded, the frozen reference on the device,
+        the precomputed reference log-probs; no state to checkpoint besides the engine's."""
         self.flops["config"] = accelerator.unwrap_model(model).config
         if self.reference_model is not None:
             self.reference_model.to(accelerator.device)
@@ -179,6 +199,7 @@ class PreferenceObjective:
         if self._reference_source() == "precomputed":
             # Before the engine loads a checkpoint: the weights are still the initial ones, the reference.
             self.reference_tables = self._precompute(model)
+        return None
 
     def _precompute(self, model) -> dict:
         """The reference log-probs of every prepared row, from the cache or computed now (in eval mode,
@@ -380,7 +401,24 @@ class PreferenceObjective:
     # ------------------------------------------------------------------------------------ eval
 
     def evaluate(self, model, step: int) -> dict[str, Any]:
-        """The loss and the training metrics over the held-out pairs (examples), prefixed eval_."""
+        """The loss and the training metrics over the held-out pairs (examples), prefixed eval_, and the
+        eval.generation_sets' scores (as for SFT)."""
+        metrics = self._eval_pairs(model, step) if self.eval_loader is not None else {}
+        if self.generation_rows:
+            metrics.update(
+                generation_metrics(
+                    self.accelerator,
+                    model,
+                    self.tokenizer,
+                    self.eval_settings,
+                    self.generation_rows,
+                    step=step,
+                    report_to=self.train.report_to,
+                )
+            )
+        return metrics
+
+    def _eval_pairs(self, model, step: int) -> dict[str, Any]:
         acc = self.accelerator
         model.eval()
         names: list[str] | None = None
@@ -431,7 +469,9 @@ class PreferenceObjective:
         from finetune.recipe import recipe_to_dict
 
         card_metrics = {"step": metrics["step"], "objective": self.name, self.unit: metrics["units"]}
-        card_metrics.update({k: v for k, v in metrics.items() if k.startswith("eval_")})
+        card_metrics.update(
+            {k: v for k, v in metrics.items() if k.startswith("eval_") and isinstance(v, (int, float))}
+        )
         save_lm(
             self.accelerator,
             model,

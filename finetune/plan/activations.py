@@ -58,6 +58,8 @@ def activation_bytes(
     linear_out_bytes: int | None = None,
     lm_head_trainable: bool = True,
     embedding_trainable: bool = True,
+    loss_chunk: int = 0,
+    lm_head_plain: bool = True,
 ) -> Activations:
     """Bytes autograd saves in a Llama-style decoder layer for b rows of s tokens.
 
@@ -85,6 +87,11 @@ def activation_bytes(
     cross-entropy backward adds two fp32 bs*V gradients. Transformers' mask (bool b*s^2 for sdpa,
     r*b*s^2 float for eager) is shared by all layers.
     Gradient checkpointing keeps r*bs*h per layer and recomputes one layer at a time.
+    Chunked loss (train.loss_chunk_size, `loss_chunk` tokens per chunk; finetune.losses.chunked_ce):
+    no logits are held. A plain Linear head (`lm_head_plain`) computes its gradients in the forward:
+    it holds d_hidden (c*bs*h) and, when the head trains, an fp32 d_weight (4*V*h) until backward,
+    and a chunk's fp32 logits plus their c copy ((4 + c)*chunk*V) at a time. Any other head (LoRA
+    on lm_head) is recomputed per chunk in backward: one chunk's logits, log-softmax and gradient.
     """
     b, s = micro_batch_size, seq_len
     bs = b * s
@@ -111,15 +118,24 @@ def activation_bytes(
     head = norm + (c * bs * h if lm_head_trainable else 0) + 16 * bs + 2 * r * bs * inv.head_dim
     if not embedding_trainable:  # the first norm's input needs no grad: nothing saved there
         head -= norm
+    if loss_chunk:
+        chunk = min(loss_chunk, bs)
+        held = c * bs * h + (4 * vocab * h if lm_head_trainable and lm_head_plain else 0)
+        per_chunk = (4 + c) * chunk * vocab if lm_head_plain else (8 + logits_bytes) * chunk * vocab
+        loss = {"loss_saved": 0, "logits": held, "loss_transient": per_chunk}
+    else:
+        loss = {
+            "loss_saved": 4 * bs * vocab,
+            "logits": logits_bytes * bs * vocab,
+            "loss_transient": 8 * bs * vocab,
+        }
     return Activations(
         num_layers=inv.num_layers,
         per_layer=2 * norm + attention + 3 * (linear_out_bytes or c) * bs * i + inputs,
         layer_input=r * bs * h,
         head=head,
         mask=(1 if attn_implementation == "sdpa" else r if eager else 0) * b * s * s,
-        loss_saved=4 * bs * vocab,
-        logits=logits_bytes * bs * vocab,
-        loss_transient=8 * bs * vocab,
+        **loss,
     )
 
 

@@ -75,10 +75,13 @@ def estimate(
     trained = {m.name for m in _modules_to_save(inv, recipe.lora.modules_to_save)}
     full = not recipe.lora.enable_lora
     embedding = next((m.name for m in inv.modules if m.kind == "embedding"), None)
+    seq_len = data.packing_len if data.sample_packing else data.sequence_len
+    chunk = loss_chunk(recipe, inv, micro_batch_size * seq_len)
+    head_adapted = any(m.name == inv.output_name for m in adapter.targets) or inv.output_name in trained
     acts = activation_bytes(
         inv,
         micro_batch_size=micro_batch_size,
-        seq_len=data.packing_len if data.sample_packing else data.sequence_len,
+        seq_len=seq_len,
         attn_implementation=recipe.model.attn_implementation,
         residual_bytes=layout.residual_bytes,
         compute_bytes=layout.compute_bytes,
@@ -90,12 +93,31 @@ def estimate(
         linear_out_bytes=layout.linear_out_bytes,
         lm_head_trainable=full or inv.output_name in trained,
         embedding_trainable=full or embedding in trained,
+        loss_chunk=chunk,
+        lm_head_plain=full or not head_adapted,
     )
     label = "activations, " + ("gradient checkpointing" if checkpointing else "no checkpointing")
     parts.append(Part(label, acts.peak(checkpointing) - acts.logits_and_loss, note="<- recipe"))
-    parts.append(Part("logits + loss", acts.logits_and_loss, note="held logits, fp32 log-softmax and grads"))
+    note = (
+        f"chunked loss ({chunk} tokens per chunk): no logits held"
+        if chunk
+        else "held logits, fp32 log-softmax and grads (full logits)"
+    )
+    parts.append(Part("logits + loss", acts.logits_and_loss, note=note))
     parts.append(Part("CUDA context + fragmentation", CUDA_ALLOWANCE_BYTES, note="fixed allowance"))
     return Estimate(tuple(parts), acts, layout)
+
+
+def loss_chunk(recipe: Recipe, inv: ModelInventory, tokens_per_micro_batch: int) -> int:
+    """train.loss_chunk_size as training resolves it for this model (0 = full logits; Liger fuses the
+    loss itself, which the planner counts as chunked at the default size)."""
+    from finetune.losses.chunked_ce import default_chunk_size, resolve_loss_chunk_size
+
+    if recipe.model.enable_liger_kernel:
+        return default_chunk_size(inv.vocab_size)
+    return resolve_loss_chunk_size(
+        recipe.train.loss_chunk_size, vocab_size=inv.vocab_size, tokens_per_micro_batch=tokens_per_micro_batch
+    )
 
 
 @dataclass(frozen=True)

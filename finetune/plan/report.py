@@ -53,10 +53,31 @@ def format_plan(plan: Plan) -> str:
     )
     if est.total_host:
         lines.append(f"host RAM per node: {gib_text(est.total_host * eng.gpus_per_node)} GiB")
+    if (logits := logits_line(est)) is not None:
+        lines.append(logits)
     lines += [f"suggestion: {line}" for line in plan.suggestion.lines]
     lines.append("assumptions:")
     lines += [f"  - {a}" for a in plan.assumptions]
     return "\n".join(lines)
+
+
+def logits_line(est) -> str | None:
+    """A line when the logits and loss take most of the activation memory (or when chunking is what
+    keeps them small), saying what train.loss_chunk_size does about it."""
+    parts = {p.name: p for p in est.parts}
+    loss = parts.get("logits + loss")
+    acts = next((p for name, p in parts.items() if name.startswith("activations")), None)
+    if loss is None or acts is None or loss.gpu_bytes == 0:
+        return None
+    share = loss.gpu_bytes / (loss.gpu_bytes + acts.gpu_bytes)
+    if loss.note.startswith("chunked"):
+        return f"logits: {loss.note}; {share:.0%} of the activation memory"
+    if share < 0.5:
+        return None
+    return (
+        f"logits: the full logits take {share:.0%} of the activation memory ({gib_text(loss.gpu_bytes)} GiB); "
+        "--train.loss_chunk_size 512 computes the loss in chunks without them"
+    )
 
 
 def _short_path(path: str) -> str:

@@ -4,7 +4,7 @@ This package imports only pydantic and PyYAML, so `finetune validate` answers in
 seconds (no torch, transformers or datasets). Its modules:
 
 * `base` (the section base class and cross-field problems), one schema module per section (`model`,
-  `data`, `train`, `lora`, `hub`, `diffusion`) and `schema` (the whole `Recipe` and the rules that
+  `data`, `train`, `lora`, `hub`, `eval`, `diffusion`) and `schema` (the whole `Recipe` and the rules that
   span sections);
 * `defaults`: defaults that depend on other fields, filled in before validation;
 * `load`: YAML -> overrides -> defaults -> validation (`load_recipe`), reporting every problem at once
@@ -16,8 +16,9 @@ Field names, defaults and descriptions are documented by the fields themselves:
 
 from finetune.recipe.data import IMAGE_DATASET_TYPES, PREFERENCE_DATASET_TYPES, DataSection, DatasetEntry
 from finetune.recipe.diffusion import DiffusionSection
+from finetune.recipe.eval import EvalSection, GenerationSet
 from finetune.recipe.hub import HubSection
-from finetune.recipe.load import load_recipe, recipe_to_dict, validate_recipe
+from finetune.recipe.load import load_recipe, recipe_to_dict, recipe_warnings, validate_recipe
 from finetune.recipe.lora import LoraSection
 from finetune.recipe.model import KNOWN_CHAT_TEMPLATES, ModelSection, SpecialTokens
 from finetune.recipe.schema import NOT_SUPPORTED_YET, Recipe
@@ -31,6 +32,8 @@ __all__ = [
     "DataSection",
     "DatasetEntry",
     "DiffusionSection",
+    "EvalSection",
+    "GenerationSet",
     "HubSection",
     "LoraSection",
     "ModelSection",
@@ -39,5 +42,6 @@ __all__ = [
     "TrainSection",
     "load_recipe",
     "recipe_to_dict",
+    "recipe_warnings",
     "validate_recipe",
 ]

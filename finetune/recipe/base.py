@@ -22,7 +22,15 @@ def _all_ok(*names: str) -> bool:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=False)
+    # allow_inf_nan=False: `.inf` or `.nan` for a learning rate, epochs or an alpha cannot work.
+    model_config = ConfigDict(
+        extra="forbid", validate_default=True, use_attribute_docstrings=False, allow_inf_nan=False
+    )
+
+    def _warnings(self) -> list[Problem]:
+        """Settings of this section that work but are probably not what was meant (STYLE.md: a
+        warning at start, not an error); same shape as `_problems`. Only called on valid recipes."""
+        return []
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
         """Cross-field problems of this section; override in sections that have rules.

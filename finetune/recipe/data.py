@@ -184,11 +184,18 @@ class DataSection(_Section):
     )
     eval_sample_packing: bool = Field(True, description="Pack eval data too.")
     pad_to_multiple_of: int = Field(64, ge=1, description="Pad rows to a multiple of this many tokens.")
-    shuffle_merged_datasets: bool = Field(True, description="Shuffle after merging.")
+    shuffle_merged_datasets: bool = Field(
+        True,
+        description="Shuffle after merging, and the training rows every epoch; false keeps the data's "
+        "order (with sequential packing: the file order) in training too.",
+    )
     shuffle_before_merging_datasets: bool = Field(True, description="Shuffle each dataset before merging.")
     dataloader_num_workers: int = Field(2, ge=0, description="DataLoader worker processes.")
     dataloader_prefetch_factor: int | None = Field(
-        2, ge=1, description="Batches prefetched per worker (must be null when workers = 0)."
+        None,
+        ge=1,
+        description="Batches prefetched per worker; null = torch's default (2) when there are workers "
+        "(torch refuses a value without workers).",
     )
     dataloader_pin_memory: bool = Field(True, description="Pin host memory (ignored on CPU).")
     dataloader_drop_last: bool = Field(True, description="Drop the last incomplete batch.")

@@ -101,15 +101,16 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     bad value, what is allowed, and where it came from: the recipe line or the override).
     """
     from finetune.recipe.errors import format_validation_error
-    from finetune.recipe.overrides import apply_overrides, override_paths
+    from finetune.recipe.overrides import apply_valid_overrides, override_paths
     from finetune.recipe.yaml_io import key_lines, read_yaml
 
     data = read_yaml(Path(path))
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe is a mapping with sections model, data, train, lora, hub")
-    data = resolve_defaults(apply_overrides(data, list(overrides), Recipe))
+    data, bad_overrides, applied = apply_valid_overrides(data, list(overrides), Recipe)
+    data = resolve_defaults(data)
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         _, _, skipped = _salvage(Recipe, data, [(tuple(e["loc"]), e["type"]) for e in exc.errors()])
         message = format_validation_error(
@@ -118,9 +119,38 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
             source=str(path),
             lines=key_lines(Path(path).read_text(encoding="utf-8")),
             extra=skipped,
-            origins=override_paths(list(overrides), Recipe),
+            origins=override_paths(applied, Recipe),
         )
+        if bad_overrides:
+            message += "\n" + "\n".join(f"  - {problem}" for problem in bad_overrides)
         raise RecipeError(message) from None
+    if len(bad_overrides) == 1:
+        raise RecipeError(bad_overrides[0])
+    if bad_overrides:
+        raise RecipeError(
+            f"{len(bad_overrides)} bad overrides:\n" + "\n".join(f"  - {p}" for p in bad_overrides)
+        )
+    return recipe
+
+
+def recipe_warnings(recipe: Recipe) -> list[str]:
+    """What the recipe asks for that works but is probably not what was meant, one line each
+    (`path: message`), from every section's `_warnings` and the cross-section ones."""
+    found: list[str] = []
+
+    def walk(node: BaseModel, prefix: str) -> None:
+        found.extend(f"{prefix}{path} ({value!r}): {message}" for path, value, message in node._warnings())
+        for name in type(node).model_fields:
+            value = getattr(node, name)
+            if isinstance(value, _Section):
+                walk(value, f"{prefix}{name}.")
+            elif isinstance(value, list):
+                for i, item in enumerate(value):
+                    if isinstance(item, _Section):
+                        walk(item, f"{prefix}{name}[{i}].")
+
+    walk(recipe, "")
+    return found
 
 
 def validate_recipe(data: dict[str, Any]) -> Recipe:

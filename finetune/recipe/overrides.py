@@ -207,16 +207,28 @@ def apply_overrides(data: dict, overrides: list[str], root: type[BaseModel]) -> 
 
     Every bad override (unknown path, bad index, bad YAML) is reported in one RecipeError.
     """
-    data = copy.deepcopy(data)
-    problems: list[str] = []
-    for key, raw in parse_override_args(overrides):
-        try:
-            parts, annotation = _resolve(key, root)
-            _set(data, parts, parse_value(raw, annotation, source=f"--{key}"), key)
-        except RecipeError as exc:
-            problems.append(str(exc))
+    data, problems, _ = apply_valid_overrides(data, overrides, root)
     if len(problems) == 1:
         raise RecipeError(problems[0])
     if problems:
         raise RecipeError(f"{len(problems)} bad overrides:\n" + "\n".join(f"  - {p}" for p in problems))
     return data
+
+
+def apply_valid_overrides(
+    data: dict, overrides: list[str], root: type[BaseModel]
+) -> tuple[dict, list[str], list[str]]:
+    """(a copy of `data` with the overrides that could be applied, one message per override that
+    could not, the applied ones as argument words): a misspelled override is reported together with
+    the recipe's other problems instead of hiding them."""
+    data = copy.deepcopy(data)
+    problems: list[str] = []
+    applied: list[str] = []
+    for key, raw in parse_override_args(overrides):
+        try:
+            parts, annotation = _resolve(key, root)
+            _set(data, parts, parse_value(raw, annotation, source=f"--{key}"), key)
+            applied += [f"--{key}", raw]
+        except RecipeError as exc:
+            problems.append(str(exc))
+    return data, problems, applied

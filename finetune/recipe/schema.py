@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 from finetune.recipe.base import Problem, _Section
 from finetune.recipe.data import IMAGE_DATASET_TYPES, PREFERENCE_DATASET_TYPES, DataSection
 from finetune.recipe.diffusion import DiffusionSection
+from finetune.recipe.eval import EvalSection
 from finetune.recipe.hub import HubSection
 from finetune.recipe.lora import LoraSection
 from finetune.recipe.model import ModelSection
@@ -28,9 +29,38 @@ class Recipe(_Section):
     hub: HubSection = Field(
         default_factory=HubSection, description="Pushing the result to the Hugging Face Hub."
     )
+    eval: EvalSection = Field(
+        default_factory=EvalSection,
+        description="Generation sets scored by `finetune eval` and during training.",
+    )
     diffusion: DiffusionSection | None = Field(
         None, description="Diffusion fine-tuning settings (model.kind: diffusion); null for LLM recipes."
     )
+
+    def _warnings(self) -> list[Problem]:
+        found: list[Problem] = []
+        if (
+            not self.model.special_tokens.is_empty()
+            and self.lora.enable_lora
+            and not self.lora.modules_to_save
+        ):
+            found.append(
+                (
+                    "lora.modules_to_save",
+                    [],
+                    "special_tokens resize the embeddings, which LoRA alone does not train (the new tokens "
+                    "keep their initial vectors): add the embedding and output layers, e.g. "
+                    "[embed_tokens, lm_head]",
+                )
+            )
+        if self.model.kind == "diffusion":
+            for path, reason in _IRRELEVANT_FOR_DIFFUSION.items():
+                section, name = path.split(".")
+                owner = getattr(self, section)
+                value = getattr(owner, name)
+                if value != type(owner).model_fields[name].get_default(call_default_factory=True):
+                    found.append((path, value, f"does nothing in a diffusion recipe ({reason})"))
+        return found
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
         problems = list(_unsupported_problems(self, ok))
@@ -38,20 +68,6 @@ class Recipe(_Section):
         problems += objective_problems(self, ok)
         if ok("model.torch_dtype", "train.mixed_precision", "lora.enable_lora", "lora.enable_qlora"):
             problems += _precision_problems(self.model.torch_dtype, self.train.mixed_precision, self.lora)
-        if (
-            ok("model.special_tokens", "lora.enable_lora", "lora.modules_to_save")
-            and not self.model.special_tokens.is_empty()
-            and self.lora.enable_lora
-            and not self.lora.modules_to_save
-        ):
-            problems.append(
-                (
-                    "lora.modules_to_save",
-                    [],
-                    "special_tokens resize the embeddings, which LoRA alone does not train: "
-                    "add the embedding and output layers (e.g. [embed_tokens, lm_head])",
-                )
-            )
         if ok("hub.strategy", "hub.model_id") and self.hub.strategy == "every_save" and not self.hub.model_id:
             problems.append(("hub.strategy", "every_save", "set hub.model_id to push checkpoints"))
         return problems
@@ -109,19 +125,10 @@ def _expand(node: Any, parts: list[str], prefix: tuple) -> Iterator[tuple[tuple,
         yield from _expand(getattr(node, head, None), rest, (*prefix, head))
 
 
-# Fields of other sections that do nothing in a diffusion recipe: a non-default value is an error
-# (never ignored silently). The reason says what to use instead where there is something.
-_NOT_FOR_DIFFUSION: dict[str, str] = {
-    "model.config_path": "the pipeline folder or Hub id goes in model.model_path",
-    "model.tokenizer_path": "the tokenizer comes from the pipeline's tokenizer/ folder",
-    "model.trust_remote_code": "diffusion pipelines load without repository code",
-    "model.attn_implementation": "the UNet uses diffusers' attention processors",
+# Text-only settings: in a diffusion recipe they change nothing, so they are warnings, not errors.
+_IRRELEVANT_FOR_DIFFUSION: dict[str, str] = {
     "model.chat_template": "LLM only",
     "model.enable_liger_kernel": "LLM only",
-    "model.enable_compile": "not supported yet for diffusion",
-    "data.test_datasets": "no evaluation split for diffusion; use diffusion.validation_prompts",
-    "data.val_set_size": "no evaluation split for diffusion; use diffusion.validation_prompts",
-    "data.push_dataset_to_hub": "pushing cached latents is not supported yet",
     "data.sequence_len": "LLM only",
     "data.excess_length_strategy": "LLM only",
     "data.sample_packing": "LLM only",
@@ -129,6 +136,21 @@ _NOT_FOR_DIFFUSION: dict[str, str] = {
     "data.sample_packing_sequence_len": "LLM only",
     "data.eval_sample_packing": "LLM only",
     "data.pad_to_multiple_of": "LLM only",
+    "eval.generation_sets": "LLM only; diffusion uses diffusion.validation_prompts",
+}
+
+# Settings a diffusion recipe cannot honour (a different model part, an unsupported feature, an eval
+# split it has no use for): a non-default value is an error, so nothing the user asked for is
+# quietly not done. The reason says what to use instead where there is something.
+_NOT_FOR_DIFFUSION: dict[str, str] = {
+    "model.config_path": "the pipeline folder or Hub id goes in model.model_path",
+    "model.tokenizer_path": "the tokenizer comes from the pipeline's tokenizer/ folder",
+    "model.trust_remote_code": "diffusion pipelines load without repository code",
+    "model.attn_implementation": "the UNet uses diffusers' attention processors",
+    "model.enable_compile": "not supported yet for diffusion",
+    "data.test_datasets": "no evaluation split for diffusion; use diffusion.validation_prompts",
+    "data.val_set_size": "no evaluation split for diffusion; use diffusion.validation_prompts",
+    "data.push_dataset_to_hub": "pushing cached latents is not supported yet",
     "lora.modules_to_save": "diffusion trains LoRA adapters only",
     "lora.enable_qlora": "not supported for diffusion",
     "lora.use_dora": "not supported yet for diffusion",

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from finetune.recipe.base import Problem, _Section
 
@@ -18,6 +18,7 @@ REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
 # Which objectives read each objective-specific field: a non-default value under another objective
 # is an error naming the objectives it belongs to (never silently ignored).
 OBJECTIVE_FIELDS: dict[str, tuple[str, ...]] = {
+    "loss_chunk_size": ("sft",),  # the chunked cross-entropy of the SFT loss
     "beta": ("dpo", "ipo", "simpo", "orpo", "kto"),
     "label_smoothing": ("dpo", "simpo"),
     "dpo_smoothing": ("dpo",),
@@ -47,6 +48,13 @@ class TrainSection(_Section):
         "bf16", description="bf16, fp16 (dynamic loss scaling), or no."
     )
     gradient_checkpointing: bool = Field(False, description="Activation recomputation (non-reentrant).")
+    loss_chunk_size: int | None = Field(
+        None,
+        ge=0,
+        description="Tokens per chunk of the output head and cross-entropy, which then never materialise "
+        "the whole [tokens x vocab] logits or their gradient; 0 = off (full logits); null = auto: on (with "
+        "a chunk whose fp32 logits fit in 256 MiB) once a micro batch's fp32 logits would reach 1 GB.",
+    )
     optimizer: Literal["adamw", "adamw_8bit", "sgd"] = Field("adamw", description="Optimizer.")
     lr: float = Field(5e-5, gt=0, description="Peak learning rate.")
     lr_min: float = Field(0.0, ge=0, description="Learning-rate floor at the end of the decay.")
@@ -65,15 +73,19 @@ class TrainSection(_Section):
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
     adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clipping threshold; null = off.")
-    save_steps: int = Field(0, ge=0, description="Checkpoint every N optimizer steps (0 = off).")
-    save_epochs: float = Field(1, ge=0, description="Checkpoint every N epochs, fractions allowed (0 = off).")
+    save_steps: int = Field(0, ge=0, description="Checkpoint every N optimizer steps (0 or null = off).")
+    save_epochs: float = Field(
+        1, ge=0, description="Checkpoint every N epochs, fractions allowed (0 or null = off)."
+    )
     save_total_limit: int | None = Field(None, ge=1, description="Keep only the newest N checkpoints.")
     save_hf_weights: bool = Field(True, description="Write HF-format weights or adapter at the end.")
     load_checkpoint_path: str | None = Field(
         None, description="A checkpoint to resume from, or `auto` for the latest in output_dir."
     )
     eval_steps: int | None = Field(
-        None, ge=1, description="Evaluate every N steps (and at the end when eval data exists)."
+        None,
+        ge=1,
+        description="Evaluate every N steps, and at the end when there is eval data (0 or null = only at the end).",
     )
     log_steps: int = Field(1, ge=1, description="Log every N optimizer steps.")
     log_format: Literal["progress_bar", "structured"] = Field(
@@ -100,9 +112,11 @@ class TrainSection(_Section):
     profile_trace_dir: str = Field("trace", description="Trace folder, relative to output_dir.")
     enable_full_determinism: bool = Field(False, description="Deterministic algorithms (slower).")
     empty_cache_steps: int = Field(
-        0, ge=0, description="Release the accelerator cache every N steps (0 = off)."
+        0, ge=0, description="Release the accelerator cache every N steps (0 or null = off)."
     )
-    gc_steps: int = Field(0, ge=0, description="Run Python garbage collection every N steps (0 = off).")
+    gc_steps: int = Field(
+        0, ge=0, description="Run Python garbage collection every N steps (0 or null = off)."
+    )
     eval_on_start: bool = Field(
         False, description="Evaluate once before the first step (not when resuming), as a baseline."
     )
@@ -146,43 +160,64 @@ class TrainSection(_Section):
         "adapters disabled (LoRA) or a frozen copy of the initial model (full fine-tuning).",
     )
 
-    def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
-        problems: list[Problem] = []
-        if ok("max_steps", "save_steps") and self.max_steps is not None and self.save_steps > self.max_steps:
-            problems.append(
+    @field_validator("save_steps", "empty_cache_steps", "gc_steps", "save_epochs", mode="before")
+    @classmethod
+    def _null_is_off(cls, value: Any) -> Any:
+        # One way to say "off" for every cadence: 0 and null both mean never.
+        return 0 if value is None else value
+
+    @field_validator("eval_steps", mode="before")
+    @classmethod
+    def _zero_is_off(cls, value: Any) -> Any:
+        return None if value == 0 and not isinstance(value, bool) else value
+
+    def _warnings(self) -> list[Problem]:
+        found: list[Problem] = []
+        if self.max_steps is not None and self.save_steps > self.max_steps:
+            found.append(
                 (
                     "save_steps",
                     self.save_steps,
-                    f"is larger than max_steps ({self.max_steps}): no periodic checkpoint would be written; "
-                    "lower it or set 0 to save only at the end",
+                    f"is larger than max_steps ({self.max_steps}): no periodic checkpoint will be written "
+                    "(the run still ends with its final save)",
                 )
             )
-        if ok("lr", "lr_min") and self.lr_min > self.lr:
-            problems.append(("lr_min", self.lr_min, f"must not exceed lr ({self.lr})"))
-        profiling = ("enable_profiling", "profile_start_step", "profile_end_step")
-        if ok(*profiling) and self.enable_profiling and self.profile_end_step < self.profile_start_step:
-            problems.append(
+        if self.max_steps is not None and self.eval_steps and self.eval_steps > self.max_steps:
+            found.append(
+                (
+                    "eval_steps",
+                    self.eval_steps,
+                    f"is larger than max_steps ({self.max_steps}): only the final evaluation runs",
+                )
+            )
+        if self.lr_min > self.lr:
+            found.append(
+                ("lr_min", self.lr_min, f"exceeds lr ({self.lr}): the schedule rises instead of decaying")
+            )
+        if self.enable_profiling and self.profile_end_step < self.profile_start_step:
+            found.append(
                 (
                     "profile_end_step",
                     self.profile_end_step,
-                    f"must be >= profile_start_step ({self.profile_start_step})",
+                    f"is before profile_start_step ({self.profile_start_step}): only that one step is profiled",
                 )
             )
-        if ok("iterations_to_skip") and any(step < 1 for step in self.iterations_to_skip):
-            problems.append(("iterations_to_skip", self.iterations_to_skip, "steps are counted from 1"))
-        if (
-            ok("optimizer", "adam_beta1", "adam_beta2")
-            and self.optimizer == "sgd"
-            and (self.adam_beta1, self.adam_beta2) != (0.9, 0.999)
-        ):
-            problems.append(("optimizer", "sgd", "adam_beta1/adam_beta2 are set but sgd does not use them"))
-        if ok("objective"):
-            problems += self._objective_problems(ok)
-        return problems
+        if any(step < 1 for step in self.iterations_to_skip):
+            found.append(
+                ("iterations_to_skip", self.iterations_to_skip, "steps count from 1: step 0 is never skipped")
+            )
+        if self.optimizer == "sgd" and (self.adam_beta1, self.adam_beta2) != (0.9, 0.999):
+            found.append(("optimizer", "sgd", "adam_beta1/adam_beta2 are set but sgd ignores them"))
+        if self.objective == "dpo" and self.dpo_smoothing != "conservative" and self.label_smoothing == 0:
+            found.append(("dpo_smoothing", self.dpo_smoothing, "has no effect without label_smoothing > 0"))
+        return found
 
-    def _objective_problems(self, ok: Callable[..., bool]) -> list[Problem]:
-        """Objective-specific fields set for an objective that does not read them."""
+    def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
+        """Objective-specific fields set for an objective that does not read them (an error: the value
+        would do nothing)."""
         problems: list[Problem] = []
+        if not ok("objective"):
+            return problems
         for name, owners in OBJECTIVE_FIELDS.items():
             value = getattr(self, name)
             if not ok(name) or self.objective in owners or value == type(self).model_fields[name].default:
@@ -194,11 +229,5 @@ class TrainSection(_Section):
                     f"belongs to train.objective {' / '.join(owners)}, not {self.objective!r}; remove it "
                     "or change the objective",
                 )
-            )
-        smoothing = ("objective", "dpo_smoothing", "label_smoothing")
-        robust_unused = self.dpo_smoothing != "conservative" and self.label_smoothing == 0
-        if ok(*smoothing) and self.objective == "dpo" and robust_unused:
-            problems.append(
-                ("dpo_smoothing", self.dpo_smoothing, "has no effect without label_smoothing > 0")
             )
         return problems

@@ -115,7 +115,7 @@ def test_zero3_bf16_full_fine_tune_resume_and_export(tmp_path):
 def test_qlora_with_fsdp2_stores_4bit_weights_as_bf16(tmp_path):
     prepared = tmp_path / "prepared"
     base = tmp_path / "base"
-    train(base, prepared, "single_gpu", "--train.max_steps", "1")
+    train(base, prepared, "single_gpu", "--train.max_steps", "1", "--train.save_steps", "0")
     out = tmp_path / "qlora"
     args = ["--model.model_path", str(base / "base_model"), "--model.config_path", "null"]
     args += ["--model.torch_dtype", "auto", "--lora.enable_qlora", "true"]

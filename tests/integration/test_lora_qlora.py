@@ -138,7 +138,7 @@ def test_qlora_nf4_double_quant_bf16_end_to_end(tmp_path, prepared, pretrained_d
                 *_split(
                     "--model.config_path null --model.torch_dtype auto --train.mixed_precision bf16 "
                     "--lora.enable_qlora true --lora.quant_type nf4 --lora.double_quant true "
-                    "--train.save_steps 3 --train.eval_steps 3"
+                    "--train.save_steps 3 --train.eval_steps 3 --train.save_total_limit null"
                 ),
             ),
         )
@@ -153,11 +153,39 @@ def test_qlora_nf4_double_quant_bf16_end_to_end(tmp_path, prepared, pretrained_d
     evals = [r for r in records if r.get("event") == "eval"]
     assert [r["step"] for r in evals] == [3, 6] and all(math.isfinite(r["eval_loss"]) for r in evals)
 
-    # The base really was 4-bit: the training checkpoint holds NF4 weights with double-quantized scales.
-    with safe_open(out / "checkpoints" / "step-6" / "model.safetensors", "pt") as f:
+    # Checkpoints hold the trained LoRA tensors only, not the frozen (4-bit) base.
+    step3 = out / "checkpoints" / "step-3"
+    assert not (step3 / "model.safetensors").exists()
+    with safe_open(step3 / "trainable_0.safetensors", "pt") as f:
         ckpt_keys = set(f.keys())
-    q_proj = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
-    assert f"{q_proj}.quant_state.bitsandbytes__nf4" in ckpt_keys and f"{q_proj}.nested_absmax" in ckpt_keys
+    assert ckpt_keys and all("lora_" in k or "modules_to_save" in k for k in ckpt_keys)  # the demo trains both
+
+    # A QLoRA checkpoint resumes: the base is quantized again from the recipe, the adapters restored.
+    resumed = run(
+        accelerate_cmd(
+            DEMO,
+            *_overrides(
+                tmp_path / "resumed",
+                prepared,
+                "--train.max_steps",
+                "6",
+                "--model.model_path",
+                str(pretrained_dir),
+                *_split(
+                    "--model.config_path null --model.torch_dtype auto --train.mixed_precision bf16 "
+                    "--lora.enable_qlora true --lora.quant_type nf4 --lora.double_quant true "
+                    "--train.save_steps 3 --train.eval_steps 3 --train.save_total_limit null"
+                ),
+                "--train.load_checkpoint_path",
+                str(step3),
+            ),
+        )
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    again = step_losses(progress(tmp_path / "resumed" / "out"))
+    assert sorted(again) == [4, 5, 6]
+    for step in again:
+        assert again[step] == pytest.approx(losses[step], rel=1e-4), (step, again, losses)
 
     # The adapter loads with PEFT on the plain (not quantized) base.
     config = json.loads((out / "adapter_config.json").read_text())

@@ -112,3 +112,123 @@ def test_sigterm_checkpoints_and_exits_zero(tmp_path):
     step = int(latest[5:])
     assert step == max(step_losses(progress(out)))
     assert (out / "checkpoints" / latest / "train_state.json").is_file()
+
+
+def test_resume_after_sigkill_logs_each_step_once_and_marks_the_resume(tmp_path):
+    """The resumed run replaces the log's records after its checkpoint (replayed steps are not
+    doubled) and marks where it resumed."""
+    out = tmp_path / "out"
+    cmd = accelerate_cmd(DEMO, *demo_overrides(tmp_path, *COMMON))
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    latest = out / "checkpoints" / "latest"
+    reached = _wait_for(lambda: latest.is_file() and max(step_losses(progress(out)), default=0) >= 6, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert reached
+    resumed = run([*cmd, "--train.load_checkpoint_path", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = progress(out)
+    steps = [r["step"] for r in records if r.get("event") is None]
+    assert steps == list(range(1, STEPS + 1))  # every step once, in order
+    (mark,) = [r for r in records if r.get("event") == "resumed"]
+    assert mark["step"] % 4 == 0 and records.index(mark) == steps.index(mark["step"]) + 1
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_with_the_reason(tmp_path):
+    out = tmp_path / "out"
+    args = [*demo_overrides(tmp_path, *COMMON), "--train.max_steps", "8", "--train.save_total_limit", "null"]
+    first = run([sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *args])
+    assert first.returncode == 0, first.stderr[-3000:]
+    newest = out / "checkpoints" / "step-8"
+    weights = newest / "trainable_0.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # an interrupted copy
+    again = run(
+        [
+            sys.executable,
+            str(REPO / "finetune" / "train.py"),
+            str(DEMO),
+            *args,
+            "--train.load_checkpoint_path",
+            "auto",
+        ]
+    )
+    output = again.stdout + again.stderr
+    assert again.returncode == 0 and "Traceback" not in output, output[-3000:]
+    assert f"warning: resume: skipping {newest}: {weights} has 100 bytes" in output
+    assert f"resumed from {out / 'checkpoints' / 'step-4'} at step 4" in output
+    weights.write_bytes(weights.read_bytes()[:100])  # the resumed run wrote step-8 again: damage it again
+    explicit = run(
+        [
+            sys.executable,
+            str(REPO / "finetune" / "train.py"),
+            str(DEMO),
+            *args,
+            "--train.load_checkpoint_path",
+            str(newest),
+        ]
+    )
+    assert explicit.returncode == 2 and "Traceback" not in explicit.stderr
+    assert f"error: train.load_checkpoint_path: {newest} cannot be resumed: {weights}" in explicit.stderr
+
+
+def test_resume_with_a_changed_learning_rate_is_refused(tmp_path):
+    args = [*demo_overrides(tmp_path, *COMMON), "--train.max_steps", "4"]
+    first = run([sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *args])
+    assert first.returncode == 0, first.stderr[-3000:]
+    changed = run(
+        [sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *args, "--train.max_steps", "8",
+         "--train.lr", "1e-4", "--train.load_checkpoint_path", "auto"]
+    )  # fmt: skip
+    assert changed.returncode == 2 and "Traceback" not in changed.stderr
+    assert "cannot resume from" in changed.stderr
+    assert "train.lr: 0.003 in the checkpoint, 0.0001 now" in changed.stderr
+    assert "train.max_steps: 4 in the checkpoint, 8 now" in changed.stderr
+
+
+def test_finetune_train_forwards_sigterm_and_waits_for_the_checkpoint(tmp_path):
+    """SIGTERM to `finetune train` alone (as `docker stop` sends it) reaches training, which checkpoints;
+    finetune train exits 0 once it has."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "finetune.cli", "train", str(DEMO)]
+    cmd += demo_overrides(tmp_path, "--train.log_steps", "1", "--train.max_steps", "100000", "--train.save_steps",
+                          "0", "--train.save_epochs", "0", "--train.log_format", "structured")  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert _wait_for(lambda: len(step_losses(progress(out))) >= 3, proc), "training did not start"
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, output[-3000:]
+    assert "asking training to checkpoint and stop" in output and "stopping: received SIGTERM" in output
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert int(latest[5:]) == max(step_losses(progress(out)))
+
+
+def test_finetune_train_reports_a_training_error_with_exit_2_and_no_traceback(tmp_path):
+    result = run(
+        [sys.executable, "-m", "finetune.cli", "train", str(DEMO), *demo_overrides(tmp_path),
+         "--train.load_checkpoint_path", str(tmp_path / "no" / "step-3")]
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "error: train.load_checkpoint_path:" in result.stderr and "cannot be resumed" in result.stderr
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+
+
+def test_a_fresh_run_into_a_used_folder_keeps_the_old_log(tmp_path):
+    args = [*demo_overrides(tmp_path, *COMMON), "--train.max_steps", "2", "--train.save_steps", "0"]
+    for _ in range(2):
+        result = run([sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *args])
+        assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    assert "held another run's progress.jsonl: kept as progress.1.jsonl" in result.stdout
+    assert [r["step"] for r in progress(out) if r.get("event") is None] == [1, 2]
+    assert (out / "progress.1.jsonl").is_file()
+
+
+def test_an_output_dir_that_is_a_file_is_a_clear_error(tmp_path):
+    (tmp_path / "out").write_text("not a folder")
+    result = run([sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *demo_overrides(tmp_path)])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"train.output_dir: {tmp_path / 'out'} is a file, not a folder" in result.stderr

@@ -186,7 +186,8 @@ def test_nonfinite_losses_abort_with_a_checkpoint_of_the_last_good_state(tmp_pat
         ),
     )
     assert result.returncode == 2, result.stderr[-4000:]
-    assert "error: 2 nonfinite losses in a row (limit train.max_consecutive_nonfinite=2)" in result.stderr
+    assert "error: 2 nonfinite steps in a row (a loss or gradient that is inf or NaN; limit " in result.stderr
+    assert "train.max_consecutive_nonfinite=2)" in result.stderr
     assert "last good state" in result.stderr and "Traceback" not in result.stderr
     out = tmp_path / "out"
     records = progress(out)

@@ -37,19 +37,18 @@ def recipe_path(tmp_path: Path) -> Path:
 
 
 class Exec(Exception):
-    """Raised by the fake os.execv: `finetune train` got as far as launching."""
+    """Raised by the fake launcher: `finetune train` got as far as launching."""
 
 
 @pytest.fixture
 def fake_execv(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     calls: list[list[str]] = []
 
-    def execv(path: str, argv: list[str]) -> None:
+    def launch(argv: list[str], env: dict) -> int:
         calls.append(list(argv))
-        assert path == argv[0]
         raise Exec
 
-    monkeypatch.setattr(cli.os, "execv", execv)
+    monkeypatch.setattr(cli, "run_supervised", launch)
     return calls
 
 
@@ -337,7 +336,9 @@ def test_train_uses_the_recipe_accelerate_config(recipe_path: Path, fake_execv: 
 def test_train_without_config_runs_one_process(recipe_path: Path, fake_execv: list) -> None:
     with pytest.raises(Exec):
         main(["train", str(recipe_path)])
-    assert fake_execv == [launch_command(str(recipe_path), [], None)]
+    # The recipe's mixed precision is passed on, so accelerate launch has no default to warn about.
+    assert fake_execv == [launch_command(str(recipe_path), [], None, mixed_precision="bf16")]
+    assert fake_execv[0][fake_execv[0].index("--mixed_precision") + 1] == "bf16"
 
 
 def test_train_unknown_config_is_exit_2(recipe_path: Path, fake_execv: list, capsys) -> None:

@@ -81,16 +81,18 @@ def test_structured_log_writes_jsonl_and_key_value_lines(tmp_path, capsys):
     path = tmp_path / "progress.jsonl"
     log = ProgressLog(path, enabled=True, log_format="structured", total_steps=3)
     log.log({"step": 1, "loss": 2.5, "lr": 1e-4, "grad_norm": None, "mfu": float("inf")})
-    log.log({"step": 2, "event": "nonfinite_loss", "loss": float("nan")})
+    log.log({"step": 2, "event": "nonfinite_loss", "loss": float("nan"), "samples": [{"output": "x"}]})
     log.message("a message")
     log.close()
     lines = path.read_text().splitlines()
     first, second = (json.loads(line) for line in lines)
-    assert first == {"step": 1, "loss": 2.5, "lr": 1e-4, "grad_norm": None, "mfu": None}  # inf -> null
-    assert second["event"] == "nonfinite_loss" and math.isnan(second["loss"])  # the loss keeps its NaN
+    # Strict JSON: nonfinite values are written by name, never as null or a bare NaN.
+    assert first == {"step": 1, "loss": 2.5, "lr": 1e-4, "grad_norm": None, "mfu": "inf"}
+    assert second["event"] == "nonfinite_loss" and second["loss"] == "nan"
+    assert math.isnan(float(second["loss"])) and second["samples"] == [{"output": "x"}]
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "step=1 loss=2.5 lr=0.0001 mfu=inf"  # None left out
-    assert out[1].startswith("step=2 event=nonfinite_loss loss=nan")
+    assert out[1] == "step=2 event=nonfinite_loss loss=nan"  # lists stay in the file
     assert out[2] == "a message"
 
 

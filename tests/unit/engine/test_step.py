@@ -115,3 +115,18 @@ def test_clipping_reports_grad_norm():
     run = _run(tiny_model("sdpa"), ga=1, max_grad_norm=1e-3)
     out = train_step(run, [collate_rows(_rows(), pad_token_id=0, packed=False)])
     assert out["grad_norm"] is not None and out["grad_norm"] > 1e-3
+
+
+def test_a_finite_loss_with_nonfinite_gradients_does_not_update():
+    model = tiny_model("sdpa")
+    run = _run(copy.deepcopy(model), ga=1)
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    param = next(p for p in run.model.parameters() if p.requires_grad)
+    hook = param.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    out = train_step(run, [collate_rows(_rows(), pad_token_id=0, packed=False)])
+    hook.remove()
+    assert out["applied"] is False and torch.isfinite(torch.tensor(out["loss"]))
+    assert out["grad_norm"] != out["grad_norm"]  # NaN
+    for name, p in run.model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[name], msg=name)
+        assert p.grad is None

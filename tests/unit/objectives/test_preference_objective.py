@@ -21,7 +21,7 @@ from finetune.data.preference import pack_examples
 from finetune.engine.state import LoopState
 from finetune.engine.step import train_step
 from finetune.losses import preference as pref
-from finetune.objectives.causal_lm import forward
+from finetune.losses.causal_lm import forward
 from finetune.objectives.preference import PreferenceObjective
 from finetune.objectives.reference_logps import cache_path, load_or_compute, reference_key
 from finetune.recipe import validate_recipe

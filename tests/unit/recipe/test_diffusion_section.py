@@ -69,17 +69,26 @@ def test_llm_recipes_are_unchanged() -> None:
 
 
 def test_llm_only_fields_and_text_datasets_are_reported_with_their_paths(tmp_path: Path) -> None:
-    data = with_changes(
-        data={"sequence_len": 512}, model={"chat_template": "chatml"}, train={"eval_steps": 5}
-    )
+    data = with_changes(train={"eval_steps": 5}, lora={"use_dora": True})
     data["data"]["datasets"].append({"path": "x.jsonl", "type": "alpaca"})
     lines = problems(tmp_path, data)
     joined = "\n".join(lines)
-    assert len(lines) == 4, joined
-    assert "model.chat_template" in joined and "does not apply to a diffusion recipe" in joined
-    assert "data.sequence_len (line" in joined
+    assert len(lines) == 3, joined
     assert "train.eval_steps" in joined and "validation_steps" in joined
+    assert "lora.use_dora" in joined and "does not apply to a diffusion recipe" in joined
     assert "data.datasets[1].type" in joined and "image sources" in joined
+
+
+def test_text_only_settings_are_warnings_in_a_diffusion_recipe(tmp_path: Path) -> None:
+    """Settings that change nothing for images (text formatting, packing) are said, not refused."""
+    from finetune.recipe import recipe_warnings
+
+    data = with_changes(data={"sequence_len": 512}, model={"chat_template": "chatml"})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    warnings = recipe_warnings(load_recipe(path))
+    assert [w.split(" (")[0] for w in warnings] == ["model.chat_template", "data.sequence_len"]
+    assert all("does nothing in a diffusion recipe" in w for w in warnings)
 
 
 def test_image_sources_need_diffusion_kind_and_the_section_needs_it_too(tmp_path: Path) -> None:

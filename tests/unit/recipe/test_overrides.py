@@ -274,7 +274,10 @@ def test_dict_key_of_a_text_value_is_an_error() -> None:
         ("lora.enable_qlora_now", "did you mean 'lora.enable_qlora'?"),
         ("train.lr.peak", "train.lr is a single value, it has no field 'peak'"),
         ("train..lr", "empty part"),
-        ("zzz", "'zzz' is not a field of the recipe (fields: model, data, train, lora, hub, diffusion)"),
+        (
+            "zzz",
+            "'zzz' is not a field of the recipe (fields: model, data, train, lora, hub, eval, diffusion)",
+        ),
     ],
 )
 def test_unknown_path_is_an_error(key: str, expected: str) -> None:

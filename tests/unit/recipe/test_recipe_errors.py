@@ -40,7 +40,7 @@ MANY_PROBLEMS = textwrap.dedent(
     train:                               # output_dir is missing
       seed: abc                          # 15: wrong type
       lr: 1e-4
-      lr_min: 1e-3                       # 17: above lr
+      adam_eps: .inf                     # 17: not finite
     lora:
       enable_qlora: true
       enable_lora: false                 # 20: contradicts enable_qlora
@@ -60,7 +60,7 @@ EXPECTED = [
     ("data.sample_packing_sequence_len (line 13)", "got 256: must be >= sequence_len (512)"),
     ("train.output_dir (not set; train at line 14)", "required field is missing (Checkpoints, logs, final weights.)"),
     ("train.seed (line 15)", "got 'abc': Input should be a valid integer"),
-    ("train.lr_min (line 17)", "got 0.001: must not exceed lr (0.0001)"),
+    ("train.adam_eps (line 17)", "got inf: Input should be a finite number"),
     ("lora.enable_lora (line 20)", "got False: enable_qlora trains LoRA adapters"),
     ("lora.lora_rank (line 21)", "got 'many': Input should be a valid integer"),
     ("hub.strategy (line 23)", "got 'every_save': set hub.model_id to push checkpoints"),

@@ -109,7 +109,7 @@ DEFAULTS = [
     ("data", "shuffle_merged_datasets", True),
     ("data", "shuffle_before_merging_datasets", True),
     ("data", "dataloader_num_workers", 2),
-    ("data", "dataloader_prefetch_factor", 2),
+    ("data", "dataloader_prefetch_factor", None),
     ("data", "dataloader_pin_memory", True),
     ("data", "dataloader_drop_last", True),
     ("train", "seed", 42),
@@ -119,6 +119,7 @@ DEFAULTS = [
     ("train", "max_steps", None),
     ("train", "mixed_precision", "bf16"),
     ("train", "gradient_checkpointing", False),
+    ("train", "loss_chunk_size", None),
     ("train", "optimizer", "adamw"),
     ("train", "lr", 5e-5),
     ("train", "lr_min", 0.0),
@@ -175,6 +176,9 @@ DEFAULTS = [
     ("hub", "model_id", None),
     ("hub", "private", True),
     ("hub", "strategy", "end"),
+    ("eval", "generation_sets", []),
+    ("eval", "batch_size", 8),
+    ("eval", "during_training", True),
 ]
 ENTRY_DEFAULTS = {
     "name": None,
@@ -350,23 +354,17 @@ BAD_COMBINATIONS = [
      "model.torch_dtype", "loss scaling"),
     ("qlora-fp32", {"model": {"torch_dtype": "fp32"}, "lora": {"enable_qlora": True}},
      "model.torch_dtype", "16-bit"),
-    ("save-after-max", {"train": {"max_steps": 10, "save_steps": 20}}, "train.save_steps", "max_steps (10)"),
-    ("lr-min-above-lr", {"train": {"lr": 1e-4, "lr_min": 1e-3}}, "train.lr_min", "must not exceed lr"),
     ("shards-alone", {"data_entry": {"shards": 4}}, "data.datasets[0].shards_idx", "together"),
     ("shards-idx-alone", {"data_entry": {"shards_idx": 1}}, "data.datasets[0].shards_idx", "together"),
     ("shards-idx-too-big", {"data_entry": {"shards": 4, "shards_idx": 4}}, "data.datasets[0].shards_idx",
      "below shards (4)"),
     ("packing-len-short", {"data": {"sequence_len": 512, "sample_packing_sequence_len": 256}},
      "data.sample_packing_sequence_len", "sequence_len (512)"),
-    ("prefetch-no-workers", {"data": {"dataloader_num_workers": 0}}, "data.dataloader_prefetch_factor",
-     "must be null"),
-    ("special-tokens-lora", {"model": {"special_tokens": {"pad_token": "<pad>"}}, "lora": {"enable_lora": True}},
-     "lora.modules_to_save", "special_tokens"),
+    ("prefetch-no-workers", {"data": {"dataloader_num_workers": 0, "dataloader_prefetch_factor": 4}},
+     "data.dataloader_prefetch_factor", "must be null"),
+    ("lr-not-finite", {"train": {"lr": float("inf")}}, "train.lr", "finite number"),
+    ("alpha-not-finite", {"lora": {"lora_alpha": float("nan")}}, "lora.lora_alpha", "finite number"),
     ("every-save-no-id", {"hub": {"strategy": "every_save"}}, "hub.strategy", "hub.model_id"),
-    ("profile-window", {"train": {"enable_profiling": True, "profile_start_step": 5, "profile_end_step": 2}},
-     "train.profile_end_step", "profile_start_step (5)"),
-    ("skip-step-zero", {"train": {"iterations_to_skip": [0, 3]}}, "train.iterations_to_skip", "from 1"),
-    ("sgd-betas", {"train": {"optimizer": "sgd", "adam_beta1": 0.8}}, "train.optimizer", "sgd"),
     ("skip-prepare-push", {"data": {"skip_prepare_dataset": True, "push_dataset_to_hub": "org/ds"}},
      "data.push_dataset_to_hub", "prepare-dataset --push"),
     ("chat-no-roles", {"data_entry": {"type": "chat_template", "roles_to_train": []}},
@@ -413,6 +411,7 @@ GOOD_COMBINATIONS = [
     ("packing-off", {"data": {"sequence_len": 512, "sample_packing_sequence_len": 256, "sample_packing": False}}),
     ("packing-len-equal", {"data": {"sequence_len": 512, "sample_packing_sequence_len": 512}}),
     ("no-workers-no-prefetch", {"data": {"dataloader_num_workers": 0, "dataloader_prefetch_factor": None}}),
+    ("no-workers-default-prefetch", {"data": {"dataloader_num_workers": 0}}),
     ("special-tokens-modules", {"model": {"special_tokens": {"pad_token": "<pad>"}},
                                 "lora": {"enable_lora": True, "modules_to_save": ["embed_tokens", "lm_head"]}}),
     ("special-tokens-full-ft", {"model": {"special_tokens": {"pad_token": "<pad>"}}}),
@@ -458,10 +457,55 @@ def test_hub_model_id_must_be_org_name(tmp_path: Path, model_id: str) -> None:
 
 
 def test_several_bad_combinations_of_one_section_are_all_reported(tmp_path: Path) -> None:
-    data = recipe_with(train={"max_steps": 5, "save_steps": 10, "lr": 1e-4, "lr_min": 1e-3})
+    data = recipe_with(
+        data={"sequence_len": 512, "sample_packing_sequence_len": 256, "skip_prepare_dataset": True,
+              "push_dataset_to_hub": "org/ds"}
+    )  # fmt: skip
     message = error_of(tmp_path, data)
     assert "2 problem(s)" in message
-    assert "train.save_steps" in message and "train.lr_min" in message
+    assert "data.sample_packing_sequence_len" in message and "data.push_dataset_to_hub" in message
+
+
+WARNINGS = [
+    ("save-after-max", {"train": {"max_steps": 10, "save_steps": 20}}, "train.save_steps", "max_steps (10)"),
+    ("eval-after-max", {"train": {"max_steps": 10, "eval_steps": 20}}, "train.eval_steps", "only the final"),
+    ("lr-min-above-lr", {"train": {"lr": 1e-4, "lr_min": 1e-3}}, "train.lr_min", "rises instead of decaying"),
+    ("special-tokens-lora", {"model": {"special_tokens": {"pad_token": "<pad>"}}, "lora": {"enable_lora": True}},
+     "lora.modules_to_save", "special_tokens"),
+    ("profile-window", {"train": {"enable_profiling": True, "profile_start_step": 5, "profile_end_step": 2}},
+     "train.profile_end_step", "profile_start_step (5)"),
+    ("skip-step-zero", {"train": {"iterations_to_skip": [0, 3]}}, "train.iterations_to_skip", "from 1"),
+    ("sgd-betas", {"train": {"optimizer": "sgd", "adam_beta1": 0.8}}, "train.optimizer", "sgd ignores"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("sections", "path", "text"), [c[1:] for c in WARNINGS], ids=[c[0] for c in WARNINGS]
+)
+def test_useless_settings_are_warnings_not_errors(
+    tmp_path: Path, sections: dict, path: str, text: str
+) -> None:
+    from finetune.recipe import recipe_warnings
+
+    recipe = load(tmp_path, recipe_with(**copy.deepcopy(sections)))  # loads: it can run
+    (warning,) = recipe_warnings(recipe)
+    assert warning.startswith(f"{path} (") and text in warning
+
+
+def test_good_recipes_have_no_warnings(minimal_recipe: Recipe) -> None:
+    from finetune.recipe import recipe_warnings
+
+    assert recipe_warnings(minimal_recipe) == []
+
+
+@pytest.mark.parametrize(
+    ("field", "off", "canonical"),
+    [("save_steps", None, 0), ("save_epochs", None, 0), ("eval_steps", 0, None), ("gc_steps", None, 0),
+     ("empty_cache_steps", None, 0)],
+)  # fmt: skip
+def test_zero_and_null_both_turn_a_cadence_off(tmp_path: Path, field: str, off, canonical) -> None:
+    recipe = load(tmp_path, recipe_with(train={field: off}))
+    assert getattr(recipe.train, field) == canonical
 
 
 # ------------------------------------------------------------ rules run despite other errors
@@ -469,9 +513,11 @@ def test_several_bad_combinations_of_one_section_are_all_reported(tmp_path: Path
 
 def test_combination_is_reported_with_field_errors_of_its_own_section(tmp_path: Path) -> None:
     # pydantic skips a model's after-validators when a field failed; the loader runs them anyway.
-    data = recipe_with(train={"seed": "abc", "lr": 1e-4, "lr_min": 1e-3})
+    data = recipe_with(
+        data={"dataset_num_proc": "abc", "sequence_len": 512, "sample_packing_sequence_len": 256}
+    )
     message = error_of(tmp_path, data)
-    assert "train.seed" in message and "train.lr_min" in message
+    assert "data.dataset_num_proc" in message and "data.sample_packing_sequence_len" in message
     assert "2 problem(s)" in message
 
 
@@ -511,9 +557,11 @@ def test_rules_that_read_an_invalid_field_are_skipped(tmp_path: Path) -> None:
 
 
 def test_a_rule_already_reported_is_not_repeated(tmp_path: Path) -> None:
-    data = recipe_with(train={"max_steps": 5, "save_steps": 10}, model={"torch_dtyp": "x"})
+    data = recipe_with(
+        data={"sequence_len": 512, "sample_packing_sequence_len": 256}, model={"torch_dtyp": "x"}
+    )
     message = error_of(tmp_path, data)
-    assert message.count("train.save_steps") == 1
+    assert message.count("data.sample_packing_sequence_len") == 1
     assert "2 problem(s)" in message
 
 

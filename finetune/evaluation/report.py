@@ -1,0 +1,163 @@
+"""`finetune eval`: eval loss and perplexity on the recipe's eval split, and generation metrics on its
+`eval.generation_sets`, for one or more models side by side (base vs tuned), as eval.json and a table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.errors import FinetuneError
+
+
+def load_generation_rows(gen_set) -> list[dict[str, Any]]:
+    """The rows of one generation set as {"prompt", "expected"} (its first num_rows rows).
+
+    Loaded with the data layer's own loader (local files, Hub ids, damaged-file errors that name the
+    file and line), then reduced to the two columns the set names.
+    """
+    from finetune.data.sources import load_source
+    from finetune.recipe import DatasetEntry
+
+    label = f"eval.generation_sets[{gen_set.name}]"
+    entry = DatasetEntry(path=gen_set.path, type="input_output", split=gen_set.split)
+    ds = load_source(entry, entry_label=label)
+    columns = [c for c in (gen_set.field_prompt, gen_set.field_expected) if c is not None]
+    missing = [c for c in columns if c not in ds.column_names]
+    if missing:
+        raise FinetuneError(
+            f"{label}: {gen_set.path} has no column {missing[0]!r} (columns: {', '.join(ds.column_names)}); "
+            "set field_prompt / field_expected"
+        )
+    if gen_set.num_rows is not None:
+        ds = ds.select(range(min(gen_set.num_rows, len(ds))))
+    return [
+        {
+            "prompt": row[gen_set.field_prompt],
+            "expected": row.get(gen_set.field_expected) if gen_set.field_expected else None,
+        }
+        for row in ds
+    ]
+
+
+def score_generation_sets(
+    model, tokenizer, sets: Sequence, rows: dict[str, list[dict]], *, batch_size: int, progress: bool = True
+) -> dict[str, dict[str, Any]]:
+    """{set name: {"metric", "score", "n", "samples"}} for every generation set."""
+    from finetune.evaluation.run import evaluate_generations
+
+    results = {}
+    for gen_set in sets:
+        results[gen_set.name] = evaluate_generations(
+            model,
+            tokenizer,
+            rows[gen_set.name],
+            metric=gen_set.metric,
+            max_new_tokens=gen_set.max_new_tokens,
+            batch_size=batch_size,
+            num_samples=gen_set.num_samples,
+            pattern=gen_set.answer_pattern,
+            case_sensitive=gen_set.case_sensitive,
+            use_chat_template=gen_set.use_chat_template,
+            progress=progress,
+        )
+    return results
+
+
+def token_loss(model, batches) -> dict[str, float]:
+    """Token-weighted cross-entropy and perplexity of `model` over collated batches (one process)."""
+    from finetune.losses.causal_lm import token_loss_sums
+
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for batch in batches:
+            sums, counts = token_loss_sums(model, {k: v.to(device) for k, v in batch.items()})
+            total += float(sums.sum())
+            count += int(counts.sum())
+    loss = total / max(count, 1)
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": count}
+
+
+def evaluate_models(
+    models: dict[str, Callable[[], tuple[Any, Any]]],
+    *,
+    eval_batches: Callable[[Any], Any] | None,
+    sets: Sequence,
+    batch_size: int,
+    progress: bool = True,
+    say: Callable[[str], None] = print,
+) -> dict[str, dict[str, Any]]:
+    """Evaluate each model (loaded one at a time by its loader, then freed): eval loss on the eval
+    split when `eval_batches(tokenizer)` gives batches, and every generation set."""
+    rows = {s.name: load_generation_rows(s) for s in sets}
+    results: dict[str, dict[str, Any]] = {}
+    for name, load in models.items():
+        say(f"evaluating {name}")
+        model, tokenizer = load()
+        result: dict[str, Any] = {}
+        if eval_batches is not None:
+            result.update(token_loss(model, eval_batches(tokenizer)))
+        result["generation"] = score_generation_sets(
+            model, tokenizer, sets, rows, batch_size=batch_size, progress=progress
+        )
+        results[name] = result
+        del model
+    return results
+
+
+def write_report(results: dict[str, dict[str, Any]], path: Path, **context: Any) -> None:
+    """eval.json: the context (recipe, model paths) and every model's results with all samples."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**context, "results": results}, indent=2, default=str) + "\n")
+
+
+def format_table(results: dict[str, dict[str, Any]], *, samples: int = 2, width: int = 100) -> str:
+    """Metrics as rows and models as columns, then sample answers of each model side by side."""
+    names = list(results)
+    first = results[names[0]]
+    rows: list[tuple[str, list[str]]] = []
+    for key in ("eval_loss", "eval_ppl"):
+        if key in first:
+            rows.append((key, [f"{results[n][key]:.4f}" for n in names]))
+    for set_name, summary in first["generation"].items():
+        if summary["metric"] != "none":
+            rows.append(
+                (
+                    f"{set_name} {summary['metric']} (n={summary['n']})",
+                    [_percent(results[n]["generation"][set_name]["score"]) for n in names],
+                )
+            )
+    label_width = max([len("metric"), *(len(r[0]) for r in rows)])
+    col = max(12, *(len(n) for n in names))
+    lines = [f"{'metric':<{label_width}}  " + "  ".join(f"{n:>{col}}" for n in names)]
+    lines += [
+        f"{label:<{label_width}}  " + "  ".join(f"{v:>{col}}" for v in values) for label, values in rows
+    ]
+    for set_name, summary in first["generation"].items():
+        for k, sample in enumerate(summary["samples"][:samples]):
+            lines += ["", f"{set_name} sample {k + 1}: {_short(sample['prompt'], width)}"]
+            if sample.get("expected") is not None:
+                lines.append(f"  expected: {_short(sample['expected'], width)}")
+            for n in names:
+                other = results[n]["generation"][set_name]["samples"][k]
+                mark = {True: " [correct]", False: " [wrong]"}.get(other["correct"], "")
+                lines.append(f"  {n}{mark}: {_short(other['output'], width)}")
+    return "\n".join(lines)
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _short(text: Any, width: int) -> str:
+    if not isinstance(text, str):
+        text = " / ".join(f"{m.get('role')}: {m.get('content')}" for m in text)
+    return textwrap.shorten(" ".join(text.split()), width=width, placeholder=" ...")

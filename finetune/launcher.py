@@ -1,0 +1,132 @@
+"""`finetune train` runs the launcher (`accelerate launch` or torchrun) under supervision.
+
+Three things a bare `exec` of the launcher gets wrong, each found by fault injection:
+
+* A signal sent to the launcher only (`docker stop`, a scheduler's SIGTERM, `kill <pid>`) never
+  reaches the training processes: no checkpoint is written and, outside a container, training runs
+  on after the launcher is gone. Here the launcher runs in a session of its own, and SIGTERM, SIGINT
+  and SIGHUP are forwarded to the training processes (the launcher's children), not to the launcher,
+  so the launcher stays until they have written their checkpoint and exited; a second Ctrl-C stops
+  everything at once.
+* Ctrl-C in a terminal reaches the whole foreground process group: the launcher would exit at once
+  (130/143) while training is still writing its checkpoint. The launcher's own session keeps the
+  terminal's signals away from it.
+* A user error inside training (exit code 2 and one `error:` line) comes back from the launcher as
+  exit 1 with its own traceback. The training process records its error in a status file
+  (FINETUNE_STATUS_FILE); once it has, what the launcher prints is dropped and `finetune train`
+  exits 2 with the message alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+STATUS_ENV = "FINETUNE_STATUS_FILE"
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def write_status(code: int, error: str) -> None:
+    """Called by the training process on a user error: the supervisor reads it (first writer wins)."""
+    path = os.environ.get(STATUS_ENV)
+    if not path:
+        return
+    try:
+        with open(path, "x", encoding="utf-8") as f:  # "x": the first process to fail is the one told
+            json.dump({"exit": code, "error": error}, f)
+    except OSError:
+        pass
+
+
+def run_supervised(cmd: list[str], env: dict[str, str] | None = None) -> int:
+    """Run `cmd` (the launcher); forward stop signals to the training processes; return the exit code,
+    2 when training stopped on a user error (its message already printed, the launcher's traceback not)."""
+    with tempfile.TemporaryDirectory(prefix="finetune-train-") as tmp:
+        status = Path(tmp) / "status.json"
+        env = {**(env if env is not None else os.environ), STATUS_ENV: str(status)}
+        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True)
+        signals = _Forwarder(proc)
+        shown: list[bytes] = []
+        relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, status, shown), daemon=True)
+        relay.start()
+        try:
+            code = proc.wait()
+        finally:
+            signals.restore()
+        relay.join(timeout=5)
+        if status.is_file():
+            report = json.loads(status.read_text())
+            line = f"error: {report.get('error', '')}"
+            if line.encode() not in b"".join(shown):  # the relay dropped it with what followed
+                print(line, file=sys.stderr, flush=True)
+            return int(report.get("exit", 2))
+        if code < 0 and signals.received is not None:  # killed by the forwarded signal's second round
+            return 128 + signals.received
+        return code
+
+
+def _relay_stderr(stream, status: Path, shown: list[bytes]) -> None:
+    """Copy the launcher's stderr (and the training processes', which share it) to ours as it comes,
+    until training has reported a user error: what follows is the launcher's traceback about it.
+    The last forwarded bytes are kept in `shown`."""
+    out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+    while chunk := os.read(stream.fileno(), 65536):
+        if status.is_file():
+            continue  # keep draining, so the launcher never blocks on a full pipe
+        shown.append(chunk)
+        del shown[:-16]
+        if out is not None:
+            out.write(chunk)
+            out.flush()
+        else:
+            sys.stderr.write(chunk.decode("utf-8", errors="replace"))
+
+
+class _Forwarder:
+    """Signal handlers for the supervisor's lifetime: the first stop signal goes to the training
+    processes (the launcher's descendants), the second to the launcher's whole session."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.received, self.count = proc, None, 0
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in FORWARDED}
+
+    def _handle(self, signum, frame) -> None:
+        self.received, self.count = signum, self.count + 1
+        if self.count == 1:
+            targets = _descendants(self.proc.pid) or [self.proc.pid]
+            print(
+                f"finetune train: {signal.Signals(signum).name}: asking training to checkpoint and stop "
+                "(again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+            for pid in targets:
+                _kill(pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
+        else:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        import psutil
+
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except Exception:  # psutil missing or the process already gone: signal the launcher instead
+        return []
+
+
+def _kill(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)

@@ -1,0 +1,72 @@
+"""The `eval` section: generation sets that answer "did the model get better?" (`finetune eval`, and
+every train.eval_steps during training), beside the eval loss on the data section's eval split."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from pydantic import Field
+
+from finetune.recipe.base import Problem, _Section
+
+# GSM8K answers end with "#### <number>" (finetune.evaluation.metrics.GSM8K_ANSWER_PATTERN).
+DEFAULT_ANSWER_PATTERN = r"####\s*\$?\s*(-?[\d,.]+)"
+
+
+class GenerationSet(_Section):
+    """Prompts answered by greedy decoding and scored against expected answers."""
+
+    name: str = Field(description="Short name, used in logs and eval.json (e.g. gsm8k).")
+    path: str = Field(description="A local json/jsonl/csv/parquet file or a Hub dataset id.")
+    split: str = Field("train", description="Split to read (Hub datasets and multi-split files).")
+    field_prompt: str = Field(
+        "prompt", description="Column with the prompt (a string or a list of messages)."
+    )
+    field_expected: str | None = Field(
+        "expected", description="Column with the expected answer; null with metric none."
+    )
+    metric: Literal["exact_match", "contains", "none"] = Field(
+        "exact_match",
+        description="exact_match: the answer extracted with answer_pattern (else the last number) equals "
+        "the expected one's; contains: the expected text occurs in the output; none: samples only.",
+    )
+    answer_pattern: str | None = Field(
+        DEFAULT_ANSWER_PATTERN,
+        description="exact_match: regex whose first group is the answer (default: GSM8K's `#### 42`); "
+        "null = the last number.",
+    )
+    case_sensitive: bool = Field(False, description="contains: compare case-sensitively.")
+    num_rows: int | None = Field(None, ge=1, description="Use the first N rows only (null = all).")
+    max_new_tokens: int = Field(256, ge=1, description="Longest answer generated.")
+    use_chat_template: bool = Field(
+        True, description="Render prompts with the tokenizer's chat template (false: plain text prompts)."
+    )
+    num_samples: int = Field(3, ge=0, description="Sample answers shown and logged.")
+
+    def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
+        problems: list[Problem] = []
+        if ok("metric", "field_expected") and self.metric != "none" and self.field_expected is None:
+            problems.append(
+                ("field_expected", None, f"metric {self.metric} needs the expected answers' column")
+            )
+        return problems
+
+
+class EvalSection(_Section):
+    generation_sets: list[GenerationSet] = Field(
+        default_factory=list, description="Generation sets scored by `finetune eval` and during training."
+    )
+    batch_size: int = Field(8, ge=1, description="Prompts generated together (left-padded).")
+    during_training: bool = Field(
+        True, description="Also score the generation sets every train.eval_steps (and at the end)."
+    )
+
+    def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
+        problems: list[Problem] = []
+        if ok("generation_sets"):
+            names = [s.name for s in self.generation_sets if s is not None]
+            duplicates = sorted({n for n in names if names.count(n) > 1})
+            if duplicates:
+                problems.append(("generation_sets", duplicates, "names must be unique: they key the results"))
+        return problems

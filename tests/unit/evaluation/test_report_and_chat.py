@@ -1,0 +1,92 @@
+"""finetune eval's table and generation-set loading; finetune chat's conversation loop (with a fake
+streamer: generation itself is tested in test_generate.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+import finetune.evaluation.generate as generate_mod
+from finetune.errors import FinetuneError
+from finetune.evaluation.chat import chat
+from finetune.evaluation.report import format_table, load_generation_rows
+from finetune.recipe import GenerationSet
+
+
+def _result(loss: float, score: float, output: str, correct: bool) -> dict:
+    sample = {"prompt": "What is 2 + 3?", "output": output, "expected": "#### 5", "correct": correct}
+    return {
+        "eval_loss": loss,
+        "eval_ppl": 2.0,
+        "generation": {"arith": {"metric": "exact_match", "score": score, "n": 4, "samples": [sample]}},
+    }
+
+
+def test_table_puts_models_side_by_side_with_samples():
+    table = format_table(
+        {"base": _result(3.5, 0.25, "Five, I think.", False), "tuned": _result(1.25, 1.0, "#### 5", True)}
+    )
+    lines = table.splitlines()
+    assert lines[0].split() == ["metric", "base", "tuned"]
+    assert lines[1].split() == ["eval_loss", "3.5000", "1.2500"]
+    assert lines[3].split()[-2:] == ["25.0%", "100.0%"] and "arith exact_match (n=4)" in lines[3]
+    assert "arith sample 1: What is 2 + 3?" in table and "expected: #### 5" in table
+    assert "base [wrong]: Five, I think." in table and "tuned [correct]: #### 5" in table
+
+
+def test_generation_rows_come_from_the_named_columns(tmp_path):
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps({"q": f"q{k}", "a": str(k), "x": 0}) + "\n" for k in range(5)))
+    rows = load_generation_rows(
+        GenerationSet(name="qa", path=str(path), field_prompt="q", field_expected="a", num_rows=3)
+    )
+    assert rows == [
+        {"prompt": "q0", "expected": "0"},
+        {"prompt": "q1", "expected": "1"},
+        {"prompt": "q2", "expected": "2"},
+    ]
+    with pytest.raises(
+        FinetuneError, match=r"eval.generation_sets\[qa\]: .*qa.jsonl has no column 'question'"
+    ):
+        load_generation_rows(
+            GenerationSet(name="qa", path=str(path), field_prompt="question", field_expected="a")
+        )
+
+
+@pytest.fixture
+def echo(monkeypatch):
+    """stream_chat replaced by one that answers with how many turns it saw, in two pieces."""
+    seen = []
+
+    def stream(model, tokenizer, messages, **kwargs):
+        seen.append([dict(m) for m in messages])
+        yield "turns="
+        yield str(len(messages))
+
+    monkeypatch.setattr(generate_mod, "stream_chat", stream)
+    return seen
+
+
+def test_one_prompt_is_answered_and_streamed(echo):
+    out = io.StringIO()
+    assert chat(None, None, prompt="hi", system="be brief", out=out) == 0
+    assert out.getvalue() == "turns=2\n"
+    assert echo == [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]]
+
+
+def test_a_conversation_keeps_its_history_until_reset(echo):
+    lines = iter(["hello", "", "again", "/reset", "fresh", "/exit", "never read"])
+    out = io.StringIO()
+    assert chat(None, None, read=lambda _: next(lines), out=out) == 0
+    assert [len(turns) for turns in echo] == [1, 3, 1]  # user; user+assistant+user; after /reset
+    assert echo[1][1] == {"role": "assistant", "content": "turns=1"}
+    assert "(new conversation)" in out.getvalue()
+
+
+def test_end_of_input_ends_the_conversation(echo):
+    def read(_):
+        raise EOFError
+
+    assert chat(None, None, read=read, out=io.StringIO()) == 0
