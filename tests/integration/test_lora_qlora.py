@@ -158,7 +158,9 @@ def test_qlora_nf4_double_quant_bf16_end_to_end(tmp_path, prepared, pretrained_d
     assert not (step3 / "model.safetensors").exists()
     with safe_open(step3 / "trainable_0.safetensors", "pt") as f:
         ckpt_keys = set(f.keys())
-    assert ckpt_keys and all("lora_" in k or "modules_to_save" in k for k in ckpt_keys)  # the demo trains both
+    assert ckpt_keys and all(
+        "lora_" in k or "modules_to_save" in k for k in ckpt_keys
+    )  # the demo trains both
 
     # A QLoRA checkpoint resumes: the base is quantized again from the recipe, the adapters restored.
     resumed = run(
