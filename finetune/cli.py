@@ -253,7 +253,8 @@ def run_eval(recipe, args: argparse.Namespace) -> int:
             load_for_inference(base, tokenizer=load_tokenizer(recipe.model)), inference_device()
         )
     if target is not None:
-        models["tuned"] = lambda: _on_device(load_for_inference(target), inference_device())
+        # Merged into the base for generation (faster); the weights are the same function.
+        models["tuned"] = lambda: _on_device(load_for_inference(target, merge=True), inference_device())
     results = evaluate_models(
         models,
         eval_batches=batches,

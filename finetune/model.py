@@ -313,7 +313,6 @@ def load_adapter(adapter: Path, *, base: str | None = None, dtype: str = "auto")
     adapter's own when saved with it (training saves it: its length sizes the embeddings), else the base's.
     """
     from peft import PeftConfig, PeftModel
-    from transformers import AutoModelForCausalLM
 
     if not (adapter / "adapter_config.json").is_file():
         raise FinetuneError(f"{adapter}: no adapter_config.json here; point at the saved adapter folder")
@@ -322,13 +321,12 @@ def load_adapter(adapter: Path, *, base: str | None = None, dtype: str = "auto")
     if not base_path:
         raise FinetuneError(f"{adapter}: the adapter names no base model; pass --base PATH")
     base_path = resolve_path(base_path)
-    try:
-        net = AutoModelForCausalLM.from_pretrained(base_path, dtype=_load_dtype(dtype))
-    except OSError as exc:
-        raise FinetuneError(
-            f"could not load the base model {base_path!r} of {adapter}: {exc}. Pass --base PATH if it moved "
-            "(for a GGUF base, the .gguf file: it is converted again)."
-        ) from None
+    net = _load_causal_lm(
+        base_path,
+        dtype,
+        failure=f"could not load the base model {base_path!r} of {adapter}",
+        fix="Pass --base PATH if it moved (for a GGUF base, the .gguf file: it is converted again).",
+    )
     tokenizer = _load_tokenizer_or_none(
         str(adapter) if (adapter / "tokenizer_config.json").is_file() else base_path
     )
@@ -351,7 +349,6 @@ def load_for_inference(
     `tokenizer` replaces the one found next to the model (a recipe's own tokenizer for its base).
     """
     given = tokenizer
-    from transformers import AutoModelForCausalLM
 
     local = Path(path).expanduser()
     if (local / "adapter_config.json").is_file():
@@ -362,12 +359,12 @@ def load_for_inference(
         if base is not None:
             raise FinetuneError(f"{path}: a base model was given, but this is not an adapter folder")
         source = resolve_path(path)
-        try:
-            net = AutoModelForCausalLM.from_pretrained(source, dtype=_load_dtype(dtype))
-        except OSError as exc:
-            raise FinetuneError(
-                f"{path}: not an adapter folder (no adapter_config.json) and no model loads from it: {exc}"
-            ) from None
+        net = _load_causal_lm(
+            source,
+            dtype,
+            failure=f"{path}: not an adapter folder (no adapter_config.json) and no model loads from it",
+            fix="Point at a folder training wrote, a Hub id, or a .gguf file.",
+        )
         tokenizer = _load_tokenizer_or_none(source)
     tokenizer = given if given is not None else tokenizer
     if tokenizer is None:
@@ -393,6 +390,16 @@ def base_model_source(model: ModelSection, *, adapter: str | None = None) -> str
         "the recipe's model has no pretrained weights (model.model_path is null): evaluate a trained "
         "adapter with --adapter DIR (its saved base is used) or a model folder with --model DIR --no-base"
     )
+
+
+def _load_causal_lm(source: str, dtype: str, *, failure: str, fix: str):
+    """AutoModelForCausalLM.from_pretrained, with a loading failure said as `failure: reason. fix`."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, dtype=_load_dtype(dtype))
+    except OSError as exc:
+        raise FinetuneError(f"{failure}: {exc}. {fix}") from None
 
 
 def _load_dtype(dtype: str):

@@ -32,6 +32,7 @@ from datasets.fingerprint import Hasher
 
 from finetune.data import damage
 from finetune.errors import DataError
+from finetune.notices import warn
 
 logger = logging.getLogger(__name__)
 
@@ -179,12 +180,9 @@ def _load_url(entry: Any, num_proc: int | None, label: str) -> datasets.Dataset:
 
 def _load_hub(entry: Any, num_proc: int | None, label: str) -> datasets.Dataset:
     if entry.trust_remote_code:
-        logger.warning(
-            "%s: trust_remote_code is ignored: datasets %s no longer runs dataset loading scripts "
-            "(it loads the data files of %s directly)",
-            label,
-            datasets.__version__,
-            entry.path,
+        warn(
+            f"{label}: trust_remote_code is ignored: datasets {datasets.__version__} no longer runs dataset "
+            f"loading scripts (it loads the data files of {entry.path} directly)"
         )
     return _load_dataset(
         entry.path,
@@ -299,11 +297,9 @@ def _load_damaged(
             f"{label}: every row is damaged, nothing to load: {damage.describe(bad, skip_hint=False)} "
             "Is this a data file of the format its extension says?"
         )
-    logger.warning(
-        "%s: skipping %d damaged row(s) (data.on_bad_row: skip; counted in the manifest): %s",
-        label,
-        len(bad),
-        damage.describe(bad, skip_hint=False),
+    warn(
+        f"{label}: skipping {len(bad)} damaged row(s) (data.on_bad_row: skip; counted in the manifest): "
+        f"{damage.describe(bad, skip_hint=False)}"
     )
     return _load_with_placeholders(scans, builder, entry, label, kwargs)
 

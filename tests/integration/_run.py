@@ -57,6 +57,15 @@ def step_losses(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r.get("event") is None and r.get("loss") is not None}
 
 
+def short_run(*extra: str) -> list[str]:
+    """Overrides for short test runs of the demo: a log line every step, evaluation only at the end,
+    checkpoints only at save_steps and all kept, no LoRA dropout; `extra` overrides come last."""
+    return [
+        "--train.log_format", "structured", "--train.log_steps", "1", "--train.eval_steps", "null",
+        "--train.save_epochs", "0", "--train.save_total_limit", "null", "--lora.lora_dropout", "0.0", *extra,
+    ]  # fmt: skip
+
+
 def demo_overrides(tmp: Path, *extra: str) -> list[str]:
     """The demo recipe writing into a temporary folder."""
     return [

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration._run import DEMO, progress, run, step_losses
+from tests.integration._run import DEMO, progress, run, short_run, step_losses
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,27 +22,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-COMMON = [
-    "--train.log_format",
-    "structured",
-    "--train.log_steps",
-    "1",
-    "--train.eval_steps",
-    "null",
-    "--train.save_epochs",
-    "0",
-    "--train.mixed_precision",
-    "bf16",
-    "--train.max_steps",
-    "4",
-    "--train.save_steps",
-    "2",
-    "--lora.lora_dropout",
-    "0.0",
-    # The demo keeps one checkpoint; the resume checks need the middle one too.
-    "--train.save_total_limit",
-    "3",
-]
+COMMON = short_run("--train.mixed_precision", "bf16", "--train.max_steps", "4", "--train.save_steps", "2")
 FULL = ["--lora.enable_lora", "false", "--lora.modules_to_save", "[]", "--train.lr", "1e-3"]
 
 

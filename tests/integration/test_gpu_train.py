@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration._run import DEMO, progress, run, step_losses
+from tests.integration._run import DEMO, progress, run, short_run, step_losses
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,25 +23,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-COMMON = [
-    "--train.log_format",
-    "structured",
-    "--train.log_steps",
-    "1",
-    "--train.eval_steps",
-    "null",
-    "--train.save_epochs",
-    "0",
-    "--train.max_steps",
-    "8",
-    "--train.save_steps",
-    "4",
-    "--lora.lora_dropout",
-    "0.0",
-    # The demo keeps one checkpoint; the resume checks need the middle one too.
-    "--train.save_total_limit",
-    "3",
-]
+COMMON = short_run("--train.max_steps", "8", "--train.save_steps", "4")
 
 
 def train(out: Path, prepared: Path, *args: str) -> None:

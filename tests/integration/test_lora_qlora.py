@@ -124,6 +124,21 @@ def pretrained_dir(tmp_path_factory):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="QLoRA needs bitsandbytes")
+def _qlora(pretrained_dir) -> list[str]:
+    """QLoRA (nf4, double quant, bf16) of the saved demo model, 6 steps, checkpoints at 3 and 6."""
+    return [
+        "--train.max_steps",
+        "6",
+        "--model.model_path",
+        str(pretrained_dir),
+        *_split(
+            "--model.config_path null --model.torch_dtype auto --train.mixed_precision bf16 "
+            "--lora.enable_qlora true --lora.quant_type nf4 --lora.double_quant true "
+            "--train.save_steps 3 --train.eval_steps 3 --train.save_total_limit null"
+        ),
+    ]
+
+
 def test_qlora_nf4_double_quant_bf16_end_to_end(tmp_path, prepared, pretrained_dir):
     result = run(
         accelerate_cmd(
@@ -131,15 +146,7 @@ def test_qlora_nf4_double_quant_bf16_end_to_end(tmp_path, prepared, pretrained_d
             *_overrides(
                 tmp_path,
                 prepared,
-                "--train.max_steps",
-                "6",
-                "--model.model_path",
-                str(pretrained_dir),
-                *_split(
-                    "--model.config_path null --model.torch_dtype auto --train.mixed_precision bf16 "
-                    "--lora.enable_qlora true --lora.quant_type nf4 --lora.double_quant true "
-                    "--train.save_steps 3 --train.eval_steps 3 --train.save_total_limit null"
-                ),
+                *_qlora(pretrained_dir),
             ),
         )
     )
@@ -158,7 +165,9 @@ def test_qlora_nf4_double_quant_bf16_end_to_end(tmp_path, prepared, pretrained_d
     assert not (step3 / "model.safetensors").exists()
     with safe_open(step3 / "trainable_0.safetensors", "pt") as f:
         ckpt_keys = set(f.keys())
-    assert ckpt_keys and all("lora_" in k or "modules_to_save" in k for k in ckpt_keys)  # the demo trains both
+    assert ckpt_keys and all(
+        "lora_" in k or "modules_to_save" in k for k in ckpt_keys
+    )  # the demo trains both
 
     # A QLoRA checkpoint resumes: the base is quantized again from the recipe, the adapters restored.
     resumed = run(
@@ -167,15 +176,7 @@ def test_qlora_nf4_double_quant_bf16_end_to_end(tmp_path, prepared, pretrained_d
             *_overrides(
                 tmp_path / "resumed",
                 prepared,
-                "--train.max_steps",
-                "6",
-                "--model.model_path",
-                str(pretrained_dir),
-                *_split(
-                    "--model.config_path null --model.torch_dtype auto --train.mixed_precision bf16 "
-                    "--lora.enable_qlora true --lora.quant_type nf4 --lora.double_quant true "
-                    "--train.save_steps 3 --train.eval_steps 3 --train.save_total_limit null"
-                ),
+                *_qlora(pretrained_dir),
                 "--train.load_checkpoint_path",
                 str(step3),
             ),

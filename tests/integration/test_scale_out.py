@@ -17,24 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration._run import DEMO, progress, run, step_losses
+from tests.integration._run import DEMO, progress, run, short_run, step_losses
 
 pytestmark = pytest.mark.slow
 
-COMMON = [
-    "--train.log_format",
-    "structured",
-    "--train.log_steps",
-    "1",
-    "--train.eval_steps",
-    "null",
-    "--train.save_epochs",
-    "0",
-    "--train.save_total_limit",
-    "null",
-    "--lora.lora_dropout",
-    "0.0",
-]
+COMMON = short_run()
 
 
 @pytest.fixture(scope="module")

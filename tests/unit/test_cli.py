@@ -445,3 +445,26 @@ def test_train_refuses_multi_process_deepspeed_without_gpus(
     assert fake_execv == []
     with pytest.raises(Exec):  # one process is what runs on CPU
         main(["train", str(recipe_path), "--accelerate-config", "zero3", "--num-processes", "1"])
+
+
+def test_checkpoints_lists_steps_status_and_the_auto_pick(tmp_path: Path, capsys) -> None:
+    import json as _json
+
+    from finetune.checkpoint import CHECKSUMS_FILE, STATE_FILE, checksums
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        folder = root / f"step-{step}"
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 2048)
+        (folder / STATE_FILE).write_text(_json.dumps({"state": {"step": step}}))
+        (folder / CHECKSUMS_FILE).write_text(_json.dumps(checksums(folder)))
+    (root / "step-4" / "model.safetensors").write_bytes(b"cut")
+    assert main(["checkpoints", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["step", "size", "auto", "status"]
+    assert lines[1].split()[0] == "2" and "<-" in lines[1] and lines[1].endswith("verifies")
+    assert lines[2].split()[0] == "4" and "DAMAGED:" in lines[2] and "has 3 bytes" in lines[2]
+    assert lines[3] == f"--train.load_checkpoint_path auto resumes from {root / 'step-2'}"
+    assert main(["checkpoints", str(tmp_path / "none")]) == 1
+    assert "no checkpoints in" in capsys.readouterr().out

