@@ -18,27 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration._run import REPO, progress, run, step_losses
+from tests.integration._run import REPO, progress, run, short_run, step_losses
 
 pytestmark = pytest.mark.slow
 
 DPO_DEMO = REPO / "recipes" / "demo" / "tiny_dpo_cpu.yaml"
-COMMON = [
-    "--train.log_format",
-    "structured",
-    "--train.log_steps",
-    "1",
-    "--train.save_epochs",
-    "0",
-    "--train.save_total_limit",
-    "null",
-    "--lora.lora_dropout",
-    "0.0",
-]
 
 
 def finetune(command: str, out: Path, prepared: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "finetune.cli", command, str(DPO_DEMO), *args, *COMMON]
+    cmd = [sys.executable, "-m", "finetune.cli", command, str(DPO_DEMO), *short_run(*args)]
     cmd += ["--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared)]
     result = run(cmd)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
