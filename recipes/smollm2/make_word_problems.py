@@ -39,14 +39,14 @@ def problem(rng: random.Random) -> dict[str, str]:
         answer = f"{name} has {a} - {b} = {a - b} {item} left.\n#### {a - b}"
     elif kind == 2:
         a, b = rng.randint(2, 9), rng.randint(2, 12)
-        question = f"{name} has {a} bags with {b} {item} in each bag. How many {item} does {name} have in all?"
+        question = (
+            f"{name} has {a} bags with {b} {item} in each bag. How many {item} does {name} have in all?"
+        )
         answer = f"{name} has {a} * {b} = {a * b} {item}.\n#### {a * b}"
     else:
         a, b = rng.randint(5, 30), rng.randint(2, 20)
         c = rng.randint(1, a + b - 1)
-        question = (
-            f"{name} has {a} {item}, buys {b} more, then gives {c} to a friend. How many {item} does {name} have now?"
-        )
+        question = f"{name} has {a} {item}, buys {b} more, then gives {c} to a friend. How many {item} does {name} have now?"
         answer = (
             f"After buying, {name} has {a} + {b} = {a + b} {item}.\n"
             f"After giving, {name} has {a + b} - {c} = {a + b - c} {item}.\n#### {a + b - c}"
