@@ -110,6 +110,12 @@ TRAJECTORY = {
               "orpo_nll_reduction", "kto_desirable_weight", "kto_undesirable_weight", "precompute_ref_log_probs"),
     "diffusion": None,
 }  # fmt: skip
+# Fields of an every-field section above that only shape what is reported: validation images come from
+# generators seeded for themselves (diffusion/sampling.py), so they never touch the training RNG.
+NOT_TRAJECTORY = {
+    "diffusion": {"validation_prompts", "validation_steps", "num_validation_images", "validation_inference_steps",
+                  "validation_guidance_scale"},
+}  # fmt: skip
 
 
 def check_resumable(path: Path, recipe_dict: dict) -> None:
@@ -129,7 +135,7 @@ def check_resumable(path: Path, recipe_dict: dict) -> None:
     changes = []
     for section, fields in TRAJECTORY.items():
         before, now = saved.get(section) or {}, recipe_dict.get(section) or {}
-        for name in fields or sorted(set(before) | set(now)):
+        for name in fields or sorted((set(before) | set(now)) - NOT_TRAJECTORY.get(section, set())):
             if before.get(name) != now.get(name):
                 changes.append(
                     f"{section}.{name}: {before.get(name)!r} in the checkpoint, {now.get(name)!r} now"

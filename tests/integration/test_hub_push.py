@@ -68,7 +68,10 @@ def test_push_at_the_end_and_every_save_without_leaking_the_token(tmp_path, hub_
     ):
         assert name in files, name
     for step in (2, 4):  # every_save pushed both, although save_total_limit 1 keeps only one locally
-        assert {f"checkpoints/step-{step}/{n}" for n in ("model.safetensors", "train_state.json")} <= files
+        # A LoRA checkpoint holds the trained tensors only, not the frozen base.
+        in_checkpoint = ("trainable_0.safetensors", "train_state.json", "checksums.json")
+        assert {f"checkpoints/step-{step}/{n}" for n in in_checkpoint} <= files
+        assert f"checkpoints/step-{step}/model.safetensors" not in files
     assert not (out / "checkpoints" / "step-2").exists()
     pushed = files - {".gitattributes"}  # created with the repo
     assert not any(f.startswith(("base_model/", ".")) or "/." in f for f in pushed), sorted(files)

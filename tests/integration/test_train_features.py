@@ -61,7 +61,10 @@ def steps(records: list[dict]) -> dict[int, dict]:
 
 
 def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    return load_file(checkpoint / "model.safetensors")
+    """The checkpoint's trained tensors: a LoRA checkpoint holds only those (trainable_0.safetensors),
+    a full fine-tune the whole model."""
+    trainable = checkpoint / "trainable_0.safetensors"
+    return load_file(trainable if trainable.is_file() else checkpoint / "model.safetensors")
 
 
 def same_weights(a: dict, b: dict) -> bool:

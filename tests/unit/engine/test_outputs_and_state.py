@@ -127,3 +127,38 @@ def test_weights_that_are_not_finite_are_never_written():
         check_finite_weights(run, "the final model")
     model.weight.requires_grad_(False)  # frozen tensors are not checked
     check_finite_weights(run, "the final model")
+
+
+def _resolved(tmp_path: Path, recipe: dict) -> Path:
+    import yaml
+
+    folder = tmp_path / "step-3"
+    folder.mkdir()
+    (folder / "recipe.resolved.yaml").write_text(yaml.safe_dump(recipe))
+    return folder
+
+
+def test_resume_refuses_trajectory_changes_and_names_each_one(tmp_path):
+    from finetune.engine.checkpoints import check_resumable
+
+    saved = {"train": {"lr": 1e-4, "max_steps": 8, "log_steps": 1}, "diffusion": {"snr_gamma": 5.0}}
+    folder = _resolved(tmp_path, saved)
+    now = {"train": {"lr": 2e-4, "max_steps": 8, "log_steps": 1}, "diffusion": {"snr_gamma": None}}
+    with pytest.raises(FinetuneError) as err:
+        check_resumable(folder, now)
+    assert "train.lr: 0.0001 in the checkpoint, 0.0002 now" in str(err.value)
+    assert "diffusion.snr_gamma: 5.0 in the checkpoint, None now" in str(err.value)
+
+
+def test_resume_allows_changes_to_what_is_only_reported(tmp_path):
+    from finetune.engine.checkpoints import check_resumable
+
+    saved = {
+        "train": {"lr": 1e-4, "log_steps": 1, "eval_steps": 2, "save_steps": 3},
+        "diffusion": {"snr_gamma": 5.0, "validation_prompts": ["a red square"], "validation_steps": 3},
+    }
+    now = {
+        "train": {"lr": 1e-4, "log_steps": 5, "eval_steps": None, "save_steps": 10},
+        "diffusion": {"snr_gamma": 5.0, "validation_prompts": [], "validation_steps": None},
+    }
+    check_resumable(_resolved(tmp_path, saved), now)  # no error

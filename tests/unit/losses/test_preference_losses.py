@@ -713,7 +713,12 @@ def test_packed_rows_give_the_padded_rows_loss_and_gradients(attn, loss):
         model, lambda: loss_fn(_layout_logps(model, pairs, True)).losses.mean()
     )
     torch.testing.assert_close(packed_loss, ref_loss, rtol=1e-5, atol=1e-6)
-    assert_grads_close(grads, ref_grads, rtol=1e-4, atol=1e-6)
+    # Summation order differs between layouts, so float32 noise scales with the gradient's size (IPO's
+    # squared loss is ~25 here and its embedding gradients reach ~8): atol is relative to the largest.
+    for name, ref in ref_grads.items():
+        atol = 1e-6 * max(1.0, ref.abs().max().item())
+        torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=atol, msg=name)
+    assert grads.keys() == ref_grads.keys()
 
 
 def test_packing_without_restarting_positions_would_differ():
