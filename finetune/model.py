@@ -9,9 +9,7 @@ import contextlib
 import importlib.util
 import json
 import logging
-import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,21 +18,13 @@ import torch
 from finetune.errors import FinetuneError
 from finetune.gguf import resolve_model_source, resolve_path
 from finetune.notices import warn
+from finetune.quiet import quiet_third_party
 from finetune.recipe import LoraSection, ModelSection
 
 logger = logging.getLogger(__name__)
 
-# Quiet, on purpose, two things printed before every run that say nothing a user can act on:
-# - bitsandbytes (which PEFT imports whether or not QLoRA is used) tries at import to fetch an
-#   optional faster CPU kernel from the Hub and warns when it cannot; its own kernel is used then.
-# - PEFT reads `model.is_gradient_checkpointing`, which transformers 5 has deprecated (a FutureWarning
-#   from inside PEFT; finetune itself calls activation_checkpointing_enable).
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-if not torch.cuda.is_available():
-    # DeepSpeed (imported by accelerate whenever it is installed, e.g. to unwrap a model on save) would
-    # detect the CPU itself and warn that it found no GPU: name it with DeepSpeed's own setting.
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+# Library users who import finetune.model directly get the same quiet output as the entry points.
+quiet_third_party(torch.cuda.is_available())
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

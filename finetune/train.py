@@ -6,7 +6,6 @@ script runs on one CPU, one GPU, DDP, FSDP2 and DeepSpeed; the accelerate config
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -20,17 +19,14 @@ from finetune.errors import FinetuneError
 
 def main(argv: list[str] | None = None) -> int:
     """Run one training job; 0 when done or stopped cleanly (with a checkpoint), 2 on a user error."""
-    import torch
+    from finetune.quiet import quiet_third_party
 
+    quiet_third_party()  # before the imports below pull in bitsandbytes, DeepSpeed and diffusers
     from finetune import engine
     from finetune.notices import warn
     from finetune.objectives import objective_for
     from finetune.recipe import load_recipe, recipe_to_dict, recipe_warnings
 
-    if not torch.cuda.is_available():
-        # DeepSpeed (imported by accelerate whenever it is installed) would detect the CPU itself and
-        # warn that it could not find a GPU; say so up front, with its own setting.
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)

@@ -39,10 +39,30 @@ def accelerate_cmd(recipe: Path, *overrides: str) -> list[str]:
     ]
 
 
+# Third-party notices finetune keeps out of what a run prints (finetune/quiet.py, issue 13's "quiet,
+# useful output"): every run through run() or cli() is checked for them.
+THIRD_PARTY_NOISE = (
+    "Failed to load CPU gemm_4bit_forward",  # bitsandbytes' optional Hub kernel
+    "requires torchvision (not installed)",  # transformers' image-processor fallback
+    "`is_gradient_checkpointing` is deprecated",  # transformers 5, read by PEFT
+    "Setting accelerator to CPU",  # DeepSpeed's device detection
+    "values were not passed",  # accelerate launch's defaults notice
+)
+
+
+def assert_quiet(output: str) -> None:
+    """No third-party notice from THIRD_PARTY_NOISE in `output`."""
+    found = [line for line in output.splitlines() if any(noise in line for noise in THIRD_PARTY_NOISE)]
+    assert not found, "third-party noise in the output:\n" + "\n".join(found[:5])
+
+
 def run(cmd: list[str], timeout: int = 600, *, unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """Run in the repository root with env(), minus the variables named in `unset`."""
+    """Run in the repository root with env(), minus the variables named in `unset`; the output must be
+    free of the third-party notices finetune silences (assert_quiet)."""
     variables = {k: v for k, v in env().items() if k not in unset}
-    return subprocess.run(cmd, cwd=REPO, env=variables, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(cmd, cwd=REPO, env=variables, capture_output=True, text=True, timeout=timeout)
+    assert_quiet(result.stdout + result.stderr)
+    return result
 
 
 def progress(output_dir: Path) -> list[dict]:

@@ -1,0 +1,57 @@
+"""Keep what a run prints to what the user needs: third-party notices that say nothing actionable.
+
+Called by the entry points (`finetune/train.py`, and `finetune` subcommands that load models) before
+they import the heavy libraries, so it covers every path (LLM, diffusion, eval, chat, merge). Each
+line below names what it silences and why it is safe to; nothing of finetune's own is silenced, and
+real errors from these libraries still show.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+# transformers' image-processor fallback: without torchvision it uses the PIL processor, which is what
+# diffusion pipelines here run on (there is no CPU build of torchvision to install on the machines we
+# support); the notice is printed whenever a pipeline loads.
+_TORCHVISION_FALLBACK = "requires torchvision (not installed); falling back to"
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *fragments: str) -> None:
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(fragment in message for fragment in self.fragments)
+
+
+def quiet_third_party(cuda_available: bool | None = None) -> None:
+    """Silence the third-party notices listed in this module; safe to call more than once.
+
+    >>> quiet_third_party(cuda_available=False)
+    >>> logging.getLogger("bitsandbytes.backends.cpu.ops").level == logging.ERROR
+    True
+    """
+    # bitsandbytes (which PEFT and diffusers import whether or not QLoRA is used) tries at import to
+    # fetch an optional faster CPU kernel from the Hub (`kernels`) and warns when it cannot; its own
+    # kernel is used then, with the same results.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    fallback = logging.getLogger("transformers.utils.import_utils")
+    if not any(isinstance(f, _DropMessages) for f in fallback.filters):
+        fallback.addFilter(_DropMessages(_TORCHVISION_FALLBACK))
+    # PEFT reads `model.is_gradient_checkpointing`, which transformers 5 deprecates (a FutureWarning
+    # from inside PEFT; finetune itself calls the non-deprecated activation-checkpointing API).
+    warnings.filterwarnings(
+        "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+    )
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    if not cuda_available:
+        # DeepSpeed (imported by accelerate whenever it is installed, e.g. to unwrap a model on save)
+        # would detect the CPU itself and warn that it found no GPU: name it with DeepSpeed's setting.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
