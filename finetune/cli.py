@@ -239,15 +239,28 @@ def run_eval(recipe, args: argparse.Namespace) -> int:
     from finetune.evaluation.report import evaluate_models, format_table, write_report
     from finetune.model import base_model_source, inference_device, load_for_inference, load_tokenizer
 
-    batches = _eval_batches(recipe)
-    if batches is None and not recipe.eval.generation_sets:
+    objective = recipe.train.objective
+    score = None
+    if objective == "sft":
+        batches = _eval_batches(recipe)
+    else:  # preference recipes: the held-out pairs scored as training scores them
+        from finetune.evaluation.preference import preference_scorer
+
+        batches, pairs = None, _preference_batches(recipe)
+        if pairs is not None:
+            score = preference_scorer(pairs, name=objective, train=recipe.train, device=inference_device())
+    if batches is None and score is None and not recipe.eval.generation_sets:
         raise FinetuneError(
             "nothing to evaluate: the recipe has no eval split (data.val_set_size or data.test_datasets) and "
             "no eval.generation_sets"
         )
     target = args.adapter or args.model
     models = {}
-    if target is None or not args.no_base:
+    # dpo, ipo and kto measure the tuned model against the base (its reference in training too).
+    needs_reference = score is not None and objective in ("dpo", "ipo", "kto")
+    if args.no_base and needs_reference and target is not None:
+        print(f"the base model is scored too: it is train.objective {objective}'s reference", file=sys.stderr)
+    if target is None or not args.no_base or needs_reference:
         base = base_model_source(recipe.model, adapter=args.adapter)
         models["base"] = lambda: _on_device(
             load_for_inference(base, tokenizer=load_tokenizer(recipe.model)), inference_device()
@@ -262,6 +275,7 @@ def run_eval(recipe, args: argparse.Namespace) -> int:
         batch_size=recipe.eval.batch_size,
         progress=not args.no_progress,
         say=lambda text: print(text, file=sys.stderr),
+        score=score,
     )
     output = Path(args.output) if args.output else Path(target or recipe.train.output_dir) / "eval.json"
     write_report(
@@ -275,6 +289,42 @@ def run_eval(recipe, args: argparse.Namespace) -> int:
 def _on_device(loaded, device):
     model, tokenizer = loaded
     return model.to(device), tokenizer
+
+
+def _preference_batches(recipe):
+    """A function tokenizer -> batches of the prepared held-out pairs (kto: examples), in order, as the
+    training's evaluation makes them; None without an eval split."""
+    from functools import partial
+
+    from finetune.data.collate import collate_preference
+    from finetune.data.loader import make_dataloader
+    from finetune.data.prepare import prepare
+    from finetune.model import pad_token_id
+    from finetune.objectives.preference import COLUMNS
+
+    if not (recipe.data.val_set_size or recipe.data.test_datasets):
+        return None
+    prepared = prepare(recipe, log=lambda text: print(text, file=sys.stderr))
+    if prepared.eval is None or len(prepared.eval) == 0:
+        return None
+
+    def batches(tokenizer):
+        pad_id = pad_token_id(tokenizer)
+        return make_dataloader(
+            prepared.eval,
+            micro_batch_size=max(recipe.train.micro_batch_size, 1),
+            seed=recipe.train.seed,
+            pad_id=pad_id,
+            packed=True,
+            shuffle=False,
+            drop_last=False,
+            columns=COLUMNS,
+            collate=partial(
+                collate_preference, pad_token_id=pad_id, pad_to_multiple_of=recipe.data.pad_to_multiple_of
+            ),
+        )
+
+    return batches
 
 
 def _eval_batches(recipe):

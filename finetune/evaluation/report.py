@@ -94,9 +94,11 @@ def evaluate_models(
     batch_size: int,
     progress: bool = True,
     say: Callable[[str], None] = print,
+    score: Callable[[str, Any, Any], dict[str, Any]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Evaluate each model (loaded one at a time by its loader, then freed): eval loss on the eval
-    split when `eval_batches(tokenizer)` gives batches, and every generation set."""
+    split when `eval_batches(tokenizer)` gives batches, `score(name, model, tokenizer)`'s results
+    (preference recipes: the held-out pairs), and every generation set."""
     rows = {s.name: load_generation_rows(s) for s in sets}
     results: dict[str, dict[str, Any]] = {}
     for name, load in models.items():
@@ -105,6 +107,8 @@ def evaluate_models(
         result: dict[str, Any] = {}
         if eval_batches is not None:
             result.update(token_loss(model, eval_batches(tokenizer)))
+        if score is not None:
+            result.update(score(name, model, tokenizer))
         result["generation"] = score_generation_sets(
             model, tokenizer, sets, rows, batch_size=batch_size, progress=progress
         )
@@ -119,6 +123,21 @@ def write_report(results: dict[str, dict[str, Any]], path: Path, **context: Any)
     path.write_text(json.dumps({**context, "results": results}, indent=2, default=str) + "\n")
 
 
+# Preference recipes: the held-out pairs' metrics (finetune.evaluation.preference), named as training
+# logs them in progress.jsonl, in this order.
+PREFERENCE_ROWS = (
+    "eval_loss",
+    "eval_rewards/accuracies",
+    "eval_rewards/margins",
+    "eval_rewards/chosen",
+    "eval_rewards/rejected",
+    "eval_logps/chosen",
+    "eval_logps/rejected",
+    "eval_preferred",
+    "eval_kl",
+)
+
+
 def format_table(results: dict[str, dict[str, Any]], *, samples: int = 2, width: int = 100) -> str:
     """Metrics as rows and models as columns, then sample answers of each model side by side."""
     names = list(results)
@@ -127,6 +146,14 @@ def format_table(results: dict[str, dict[str, Any]], *, samples: int = 2, width:
     for key in ("eval_loss", "eval_ppl"):
         if key in first:
             rows.append((key, [f"{results[n][key]:.4f}" for n in names]))
+    if "preference" in first:
+        for unit in ("eval_pairs", "eval_examples"):
+            if unit in first["preference"]:
+                counts = [str(results[n]["preference"][unit]) for n in names]
+                rows.append((f"held-out {unit.removeprefix('eval_')}", counts))
+        for key in PREFERENCE_ROWS:
+            if key in first["preference"]:
+                rows.append((key, [f"{results[n]['preference'][key]:.4f}" for n in names]))
     for set_name, summary in first["generation"].items():
         if summary["metric"] != "none":
             rows.append(

@@ -247,56 +247,20 @@ class PreferenceObjective:
 
     def _losses(self, model, batch: dict, *, split: str) -> tuple[losses.PreferenceLoss, torch.Tensor | None]:
         """The micro-batch's per-pair (kto: per-example) losses, and kto's reference point."""
-        train = self.train
         sums, counts, nll = self._policy_logps(model, batch)
-        if self.name == "simpo":
-            return losses.simpo_loss(
-                sums[0::2], sums[1::2], counts[0::2], counts[1::2],
-                beta=train.beta, gamma=train.simpo_gamma, label_smoothing=train.label_smoothing,
-            ), None  # fmt: skip
-        if self.name == "orpo":
-            nll_sums, nll_counts = nll if nll is not None else (sums[0::2], counts[0::2])
-            return losses.orpo_loss(
-                sums[0::2], sums[1::2], counts[0::2], counts[1::2], nll_sums, nll_counts,
-                beta=train.beta, nll_reduction=train.orpo_nll_reduction,
-            ), None  # fmt: skip
-        ref, ref_kl = self._reference(model, batch, split)
-        if self.name == "kto":
-            z0 = self._kto_reference_point(model, batch, ref_kl)
-            out = losses.kto_loss(
-                sums, ref, batch["desirable"], z0,
-                beta=train.beta, desirable_weight=train.kto_desirable_weight,
-                undesirable_weight=train.kto_undesirable_weight,
-            )  # fmt: skip
-            return out, z0
-        if self.name == "ipo":
-            return losses.ipo_loss(
-                sums[0::2], sums[1::2], ref[0::2], ref[1::2], counts[0::2], counts[1::2], beta=train.beta
-            ), None
-        return losses.dpo_loss(
-            sums[0::2], sums[1::2], ref[0::2], ref[1::2],
-            beta=train.beta, label_smoothing=train.label_smoothing, smoothing=train.dpo_smoothing,
-        ), None  # fmt: skip
+        ref = z0 = None
+        if self.name in WITH_REFERENCE:
+            ref, ref_kl = self._reference(model, batch, split)
+            if self.name == "kto":
+                z0 = self._kto_reference_point(model, batch, ref_kl)
+        out = objective_losses(
+            self.name, self.train, sums, counts, nll, ref=ref, z0=z0, desirable=batch.get("desirable")
+        )
+        return out, z0
 
     def _policy_logps(self, model, batch: dict):
-        """(per-sequence completion log-prob sums, their token counts, ORPO's batch NLL sums and counts
-        over every token of the chosen sequences, or None)."""
-        labels, position_ids = batch["labels"], batch["position_ids"]
-        num_sequences = self._sequences_per_row(batch)
-        logits = forward(model, _model_inputs(batch)).logits
-        orpo_batch_nll = self.name == "orpo" and self.train.orpo_nll_reduction == "batch"
-        if orpo_batch_nll:  # TRL's NLL term scores the prompt too: one log-prob per real token
-            real = _real_tokens(position_ids, num_sequences)
-            token_logps = losses.token_logps(logits, batch["input_ids"].masked_fill(~real, -100))
-        else:
-            token_logps = losses.token_logps(logits, labels)
-        total = int(num_sequences.sum())  # sync point (sequence_sums has one anyway)
-        sums, counts = losses.sequence_sums(token_logps, labels != -100, position_ids, num_sequences=total)
-        nll = None
-        if orpo_batch_nll:
-            all_sums, all_counts = losses.sequence_sums(token_logps, real, position_ids, num_sequences=total)
-            nll = (all_sums[0::2], all_counts[0::2])
-        return sums, counts, nll
+        """(per-sequence completion log-prob sums, their token counts, ORPO's batch NLL or None)."""
+        return policy_logps(model, batch, name=self.name, train=self.train)
 
     def _sequences_per_row(self, batch: dict) -> torch.Tensor:
         return batch["num_units"] * (2 if self.paired else 1)
@@ -346,27 +310,7 @@ class PreferenceObjective:
     # --------------------------------------------------------------------------------- metrics
 
     def _unit_values(self, out: losses.PreferenceLoss, batch: dict, z0: torch.Tensor | None) -> dict:
-        """Per-unit values whose sums the engine averages (over units, or over a `count:` sum)."""
-        if self.paired:
-            chosen, rejected = out.chosen_rewards, out.rejected_rewards
-            return {
-                "rewards/chosen": chosen,
-                "rewards/rejected": rejected,
-                "rewards/accuracies": (chosen > rejected).float(),
-                "rewards/margins": chosen - rejected,
-                "logps/chosen": out.chosen_logps,
-                "logps/rejected": out.rejected_logps,
-            }
-        desirable = batch["desirable"]
-        values = {"kl": z0.expand(len(desirable))}
-        for side, mask, rewards, logps in (
-            ("chosen", desirable, out.chosen_rewards, out.chosen_logps),
-            ("rejected", ~desirable, out.rejected_rewards, out.rejected_logps),
-        ):
-            for name, picked in ((f"rewards/{side}", rewards), (f"logps/{side}", logps)):
-                values[name] = torch.zeros(len(mask), device=mask.device).masked_scatter(mask, picked.float())
-                values[f"count:{name}"] = mask.float()
-        return values
+        return unit_values(out, batch.get("desirable"), z0, paired=self.paired)
 
     def counts(self, batch: dict) -> dict[str, float]:
         from finetune.data.loader import seq_stats
@@ -449,18 +393,7 @@ class PreferenceObjective:
         return metrics
 
     def _eval_means(self, sums: dict[str, float]) -> dict[str, float]:
-        units = sums.pop("units")
-        out = {}
-        for name, total in sums.items():
-            if name.startswith("count:"):
-                continue
-            count = sums.get(f"count:{name}", units)
-            if count > 0:
-                out[f"eval_{name}"] = total / count
-        if not self.paired and "eval_rewards/chosen" in out and "eval_rewards/rejected" in out:
-            out["eval_rewards/margins"] = out["eval_rewards/chosen"] - out["eval_rewards/rejected"]
-        out[f"eval_{self.unit}"] = int(units)
-        return out
+        return eval_means(sums, paired=self.paired, unit=self.unit)
 
     # ------------------------------------------------------------------------------------ save
 
@@ -481,6 +414,123 @@ class PreferenceObjective:
             card={"recipe": recipe_to_dict(self.recipe), "manifest": self.manifest, "metrics": card_metrics},
         )
         return []
+
+
+# ------------------------------------------------------------------ the arithmetic, shared with eval
+# Module functions so that `finetune eval` (finetune.evaluation.preference) scores held-out pairs with
+# exactly the numbers training logs.
+
+
+def policy_logps(model, batch: dict, *, name: str, train) -> tuple:
+    """A forward of `model` on a packed batch: (per-sequence completion log-prob sums, their token
+    counts, ORPO's batch-NLL sums and counts over every token of the chosen sequences, or None)."""
+    labels, position_ids = batch["labels"], batch["position_ids"]
+    num_sequences = batch["num_units"] * (2 if name in PAIRED else 1)
+    logits = forward(model, _model_inputs(batch)).logits
+    orpo_batch_nll = name == "orpo" and train.orpo_nll_reduction == "batch"
+    if orpo_batch_nll:  # TRL's NLL term scores the prompt too: one log-prob per real token
+        real = _real_tokens(position_ids, num_sequences)
+        token_logps = losses.token_logps(logits, batch["input_ids"].masked_fill(~real, -100))
+    else:
+        token_logps = losses.token_logps(logits, labels)
+    total = int(num_sequences.sum())  # sync point (sequence_sums has one anyway)
+    sums, counts = losses.sequence_sums(token_logps, labels != -100, position_ids, num_sequences=total)
+    nll = None
+    if orpo_batch_nll:
+        all_sums, all_counts = losses.sequence_sums(token_logps, real, position_ids, num_sequences=total)
+        nll = (all_sums[0::2], all_counts[0::2])
+    return sums, counts, nll
+
+
+def completion_logps(model, batch: dict, *, paired: bool, kl: bool = False) -> torch.Tensor:
+    """Per-sequence completion log-prob sums of a packed batch (kto's KL rows with `kl`), no gradient
+    taken here: the caller decides (a reference pass wraps it in no_grad)."""
+    inputs = _kl_inputs(batch) if kl else batch
+    logits = forward(model, _model_inputs(inputs)).logits
+    num_sequences = int(batch["num_units"].sum()) * (2 if paired and not kl else 1)
+    return _completion_sums(logits, inputs, num_sequences)
+
+
+def objective_losses(
+    name: str,
+    train,
+    sums: torch.Tensor,
+    counts: torch.Tensor,
+    nll: tuple | None,
+    *,
+    ref: torch.Tensor | None = None,
+    z0: torch.Tensor | None = None,
+    desirable: torch.Tensor | None = None,
+) -> losses.PreferenceLoss:
+    """The objective's per-pair (kto: per-example) losses from per-sequence log-prob sums (pairs
+    interleaved chosen, rejected), the reference's sums `ref` (dpo, ipo, kto) and kto's `z0`."""
+    if name == "simpo":
+        return losses.simpo_loss(
+            sums[0::2], sums[1::2], counts[0::2], counts[1::2],
+            beta=train.beta, gamma=train.simpo_gamma, label_smoothing=train.label_smoothing,
+        )  # fmt: skip
+    if name == "orpo":
+        nll_sums, nll_counts = nll if nll is not None else (sums[0::2], counts[0::2])
+        return losses.orpo_loss(
+            sums[0::2], sums[1::2], counts[0::2], counts[1::2], nll_sums, nll_counts,
+            beta=train.beta, nll_reduction=train.orpo_nll_reduction,
+        )  # fmt: skip
+    if name == "kto":
+        return losses.kto_loss(
+            sums, ref, desirable, z0,
+            beta=train.beta, desirable_weight=train.kto_desirable_weight,
+            undesirable_weight=train.kto_undesirable_weight,
+        )  # fmt: skip
+    if name == "ipo":
+        return losses.ipo_loss(
+            sums[0::2], sums[1::2], ref[0::2], ref[1::2], counts[0::2], counts[1::2], beta=train.beta
+        )
+    return losses.dpo_loss(
+        sums[0::2], sums[1::2], ref[0::2], ref[1::2],
+        beta=train.beta, label_smoothing=train.label_smoothing, smoothing=train.dpo_smoothing,
+    )  # fmt: skip
+
+
+def unit_values(
+    out: losses.PreferenceLoss, desirable: torch.Tensor | None, z0: torch.Tensor | None, *, paired: bool
+) -> dict[str, torch.Tensor]:
+    """Per-unit values whose sums are averaged (over units, or over a `count:` sum)."""
+    if paired:
+        chosen, rejected = out.chosen_rewards, out.rejected_rewards
+        return {
+            "rewards/chosen": chosen,
+            "rewards/rejected": rejected,
+            "rewards/accuracies": (chosen > rejected).float(),
+            "rewards/margins": chosen - rejected,
+            "logps/chosen": out.chosen_logps,
+            "logps/rejected": out.rejected_logps,
+        }
+    values = {"kl": z0.expand(len(desirable))}
+    for side, mask, rewards, logps in (
+        ("chosen", desirable, out.chosen_rewards, out.chosen_logps),
+        ("rejected", ~desirable, out.rejected_rewards, out.rejected_logps),
+    ):
+        for name, picked in ((f"rewards/{side}", rewards), (f"logps/{side}", logps)):
+            values[name] = torch.zeros(len(mask), device=mask.device).masked_scatter(mask, picked.float())
+            values[f"count:{name}"] = mask.float()
+    return values
+
+
+def eval_means(sums: dict[str, float], *, paired: bool, unit: str) -> dict[str, float]:
+    """eval_<name> means from sums over units (`units`) or over their own `count:<name>`."""
+    sums = dict(sums)
+    units = sums.pop("units")
+    out = {}
+    for name, total in sums.items():
+        if name.startswith("count:"):
+            continue
+        count = sums.get(f"count:{name}", units)
+        if count > 0:
+            out[f"eval_{name}"] = total / count
+    if not paired and "eval_rewards/chosen" in out and "eval_rewards/rejected" in out:
+        out["eval_rewards/margins"] = out["eval_rewards/chosen"] - out["eval_rewards/rejected"]
+    out[f"eval_{unit}"] = int(units)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,23 @@ def test_dpo_prepares_trains_evaluates_and_saves(tmp_path, prepared):
     card = (out / "README.md").read_text()
     assert "| objective | dpo |" in card and "eval_rewards/accuracies" in card
 
+    # finetune eval scores the held-out pairs as training does: the base is step 0, the adapter the end.
+    shown = finetune("eval", out, prepared, "--adapter", str(out), "--no-progress")
+    results = json.loads((out / "eval.json").read_text())["results"]
+    assert_same_metrics(results["base"]["preference"], baseline)
+    assert_same_metrics(results["tuned"]["preference"], evals[-1])
+    assert 0.0 <= results["tuned"]["preference"]["eval_preferred"] <= 1.0
+    table = shown.stdout
+    assert "eval_rewards/accuracies" in table and "held-out pairs" in table and "tuned" in table
+
+
+def assert_same_metrics(scored: dict, logged: dict) -> None:
+    """`finetune eval`'s metrics equal the eval_ record training logged (LoRA merged for eval: 1e-5)."""
+    keys = [k for k in logged if k.startswith("eval_")]
+    assert keys and set(keys) <= set(scored), sorted(set(keys) - set(scored))
+    for key in keys:
+        assert scored[key] == pytest.approx(logged[key], rel=1e-4, abs=1e-5), key
+
 
 def test_kto_trains_with_its_kl_reference_point(tmp_path, prepared):
     out = tmp_path / "kto"
@@ -87,6 +105,11 @@ def test_kto_trains_with_its_kl_reference_point(tmp_path, prepared):
         assert all(key in r for r in steps), key
     assert {"eval_kl", "eval_rewards/margins", "eval_examples"} <= set(evals[0])
     assert "rewards/accuracies" not in steps[0]  # unpaired: no accuracy
+    # finetune eval gives the same KTO metrics (per-batch KL reference point included).
+    finetune("eval", out, prepared, *kto, "--adapter", str(out), "--no-progress", "--no-base")
+    results = json.loads((out / "eval.json").read_text())["results"]
+    assert set(results) == {"base", "tuned"}  # the base is kto's reference: scored even with --no-base
+    assert_same_metrics(results["tuned"]["preference"], evals[-1])
 
 
 def test_two_process_ddp_matches_one_process_and_resumes_exactly(tmp_path, prepared):
