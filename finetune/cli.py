@@ -246,7 +246,7 @@ def run_eval(recipe, args: argparse.Namespace) -> int:
     else:  # preference recipes: the held-out pairs scored as training scores them
         from finetune.evaluation.preference import preference_scorer
 
-        batches, pairs = None, _preference_batches(recipe)
+        batches, pairs = None, _eval_batches(recipe, pairs=True)
         if pairs is not None:
             score = preference_scorer(pairs, name=objective, train=recipe.train, device=inference_device())
     if batches is None and score is None and not recipe.eval.generation_sets:
@@ -291,9 +291,10 @@ def _on_device(loaded, device):
     return model.to(device), tokenizer
 
 
-def _preference_batches(recipe):
-    """A function tokenizer -> batches of the prepared held-out pairs (kto: examples), in order, as the
-    training's evaluation makes them; None without an eval split."""
+def _eval_batches(recipe, *, pairs: bool = False):
+    """A function tokenizer -> batches of the recipe's prepared eval split, in order, as training's
+    evaluation makes them (`pairs`: preference pairs or kto examples, collated with their units);
+    None without an eval split."""
     from functools import partial
 
     from finetune.data.collate import collate_preference
@@ -307,48 +308,25 @@ def _preference_batches(recipe):
     prepared = prepare(recipe, log=lambda text: print(text, file=sys.stderr))
     if prepared.eval is None or len(prepared.eval) == 0:
         return None
+    data = recipe.data
 
     def batches(tokenizer):
         pad_id = pad_token_id(tokenizer)
+        options: dict = {"packed": data.eval_sample_packing}
+        if pairs:  # pairs are always packed (one pair per row without sample_packing)
+            collate = partial(
+                collate_preference, pad_token_id=pad_id, pad_to_multiple_of=data.pad_to_multiple_of
+            )
+            options = {"packed": True, "columns": COLUMNS, "collate": collate}
         return make_dataloader(
             prepared.eval,
             micro_batch_size=max(recipe.train.micro_batch_size, 1),
             seed=recipe.train.seed,
             pad_id=pad_id,
-            packed=True,
             shuffle=False,
             drop_last=False,
-            columns=COLUMNS,
-            collate=partial(
-                collate_preference, pad_token_id=pad_id, pad_to_multiple_of=recipe.data.pad_to_multiple_of
-            ),
-        )
-
-    return batches
-
-
-def _eval_batches(recipe):
-    """A function tokenizer -> batches of the recipe's prepared eval split, or None without one."""
-    from finetune.data.loader import make_dataloader
-    from finetune.data.prepare import prepare
-    from finetune.model import pad_token_id
-
-    if not (recipe.data.val_set_size or recipe.data.test_datasets):
-        return None
-    prepared = prepare(recipe, log=lambda text: print(text, file=sys.stderr))
-    if prepared.eval is None or len(prepared.eval) == 0:
-        return None
-
-    def batches(tokenizer):
-        return make_dataloader(
-            prepared.eval,
-            micro_batch_size=max(recipe.train.micro_batch_size, 1),
-            seed=recipe.train.seed,
-            pad_id=pad_token_id(tokenizer),
-            packed=recipe.data.eval_sample_packing,
-            shuffle=False,
-            drop_last=False,
-            pad_to_multiple_of=recipe.data.pad_to_multiple_of,
+            pad_to_multiple_of=data.pad_to_multiple_of,
+            **options,
         )
 
     return batches

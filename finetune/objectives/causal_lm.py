@@ -106,22 +106,8 @@ class CausalLMObjective:
         return size
 
     def _loader(self, dataset, pad_id: int, *, packed: bool, training: bool):
-        acc, data = self.accelerator, self.data
-        return make_dataloader(
-            dataset,
-            micro_batch_size=self.train.micro_batch_size,
-            seed=self.train.seed,
-            pad_id=pad_id,
-            packed=packed,
-            # data.shuffle_merged_datasets: false keeps the prepared order in training too.
-            shuffle=training and data.shuffle_merged_datasets,
-            drop_last=data.dataloader_drop_last if training else False,
-            pad_to_multiple_of=data.pad_to_multiple_of,
-            num_workers=data.dataloader_num_workers,
-            prefetch_factor=data.dataloader_prefetch_factor,
-            pin_memory=data.dataloader_pin_memory,
-            num_replicas=acc.num_processes if training else None,
-            rank=acc.process_index,
+        return make_loader(
+            self.accelerator, self.data, self.train, dataset, pad_id, packed=packed, training=training
         )
 
     def on_prepared(self, accelerator, model) -> None:
@@ -272,6 +258,29 @@ def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, 
     trainable, total = count_parameters(model)
     accelerator.print(f"parameters: {trainable:,} trainable / {total:,} total")
     return model, {"num_params": total, "num_trainable": trainable}
+
+
+def make_loader(accelerator, data, train, dataset, pad_id: int, *, packed: bool, training: bool, **options):
+    """The loader of a causal-LM objective's prepared rows (SFT and preference): the recipe's loader
+    settings; in training this rank's share in a shuffled order (unless data.shuffle_merged_datasets
+    is false, which keeps the prepared order), in evaluation every row in order. `options` go to
+    make_dataloader (preference rows bring their columns and collation)."""
+    return make_dataloader(
+        dataset,
+        micro_batch_size=train.micro_batch_size,
+        seed=train.seed,
+        pad_id=pad_id,
+        packed=packed,
+        shuffle=training and data.shuffle_merged_datasets,
+        drop_last=data.dataloader_drop_last if training else False,
+        pad_to_multiple_of=data.pad_to_multiple_of,
+        num_workers=data.dataloader_num_workers,
+        prefetch_factor=data.dataloader_prefetch_factor,
+        pin_memory=data.dataloader_pin_memory,
+        num_replicas=accelerator.num_processes if training else None,
+        rank=accelerator.process_index,
+        **options,
+    )
 
 
 def checkpoint_trainable_only(accelerator) -> None:

@@ -41,6 +41,7 @@ from finetune.objectives.causal_lm import (
     checkpoint_trainable_only,
     generation_metrics,
     generation_rows,
+    make_loader,
     save_lm,
     throughput_fields,
 )
@@ -162,30 +163,16 @@ class PreferenceObjective:
 
     def _loader(self, rows, *, training: bool):
         from finetune.data.collate import collate_preference
-        from finetune.data.loader import make_dataloader
         from finetune.model import pad_token_id
 
-        acc, data = self.accelerator, self.data
         pad_id = pad_token_id(self.tokenizer)
-        return make_dataloader(
-            rows,
-            micro_batch_size=self.train.micro_batch_size,
-            seed=self.train.seed,
-            pad_id=pad_id,
-            packed=True,
-            # data.shuffle_merged_datasets: false keeps the prepared order in training too.
-            shuffle=training and data.shuffle_merged_datasets,
-            drop_last=data.dataloader_drop_last if training else False,
-            num_workers=data.dataloader_num_workers,
-            prefetch_factor=data.dataloader_prefetch_factor,
-            pin_memory=data.dataloader_pin_memory,
-            num_replicas=acc.num_processes if training else None,
-            rank=acc.process_index,
-            columns=COLUMNS,
-            collate=partial(
-                collate_preference, pad_token_id=pad_id, pad_to_multiple_of=data.pad_to_multiple_of
-            ),
+        collate = partial(
+            collate_preference, pad_token_id=pad_id, pad_to_multiple_of=self.data.pad_to_multiple_of
         )
+        return make_loader(
+            self.accelerator, self.data, self.train, rows, pad_id,
+            packed=True, training=training, columns=COLUMNS, collate=collate,
+        )  # fmt: skip
 
     def on_prepared(self, accelerator, model) -> None:
         """The model's config for FLOPs, the eval loader sharded, the frozen reference on the device,
