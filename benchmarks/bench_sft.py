@@ -164,6 +164,9 @@ def run_finetune(args, mode: str, work: Path, data: Path) -> dict:
         "peak_mem_gib": max((r.get("peak_mem_gib") or 0) for r in steps) or None,
         "host_rss_gib": max(r["host_rss_gib"] for r in steps),
         "final_loss": steps[-1]["loss"],
+        # The two tools draw rows in different orders, so one step's loss says little; the mean over
+        # every step is the check that both train the same objective on the same data.
+        "mean_loss": statistics.mean(r["loss"] for r in steps),
         "wall_s": wall,
     }
 
@@ -282,6 +285,7 @@ def trl_child(args) -> None:
                 "final_loss": trainer.state.log_history[-2].get("loss")
                 if len(trainer.state.log_history) > 1
                 else None,
+                "mean_loss": statistics.mean(h["loss"] for h in trainer.state.log_history if "loss" in h),
             }
         )
     )
@@ -420,14 +424,16 @@ def main() -> None:
         f"accumulation {args.grad_accum}, {args.steps} steps ({args.warmup} warm-up), {args.precision}, "
         f"{args.attn}, gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}; {machine()}\n"
     )
-    print("| mode | tool | tokens/s | MFU | peak GPU GiB | host RSS GiB | final loss | wall s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| mode | tool | tokens/s | MFU | peak GPU GiB | host RSS GiB | final loss | mean loss | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] else "-"
         loss = f"{r['final_loss']:.3f}" if r.get("final_loss") is not None else "-"
+        mean_loss = f"{r['mean_loss']:.3f}" if r.get("mean_loss") is not None else "-"
         print(
-            f"| {r['mode']} | {r['tool']} | {r['tokens_per_sec']:,.0f} | {mfu} | {mem} | {r['host_rss_gib']:.1f} | {loss} | {r['wall_s']:.0f} |"
+            f"| {r['mode']} | {r['tool']} | {r['tokens_per_sec']:,.0f} | {mfu} | {mem} | {r['host_rss_gib']:.1f} "
+            f"| {loss} | {mean_loss} | {r['wall_s']:.0f} |"
         )
     for mode in args.modes:
         by_tool = {r["tool"]: r for r in results if r["mode"] == mode}
