@@ -368,6 +368,13 @@ def _losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r.get("event") is None and "loss" in r}
 
 
+def _logged_steps(out: Path) -> list[int]:
+    """Every step record of progress.jsonl, repeats included (a resume must not log a step twice)."""
+    path = out / "progress.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return [r["step"] for r in records if r.get("event") is None and "loss" in r]
+
+
 def _reference(root: Path) -> dict[int, float]:
     """One uninterrupted run: the losses every resumed trial must reproduce."""
     folder = root / "reference"
@@ -384,13 +391,21 @@ def _classify_resume(reference: dict[int, float], *, skipped: str = "") -> Calla
             return "traceback", _last_line(proc.stderr)
         if proc.returncode != 0:
             return "unexpected", f"exit code {proc.returncode}: {_last_line(proc.stderr)}"
-        said = [ln for ln in output.splitlines() if ln.startswith(("warning: resume", "resumed from"))]
+        said = [
+            ln for ln in output.splitlines() if ln.startswith(("killed:", "warning: resume", "resumed from"))
+        ]
         if skipped and not any(skipped in ln for ln in said):
             return "unexpected", f"did not say why it skipped {skipped}: {said}"
         losses = _losses(trial.cwd / "out")
         wrong = [s for s, v in reference.items() if abs(losses.get(s, float("nan")) - v) > 1e-6]
         if wrong:
             return "unexpected", f"losses differ at steps {wrong[:5]}"
+        logged = _logged_steps(trial.cwd / "out")
+        if sorted(logged) != sorted(reference):
+            return (
+                "unexpected",
+                f"the progress log holds steps {logged}, not each of 1..{max(reference)} once",
+            )
         return "recovered", "; ".join(said)[:220]
 
     return classify
@@ -470,7 +485,9 @@ def sigkill_trials(root: Path, count: int = 20, seed: int = 0) -> list[Trial]:
         folder = root / "sigkill" / f"trial-{k:02d}"
         folder.mkdir(parents=True)
         kill_after = round(rng.uniform(0.05, 0.95), 3)  # fraction of the way through the 12 steps
-        delay = round(rng.uniform(0.0, 0.5), 3)  # then anywhere inside the next step or its checkpoint
+        # Then a fraction of one step's duration (measured in the child): the kill lands anywhere inside
+        # the next step or its checkpoint, never after the run has ended.
+        delay = round(rng.uniform(0.0, 1.0), 3)
         command = [
             sys.executable,
             __file__,
@@ -485,7 +502,7 @@ def sigkill_trials(root: Path, count: int = 20, seed: int = 0) -> list[Trial]:
         trials.append(
             Trial(
                 "sigkill",
-                f"kill at {kill_after:.0%} of the steps",
+                f"kill after step {max(1, int(kill_after * TRAIN_STEPS))} + {delay:.0%} of a step",
                 command,
                 folder,
                 "recovered",
@@ -496,8 +513,9 @@ def sigkill_trials(root: Path, count: int = 20, seed: int = 0) -> list[Trial]:
 
 
 def sigkill_child(folder: Path, at: float, delay: float) -> int:
-    """Start the run, SIGKILL its process group once `at` of the steps are logged (any moment: mid-step,
-    mid-checkpoint), then resume it to the end; the parent compares the losses."""
+    """Start the run, SIGKILL its process group `delay` (a fraction of the mean step time so far) after
+    `at` of the steps are logged (any moment: mid-step, mid-checkpoint), then resume it to the end; the
+    parent compares the losses."""
     import signal
 
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
@@ -510,15 +528,21 @@ def sigkill_child(folder: Path, at: float, delay: float) -> int:
         start_new_session=True,
     )
     deadline = time.monotonic() + TIMEOUT_S
-    while (
-        time.monotonic() < deadline
-        and proc.poll() is None
-        and max(_losses(folder / "out"), default=0) < target
-    ):
-        time.sleep(0.01)
-    time.sleep(delay)  # land anywhere inside the next step, or its checkpoint
+    first_step_at = None  # when step 1 was logged
+    logged = 0
+    while time.monotonic() < deadline and proc.poll() is None and logged < target:
+        time.sleep(0.005)
+        logged = max(_losses(folder / "out"), default=0)
+        if logged and first_step_at is None:
+            first_step_at = time.monotonic()
+    step_s = (time.monotonic() - first_step_at) / max(1, logged - 1) if first_step_at and logged > 1 else 0.05
+    time.sleep(delay * step_s)  # land anywhere inside the next step, or its checkpoint
+    if proc.poll() is not None:
+        print(f"not killed: the run ended (exit {proc.returncode}) before the kill", file=sys.stderr)
+        return 3
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    print(f"killed: {max(_losses(folder / 'out'), default=0)} steps logged", file=sys.stderr, flush=True)
     resumed = subprocess.run(
         _train_command(folder, "--train.load_checkpoint_path", "auto"),
         env=env,
@@ -556,11 +580,22 @@ def report(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+KINDS_TEXT = """\
+- data: each damaged file through `finetune prepare-dataset` with `data.on_bad_row: raise` and `skip`.
+- checkpoint: a finished 12-step LoRA run (dropout on, so the RNG state matters) has its newest
+  checkpoint damaged, then resumes: with `load_checkpoint_path: auto` it must skip that checkpoint, say
+  why, and log exactly the uninterrupted run's losses from the checkpoint before (1e-6); with the
+  damaged checkpoint's path it must stop with a clear error naming the file.
+- sigkill: the same run SIGKILLed (whole process group) after a random step plus a random fraction of
+  one step, so inside a step or a checkpoint write, then resumed with `auto`: every logged loss must
+  equal the uninterrupted run's (1e-6), and the progress log must hold each step once."""
+
+
 def write_results(text: str, command: str, seconds: float) -> None:
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     section = (
         f"{SECTION_START}\n## Fault trials\n\n`{command}` ({machine}; {seconds:.0f} s). Damaged inputs through "
-        f"the real CLI; the traceback column must be 0.\n\n{text}\n{SECTION_END}"
+        f"the real CLI; the traceback column must be 0.\n\n{KINDS_TEXT}\n\n{text}\n{SECTION_END}"
     )
     current = RESULTS.read_text(encoding="utf-8") if RESULTS.exists() else "# Benchmark results\n"
     if SECTION_START in current and SECTION_END in current:

@@ -289,6 +289,8 @@ def _load_damaged(
         raise DataError(f"{label}: {e}") from e
     bad = [b for found in scans for b in found.bad]
     if not bad:
+        if len(files) > 1 and type(_innermost(error)).__name__ == "CastError":
+            raise DataError(_columns_differ(files, builder, entry, label, kwargs)) from error
         raise DataError(_could_not_load(entry, label, error))
     if on_bad_row == "raise":
         raise DataError(f"{label}: {damage.describe(bad)}")
@@ -386,14 +388,43 @@ def _select_split(ds: datasets.Dataset, spec: str, split: str) -> datasets.Datas
     return ds.select(np.concatenate([np.arange(p.from_, p.to) for p in parts]))
 
 
+def _columns_differ(files: list[str], builder: str, entry: Any, label: str, kwargs: dict[str, Any]) -> str:
+    """The files of one entry load as one table, so they must have the same columns: say which differ."""
+    extra = {k: kwargs[k] for k in ("sep",) if kwargs.get(k)}
+    columns: dict[str, list[str]] = {}
+    for f in files:
+        try:  # each file alone (only on this error path)
+            columns[f] = datasets.load_dataset(builder, data_files=f, split="train", **extra).column_names
+        except Exception as e:
+            columns[f] = [f"<unreadable: {_root_cause(e)}>"]
+    common = Path(os.path.commonpath(files)) if len(files) > 1 else Path(files[0]).parent
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for f, cols in columns.items():
+        groups.setdefault(tuple(cols), []).append(str(Path(f).relative_to(common)))
+    listed = "; ".join(
+        f"{', '.join(names[:3])}{f' (+{len(names) - 3} more)' if len(names) > 3 else ''}: {list(cols)}"
+        for cols, names in groups.items()
+    )
+    return (
+        f"{label}: the files of {entry.path!r} do not all have the same columns, and one entry's files load "
+        f"as one table: {listed}. Give them the same columns, or make each kind of file its own entry in "
+        "data.datasets (with data_files and its own field mappings)."
+    )
+
+
+def _innermost(error: BaseException | None) -> BaseException | None:
+    while error is not None and (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
+    return error
+
+
 def _could_not_load(entry: Any, label: str, error: Exception | None) -> str:
     return f"{label}: could not load {entry.path!r}: {_root_cause(error)}"
 
 
 def _root_cause(error: BaseException | None) -> str:
     """The innermost error (datasets wraps the parser's error in a DatasetGenerationError)."""
-    while error is not None and (error.__cause__ or error.__context__) is not None:
-        error = error.__cause__ or error.__context__
+    error = _innermost(error)
     if error is None:
         return "unknown error"
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
