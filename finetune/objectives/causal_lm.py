@@ -194,20 +194,7 @@ class CausalLMObjective:
 
     def save(self, model, metrics: dict[str, Any]) -> list[Path]:
         """The adapter (or full model) in Hugging Face format, tokenizer and model card."""
-        from finetune.recipe import recipe_to_dict
-
-        card_metrics = {"step": metrics["step"], "trainable_tokens": metrics["units"]}
-        card_metrics.update(
-            {k: v for k, v in metrics.items() if k.startswith("eval_") and isinstance(v, (int, float))}
-        )
-        save_lm(
-            self.accelerator,
-            model,
-            self.tokenizer,
-            lora=self.lora,
-            output_dir=Path(self.train.output_dir),
-            card={"recipe": recipe_to_dict(self.recipe), "manifest": self.manifest, "metrics": card_metrics},
-        )
+        save_final_lm(self, model, metrics, {"trainable_tokens": metrics["units"]})
         return []
 
 
@@ -280,6 +267,29 @@ def make_loader(accelerator, data, train, dataset, pad_id: int, *, packed: bool,
         num_replicas=accelerator.num_processes if training else None,
         rank=accelerator.process_index,
         **options,
+    )
+
+
+def save_final_lm(objective, model, metrics: dict[str, Any], card_fields: dict[str, Any]) -> None:
+    """save_lm for a causal-LM objective (SFT, preference) at the end of its run: the model card shows
+    the step, `card_fields` and the final eval_ metrics, beside the recipe and the data manifest."""
+    from finetune.recipe import recipe_to_dict
+
+    card_metrics = {"step": metrics["step"], **card_fields}
+    card_metrics.update(
+        {k: v for k, v in metrics.items() if k.startswith("eval_") and isinstance(v, (int, float))}
+    )
+    save_lm(
+        objective.accelerator,
+        model,
+        objective.tokenizer,
+        lora=objective.lora,
+        output_dir=Path(objective.train.output_dir),
+        card={
+            "recipe": recipe_to_dict(objective.recipe),
+            "manifest": objective.manifest,
+            "metrics": card_metrics,
+        },
     )
 
 

@@ -42,7 +42,7 @@ from finetune.objectives.causal_lm import (
     generation_metrics,
     generation_rows,
     make_loader,
-    save_lm,
+    save_final_lm,
     throughput_fields,
 )
 
@@ -386,20 +386,7 @@ class PreferenceObjective:
 
     def save(self, model, metrics: dict[str, Any]) -> list[Path]:
         """The adapter (or full model) in Hugging Face format, tokenizer and model card."""
-        from finetune.recipe import recipe_to_dict
-
-        card_metrics = {"step": metrics["step"], "objective": self.name, self.unit: metrics["units"]}
-        card_metrics.update(
-            {k: v for k, v in metrics.items() if k.startswith("eval_") and isinstance(v, (int, float))}
-        )
-        save_lm(
-            self.accelerator,
-            model,
-            self.tokenizer,
-            lora=self.lora,
-            output_dir=Path(self.train.output_dir),
-            card={"recipe": recipe_to_dict(self.recipe), "manifest": self.manifest, "metrics": card_metrics},
-        )
+        save_final_lm(self, model, metrics, {"objective": self.name, self.unit: metrics["units"]})
         return []
 
 
