@@ -5,7 +5,7 @@
   tokenizer and model card saved;
 - KTO trains (KL reference point, desirable / undesirable rewards);
 - DDP on 2 gloo processes follows the same loss curve as one process with the same global batch of
-  pairs, and its checkpoint resumes exactly;
+  pairs, and its checkpoint resumes exactly; a run killed with SIGKILL resumes to the same losses;
 - full fine-tuning: precomputed reference log-probs give the losses of the frozen reference copy,
   and a resumed run loads them from the cache and continues exactly.
 """
@@ -13,13 +13,16 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration._run import REPO, progress, run, short_run, step_losses
+from tests.integration._run import REPO, env, progress, run, short_run, step_losses
 
 pytestmark = pytest.mark.slow
 
@@ -174,3 +177,46 @@ def test_full_fine_tuning_with_precomputed_reference_resumes_exactly(tmp_path, p
     )
     assert "reference log-probs: loaded from" in again.stdout
     assert step_losses(progress(resumed)) == {k: losses[k] for k in (3, 4)}
+
+
+def test_sigkill_then_resume_gives_the_same_losses_and_rewards(tmp_path, prepared):
+    """DPO with LoRA dropout on (the RNG state matters), killed with SIGKILL once the step-4 checkpoint
+    exists, then resumed with `auto`: every step's loss and reward margin equal the uninterrupted run's."""
+    steps = ["--train.max_steps", "8", "--train.save_steps", "2", "--train.eval_on_start", "false"]
+    steps += [
+        "--train.save_hf_weights",
+        "false",
+        "--lora.lora_dropout",
+        "0.1",
+        "--train.micro_batch_size",
+        "1",
+    ]
+    reference = tmp_path / "reference"
+    finetune("train", reference, prepared, *steps)
+    expected = {r["step"]: r for r in records(reference)[0]}
+    assert sorted(expected) == list(range(1, 9))
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "finetune.cli", "train", str(DPO_DEMO), *short_run(*steps)]
+    cmd += ["--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared)]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    latest = out / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if latest.is_file() and latest.read_text().strip() == "step-4":
+            break
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = max(step_losses(progress(out)))
+    assert 4 <= killed_at < 8, f"killed after step {killed_at}: the run should have been mid-way"
+
+    resumed = finetune("train", out, prepared, *steps, "--train.load_checkpoint_path", "auto")
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    after = {r["step"]: r for r in records(out)[0]}
+    assert sorted(after) == list(range(1, 9))  # each step once: the log was cut back to the checkpoint
+    for step, want in expected.items():
+        assert after[step]["loss"] == pytest.approx(want["loss"], abs=1e-6), step
+        assert after[step]["rewards/margins"] == pytest.approx(want["rewards/margins"], abs=1e-6), step
