@@ -240,15 +240,18 @@ def run_eval(recipe, args: argparse.Namespace) -> int:
     from finetune.model import base_model_source, inference_device, load_for_inference, load_tokenizer
 
     objective = recipe.train.objective
-    score = None
+    score, needs_reference = None, False
     if objective == "sft":
         batches = _eval_batches(recipe)
     else:  # preference recipes: the held-out pairs scored as training scores them
         from finetune.evaluation.preference import preference_scorer
+        from finetune.objectives.preference import WITH_REFERENCE
 
         batches, pairs = None, _eval_batches(recipe, pairs=True)
         if pairs is not None:
             score = preference_scorer(pairs, name=objective, train=recipe.train, device=inference_device())
+            # dpo, ipo and kto measure the tuned model against the base (its reference in training too).
+            needs_reference = objective in WITH_REFERENCE
     if batches is None and score is None and not recipe.eval.generation_sets:
         raise FinetuneError(
             "nothing to evaluate: the recipe has no eval split (data.val_set_size or data.test_datasets) and "
@@ -256,8 +259,6 @@ def run_eval(recipe, args: argparse.Namespace) -> int:
         )
     target = args.adapter or args.model
     models = {}
-    # dpo, ipo and kto measure the tuned model against the base (its reference in training too).
-    needs_reference = score is not None and objective in ("dpo", "ipo", "kto")
     if args.no_base and needs_reference and target is not None:
         print(f"the base model is scored too: it is train.objective {objective}'s reference", file=sys.stderr)
     if target is None or not args.no_base or needs_reference:
