@@ -381,7 +381,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         for name, line in list_configs():
             print(f"{name:16s} {line}")
         return 0
-    if args.command in ("chat", "merge-lora"):
+    if args.command in ("chat", "merge-lora", "prepare-dataset", "eval"):  # they import the heavy libraries
         from finetune.quiet import quiet_third_party
 
         quiet_third_party()
@@ -403,10 +403,6 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
 
     recipe = load_recipe(args.recipe, overrides)
-    if args.command in ("prepare-dataset", "eval"):
-        from finetune.quiet import quiet_third_party
-
-        quiet_third_party()
     if args.command != "train":  # the training process says them itself, once
         from finetune.notices import warn
         from finetune.recipe import recipe_warnings

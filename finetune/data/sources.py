@@ -397,7 +397,7 @@ def _columns_differ(files: list[str], builder: str, entry: Any, label: str, kwar
             columns[f] = datasets.load_dataset(builder, data_files=f, split="train", **extra).column_names
         except Exception as e:
             columns[f] = [f"<unreadable: {_root_cause(e)}>"]
-    common = Path(os.path.commonpath(files)) if len(files) > 1 else Path(files[0]).parent
+    common = Path(os.path.commonpath(files))  # called with two or more files
     groups: dict[tuple[str, ...], list[str]] = {}
     for f, cols in columns.items():
         groups.setdefault(tuple(cols), []).append(str(Path(f).relative_to(common)))

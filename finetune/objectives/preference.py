@@ -269,27 +269,22 @@ class PreferenceObjective:
         """The reference model's per-sequence log-prob sums (no gradient): the frozen copy, else the
         model itself with its adapters disabled (LoRA), or as it is (precomputing before any update)."""
         acc = self.accelerator
-        inputs = _kl_inputs(batch) if kl else batch
         with torch.no_grad():
             if self.reference_model is not None:
                 with acc.autocast():
-                    logits = forward(self.reference_model, _model_inputs(inputs)).logits
-            else:
-                # The unwrapped model: no DDP hooks for a pass that has no backward. Its forward keeps
-                # Accelerate's autocast wrapper.
-                unwrapped = acc.unwrap_model(model)
-                disabled = unwrapped.disable_adapter() if self.lora.enable_lora else contextlib.nullcontext()
-                with disabled:
-                    logits = forward(unwrapped, _model_inputs(inputs)).logits
-            return _completion_sums(logits, inputs, int(batch["num_units"].sum()) * (2 if self.paired else 1))
+                    return completion_logps(self.reference_model, batch, paired=self.paired, kl=kl)
+            # The unwrapped model: no DDP hooks for a pass that has no backward. Its forward keeps
+            # Accelerate's autocast wrapper.
+            unwrapped = acc.unwrap_model(model)
+            disabled = unwrapped.disable_adapter() if self.lora.enable_lora else contextlib.nullcontext()
+            with disabled:
+                return completion_logps(unwrapped, batch, paired=self.paired, kl=kl)
 
     def _kto_reference_point(self, model, batch: dict, ref_kl: torch.Tensor) -> torch.Tensor:
         """z0: the policy's KL estimate on the mismatched completions, as TRL: no gradient, the mean
         over processes (a collective: every process computes a loss for every micro-batch)."""
         with torch.no_grad():
-            inputs = _kl_inputs(batch)
-            logits = forward(self.accelerator.unwrap_model(model), _model_inputs(inputs)).logits
-            policy_kl = _completion_sums(logits, inputs, int(batch["num_units"].sum()))
+            policy_kl = completion_logps(self.accelerator.unwrap_model(model), batch, paired=False, kl=True)
         return losses.kto_reference_point(
             policy_kl, ref_kl, reduce=lambda t: self.accelerator.reduce(t, reduction="mean")
         )
