@@ -10,7 +10,7 @@ Measured in one process, after the imports, with a throwaway conversion cache:
    a second call (cached: hash only);
 3. loading the converted folder with plain from_pretrained, and its first forward (which pages the
    memory-mapped weights in);
-4. greedy generation with finetune.evaluation.generate: new tokens per second at each batch size,
+4. greedy generation with finetune.generation.sampling: new tokens per second at each batch size,
    max_new_tokens new tokens per prompt (eos ignored so every row generates them all).
 """
 
@@ -59,7 +59,7 @@ def main() -> None:
     os.environ["FINETUNE_GGUF_CACHE"] = tempfile.mkdtemp(prefix="bench-gguf-")
     from transformers import AutoModelForCausalLM
 
-    from finetune.evaluation.generate import _generate_batch, _generation_kwargs, eval_mode, prompt_ids
+    from finetune.generation.sampling import _generate_batch, _generation_kwargs, eval_mode, prompt_ids
     from finetune.gguf import converted_folder, file_sha256, gguf_path, load_gguf
 
     gguf = gguf_path(REF)

@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 from finetune.data.collate import collate_rows  # noqa: E402
 from finetune.data.packing import pack_multipack  # noqa: E402
 from finetune.losses import preference as pref  # noqa: E402
-from finetune.objectives.causal_lm import forward  # noqa: E402
+from finetune.losses.causal_lm import forward  # noqa: E402
 
 MIN_LEN, MAX_LEN = 100, 400
 

@@ -1,5 +1,6 @@
 """Accelerate configs: finding them by name, and reading one (or a launched process's environment)
-into an `Engine`, the one description of the engine that cli, train, distributed and plan share.
+into a `DistributedSetup` (the distributed engine, ZeRO stage and processes of a run), the one
+description cli, train, distributed and plan share.
 
 The shipped configs live in accelerate_configs/ (`finetune list-configs`); a recipe or the command
 line names one (`zero3`) or gives a path. Reading follows Accelerate's own defaults (a DeepSpeed
@@ -7,9 +8,9 @@ config without `zero_stage` is ZeRO-2, as `DeepSpeedPlugin` makes it; a DeepSpee
 stage is stage 0, as DeepSpeed makes it; `fsdp_version` defaults to 1), so what the planner predicts
 is what the launched run does.
 
->>> Engine("deepspeed", num_processes=8, zero_stage=3).shard_degree
+>>> DistributedSetup("deepspeed", num_processes=8, zero_stage=3).shard_degree
 8
->>> Engine("fsdp", num_processes=16, num_machines=2, zero_stage=3, hybrid=True).shard_degree
+>>> DistributedSetup("fsdp", num_processes=16, num_machines=2, zero_stage=3, hybrid=True).shard_degree
 8
 """
 
@@ -30,7 +31,7 @@ _KNOWN_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "FSDP"
 
 
 @dataclass(frozen=True)
-class Engine:
+class DistributedSetup:
     """How a run is spread over processes and how its model states are sharded.
 
     `zero_stage` is DeepSpeed's stage; for FSDP 3 = full shard (params resharded after forward),
@@ -186,7 +187,7 @@ def load_ds_config(path: Path) -> dict:
 
 def read_accelerate_config(
     config: Path | None, *, num_processes: int | None = None, num_machines: int | None = None
-) -> Engine:
+) -> DistributedSetup:
     """The engine an accelerate config file selects (None = one process); the keyword arguments
     (the command line's --num-processes / --num-gpus, --num-machines / --num-nodes) win.
 
@@ -217,16 +218,16 @@ def read_accelerate_config(
         "source": str(config) if config is not None else "no accelerate config",
     }
     if kind == "DEEPSPEED":
-        return Engine(kind="deepspeed", **common, **_deepspeed_settings(data, config))
+        return DistributedSetup(kind="deepspeed", **common, **_deepspeed_settings(data, config))
     if kind == "FSDP":
         settings = _fsdp_settings(data, processes)
         if settings["hybrid"] and (num_processes or num_machines):  # the config's group sizes no longer apply
             settings["shard_size"] = None
-        return Engine(kind="fsdp", **common, **settings)
-    return Engine(kind="ddp" if processes > 1 else "single", **common)
+        return DistributedSetup(kind="fsdp", **common, **settings)
+    return DistributedSetup(kind="ddp" if processes > 1 else "single", **common)
 
 
-def engine_from_env(env: os._Environ | dict | None = None) -> Engine:
+def setup_from_env(env: os._Environ | dict | None = None) -> DistributedSetup:
     """The engine of the running process, from the variables `accelerate launch` sets."""
     env = os.environ if env is None else env
     world = int(env.get("WORLD_SIZE", "1"))
@@ -239,7 +240,7 @@ def engine_from_env(env: os._Environ | dict | None = None) -> Engine:
         config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
         if config_file and config_file != "none":
             path = resolve_ds_config_file(config_file)
-            return Engine(
+            return DistributedSetup(
                 kind="deepspeed", ds_config_path=path, **common, **_zero_settings(load_ds_config(path), path)
             )
         settings = {
@@ -247,12 +248,12 @@ def engine_from_env(env: os._Environ | dict | None = None) -> Engine:
             "offload_optimizer": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
             "offload_params": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"),
         }
-        return Engine(
+        return DistributedSetup(
             kind="deepspeed", **common, **_checked_zero(settings, "the launched process's environment")
         )
     if _truthy(env.get("ACCELERATE_USE_FSDP", "false")):
         offload = "cpu" if _truthy(env.get("FSDP_OFFLOAD_PARAMS", "false")) else "none"
-        return Engine(
+        return DistributedSetup(
             kind="fsdp",
             zero_stage=3,
             fsdp_version=int(env.get("FSDP_VERSION", "1")),
@@ -261,7 +262,7 @@ def engine_from_env(env: os._Environ | dict | None = None) -> Engine:
             hybrid=int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")) > 1,
             **common,
         )
-    return Engine(kind="ddp" if world > 1 else "single", **common)
+    return DistributedSetup(kind="ddp" if world > 1 else "single", **common)
 
 
 def _read_mapping(path: Path) -> dict:

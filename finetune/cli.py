@@ -224,115 +224,6 @@ def launch_command(
     return [*cmd, str(TRAIN_SCRIPT), recipe_path, *overrides]
 
 
-def run_chat(args: argparse.Namespace) -> int:
-    """`finetune chat`: load the model once, then one answer (--prompt) or a conversation."""
-    from finetune.evaluation.chat import chat
-    from finetune.model import inference_device, load_for_inference
-
-    model, tokenizer = load_for_inference(args.model_dir, base=args.base)
-    model.to(inference_device())
-    return chat(model, tokenizer, prompt=args.prompt, system=args.system, max_new_tokens=args.max_new_tokens)
-
-
-def run_eval(recipe, args: argparse.Namespace) -> int:
-    """`finetune eval`: the models to compare, the eval split's batches, the generation sets -> table."""
-    from finetune.evaluation.report import evaluate_models, format_table, write_report
-    from finetune.model import base_model_source, inference_device, load_for_inference, load_tokenizer
-
-    objective = recipe.train.objective
-    score, needs_reference = None, False
-    if objective == "sft":
-        batches = _eval_batches(recipe)
-    else:  # preference recipes: the held-out pairs scored as training scores them
-        from finetune.evaluation.preference import preference_scorer
-        from finetune.objectives.preference import WITH_REFERENCE
-
-        batches, pairs = None, _eval_batches(recipe, pairs=True)
-        if pairs is not None:
-            score = preference_scorer(pairs, name=objective, train=recipe.train, device=inference_device())
-            # dpo, ipo and kto measure the tuned model against the base (its reference in training too).
-            needs_reference = objective in WITH_REFERENCE
-    if batches is None and score is None and not recipe.eval.generation_sets:
-        raise FinetuneError(
-            "nothing to evaluate: the recipe has no eval split (data.val_set_size or data.test_datasets) and "
-            "no eval.generation_sets"
-        )
-    target = args.adapter or args.model
-    models = {}
-    if args.no_base and needs_reference and target is not None:
-        print(f"the base model is scored too: it is train.objective {objective}'s reference", file=sys.stderr)
-    if target is None or not args.no_base or needs_reference:
-        base = base_model_source(recipe.model, adapter=args.adapter)
-        models["base"] = lambda: _on_device(
-            load_for_inference(base, tokenizer=load_tokenizer(recipe.model)), inference_device()
-        )
-    if target is not None:
-        # Merged into the base for generation (faster); the weights are the same function.
-        models["tuned"] = lambda: _on_device(load_for_inference(target, merge=True), inference_device())
-    results = evaluate_models(
-        models,
-        eval_batches=batches,
-        sets=recipe.eval.generation_sets,
-        batch_size=recipe.eval.batch_size,
-        progress=not args.no_progress,
-        say=lambda text: print(text, file=sys.stderr),
-        score=score,
-    )
-    output = Path(args.output) if args.output else Path(target or recipe.train.output_dir) / "eval.json"
-    write_report(
-        results, output, recipe=args.recipe, models={"base": recipe.model.model_path, "tuned": target}
-    )
-    print(format_table(results))
-    print(f"\nfull results and every sample: {output}")
-    return 0
-
-
-def _on_device(loaded, device):
-    model, tokenizer = loaded
-    return model.to(device), tokenizer
-
-
-def _eval_batches(recipe, *, pairs: bool = False):
-    """A function tokenizer -> batches of the recipe's prepared eval split, in order, as training's
-    evaluation makes them (`pairs`: preference pairs or kto examples, collated with their units);
-    None without an eval split."""
-    from functools import partial
-
-    from finetune.data.collate import collate_preference
-    from finetune.data.loader import make_dataloader
-    from finetune.data.prepare import prepare
-    from finetune.model import pad_token_id
-    from finetune.objectives.preference import COLUMNS
-
-    if not (recipe.data.val_set_size or recipe.data.test_datasets):
-        return None
-    prepared = prepare(recipe, log=lambda text: print(text, file=sys.stderr))
-    if prepared.eval is None or len(prepared.eval) == 0:
-        return None
-    data = recipe.data
-
-    def batches(tokenizer):
-        pad_id = pad_token_id(tokenizer)
-        options: dict = {"packed": data.eval_sample_packing}
-        if pairs:  # pairs are always packed (one pair per row without sample_packing)
-            collate = partial(
-                collate_preference, pad_token_id=pad_id, pad_to_multiple_of=data.pad_to_multiple_of
-            )
-            options = {"packed": True, "columns": COLUMNS, "collate": collate}
-        return make_dataloader(
-            prepared.eval,
-            micro_batch_size=max(recipe.train.micro_batch_size, 1),
-            seed=recipe.train.seed,
-            pad_id=pad_id,
-            shuffle=False,
-            drop_last=False,
-            pad_to_multiple_of=data.pad_to_multiple_of,
-            **options,
-        )
-
-    return batches
-
-
 def print_checkpoints(output_dir: str) -> int:
     """The table of `finetune checkpoints`; exit 0 when `auto` has a checkpoint to resume, else 1."""
     from finetune.checkpoint import checkpoints_dir, describe_checkpoints
@@ -388,7 +279,15 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.command == "chat":
         if overrides:
             raise FinetuneError(f"chat takes no recipe overrides, got {' '.join(overrides)}")
-        return run_chat(args)
+        from finetune.evaluation.command import run_chat
+
+        return run_chat(
+            args.model_dir,
+            base=args.base,
+            prompt=args.prompt,
+            system=args.system,
+            max_new_tokens=args.max_new_tokens,
+        )
     if args.command == "checkpoints":
         if overrides:
             raise FinetuneError(f"checkpoints takes no recipe overrides, got {' '.join(overrides)}")
@@ -422,7 +321,17 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         prepare(recipe, push=args.push)
         return 0
     if args.command == "eval":
-        return run_eval(recipe, args)
+        from finetune.evaluation.command import run_eval
+
+        return run_eval(
+            recipe,
+            recipe_path=args.recipe,
+            adapter=args.adapter,
+            model=args.model,
+            no_base=args.no_base,
+            output=args.output,
+            progress=not args.no_progress,
+        )
     if args.command == "plan":
         from finetune.plan import format_plan, make_plan, plan_json
 

@@ -1,6 +1,6 @@
 """Engines (DDP, FSDP2, DeepSpeed ZeRO) from the accelerate config and the recipe.
 
-The accelerate config picks the engine (read into an `Engine` by finetune.accelerate_config); the
+The accelerate config picks the engine (read into an `DistributedSetup` by finetune.accelerate_config); the
 recipe owns the training values (micro batch, accumulation, clipping, precision). This module:
 
 - refuses combinations that cannot work, before launch (`finetune train`) and again in the launched
@@ -18,7 +18,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from finetune.accelerate_config import Engine, load_ds_config
+from finetune.accelerate_config import DistributedSetup, load_ds_config
 from finetune.errors import FinetuneError
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ DS_FORBIDDEN_BLOCKS = {
 
 
 def combination_problems(
-    engine: Engine, train: TrainSection, *, model_kind: str, qlora: bool, cuda_available: bool
+    engine: DistributedSetup, train: TrainSection, *, model_kind: str, qlora: bool, cuda_available: bool
 ) -> list[str]:
     """Why a run with these settings cannot work on this engine here, one sentence each (empty when
     it can). `model_kind` is model.kind (llm or diffusion), `qlora` lora.enable_qlora."""
@@ -88,7 +88,7 @@ def combination_problems(
 
 
 def check_combination(
-    engine: Engine, train: TrainSection, *, model_kind: str, qlora: bool, cuda_available: bool
+    engine: DistributedSetup, train: TrainSection, *, model_kind: str, qlora: bool, cuda_available: bool
 ) -> None:
     """Raise FinetuneError listing every `combination_problems` (none: return)."""
     problems = combination_problems(
@@ -169,7 +169,7 @@ def fill_deepspeed_config(ds: dict, train: TrainSection, *, world_size: int, sou
     return ds
 
 
-def deepspeed_plugin(train: TrainSection, engine: Engine, *, world_size: int):
+def deepspeed_plugin(train: TrainSection, engine: DistributedSetup, *, world_size: int):
     """Accelerate's DeepSpeedPlugin for the engine, with the recipe's values filled in."""
     from accelerate.utils import DeepSpeedPlugin
 
@@ -207,7 +207,7 @@ def deepspeed_plugin(train: TrainSection, engine: Engine, *, world_size: int):
     )
 
 
-def accelerator_kwargs(train: TrainSection, engine: Engine) -> dict:
+def accelerator_kwargs(train: TrainSection, engine: DistributedSetup) -> dict:
     """Extra Accelerator arguments for the engine.
 
     Only DeepSpeed needs one: its JSON is filled from the recipe. FSDP's plugin is the one Accelerate

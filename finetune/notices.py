@@ -1,9 +1,10 @@
 """The one way finetune warns: `warning: <what> <what to do>` on one line.
 
-STYLE.md's rule: what cannot work is an error (FinetuneError); what works but is probably not what
-was meant is a warning, said once at the start; what is unusual but fine is info (logging). Every
-warning goes through `warn`, so they look alike and tests can find them. In a training run, pass
-`emit=accelerator.print` (printed once, by the main process); the prepare step passes its log.
+The house rule (docs/CONTRIBUTING.md): what cannot work is an error (FinetuneError); what works but
+is probably not what was meant is a warning, said once at the start; what is unusual but fine is
+info (logging). Every warning goes through `warn`, so they look alike and tests can find them. In a
+training run, pass `emit=accelerator.print` (printed once, by the main process); the prepare step
+passes its log.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from filelock import FileLock
 
@@ -86,31 +85,6 @@ def save_samples(images: list[list[Any]], prompts: list[str], folder: Path) -> l
             image.save(path)
             saved.append((prompt, path))
     return saved
-
-
-def log_to_trackers(accelerator, images: list[list[Any]], prompts: list[str], step: int) -> None:
-    """Validation images to TensorBoard (one NHWC grid per prompt) and Weights & Biases."""
-    for tracker in accelerator.trackers:
-        if tracker.name == "tensorboard":
-            for p, row in enumerate(images):
-                tracker.log_images(
-                    {f"validation/{p:02d}": np.stack([np.asarray(im) for im in row])},
-                    step=step,
-                    dataformats="NHWC",
-                )
-        elif tracker.name == "wandb":
-            import wandb
-
-            tracker.log(
-                {
-                    "validation": [
-                        wandb.Image(im, caption=prompt)
-                        for prompt, row in zip(prompts, images, strict=True)
-                        for im in row
-                    ]
-                },
-                step=step,
-            )
 
 
 def ensure_class_images(

@@ -17,22 +17,19 @@ def make_accelerator(train, *, model_kind: str, qlora: bool, compile_model: bool
     the TorchDynamo plugin.
     """
     from accelerate import Accelerator
-    from accelerate.utils import TorchDynamoPlugin, is_tensorboard_available, is_wandb_available
+    from accelerate.utils import TorchDynamoPlugin
 
-    from finetune.accelerate_config import engine_from_env
+    from finetune.accelerate_config import setup_from_env
     from finetune.distributed import accelerator_kwargs, check_combination
 
     if train.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise FinetuneError(
             "train.mixed_precision: fp16 with dynamic loss scaling needs a GPU; on CPU use bf16 or no"
         )
-    available = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available}
-    for tracker in train.report_to:
-        if not available[tracker]():
-            raise FinetuneError(
-                f"train.report_to: {tracker} is not installed (pip install -e '.[tracking]' or pip install {tracker})"
-            )
-    engine = engine_from_env()
+    from finetune.trackers import check_available
+
+    check_available(train.report_to)
+    engine = setup_from_env()
     check_combination(
         engine, train, model_kind=model_kind, qlora=qlora, cuda_available=torch.cuda.is_available()
     )

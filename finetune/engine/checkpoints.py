@@ -93,31 +93,6 @@ def resume(run) -> None:
     acc.print(f"resumed from {path} at step {run.state.step}")
 
 
-# Settings a resumed run cannot change without changing what it continues: the optimizer state, the
-# schedule over the total steps, the data order, the model. Everything else (logging, evaluation and
-# checkpoint cadence, outputs, the Hub, loader workers, time limits) may change on resume.
-TRAJECTORY = {
-    "model": None,  # every field
-    "lora": None,
-    "data": ("datasets", "test_datasets", "val_set_size", "sequence_len", "excess_length_strategy", "on_bad_row",
-             "sample_packing", "sample_packing_method", "sample_packing_sequence_len", "sample_packing_group_size",
-             "pad_to_multiple_of", "shuffle_merged_datasets", "shuffle_before_merging_datasets",
-             "dataloader_drop_last"),
-    "train": ("seed", "micro_batch_size", "gradient_accumulation_steps", "num_train_epochs", "max_steps",
-              "mixed_precision", "optimizer", "lr", "lr_min", "lr_warmup_ratio", "lr_decay_style", "weight_decay",
-              "no_decay_params", "adam_beta1", "adam_beta2", "adam_eps", "max_grad_norm", "iterations_to_skip",
-              "loss_chunk_size", "objective", "beta", "label_smoothing", "dpo_smoothing", "simpo_gamma",
-              "orpo_nll_reduction", "kto_desirable_weight", "kto_undesirable_weight", "precompute_ref_log_probs"),
-    "diffusion": None,
-}  # fmt: skip
-# Fields of an every-field section above that only shape what is reported: validation images come from
-# generators seeded for themselves (diffusion/sampling.py), so they never touch the training RNG.
-NOT_TRAJECTORY = {
-    "diffusion": {"validation_prompts", "validation_steps", "num_validation_images", "validation_inference_steps",
-                  "validation_guidance_scale"},
-}  # fmt: skip
-
-
 def check_resumable(path: Path, recipe_dict: dict) -> None:
     """Refuse a resume whose recipe changes what the checkpoint's run was doing, naming each change.
 
@@ -126,20 +101,14 @@ def check_resumable(path: Path, recipe_dict: dict) -> None:
     recorded in recipe.resolved.yaml without taking effect.
     """
     from finetune.errors import FinetuneError
+    from finetune.recipe.resume import changed_on_resume
     from finetune.recipe.yaml_io import read_yaml
 
     saved_file = path / "recipe.resolved.yaml"
     if not saved_file.is_file():
         return
-    saved = read_yaml(saved_file)
-    changes = []
-    for section, fields in TRAJECTORY.items():
-        before, now = saved.get(section) or {}, recipe_dict.get(section) or {}
-        for name in fields or sorted((set(before) | set(now)) - NOT_TRAJECTORY.get(section, set())):
-            if before.get(name) != now.get(name):
-                changes.append(
-                    f"{section}.{name}: {before.get(name)!r} in the checkpoint, {now.get(name)!r} now"
-                )
+    # Which settings count is marked in the recipe schema (finetune.recipe.resume), not here.
+    changes = changed_on_resume(read_yaml(saved_file), recipe_dict)
     if changes:
         raise FinetuneError(
             f"cannot resume from {path} with a changed recipe: a resumed run continues the checkpoint's "

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from finetune import trackers
 from finetune.engine.checkpoints import (
     check_finite_weights,
     checkpoint,
@@ -71,7 +72,7 @@ def setup(objective, accelerator, *, train, hub, recipe_dict: dict) -> Run:
     resume."""
     from accelerate.utils import set_seed
 
-    from finetune.accelerate_config import engine_from_env
+    from finetune.accelerate_config import setup_from_env
     from finetune.optim import optimizer_for, scheduler_for
 
     output_dir = Path(train.output_dir)
@@ -80,7 +81,7 @@ def setup(objective, accelerator, *, train, hub, recipe_dict: dict) -> Run:
         check_output_dir(output_dir)
         (output_dir / "recipe.resolved.yaml").write_text(dump_yaml(recipe_dict))
     parts = objective.build(accelerator)
-    engine = engine_from_env()
+    engine = setup_from_env()
     optimizer = optimizer_for(
         parts.model,
         train,
@@ -202,8 +203,7 @@ def train_loop(run: Run, log: ProgressLog) -> None:
     profiler = None
     interval: dict = {"t0": time.perf_counter()}
     skip = set(train.iterations_to_skip)
-    if acc.is_main_process and train.report_to:
-        acc.init_trackers(run.output_dir.name, config=flat(run.recipe_dict))
+    trackers.start(acc, train.report_to, run_name=run.output_dir.name, config=flat(run.recipe_dict))
     if train.eval_on_start and objective.can_evaluate and st.step == 0:
         evaluate(run, log)  # the baseline: the model before any update
         interval["t0"] = time.perf_counter()  # its time is not the first steps'

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from finetune import trackers
 from finetune.metrics import ProgressLog, host_peak_rss_gib, peak_memory_gib
 
 
@@ -36,10 +37,7 @@ def log_step(run, result: dict, interval: dict, log: ProgressLog) -> None:
         "nonfinite_steps": st.nonfinite_steps,
     }
     log.log(record)
-    if run.train.report_to:
-        acc.log(
-            {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=st.step
-        )
+    trackers.log_scalars(acc, record, st.step)
     interval.clear()
     interval["t0"] = time.perf_counter()
 

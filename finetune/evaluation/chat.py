@@ -25,7 +25,7 @@ def chat(
     The whole conversation so far is the prompt of each answer (rendered with the chat template, with
     `system` as the system turn when given, else the template's default).
     """
-    from finetune.evaluation.generate import stream_chat
+    from finetune.generation.sampling import stream_chat
 
     def answer(messages: list[dict[str, Any]]) -> str:
         pieces = []

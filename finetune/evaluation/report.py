@@ -13,62 +13,6 @@ from typing import Any
 
 import torch
 
-from finetune.errors import FinetuneError
-
-
-def load_generation_rows(gen_set) -> list[dict[str, Any]]:
-    """The rows of one generation set as {"prompt", "expected"} (its first num_rows rows).
-
-    Loaded with the data layer's own loader (local files, Hub ids, damaged-file errors that name the
-    file and line), then reduced to the two columns the set names.
-    """
-    from finetune.data.sources import load_source
-    from finetune.recipe import DatasetEntry
-
-    label = f"eval.generation_sets[{gen_set.name}]"
-    entry = DatasetEntry(path=gen_set.path, type="input_output", split=gen_set.split)
-    ds = load_source(entry, entry_label=label)
-    columns = [c for c in (gen_set.field_prompt, gen_set.field_expected) if c is not None]
-    missing = [c for c in columns if c not in ds.column_names]
-    if missing:
-        raise FinetuneError(
-            f"{label}: {gen_set.path} has no column {missing[0]!r} (columns: {', '.join(ds.column_names)}); "
-            "set field_prompt / field_expected"
-        )
-    if gen_set.num_rows is not None:
-        ds = ds.select(range(min(gen_set.num_rows, len(ds))))
-    return [
-        {
-            "prompt": row[gen_set.field_prompt],
-            "expected": row.get(gen_set.field_expected) if gen_set.field_expected else None,
-        }
-        for row in ds
-    ]
-
-
-def score_generation_sets(
-    model, tokenizer, sets: Sequence, rows: dict[str, list[dict]], *, batch_size: int, progress: bool = True
-) -> dict[str, dict[str, Any]]:
-    """{set name: {"metric", "score", "n", "samples"}} for every generation set."""
-    from finetune.evaluation.run import evaluate_generations
-
-    results = {}
-    for gen_set in sets:
-        results[gen_set.name] = evaluate_generations(
-            model,
-            tokenizer,
-            rows[gen_set.name],
-            metric=gen_set.metric,
-            max_new_tokens=gen_set.max_new_tokens,
-            batch_size=batch_size,
-            num_samples=gen_set.num_samples,
-            pattern=gen_set.answer_pattern,
-            case_sensitive=gen_set.case_sensitive,
-            use_chat_template=gen_set.use_chat_template,
-            progress=progress,
-        )
-    return results
-
 
 def token_loss(model, batches) -> dict[str, float]:
     """Token-weighted cross-entropy and perplexity of `model` over collated batches (one process)."""
@@ -99,6 +43,8 @@ def evaluate_models(
     """Evaluate each model (loaded one at a time by its loader, then freed): eval loss on the eval
     split when `eval_batches(tokenizer)` gives batches, `score(name, model, tokenizer)`'s results
     (preference recipes: the held-out pairs), and every generation set."""
+    from finetune.generation.sets import load_generation_rows, score_generation_sets
+
     rows = {s.name: load_generation_rows(s) for s in sets}
     results: dict[str, dict[str, Any]] = {}
     for name, load in models.items():

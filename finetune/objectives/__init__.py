@@ -1,26 +1,46 @@
 """Objectives: what is trained and how one micro-batch's loss is computed (the engine does the rest).
 
-* `causal_lm`: SFT of a causal LM on prepared token rows (full, LoRA, QLoRA).
-* `diffusion`: LoRA / DreamBooth on a diffusers pipeline's denoiser, from cached latents.
-* `preference`: DPO, IPO, SimPO, ORPO and KTO of a causal LM on prepared pairs (train.objective).
+* `sft`: SFT of a causal LM on prepared token rows (full, LoRA, QLoRA).
+* `preference`: DPO, IPO, SimPO, ORPO and KTO of a causal LM on prepared pairs (examples).
+* `diffusion`: LoRA / DreamBooth on a diffusers pipeline's denoiser, from cached latents
+  (model.kind: diffusion).
+* `lm`: the causal-LM toolkit the LM objectives share (build, loader, save); `reference`: the
+  reference model any objective can compare its policy with.
 
-Each is a class built from the recipe by the entry point (`objective_for`) that implements the
-interface described in finetune/engine/__init__.py.
+Which objectives exist, what they train on and what they read is the objective table,
+finetune.recipe.objectives; each is a class implementing the interface in
+finetune/engine/objective.py, built by `objective_for` from the whole recipe.
 """
 
 from __future__ import annotations
 
+from finetune.recipe.objectives import OBJECTIVES
+
+
+# The implementation of each objective kind of the table, imported on use: building one objective
+# never imports another's dependencies (diffusers for an LLM run).
+def _sft():
+    from finetune.objectives.sft import SFTObjective
+
+    return SFTObjective
+
+
+def _preference():
+    from finetune.objectives.preference import PreferenceObjective
+
+    return PreferenceObjective
+
+
+def _diffusion():
+    from finetune.objectives.diffusion import DiffusionObjective
+
+    return DiffusionObjective
+
+
+IMPLEMENTATIONS = {"sft": _sft, "paired": _preference, "unpaired": _preference, "diffusion": _diffusion}
+
 
 def objective_for(recipe):
-    """The objective a recipe asks for (model.kind, then train.objective)."""
-    if recipe.model.kind == "diffusion":
-        from finetune.objectives.diffusion import DiffusionObjective
-
-        return DiffusionObjective(recipe)
-    if recipe.train.objective != "sft":
-        from finetune.objectives.preference import PreferenceObjective
-
-        return PreferenceObjective(recipe)
-    from finetune.objectives.causal_lm import CausalLMObjective
-
-    return CausalLMObjective(recipe)
+    """The objective a recipe asks for: model.kind diffusion, else train.objective's kind."""
+    kind = "diffusion" if recipe.model.kind == "diffusion" else OBJECTIVES[recipe.train.objective].kind
+    return IMPLEMENTATIONS[kind]()(recipe)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from finetune import trackers
 from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
 from finetune.notices import warn
@@ -272,7 +273,7 @@ class DiffusionObjective:
         With EMA, the samples use the EMA weights (what the final save holds); the trained weights are
         put back afterwards.
         """
-        from finetune.diffusion.sampling import generate, load_pipeline, log_to_trackers, save_samples
+        from finetune.diffusion.sampling import generate, load_pipeline, save_samples
 
         acc, settings = self.accelerator, self.settings
         acc.wait_for_everyone()
@@ -311,8 +312,7 @@ class DiffusionObjective:
             fields.update(
                 images=len(self.samples), folder=str(folder), seconds=round(time.perf_counter() - t0, 3)
             )
-            if self.train.report_to:
-                log_to_trackers(acc, images, settings.validation_prompts, step)
+            trackers.log_images(acc, "validation", images, settings.validation_prompts, step)
         acc.wait_for_everyone()
         return fields
 

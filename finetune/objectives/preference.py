@@ -11,11 +11,13 @@ its pairs, whatever the micro-batch sizes and packing. Metric sums (rewards, acc
 log-probs) are averaged the same way by the engine (kto's chosen / rejected ones over the desirable
 / undesirable examples, through `count:` sums).
 
-The reference log-probs (dpo, ipo, kto; simpo and orpo need none) come from
-* the base model with the adapters disabled (LoRA / QLoRA: no second model in memory),
-* a frozen copy of the initial model in eval mode (full fine-tuning),
-* or, with train.precompute_ref_log_probs, a table computed once before training and cached next
-  to the prepared data (finetune.objectives.reference_logps).
+The reference log-probs (dpo, ipo, kto; simpo and orpo need none: the objective table says which)
+come from finetune.objectives.reference: the base model with the adapters disabled (LoRA / QLoRA),
+a frozen copy of the initial model (full fine-tuning), or, with preference.precompute_ref_log_probs,
+a table computed once before training and cached next to the prepared data.
+
+Each objective's loss is one function in LOSSES, looked up by name, on the per-sequence log-prob
+sums of a micro-batch (`SequenceScores`) and the `preference` section.
 
 KTO's reference point is TRL's: the KL estimate from mismatched completions (each packed row's KL
 row, finetune.data.preference.kto_kl_row), detached, averaged over processes and clamped at 0.
@@ -23,31 +25,24 @@ row, finetune.data.preference.kto_kl_row), detached, averaged over processes and
 
 from __future__ import annotations
 
-import contextlib
-import copy
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import finetune.objectives.lm as lm
+from finetune import trackers
 from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
+from finetune.generation.sets import generation_metrics, training_generation_rows
 from finetune.losses import preference as losses
 from finetune.losses.causal_lm import forward
-from finetune.objectives.causal_lm import (
-    build_lm,
-    check_batches,
-    checkpoint_trainable_only,
-    generation_metrics,
-    generation_rows,
-    make_loader,
-    save_final_lm,
-    throughput_fields,
-)
+from finetune.objectives.reference import Reference, reference_source
+from finetune.recipe.objectives import OBJECTIVES
 
-PAIRED = ("dpo", "ipo", "simpo", "orpo")
-WITH_REFERENCE = ("dpo", "ipo", "kto")
 # Columns of prepared preference rows the loaders read (finetune.data.preference).
 COLUMNS = (
     "input_ids",
@@ -85,13 +80,14 @@ class PreferenceObjective:
             recipe.data,
             recipe.train,
         )
-        self.eval_settings = recipe.eval
+        self.settings, self.eval_settings = recipe.preference, recipe.eval
         self.generation_rows: dict[str, list[dict]] = {}
-        self.name = recipe.train.objective
-        if self.name not in (*PAIRED, "kto"):
+        self.spec = OBJECTIVES[recipe.train.objective]
+        self.name = self.spec.name
+        if self.name not in LOSSES:
             raise FinetuneError(f"train.objective {self.name!r} is not a preference objective")
-        self.paired = self.name in PAIRED
-        self.unit = "pairs" if self.paired else "examples"
+        self.paired = self.spec.kind == "paired"
+        self.unit = self.spec.unit
         self.summary_keys = (self.unit,)
         self.accelerator: Any = None
         self.tokenizer: Any = None
@@ -101,8 +97,12 @@ class PreferenceObjective:
         self.eval_loader: Any = None
         self.eval_every: int | None = None
         self.can_evaluate = False
-        self.reference_model: Any = None  # the frozen copy (full fine-tuning without precomputed log-probs)
-        self.reference_tables: dict[str, Any] = {}  # precomputed: split -> ReferenceTable
+        source = reference_source(
+            needed=self.spec.reference,
+            precompute=self.settings.precompute_ref_log_probs,
+            lora=self.lora.enable_lora,
+        )
+        self.reference = Reference(source, objective=self.name, lora=self.lora.enable_lora)
 
     # ----------------------------------------------------------------------------------- build
 
@@ -116,23 +116,24 @@ class PreferenceObjective:
         self.prepared = prepare_on_main_process(self.recipe, accelerator)
         self.manifest = self.prepared.manifest
         self._check_prepared_kind()
-        model, self.flops = build_lm(self.model_settings, self.lora, self.train, self.tokenizer, accelerator)
-        if self._reference_source() == "copy":
-            self.reference_model = self._frozen_copy(model, accelerator)
+        model, self.flops = lm.build_lm(
+            self.model_settings, self.lora, self.train, self.tokenizer, accelerator
+        )
+        self.reference.attach(model, accelerator)
         train_rows = _with_row_index(self.prepared.train)
         train_loader = self._loader(train_rows, training=True)
-        check_batches(accelerator, train_loader, len(train_rows), self.train.micro_batch_size)
+        lm.check_batches(accelerator, train_loader, len(train_rows), self.train.micro_batch_size)
         if self.prepared.eval is not None and len(self.prepared.eval) > 0:
             self.eval_loader = self._loader(_with_row_index(self.prepared.eval), training=False)
-        self.generation_rows = generation_rows(self.eval_settings, accelerator)
+        self.generation_rows = training_generation_rows(self.eval_settings, accelerator)
         if self.lora.enable_lora:  # checkpoints hold the adapters, not the frozen base (as SFT's)
-            checkpoint_trainable_only(accelerator)
+            lm.checkpoint_trainable_only(accelerator)
         self.can_evaluate = self.eval_loader is not None or bool(self.generation_rows)
         self.eval_every = self.train.eval_steps if self.can_evaluate else None
         return Parts(model=model, train_loader=train_loader, manifest=self.manifest)
 
     def _check_prepared_kind(self) -> None:
-        wanted = "preference" if self.paired else "kto"
+        wanted = self.spec.data_type
         kind = self.manifest.get("kind", "sft")
         if kind != wanted:
             raise FinetuneError(
@@ -140,52 +141,22 @@ class PreferenceObjective:
                 f"{self.name} trains on {wanted} rows: use data entries of type {wanted} and prepare again"
             )
 
-    def _reference_source(self) -> str | None:
-        """Where the reference log-probs come from: None (simpo, orpo), precomputed, adapter, copy."""
-        if self.name not in WITH_REFERENCE:
-            return None
-        if self.train.precompute_ref_log_probs:
-            return "precomputed"
-        return "adapter" if self.lora.enable_lora else "copy"
-
-    def _frozen_copy(self, model, accelerator):
-        """The reference for full fine-tuning: a copy of the initial weights, frozen, in eval mode."""
-        from accelerate.utils import DistributedType
-
-        if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-            raise FinetuneError(
-                f"train.objective {self.name} with full fine-tuning under {accelerator.distributed_type.value}: a "
-                "frozen reference copy would not be sharded; set train.precompute_ref_log_probs: true (the "
-                "reference log-probs are computed once with the sharded model) or train LoRA adapters"
-            )
-        # A second copy of the weights: the memory cost of a full fine-tune's reference.
-        return copy.deepcopy(model).requires_grad_(False).eval()
-
     def _loader(self, rows, *, training: bool):
-        from finetune.data.collate import collate_preference
-        from finetune.model import pad_token_id
-
-        pad_id = pad_token_id(self.tokenizer)
-        collate = partial(
-            collate_preference, pad_token_id=pad_id, pad_to_multiple_of=self.data.pad_to_multiple_of
+        return loader(
+            self.data, self.train, rows, self.tokenizer, training=training, accelerator=self.accelerator
         )
-        return make_loader(
-            self.accelerator, self.data, self.train, rows, pad_id,
-            packed=True, training=training, columns=COLUMNS, collate=collate,
-        )  # fmt: skip
 
     def on_prepared(self, accelerator, model) -> None:
         """The model's config for FLOPs, the eval loader sharded, the frozen reference on the device,
         the precomputed reference log-probs; no state to checkpoint besides the engine's."""
         self.flops["config"] = accelerator.unwrap_model(model).config
-        if self.reference_model is not None:
-            self.reference_model.to(accelerator.device)
+        self.reference.to(accelerator.device)
         if self.eval_loader is not None:
             # Sharded by Accelerate, after the model (DeepSpeed wants that order).
             self.eval_loader = accelerator.prepare(self.eval_loader)
-        if self._reference_source() == "precomputed":
+        if self.reference.source == "precomputed":
             # Before the engine loads a checkpoint: the weights are still the initial ones, the reference.
-            self.reference_tables = self._precompute(model)
+            self.reference.tables = self._precompute(model)
         return None
 
     def _precompute(self, model) -> dict:
@@ -193,7 +164,7 @@ class PreferenceObjective:
         adapters disabled, before any update: the model is the reference)."""
         from accelerate.utils import send_to_device
 
-        from finetune.objectives.reference_logps import cache_path, load_or_compute, reference_key
+        from finetune.objectives.reference import cache_path, load_or_compute, reference_key
 
         acc = self.accelerator
         key = reference_key(
@@ -234,20 +205,13 @@ class PreferenceObjective:
 
     def _losses(self, model, batch: dict, *, split: str) -> tuple[losses.PreferenceLoss, torch.Tensor | None]:
         """The micro-batch's per-pair (kto: per-example) losses, and kto's reference point."""
-        sums, counts, nll = self._policy_logps(model, batch)
-        ref = z0 = None
-        if self.name in WITH_REFERENCE:
-            ref, ref_kl = self._reference(model, batch, split)
-            if self.name == "kto":
-                z0 = self._kto_reference_point(model, batch, ref_kl)
-        out = objective_losses(
-            self.name, self.train, sums, counts, nll, ref=ref, z0=z0, desirable=batch.get("desirable")
-        )
-        return out, z0
-
-    def _policy_logps(self, model, batch: dict):
-        """(per-sequence completion log-prob sums, their token counts, ORPO's batch NLL or None)."""
-        return policy_logps(model, batch, name=self.name, train=self.train)
+        sums, counts, nll = policy_logps(model, batch, name=self.name, settings=self.settings)
+        scores = SequenceScores(sums, counts, nll, desirable=batch.get("desirable"))
+        if self.spec.reference:
+            scores.ref, ref_kl = self._reference(model, batch, split)
+            if not self.paired:
+                scores.z0 = self._kto_reference_point(model, batch, ref_kl)
+        return LOSSES[self.name](scores, self.settings), scores.z0
 
     def _sequences_per_row(self, batch: dict) -> torch.Tensor:
         return batch["num_units"] * (2 if self.paired else 1)
@@ -256,9 +220,9 @@ class PreferenceObjective:
 
     def _reference(self, model, batch: dict, split: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Reference log-prob sums of the batch's sequences (and kto's KL sequences)."""
-        if self.reference_tables:
+        if self.reference.tables:
             device = batch["input_ids"].device
-            heads, tails = self.reference_tables[split].rows(
+            heads, tails = self.reference.tables[split].rows(
                 batch["row_index"].cpu(), batch["num_units"].cpu()
             )
             return heads.to(device), tails.to(device) if not self.paired else None
@@ -266,19 +230,9 @@ class PreferenceObjective:
         return self._reference_logps(model, batch), kl
 
     def _reference_logps(self, model, batch: dict, *, kl: bool = False) -> torch.Tensor:
-        """The reference model's per-sequence log-prob sums (no gradient): the frozen copy, else the
-        model itself with its adapters disabled (LoRA), or as it is (precomputing before any update)."""
-        acc = self.accelerator
-        with torch.no_grad():
-            if self.reference_model is not None:
-                with acc.autocast():
-                    return completion_logps(self.reference_model, batch, paired=self.paired, kl=kl)
-            # The unwrapped model: no DDP hooks for a pass that has no backward. Its forward keeps
-            # Accelerate's autocast wrapper.
-            unwrapped = acc.unwrap_model(model)
-            disabled = unwrapped.disable_adapter() if self.lora.enable_lora else contextlib.nullcontext()
-            with disabled:
-                return completion_logps(unwrapped, batch, paired=self.paired, kl=kl)
+        """The reference model's per-sequence log-prob sums (no gradient; see Reference.model)."""
+        with self.reference.model(model, self.accelerator) as reference:
+            return completion_logps(reference, batch, paired=self.paired, kl=kl)
 
     def _kto_reference_point(self, model, batch: dict, ref_kl: torch.Tensor) -> torch.Tensor:
         """z0: the policy's KL estimate on the mismatched completions, as TRL: no gradient, the mean
@@ -312,7 +266,7 @@ class PreferenceObjective:
         and no-grad KL forwards included)."""
         units = interval.get("units", 0)
         return {
-            **throughput_fields(
+            **lm.throughput_fields(
                 self.accelerator, self.flops, interval, elapsed, totals, forward_passes=self._forward_passes()
             ),
             self.unit: units,
@@ -321,8 +275,8 @@ class PreferenceObjective:
 
     def _forward_passes(self) -> int:
         """Forward-only passes per token besides the policy's training pass."""
-        reference = 1 if self._reference_source() in ("adapter", "copy") else 0
-        return reference * (2 if self.name == "kto" else 1) + (1 if self.name == "kto" else 0)
+        kl_rows = 0 if self.paired else 1  # kto's KL rows: a policy pass, and a reference pass of them
+        return self.reference.forward_passes * (1 + kl_rows) + kl_rows
 
     # ------------------------------------------------------------------------------------ eval
 
@@ -339,7 +293,6 @@ class PreferenceObjective:
                     self.eval_settings,
                     self.generation_rows,
                     step=step,
-                    report_to=self.train.report_to,
                 )
             )
         return metrics
@@ -370,8 +323,7 @@ class PreferenceObjective:
                 totals = table if totals is None else totals + table
         model.train()
         metrics = self._eval_means(dict(zip([*names, "units"], totals.tolist(), strict=True)))
-        if self.train.report_to:
-            acc.log(metrics, step=step)
+        trackers.log_scalars(acc, metrics, step)
         return metrics
 
     def _eval_means(self, sums: dict[str, float]) -> dict[str, float]:
@@ -381,7 +333,7 @@ class PreferenceObjective:
 
     def save(self, model, metrics: dict[str, Any]) -> list[Path]:
         """The adapter (or full model) in Hugging Face format, tokenizer and model card."""
-        save_final_lm(self, model, metrics, {"objective": self.name, self.unit: metrics["units"]})
+        lm.save_final_lm(self, model, metrics, {"objective": self.name, self.unit: metrics["units"]})
         return []
 
 
@@ -390,13 +342,27 @@ class PreferenceObjective:
 # exactly the numbers training logs.
 
 
-def policy_logps(model, batch: dict, *, name: str, train) -> tuple:
+def loader(data, train, rows, tokenizer, *, training: bool, accelerator=None):
+    """The loader of prepared preference rows (pairs, or kto examples with their KL rows), always
+    packed (one pair per row without sample_packing); training's and `finetune eval`'s."""
+    from finetune.data.collate import collate_preference
+    from finetune.model import pad_token_id
+
+    pad_id = pad_token_id(tokenizer)
+    collate = partial(collate_preference, pad_token_id=pad_id, pad_to_multiple_of=data.pad_to_multiple_of)
+    return lm.make_loader(
+        data, train, rows, pad_id,
+        packed=True, training=training, accelerator=accelerator, columns=COLUMNS, collate=collate,
+    )  # fmt: skip
+
+
+def policy_logps(model, batch: dict, *, name: str, settings) -> tuple:
     """A forward of `model` on a packed batch: (per-sequence completion log-prob sums, their token
     counts, ORPO's batch-NLL sums and counts over every token of the chosen sequences, or None)."""
     labels, position_ids = batch["labels"], batch["position_ids"]
-    num_sequences = batch["num_units"] * (2 if name in PAIRED else 1)
+    num_sequences = batch["num_units"] * (2 if OBJECTIVES[name].kind == "paired" else 1)
     logits = forward(model, _model_inputs(batch)).logits
-    orpo_batch_nll = name == "orpo" and train.orpo_nll_reduction == "batch"
+    orpo_batch_nll = name == "orpo" and settings.orpo_nll_reduction == "batch"
     if orpo_batch_nll:  # TRL's NLL term scores the prompt too: one log-prob per real token
         real = _real_tokens(position_ids, num_sequences)
         token_logps = losses.token_logps(logits, batch["input_ids"].masked_fill(~real, -100))
@@ -420,44 +386,70 @@ def completion_logps(model, batch: dict, *, paired: bool, kl: bool = False) -> t
     return _completion_sums(logits, inputs, num_sequences)
 
 
-def objective_losses(
-    name: str,
-    train,
-    sums: torch.Tensor,
-    counts: torch.Tensor,
-    nll: tuple | None,
-    *,
-    ref: torch.Tensor | None = None,
-    z0: torch.Tensor | None = None,
-    desirable: torch.Tensor | None = None,
-) -> losses.PreferenceLoss:
-    """The objective's per-pair (kto: per-example) losses from per-sequence log-prob sums (pairs
-    interleaved chosen, rejected), the reference's sums `ref` (dpo, ipo, kto) and kto's `z0`."""
-    if name == "simpo":
-        return losses.simpo_loss(
-            sums[0::2], sums[1::2], counts[0::2], counts[1::2],
-            beta=train.beta, gamma=train.simpo_gamma, label_smoothing=train.label_smoothing,
-        )  # fmt: skip
-    if name == "orpo":
-        nll_sums, nll_counts = nll if nll is not None else (sums[0::2], counts[0::2])
-        return losses.orpo_loss(
-            sums[0::2], sums[1::2], counts[0::2], counts[1::2], nll_sums, nll_counts,
-            beta=train.beta, nll_reduction=train.orpo_nll_reduction,
-        )  # fmt: skip
-    if name == "kto":
-        return losses.kto_loss(
-            sums, ref, desirable, z0,
-            beta=train.beta, desirable_weight=train.kto_desirable_weight,
-            undesirable_weight=train.kto_undesirable_weight,
-        )  # fmt: skip
-    if name == "ipo":
-        return losses.ipo_loss(
-            sums[0::2], sums[1::2], ref[0::2], ref[1::2], counts[0::2], counts[1::2], beta=train.beta
-        )
+@dataclass
+class SequenceScores:
+    """What a preference loss reads from a micro-batch: per-sequence completion log-prob sums (pairs
+    interleaved chosen, rejected; kto: one per example), their token counts, ORPO's batch NLL (or
+    None), the reference's sums `ref` (dpo, ipo, kto), kto's labels and reference point `z0`."""
+
+    sums: torch.Tensor
+    counts: torch.Tensor
+    nll: tuple | None = None
+    ref: torch.Tensor | None = None
+    desirable: torch.Tensor | None = None
+    z0: torch.Tensor | None = None
+
+
+def _dpo(s: SequenceScores, settings) -> losses.PreferenceLoss:
     return losses.dpo_loss(
-        sums[0::2], sums[1::2], ref[0::2], ref[1::2],
-        beta=train.beta, label_smoothing=train.label_smoothing, smoothing=train.dpo_smoothing,
+        s.sums[0::2], s.sums[1::2], s.ref[0::2], s.ref[1::2],
+        beta=settings.beta, label_smoothing=settings.label_smoothing, smoothing=settings.dpo_smoothing,
     )  # fmt: skip
+
+
+def _ipo(s: SequenceScores, settings) -> losses.PreferenceLoss:
+    return losses.ipo_loss(
+        s.sums[0::2],
+        s.sums[1::2],
+        s.ref[0::2],
+        s.ref[1::2],
+        s.counts[0::2],
+        s.counts[1::2],
+        beta=settings.beta,
+    )
+
+
+def _simpo(s: SequenceScores, settings) -> losses.PreferenceLoss:
+    return losses.simpo_loss(
+        s.sums[0::2], s.sums[1::2], s.counts[0::2], s.counts[1::2],
+        beta=settings.beta, gamma=settings.simpo_gamma, label_smoothing=settings.label_smoothing,
+    )  # fmt: skip
+
+
+def _orpo(s: SequenceScores, settings) -> losses.PreferenceLoss:
+    nll_sums, nll_counts = s.nll if s.nll is not None else (s.sums[0::2], s.counts[0::2])
+    return losses.orpo_loss(
+        s.sums[0::2], s.sums[1::2], s.counts[0::2], s.counts[1::2], nll_sums, nll_counts,
+        beta=settings.beta, nll_reduction=settings.orpo_nll_reduction,
+    )  # fmt: skip
+
+
+def _kto(s: SequenceScores, settings) -> losses.PreferenceLoss:
+    return losses.kto_loss(
+        s.sums, s.ref, s.desirable, s.z0,
+        beta=settings.beta, desirable_weight=settings.kto_desirable_weight,
+        undesirable_weight=settings.kto_undesirable_weight,
+    )  # fmt: skip
+
+
+LOSSES: dict[str, Callable[[SequenceScores, Any], losses.PreferenceLoss]] = {
+    "dpo": _dpo,
+    "ipo": _ipo,
+    "simpo": _simpo,
+    "orpo": _orpo,
+    "kto": _kto,
+}
+"""Each preference objective's per-pair (kto: per-example) losses, by name (the objective table's)."""
 
 
 def unit_values(

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from finetune.accelerate_config import (
     ACCELERATE_CONFIGS,
-    Engine,
+    DistributedSetup,
     read_accelerate_config,
     resolve_accelerate_config,
 )
@@ -51,7 +51,7 @@ class Estimate:
 def estimate(
     inv: ModelInventory,
     recipe: Recipe,
-    engine: Engine,
+    engine: DistributedSetup,
     *,
     micro_batch_size: int,
     checkpointing: bool,
@@ -132,7 +132,7 @@ class Suggestion:
     lines: tuple[str, ...] = ()
 
 
-def suggest(inv: ModelInventory, recipe: Recipe, engine: Engine, gpu_memory: float) -> Suggestion:
+def suggest(inv: ModelInventory, recipe: Recipe, engine: DistributedSetup, gpu_memory: float) -> Suggestion:
     """Largest micro_batch_size dividing the per-device rows (micro x accumulation) that fits, so
     micro x accumulation x GPUs stays the recipe's global batch; checkpointing is turned on only
     when nothing fits without it; if micro 1 does not fit either, other engines and QLoRA are tried."""
@@ -141,7 +141,7 @@ def suggest(inv: ModelInventory, recipe: Recipe, engine: Engine, gpu_memory: flo
     global_batch = rows * engine.num_processes
     adapter = adapter_counts(inv, recipe.lora)
 
-    def fits(micro: int, ckpt: bool, eng: Engine = engine, rec: Recipe = recipe) -> bool:
+    def fits(micro: int, ckpt: bool, eng: DistributedSetup = engine, rec: Recipe = recipe) -> bool:
         ad = adapter if rec is recipe else adapter_counts(inv, rec.lora)
         est = estimate(inv, rec, eng, micro_batch_size=micro, checkpointing=ckpt, adapter=ad)
         return est.total_gpu <= gpu_memory
@@ -173,7 +173,12 @@ def suggest(inv: ModelInventory, recipe: Recipe, engine: Engine, gpu_memory: flo
 
 
 def _batch_suggestion(
-    recipe: Recipe, engine: Engine, global_batch: int, micro: int, ckpt: bool, fits_without_ckpt: bool
+    recipe: Recipe,
+    engine: DistributedSetup,
+    global_batch: int,
+    micro: int,
+    ckpt: bool,
+    fits_without_ckpt: bool,
 ) -> Suggestion:
     train = recipe.train
     accumulation = global_batch // (micro * engine.num_processes)
@@ -200,17 +205,19 @@ def _batch_suggestion(
     return Suggestion(global_batch, micro, accumulation, ckpt, lines=tuple(lines))
 
 
-def _alternatives(recipe: Recipe, engine: Engine) -> list[tuple[str, Engine, Recipe, str]]:
+def _alternatives(
+    recipe: Recipe, engine: DistributedSetup
+) -> list[tuple[str, DistributedSetup, Recipe, str]]:
     """Other engines (named as the shipped configs) and QLoRA, in order of how much they change."""
     common = {"num_processes": engine.num_processes, "num_machines": engine.num_machines}
     cpu = {"offload_optimizer": "cpu", "offload_params": "cpu"}
     engines = [
-        ("zero2", Engine("deepspeed", zero_stage=2, **common)),
-        ("zero3", Engine("deepspeed", zero_stage=3, **common)),
-        ("fsdp2", Engine("fsdp", zero_stage=3, **common)),
-        ("zero2_offload", Engine("deepspeed", zero_stage=2, offload_optimizer="cpu", **common)),
-        ("zero3_offload", Engine("deepspeed", zero_stage=3, **cpu, **common)),
-        ("fsdp2_offload", Engine("fsdp", zero_stage=3, **cpu, **common)),
+        ("zero2", DistributedSetup("deepspeed", zero_stage=2, **common)),
+        ("zero3", DistributedSetup("deepspeed", zero_stage=3, **common)),
+        ("fsdp2", DistributedSetup("fsdp", zero_stage=3, **common)),
+        ("zero2_offload", DistributedSetup("deepspeed", zero_stage=2, offload_optimizer="cpu", **common)),
+        ("zero3_offload", DistributedSetup("deepspeed", zero_stage=3, **cpu, **common)),
+        ("fsdp2_offload", DistributedSetup("fsdp", zero_stage=3, **cpu, **common)),
     ]
     out = []
     for name, eng in engines:
@@ -234,7 +241,7 @@ class Plan:
     """The whole answer of `finetune plan`."""
 
     recipe_path: str
-    engine: Engine
+    engine: DistributedSetup
     inventory: ModelInventory
     adapter: Adapter
     micro_batch_size: int
@@ -314,7 +321,9 @@ def gpu_memory_bytes(text: str | None) -> tuple[int, str]:
     return DEFAULT_GPU_MEMORY, "default 80 GiB: no CUDA device visible (set --gpu-memory)"
 
 
-def _assumptions(recipe: Recipe, engine: Engine, est: Estimate, memory_source: str) -> tuple[str, ...]:
+def _assumptions(
+    recipe: Recipe, engine: DistributedSetup, est: Estimate, memory_source: str
+) -> tuple[str, ...]:
     attn = recipe.model.attn_implementation
     out = [
         f"model states as this codebase holds them: {est.layout.states.weight_format}, "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.accelerate_config import Engine
+from finetune.accelerate_config import DistributedSetup
 from finetune.plan.inventory import Adapter, ModelInventory, qlora_bytes_per_param
 from finetune.recipe import Recipe
 
@@ -53,7 +53,7 @@ def _optimizer_bytes(name: str, params: float, weight_bytes: float) -> tuple[flo
 
 
 def model_states(
-    inv: ModelInventory, adapter: Adapter, recipe: Recipe, engine: Engine, *, checkpointing: bool
+    inv: ModelInventory, adapter: Adapter, recipe: Recipe, engine: DistributedSetup, *, checkpointing: bool
 ) -> Layout:
     """The bytes this codebase holds, from finetune/model.py, PEFT, accelerate and DeepSpeed:
 
@@ -156,7 +156,7 @@ class Part:
     nvme_bytes: float = 0.0
 
 
-def shard_states(states: States, engine: Engine) -> list[Part]:
+def shard_states(states: States, engine: DistributedSetup) -> list[Part]:
     """Weights, gradients and optimizer states per device under the engine's sharding and offload.
 
     ZeRO-1 shards optimizer states, ZeRO-2 also gradients, ZeRO-3 and FSDP also weights (frozen ones
@@ -206,7 +206,7 @@ def shard_states(states: States, engine: Engine) -> list[Part]:
 
 
 def gathered_bytes(
-    inv: ModelInventory, layout: Layout, engine: Engine, trainable_fraction: float
+    inv: ModelInventory, layout: Layout, engine: DistributedSetup, trainable_fraction: float
 ) -> Part | None:
     """The unsharded working set of ZeRO-3 / FSDP: one unit in use plus one prefetched, and one
     layer's unsharded gradients before the reduce-scatter. FSDP2's root unit (embeddings, final norm,

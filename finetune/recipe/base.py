@@ -9,12 +9,19 @@ validation, in one visible step (finetune.recipe.defaults).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 
 Problem = tuple[str, Any, str]  # (dotted path relative to the section, bad value, message)
+
+# Resume: a field marked `Field(..., **FIXED_ON_RESUME)` may not change when a run resumes from a
+# checkpoint, because the run continues the checkpoint's optimizer state, LR schedule, data order or
+# model (finetune.recipe.resume). A section whose `fixed_on_resume` class attribute is true has every
+# field fixed except those marked `**FREE_ON_RESUME`.
+FIXED_ON_RESUME: dict[str, Any] = {"json_schema_extra": {"fixed_on_resume": True}}
+FREE_ON_RESUME: dict[str, Any] = {"json_schema_extra": {"fixed_on_resume": False}}
 
 
 def _all_ok(*names: str) -> bool:
@@ -26,10 +33,11 @@ class _Section(BaseModel):
     model_config = ConfigDict(
         extra="forbid", validate_default=True, use_attribute_docstrings=False, allow_inf_nan=False
     )
+    fixed_on_resume: ClassVar[bool] = False  # every field fixed on resume (see FIXED_ON_RESUME)
 
     def _warnings(self) -> list[Problem]:
-        """Settings of this section that work but are probably not what was meant (STYLE.md: a
-        warning at start, not an error); same shape as `_problems`. Only called on valid recipes."""
+        """Settings of this section that work but are probably not what was meant (a warning at start,
+        not an error: docs/CONTRIBUTING.md); same shape as `_problems`. Only called on valid recipes."""
         return []
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from finetune.recipe.base import Problem, _Section
+from finetune.recipe.base import FIXED_ON_RESUME, Problem, _Section
 
 DatasetType = Literal[
     "completion",
@@ -146,13 +146,18 @@ class DatasetEntry(_Section):
 
 
 class DataSection(_Section):
-    datasets: list[DatasetEntry] = Field(min_length=1, description="Training datasets, merged in order.")
+    datasets: list[DatasetEntry] = Field(
+        min_length=1, description="Training datasets, merged in order.", **FIXED_ON_RESUME
+    )
     test_datasets: list[DatasetEntry] = Field(
-        default_factory=list, description="Evaluation datasets, same entry format."
+        default_factory=list,
+        description="Evaluation datasets, same entry format.",
+        **FIXED_ON_RESUME,
     )
     val_set_size: int | float | None = Field(
         None,
         description="int = rows, float in (0, 1) = fraction, split off the merged train data with `seed`.",
+        **FIXED_ON_RESUME,
     )
     dataset_prepared_path: str = Field(
         "prepared", description="Cache of prepared datasets, one folder per fingerprint."
@@ -165,31 +170,52 @@ class DataSection(_Section):
         None, ge=1, description="Processes for preprocessing; null = CPU count."
     )
     num_dataset_shards_to_save: int | None = Field(None, ge=1, description="Shard the saved dataset.")
-    sequence_len: int = Field(2048, ge=2, description="Longest sample kept (after the length policy).")
+    sequence_len: int = Field(
+        2048, ge=2, description="Longest sample kept (after the length policy).", **FIXED_ON_RESUME
+    )
     excess_length_strategy: Literal["drop", "truncate", "raise"] = Field(
-        "drop", description="What to do with samples longer than sequence_len."
+        "drop",
+        description="What to do with samples longer than sequence_len.",
+        **FIXED_ON_RESUME,
     )
     on_bad_row: Literal["raise", "skip"] = Field(
-        "raise", description="raise (error names dataset, row, field) or skip (counted in the manifest)."
+        "raise",
+        description="raise (error names dataset, row, field) or skip (counted in the manifest).",
+        **FIXED_ON_RESUME,
     )
-    sample_packing: bool = Field(True, description="Pack samples into rows of sample_packing_sequence_len.")
+    sample_packing: bool = Field(
+        True, description="Pack samples into rows of sample_packing_sequence_len.", **FIXED_ON_RESUME
+    )
     sample_packing_method: Literal["sequential", "multipack"] = Field(
-        "multipack", description="sequential (order-preserving, fast) or multipack (bin packing, best fill)."
+        "multipack",
+        description="sequential (order-preserving, fast) or multipack (bin packing, best fill).",
+        **FIXED_ON_RESUME,
     )
     sample_packing_sequence_len: int | None = Field(
-        None, ge=2, description="Tokens per packed row; null = sequence_len."
+        None,
+        ge=2,
+        description="Tokens per packed row; null = sequence_len.",
+        **FIXED_ON_RESUME,
     )
     sample_packing_group_size: int = Field(
-        100_000, ge=1, description="Samples bin-packed together in one group."
+        100_000,
+        ge=1,
+        description="Samples bin-packed together in one group.",
+        **FIXED_ON_RESUME,
     )
     eval_sample_packing: bool = Field(True, description="Pack eval data too.")
-    pad_to_multiple_of: int = Field(64, ge=1, description="Pad rows to a multiple of this many tokens.")
+    pad_to_multiple_of: int = Field(
+        64, ge=1, description="Pad rows to a multiple of this many tokens.", **FIXED_ON_RESUME
+    )
     shuffle_merged_datasets: bool = Field(
         True,
         description="Shuffle after merging, and the training rows every epoch; false keeps the data's "
         "order (with sequential packing: the file order) in training too.",
+        **FIXED_ON_RESUME,
     )
-    shuffle_before_merging_datasets: bool = Field(True, description="Shuffle each dataset before merging.")
+    shuffle_before_merging_datasets: bool = Field(
+        True, description="Shuffle each dataset before merging.", **FIXED_ON_RESUME
+    )
     dataloader_num_workers: int = Field(2, ge=0, description="DataLoader worker processes.")
     dataloader_prefetch_factor: int | None = Field(
         None,
@@ -198,7 +224,7 @@ class DataSection(_Section):
         "(torch refuses a value without workers).",
     )
     dataloader_pin_memory: bool = Field(True, description="Pin host memory (ignored on CPU).")
-    dataloader_drop_last: bool = Field(True, description="Drop the last incomplete batch.")
+    dataloader_drop_last: bool = Field(True, description="Drop the last incomplete batch.", **FIXED_ON_RESUME)
 
     @property
     def packing_len(self) -> int:

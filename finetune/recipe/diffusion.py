@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from finetune.recipe.base import Problem, _Section
+from finetune.recipe.base import FREE_ON_RESUME, Problem, _Section
 
 # LoRA targets of a diffusion recipe when lora.lora_target_modules is not set: the attention
 # projections, as in diffusers' LoRA examples. UNets (SD 1.x/2.x, SDXL) have only the first four;
@@ -32,6 +32,8 @@ DIFFUSION_DEFAULT_LORA_TARGETS = [
 
 class DiffusionSection(_Section):
     """Text-to-image LoRA / DreamBooth settings (model.kind: diffusion; base pipeline = model.model_path)."""
+
+    fixed_on_resume: ClassVar[bool] = True  # every field, except those marked FREE_ON_RESUME
 
     resolution: int = Field(
         512, ge=8, description="Target side in pixels: buckets hold about resolution^2 pixels."
@@ -136,19 +138,26 @@ class DiffusionSection(_Section):
     validation_prompts: list[str] = Field(
         default_factory=list,
         description="Prompts sampled every validation_steps and at the end (output_dir/samples/).",
+        **FREE_ON_RESUME,
     )
     validation_steps: int | None = Field(
         None,
         ge=1,
         description="Sample the validation prompts every N optimizer steps; null = only at the end.",
+        **FREE_ON_RESUME,
     )
-    num_validation_images: int = Field(2, ge=1, description="Images generated per validation prompt.")
-    validation_inference_steps: int = Field(25, ge=1, description="Denoising steps per validation image.")
+    num_validation_images: int = Field(
+        2, ge=1, description="Images generated per validation prompt.", **FREE_ON_RESUME
+    )
+    validation_inference_steps: int = Field(
+        25, ge=1, description="Denoising steps per validation image.", **FREE_ON_RESUME
+    )
     validation_guidance_scale: float = Field(
         7.5,
         ge=0,
         description="Classifier-free guidance scale (Flux: the pipeline's embedded guidance_scale, "
         "3.5 for FLUX.1-dev; no effect on FLUX.1-schnell).",
+        **FREE_ON_RESUME,
     )
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:

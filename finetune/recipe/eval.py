@@ -10,7 +10,7 @@ from pydantic import Field
 
 from finetune.recipe.base import Problem, _Section
 
-# GSM8K answers end with "#### <number>" (finetune.evaluation.metrics.GSM8K_ANSWER_PATTERN).
+# GSM8K answers end with "#### <number>" (finetune.generation.metrics.GSM8K_ANSWER_PATTERN).
 DEFAULT_ANSWER_PATTERN = r"####\s*\$?\s*(-?[\d,.]+)"
 
 

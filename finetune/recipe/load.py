@@ -101,13 +101,16 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     bad value, what is allowed, and where it came from: the recipe line or the override).
     """
     from finetune.recipe.errors import format_validation_error
+    from finetune.recipe.moved import migrate, migrate_override_args
     from finetune.recipe.overrides import apply_valid_overrides, override_paths
     from finetune.recipe.yaml_io import key_lines, read_yaml
 
     data = read_yaml(Path(path))
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe is a mapping with sections model, data, train, lora, hub")
-    data, bad_overrides, applied = apply_valid_overrides(data, list(overrides), Recipe)
+    data, moved = migrate(data)
+    overrides, moved_overrides = migrate_override_args(list(overrides))
+    data, bad_overrides, applied = apply_valid_overrides(data, overrides, Recipe)
     data = resolve_defaults(data)
     try:
         recipe = Recipe.model_validate(data)
@@ -130,13 +133,14 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
         raise RecipeError(
             f"{len(bad_overrides)} bad overrides:\n" + "\n".join(f"  - {p}" for p in bad_overrides)
         )
+    recipe.moved_settings = [*moved, *moved_overrides]
     return recipe
 
 
 def recipe_warnings(recipe: Recipe) -> list[str]:
     """What the recipe asks for that works but is probably not what was meant, one line each
     (`path: message`), from every section's `_warnings` and the cross-section ones."""
-    found: list[str] = []
+    found: list[str] = list(recipe.moved_settings)
 
     def walk(node: BaseModel, prefix: str) -> None:
         found.extend(f"{prefix}{path} ({value!r}): {message}" for path, value, message in node._warnings())
@@ -154,9 +158,14 @@ def recipe_warnings(recipe: Recipe) -> list[str]:
 
 
 def validate_recipe(data: dict[str, Any]) -> Recipe:
-    """A recipe from a mapping already in memory: defaults filled in, then validated (raises pydantic's
-    ValidationError; `load_recipe` formats it for people)."""
-    return Recipe.model_validate(resolve_defaults(data))
+    """A recipe from a mapping already in memory: moved settings and defaults filled in, then validated
+    (raises pydantic's ValidationError; `load_recipe` formats it for people)."""
+    from finetune.recipe.moved import migrate
+
+    data, moved = migrate(data)
+    recipe = Recipe.model_validate(resolve_defaults(data))
+    recipe.moved_settings = moved
+    return recipe
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -11,6 +11,8 @@ from finetune.recipe.base import Problem, _Section
 
 
 class LoraSection(_Section):
+    fixed_on_resume: ClassVar[bool] = True  # every field, except those marked FREE_ON_RESUME
+
     enable_lora: bool = Field(False, description="Inject LoRA adapters with PEFT.")
     lora_rank: int = Field(16, ge=1, description="LoRA rank r.")
     lora_alpha: float = Field(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -52,6 +52,8 @@ class SpecialTokens(_Section):
 
 
 class ModelSection(_Section):
+    fixed_on_resume: ClassVar[bool] = True  # every field, except those marked FREE_ON_RESUME
+
     model_path: str | None = Field(
         None,
         description="Hub id or local directory of pretrained weights; null with `config_path` = random "

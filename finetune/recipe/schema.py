@@ -5,16 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 from finetune.recipe.base import Problem, _Section
-from finetune.recipe.data import IMAGE_DATASET_TYPES, PREFERENCE_DATASET_TYPES, DataSection
+from finetune.recipe.data import IMAGE_DATASET_TYPES, DataSection
 from finetune.recipe.diffusion import DiffusionSection
 from finetune.recipe.eval import EvalSection
 from finetune.recipe.hub import HubSection
 from finetune.recipe.lora import LoraSection
 from finetune.recipe.model import ModelSection
-from finetune.recipe.train import PAIRED_OBJECTIVES, TrainSection
+from finetune.recipe.objectives import OBJECTIVES, describe, objective_settings, readers, trained_on
+from finetune.recipe.preference import PreferenceSection
+from finetune.recipe.train import TrainSection
 
 # Fields whose behaviour has not landed yet: a non-default value is rejected with this reason, so
 # an accepted field always works (never silently ignored). Paths use `*` for list items.
@@ -33,12 +35,40 @@ class Recipe(_Section):
         default_factory=EvalSection,
         description="Generation sets scored by `finetune eval` and during training.",
     )
+    preference: PreferenceSection = Field(
+        default_factory=PreferenceSection,
+        description="Settings of the preference objectives (train.objective dpo, ipo, simpo, orpo, kto).",
+    )
     diffusion: DiffusionSection | None = Field(
         None, description="Diffusion fine-tuning settings (model.kind: diffusion); null for LLM recipes."
     )
+    # Notes on settings read from where they used to live (finetune.recipe.moved): said as warnings.
+    _moved_settings: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def moved_settings(self) -> list[str]:
+        """`old moved to new` notes for settings this recipe wrote at their old place."""
+        return self._moved_settings
+
+    @moved_settings.setter
+    def moved_settings(self, notes: list[str]) -> None:
+        self._moved_settings = list(notes)
 
     def _warnings(self) -> list[Problem]:
         found: list[Problem] = []
+        settings = self.preference
+        if (
+            self.train.objective == "dpo"
+            and settings.dpo_smoothing != "conservative"
+            and not settings.label_smoothing
+        ):
+            found.append(
+                (
+                    "preference.dpo_smoothing",
+                    settings.dpo_smoothing,
+                    "has no effect without label_smoothing > 0",
+                )
+            )
         if (
             not self.model.special_tokens.is_empty()
             and self.lora.enable_lora
@@ -66,6 +96,7 @@ class Recipe(_Section):
         problems = list(_unsupported_problems(self, ok))
         problems += diffusion_problems(self, ok)
         problems += objective_problems(self, ok)
+        problems += objective_setting_problems(self, ok)
         if ok("model.torch_dtype", "train.mixed_precision", "lora.enable_lora", "lora.enable_qlora"):
             problems += _precision_problems(self.model.torch_dtype, self.train.mixed_precision, self.lora)
         if ok("hub.strategy", "hub.model_id") and self.hub.strategy == "every_save" and not self.hub.model_id:
@@ -228,41 +259,45 @@ def diffusion_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
 
 
 def objective_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
-    """Dataset types that do not fit train.objective, and what a preference objective needs.
+    """Dataset types that do not fit train.objective (the objective table says what each trains on),
+    and kto's packing.
 
-    sft trains on text types; dpo, ipo, simpo and orpo on `preference` pairs; kto on `kto` examples,
-    packed (its KL reference point comes from mismatched completions within each packed row).
+    sft trains on any text type; every other objective on its own data type (dpo, ipo, simpo and orpo
+    on `preference` pairs, kto on `kto` examples, packed: its KL reference point comes from mismatched
+    completions within each packed row).
     """
     if not ok("train.objective", "model.kind"):
         return []
-    objective = recipe.train.objective
+    spec = OBJECTIVES[recipe.train.objective]
     if recipe.model.kind == "diffusion":
-        if objective != "sft":
-            return [("train.objective", objective, "preference objectives train LLMs, not diffusion models")]
+        if spec.name != "sft":
+            return [("train.objective", spec.name, "preference objectives train LLMs, not diffusion models")]
         return []
-    wanted = "preference" if objective in PAIRED_OBJECTIVES else "kto" if objective == "kto" else None
+    owned = {o.data_type for o in OBJECTIVES.values() if o.data_type is not None}
     problems: list[Problem] = []
     for key in ("datasets", "test_datasets"):
         for i, entry in enumerate(getattr(recipe.data, key) if ok(f"data.{key}") else []):
             if entry is None or not ok(f"data.{key}.{i}.type") or entry.type in IMAGE_DATASET_TYPES:
                 continue
-            if wanted is None and entry.type in PREFERENCE_DATASET_TYPES:
-                owners = "dpo, ipo, simpo or orpo" if entry.type == "preference" else "kto"
-                problems.append((f"data.{key}.{i}.type", entry.type, f"needs train.objective {owners}"))
-            elif wanted is not None and entry.type != wanted:
-                what = {
-                    "preference": "pairs (prompt, chosen, rejected)",
-                    "kto": "examples (prompt, completion, label)",
-                }
+            if spec.data_type is None and entry.type in owned:
                 problems.append(
                     (
                         f"data.{key}.{i}.type",
                         entry.type,
-                        f"train.objective {objective} trains on {what[wanted]}: use type {wanted}",
+                        f"needs train.objective {describe(trained_on(entry.type))}",
+                    )
+                )
+            elif spec.data_type is not None and entry.type != spec.data_type:
+                problems.append(
+                    (
+                        f"data.{key}.{i}.type",
+                        entry.type,
+                        f"train.objective {spec.name} trains on {_DATA_SHAPES[spec.data_type]}: use type "
+                        f"{spec.data_type}",
                     )
                 )
     packing = ("data.sample_packing", "data.eval_sample_packing", "data.test_datasets", "data.val_set_size")
-    if objective == "kto" and ok(*packing):
+    if spec.kind == "unpaired" and ok(*packing):
         has_eval = bool(recipe.data.test_datasets) or bool(recipe.data.val_set_size)
         for name in ("sample_packing", "eval_sample_packing"):
             if not getattr(recipe.data, name) and (name == "sample_packing" or has_eval):
@@ -270,8 +305,40 @@ def objective_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
                     (
                         f"data.{name}",
                         False,
-                        "kto estimates its KL reference point from mismatched completions within each packed "
-                        "row (as TRL does within a batch): set it true",
+                        f"{spec.name} estimates its KL reference point from mismatched completions within each "
+                        "packed row (as TRL does within a batch): set it true",
                     )
                 )
+    return problems
+
+
+_DATA_SHAPES = {
+    "preference": "pairs (prompt, chosen, rejected)",
+    "kto": "examples (prompt, completion, label)",
+}
+
+
+def objective_setting_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
+    """An objective's setting (objective table: `settings`) changed from its default under another
+    objective: an error naming the objectives that read it (never silently ignored)."""
+    if not ok("train.objective"):
+        return []
+    objective = recipe.train.objective
+    problems: list[Problem] = []
+    for path in objective_settings():
+        section_name, name = path.split(".")
+        section = getattr(recipe, section_name, None)
+        if section is None or not ok(path) or objective in readers(path):
+            continue
+        value = getattr(section, name)
+        if value == type(section).model_fields[name].get_default(call_default_factory=True):
+            continue
+        problems.append(
+            (
+                path,
+                value,
+                f"belongs to train.objective {' / '.join(readers(path))}, not {objective!r}; remove it or "
+                "change the objective",
+            )
+        )
     return problems

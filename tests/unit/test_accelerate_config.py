@@ -1,4 +1,4 @@
-"""Reading accelerate configs into an Engine: plain, FSDP and DeepSpeed configs, with Accelerate's
+"""Reading accelerate configs into an DistributedSetup: plain, FSDP and DeepSpeed configs, with Accelerate's
 defaults and the command line's process counts."""
 
 from __future__ import annotations
@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from finetune.accelerate_config import ACCELERATE_CONFIGS, Engine, engine_from_env, read_accelerate_config
+from finetune.accelerate_config import (
+    ACCELERATE_CONFIGS,
+    DistributedSetup,
+    read_accelerate_config,
+    setup_from_env,
+)
 from finetune.errors import FinetuneError
 from finetune.plan import States, shard_states
 from tests.launch_env import launch_env
@@ -22,7 +27,7 @@ def _write(path: Path, text: str) -> Path:
 
 
 def test_engine_defaults_and_plain_configs(tmp_path):
-    assert read_accelerate_config(None) == Engine()
+    assert read_accelerate_config(None) == DistributedSetup()
     assert read_accelerate_config(None, num_processes=4).kind == "ddp"
     ddp = read_accelerate_config(
         _write(tmp_path / "a.yaml", "distributed_type: MULTI_GPU\nnum_processes: 8\n")
@@ -163,7 +168,7 @@ def test_deepspeed_json_found_beside_the_config(tmp_path: Path):
 )
 def test_launch_environment_describes_the_same_engine(name: str):
     from_file = read_accelerate_config(ACCELERATE_CONFIGS / f"{name}.yaml")
-    from_env = engine_from_env(launch_env(name))
+    from_env = setup_from_env(launch_env(name))
     for field in (
         "kind",
         "zero_stage",

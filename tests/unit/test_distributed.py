@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from finetune.accelerate_config import ACCELERATE_CONFIGS, Engine, read_accelerate_config
+from finetune.accelerate_config import ACCELERATE_CONFIGS, DistributedSetup, read_accelerate_config
 from finetune.distributed import (
     accelerator_kwargs,
     combination_problems,
@@ -31,7 +31,7 @@ def _recipe(**train) -> Recipe:
     )
 
 
-def problems(recipe: Recipe, engine: Engine, *, cuda_available: bool) -> list[str]:
+def problems(recipe: Recipe, engine: DistributedSetup, *, cuda_available: bool) -> list[str]:
     return combination_problems(
         engine,
         recipe.train,
@@ -112,7 +112,7 @@ def test_deepspeed_plugin_is_accelerates(monkeypatch: pytest.MonkeyPatch):
     """The plugin Accelerate runs holds the recipe's values and the JSON's ZeRO settings."""
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true")
     engine = read_accelerate_config(ACCELERATE_CONFIGS / "zero3_offload.yaml")
-    engine = Engine(**{**engine.__dict__, "num_processes": 4})
+    engine = DistributedSetup(**{**engine.__dict__, "num_processes": 4})
     recipe = _recipe(micro_batch_size=2, gradient_accumulation_steps=3, mixed_precision="bf16")
     plugin = accelerator_kwargs(recipe.train, engine)["deepspeed_plugin"]
     assert plugin.zero_stage == 3 and plugin.zero3_init_flag is True
@@ -121,7 +121,7 @@ def test_deepspeed_plugin_is_accelerates(monkeypatch: pytest.MonkeyPatch):
     config = plugin.deepspeed_config
     assert config["train_batch_size"] == 2 * 3 * 4 and config["train_micro_batch_size_per_gpu"] == 2
     assert config["bf16"]["enabled"] is True
-    assert accelerator_kwargs(recipe.train, Engine(kind="ddp", num_processes=2)) == {}
+    assert accelerator_kwargs(recipe.train, DistributedSetup(kind="ddp", num_processes=2)) == {}
 
 
 # --------------------------------------------------------- translation through accelerate launch
@@ -174,7 +174,7 @@ def test_refusals_name_the_fix():
     (problem,) = problems(recipe, fsdp, cuda_available=False)
     assert "needs CUDA GPUs" in problem and "multi_cpu" in problem and "zero" in problem
     assert problems(recipe, fsdp, cuda_available=True) == []
-    fsdp1 = Engine(kind="fsdp", fsdp_version=1, source="old.yaml")
+    fsdp1 = DistributedSetup(kind="fsdp", fsdp_version=1, source="old.yaml")
     assert any("fsdp_version 1 is not supported" in p for p in problems(recipe, fsdp1, cuda_available=True))
     offload = read_accelerate_config(ACCELERATE_CONFIGS / "zero2_offload.yaml")
     (problem,) = problems(_recipe(optimizer="adamw_8bit"), offload, cuda_available=True)
@@ -184,7 +184,7 @@ def test_refusals_name_the_fix():
     )
     (problem,) = problems(qlora, fsdp, cuda_available=True)
     assert "mixed_precision: bf16" in problem
-    ddp_cpu = Engine(kind="deepspeed", zero_stage=2, use_cpu=True, source="cpu_ds.yaml")
+    ddp_cpu = DistributedSetup(kind="deepspeed", zero_stage=2, use_cpu=True, source="cpu_ds.yaml")
     assert any(
         "use_cpu (or ACCELERATE_USE_CPU=true) cannot be combined" in p
         for p in problems(recipe, ddp_cpu, cuda_available=False)
@@ -192,7 +192,7 @@ def test_refusals_name_the_fix():
     for name in ("zero1", "zero2", "zero3", "multi_cpu", "single_gpu"):
         engine = read_accelerate_config(ACCELERATE_CONFIGS / f"{name}.yaml")
         if engine.kind == "deepspeed":  # one process on CPU (see the next test)
-            engine = Engine(**{**engine.__dict__, "num_processes": 1})
+            engine = DistributedSetup(**{**engine.__dict__, "num_processes": 1})
         assert problems(recipe, engine, cuda_available=False) == [], name
 
 
@@ -215,11 +215,11 @@ def test_diffusion_runs_on_one_process_or_ddp():
 
 def test_deepspeed_without_gpus_is_one_process():
     recipe = _recipe()
-    engine = Engine(
+    engine = DistributedSetup(
         **{**read_accelerate_config(ACCELERATE_CONFIGS / "zero3.yaml").__dict__, "num_processes": 2}
     )
     (problem,) = problems(recipe, engine, cuda_available=False)
     assert "DeepSpeed without GPUs runs one process, not 2" in problem and "--num-processes 1" in problem
     assert problems(recipe, engine, cuda_available=True) == []
-    one = Engine(**{**engine.__dict__, "num_processes": 1})
+    one = DistributedSetup(**{**engine.__dict__, "num_processes": 1})
     assert problems(recipe, one, cuda_available=False) == []

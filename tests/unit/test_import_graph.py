@@ -1,4 +1,4 @@
-"""No import cycles in finetune/: a module never imports one that imports it back (STYLE.md).
+"""No import cycles in finetune/: a module never imports one that imports it back (docs/CONTRIBUTING.md).
 
 The graph is built from the source with ast, counting every import (module level and inside
 functions alike: a function-level import only postpones a cycle, it does not remove it). A package
@@ -76,3 +76,59 @@ def test_the_graph_sees_function_level_and_relative_imports():
     graph = import_graph()
     assert "finetune.engine.loop" in graph["finetune.train"] or "finetune.engine" in graph["finetune.train"]
     assert "finetune.errors" in graph["finetune.recipe.load"]
+
+
+# The layers of finetune/, top to bottom (docs/CONTRIBUTING.md): a module imports only modules of its
+# own layer or below. A package's modules share its layer; `finetune` (the package __init__) is below all.
+LAYERS: list[tuple[str, ...]] = [
+    ("cli", "train", "evaluation"),
+    ("objectives",),
+    ("engine", "generation"),
+    ("diffusion", "plan"),
+    ("data",),
+    (
+        "model", "model_card", "optim", "checkpoint", "hub", "metrics", "distributed", "accelerate_config",
+        "launcher", "losses",
+    ),
+    ("recipe",),
+    ("gguf", "errors", "notices", "quiet", "constants", "trackers"),
+]  # fmt: skip
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:  # the finetune package itself
+        return len(LAYERS)
+    for index, names in enumerate(LAYERS):
+        if parts[1] in names:
+            return index
+    raise AssertionError(
+        f"{module} is in no layer: add finetune/{parts[1]} to LAYERS (and to CONTRIBUTING.md)"
+    )
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if layer_of(b) < layer_of(a))
+
+
+def test_every_import_points_down_or_sideways():
+    arrows = upward_arrows(import_graph())
+    assert not arrows, "imports that point up the layers:\n  " + "\n  ".join(arrows)
+
+
+def test_the_layer_check_sees_a_planted_upward_arrow():
+    assert upward_arrows({"finetune.recipe.load": {"finetune.engine.loop"}}) == [
+        "finetune.recipe.load -> finetune.engine.loop"
+    ]
+    assert upward_arrows({"finetune.engine.loop": {"finetune.recipe.load"}}) == []
+
+
+def test_engine_and_generation_do_not_import_each_other():
+    graph = import_graph()
+    crossing = [
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        for b in targets
+        if {(a.split(".") + [""])[1], (b.split(".") + [""])[1]} == {"engine", "generation"}
+    ]
+    assert not crossing, crossing

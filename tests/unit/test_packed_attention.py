@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from finetune.data.collate import collate_rows
-from finetune.objectives.causal_lm import forward
+from finetune.losses.causal_lm import forward
 from tests.tiny import sequences, tiny_model
 
 ATTN = ["eager", "sdpa"]

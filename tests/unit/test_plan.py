@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from finetune.accelerate_config import Engine
+from finetune.accelerate_config import DistributedSetup
 from finetune.cli import main
 from finetune.data.collate import collate_rows
 from finetune.errors import FinetuneError
@@ -98,7 +98,7 @@ def _total(parts) -> float:
 def test_zero_paper_figures(stage, expected_bytes, paper_gb):
     # Mixed-precision Adam: 2P fp16 weights + 2P grads + 12P fp32 master/momentum/variance.
     states = States(trainable_params=P, weights=2 * P, grads=2 * P, optimizer=12 * P)
-    parts = shard_states(states, Engine("deepspeed", num_processes=N, zero_stage=stage))
+    parts = shard_states(states, DistributedSetup("deepspeed", num_processes=N, zero_stage=stage))
     assert _total(parts) == pytest.approx(expected_bytes, rel=1e-12)
     assert round(_total(parts) / 1e9, 1) == paper_gb
 
@@ -108,17 +108,22 @@ def test_deepspeed_model_states_are_the_paper_s():
     recipe = _recipe({"mixed_precision": "bf16"})
     inv = _bare_inventory(P)
     layout = model_states(
-        inv, Adapter(), recipe, Engine("deepspeed", num_processes=N, zero_stage=0), checkpointing=False
+        inv,
+        Adapter(),
+        recipe,
+        DistributedSetup("deepspeed", num_processes=N, zero_stage=0),
+        checkpointing=False,
     )
     assert (layout.states.weights, layout.states.grads, layout.states.optimizer) == (2 * P, 2 * P, 12 * P)
     expected = {0: 16 * P, 1: 4 * P + 12 * P / N, 2: 2 * P + 14 * P / N, 3: 16 * P / N}
     for stage, nbytes in expected.items():
-        engine = Engine("deepspeed", num_processes=N, zero_stage=stage)
+        engine = DistributedSetup("deepspeed", num_processes=N, zero_stage=stage)
         states = model_states(inv, Adapter(), recipe, engine, checkpointing=False).states
         by_part = {p.name: p.gpu_bytes for p in shard_states(states, engine)}
         assert sum(by_part.values()) == pytest.approx(nbytes, rel=1e-12)
     zero1 = {
-        p.name: p.gpu_bytes for p in shard_states(states, Engine("deepspeed", num_processes=N, zero_stage=1))
+        p.name: p.gpu_bytes
+        for p in shard_states(states, DistributedSetup("deepspeed", num_processes=N, zero_stage=1))
     }
     assert zero1 == pytest.approx({"weights": 2 * P, "gradients": 2 * P, "optimizer states": 12 * P / N})
 
@@ -127,10 +132,12 @@ def test_ddp_and_fsdp_hold_fp32_weights_without_deepspeed():
     """torch_dtype auto + bf16: fp32 weights, fp32 grads, fp32 AdamW states = 16P, sharded 16P/N by FSDP."""
     recipe = _recipe({"mixed_precision": "bf16"})
     inv = _bare_inventory(P)
-    ddp = model_states(inv, Adapter(), recipe, Engine("ddp", num_processes=8), checkpointing=False).states
+    ddp = model_states(
+        inv, Adapter(), recipe, DistributedSetup("ddp", num_processes=8), checkpointing=False
+    ).states
     assert (ddp.weights, ddp.grads, ddp.optimizer) == (4 * P, 4 * P, 8 * P)
-    assert _total(shard_states(ddp, Engine("ddp", num_processes=8))) == 16 * P
-    fsdp = Engine("fsdp", num_processes=8, zero_stage=3)
+    assert _total(shard_states(ddp, DistributedSetup("ddp", num_processes=8))) == 16 * P
+    fsdp = DistributedSetup("fsdp", num_processes=8, zero_stage=3)
     states = model_states(inv, Adapter(), recipe, fsdp, checkpointing=False).states
     assert _total(shard_states(states, fsdp)) == pytest.approx(16 * P / 8)
     sgd = _recipe({"mixed_precision": "bf16", "optimizer": "sgd"})
@@ -142,15 +149,19 @@ def test_offload_moves_states_to_the_host():
     zero2 = {
         p.name: p
         for p in shard_states(
-            states, Engine("deepspeed", num_processes=8, zero_stage=2, offload_optimizer="cpu")
+            states, DistributedSetup("deepspeed", num_processes=8, zero_stage=2, offload_optimizer="cpu")
         )
     }
     assert zero2["weights"].gpu_bytes == 2 * P and zero2["optimizer states"].gpu_bytes == 0
     assert zero2["optimizer states"].host_bytes == 12 * P / 8
     assert zero2["gradients"].host_bytes == 4 * P / 8  # the fp32 gradient partition
-    zero3 = Engine("deepspeed", num_processes=8, zero_stage=3, offload_optimizer="cpu", offload_params="cpu")
+    zero3 = DistributedSetup(
+        "deepspeed", num_processes=8, zero_stage=3, offload_optimizer="cpu", offload_params="cpu"
+    )
     assert _total(shard_states(states, zero3)) == 0
-    fsdp = Engine("fsdp", num_processes=8, zero_stage=3, offload_optimizer="cpu", offload_params="cpu")
+    fsdp = DistributedSetup(
+        "fsdp", num_processes=8, zero_stage=3, offload_optimizer="cpu", offload_params="cpu"
+    )
     assert sum(p.host_bytes for p in shard_states(states, fsdp)) == pytest.approx(16 * P / 8)
 
 
@@ -214,7 +225,7 @@ def test_qlora_bytes():
         {"mixed_precision": "bf16"}, {"enable_qlora": True, "double_quant": True}, {"torch_dtype": "bf16"}
     )
     adapter = adapter_counts(inv, recipe.lora)
-    states = model_states(inv, adapter, recipe, Engine(), checkpointing=True).states
+    states = model_states(inv, adapter, recipe, DistributedSetup(), checkpointing=True).states
     linear = sum(
         m.weight.numel() for n, m in net.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"
     )
@@ -302,7 +313,7 @@ def test_predicted_activations_match_saved_tensors(attn, train, lora, model):
         net, _packed_batch(micro, seq, inv.vocab_size), autocast=train["mixed_precision"] != "no"
     )
     recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"sequence_len": seq})})
-    est = estimate(inv, recipe, Engine(), micro_batch_size=micro, checkpointing=False)
+    est = estimate(inv, recipe, DistributedSetup(), micro_batch_size=micro, checkpointing=False)
     predicted = est.activations.saved + est.layout.autocast_copies  # autocast's weight casts are saved too
     assert predicted == pytest.approx(measured, rel=0.15)
 
@@ -313,7 +324,7 @@ def test_predicted_activations_match_saved_tensors(attn, train, lora, model):
 def test_suggestion_keeps_the_global_batch():
     inv = inventory_of(_tiny_llama())
     recipe = _recipe({"micro_batch_size": 2, "gradient_accumulation_steps": 6, "mixed_precision": "bf16"})
-    engine = Engine("ddp", num_processes=4)
+    engine = DistributedSetup("ddp", num_processes=4)
     roomy = suggest(inv, recipe, engine, 80 * GiB)
     assert roomy.global_batch == 2 * 6 * 4
     assert (roomy.micro_batch_size, roomy.gradient_accumulation_steps) == (12, 1)
@@ -330,7 +341,7 @@ def test_suggestion_keeps_the_global_batch():
 def test_suggestion_turns_on_checkpointing_then_names_other_engines():
     inv = inventory_of(_tiny_llama())
     recipe = _recipe({"micro_batch_size": 1, "gradient_accumulation_steps": 2})
-    engine = Engine("single")
+    engine = DistributedSetup("single")
     no_ckpt = estimate(inv, recipe, engine, micro_batch_size=1, checkpointing=False).total_gpu
     ckpt = estimate(inv, recipe, engine, micro_batch_size=1, checkpointing=True).total_gpu
     advice = suggest(inv, recipe, engine, (no_ckpt + ckpt) / 2)

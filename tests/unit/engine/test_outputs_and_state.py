@@ -28,7 +28,7 @@ class _Log:
 
 
 def _run(objective) -> SimpleNamespace:
-    acc = SimpleNamespace(device=torch.device("cpu"), scaler=None, num_processes=1, print=print)
+    acc = SimpleNamespace(device=torch.device("cpu"), scaler=None, num_processes=1, print=print, trackers=[])
     train = SimpleNamespace(mixed_precision="no", report_to=[])
     return SimpleNamespace(
         accelerator=acc, state=LoopState(), train=train, objective=objective, train_loader=[0] * 10

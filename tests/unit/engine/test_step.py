@@ -14,7 +14,7 @@ from accelerate.state import AcceleratorState, GradientState
 from finetune.data.collate import collate_rows
 from finetune.engine.state import LoopState
 from finetune.engine.step import train_step
-from finetune.objectives.causal_lm import CausalLMObjective
+from finetune.objectives.sft import SFTObjective
 from finetune.recipe import validate_recipe
 from tests.tiny import sequences, tiny_model
 
@@ -35,7 +35,7 @@ def _run(model, ga: int, max_grad_norm=None):
     )
 
 
-def _sft() -> CausalLMObjective:
+def _sft() -> SFTObjective:
     recipe = validate_recipe(
         {
             "model": {"model_path": "org/base"},
@@ -43,7 +43,7 @@ def _sft() -> CausalLMObjective:
             "train": {"output_dir": "out"},
         }
     )
-    return CausalLMObjective(recipe)
+    return SFTObjective(recipe)
 
 
 def _rows():

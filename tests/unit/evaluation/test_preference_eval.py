@@ -10,7 +10,7 @@ import torch
 
 from finetune.evaluation.preference import summarize
 
-TRAIN = SimpleNamespace(beta=0.5, label_smoothing=0.0, dpo_smoothing="conservative")
+SETTINGS = SimpleNamespace(beta=0.5, label_smoothing=0.0, dpo_smoothing="conservative")
 
 
 def _scores(sums: list[float], units: list[int]) -> dict:
@@ -29,7 +29,7 @@ def test_dpo_metrics_against_the_reference_and_the_reference_free_preference():
     # pair 3: chosen +2, rejected 0 -> 1.0.
     reference = [_scores([-10, -12, -8, -9], [2]), _scores([-5, -4], [1])]
     policy = [_scores([-9, -13, -8, -7], [2]), _scores([-3, -4], [1])]
-    metrics = summarize(policy, reference, name="dpo", train=TRAIN)
+    metrics = summarize(policy, reference, name="dpo", settings=SETTINGS)
     margins = [1.0, -1.0, 1.0]
     assert metrics["eval_pairs"] == 3
     assert metrics["eval_rewards/margins"] == pytest.approx(sum(margins) / 3)
@@ -44,7 +44,7 @@ def test_dpo_metrics_against_the_reference_and_the_reference_free_preference():
 
 def test_the_base_as_its_own_reference_has_zero_rewards():
     base = [_scores([-10, -12, -8, -9], [2])]
-    metrics = summarize(base, base, name="dpo", train=TRAIN)
+    metrics = summarize(base, base, name="dpo", settings=SETTINGS)
     assert metrics["eval_rewards/margins"] == 0.0 and metrics["eval_rewards/accuracies"] == 0.0
     assert metrics["eval_loss"] == pytest.approx(math.log(2))
     assert metrics["eval_preferred"] == 1.0  # both pairs: chosen has the higher log-prob
@@ -52,4 +52,4 @@ def test_the_base_as_its_own_reference_has_zero_rewards():
 
 def test_objectives_with_a_reference_need_its_scores():
     with pytest.raises(ValueError, match="reference"):
-        summarize([_scores([-1, -2], [1])], None, name="dpo", train=TRAIN)
+        summarize([_scores([-1, -2], [1])], None, name="dpo", settings=SETTINGS)

@@ -8,10 +8,11 @@ import json
 
 import pytest
 
-import finetune.evaluation.generate as generate_mod
+import finetune.generation.sampling as generate_mod
 from finetune.errors import FinetuneError
 from finetune.evaluation.chat import chat
-from finetune.evaluation.report import format_table, load_generation_rows
+from finetune.evaluation.report import format_table
+from finetune.generation.sets import load_generation_rows
 from finetune.recipe import GenerationSet
 
 

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from finetune.data.collate import collate_rows
 from finetune.errors import FinetuneError
 from finetune.losses import preference as pref
-from finetune.objectives.causal_lm import forward
+from finetune.losses.causal_lm import forward
 
 VOCAB = 64
 # fp32 end to end: TRL's fused LM head computes log-probs in fp32 whatever the model dtype.

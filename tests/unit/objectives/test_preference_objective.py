@@ -23,7 +23,7 @@ from finetune.engine.step import train_step
 from finetune.losses import preference as pref
 from finetune.losses.causal_lm import forward
 from finetune.objectives.preference import PreferenceObjective
-from finetune.objectives.reference_logps import cache_path, load_or_compute, reference_key
+from finetune.objectives.reference import cache_path, load_or_compute, reference_key
 from finetune.recipe import validate_recipe
 
 VOCAB, PAD, IGNORE = 64, 0, -100
@@ -64,13 +64,14 @@ def accelerator(ga: int = 1) -> Accelerator:
 
 
 def objective(
-    name: str = "dpo", *, lora: bool = True, kind: str = "preference", **train
+    name: str = "dpo", *, lora: bool = True, kind: str = "preference", **settings
 ) -> PreferenceObjective:
     recipe = validate_recipe(
         {
             "model": {"model_path": "org/base"},
             "data": {"datasets": [{"path": "p.jsonl", "type": kind}]},
-            "train": {"output_dir": "out", "objective": name, **train},
+            "train": {"output_dir": "out", "objective": name},
+            "preference": settings,
             "lora": {"enable_lora": lora},
         }
     )
@@ -151,23 +152,23 @@ def grads(model) -> dict[str, torch.Tensor]:
 # -------------------------------------------------------------------------- loss = pure functions
 
 
-def expected_paired(name: str, policy, reference, pairs, train) -> torch.Tensor:
+def expected_paired(name: str, policy, reference, pairs, settings) -> torch.Tensor:
     chosen, rejected = [c for c, _ in pairs], [r for _, r in pairs]
     sums, counts = padded_sums(policy, chosen + rejected)
     (pc, pr), (nc, nr) = sums.chunk(2), counts.chunk(2)
     if name == "simpo":
-        return pref.simpo_loss(pc, pr, nc, nr, beta=train.beta, gamma=train.simpo_gamma).losses
+        return pref.simpo_loss(pc, pr, nc, nr, beta=settings.beta, gamma=settings.simpo_gamma).losses
     if name == "orpo":
-        nll = padded_sums(policy, chosen, all_tokens=train.orpo_nll_reduction == "batch")
+        nll = padded_sums(policy, chosen, all_tokens=settings.orpo_nll_reduction == "batch")
         return pref.orpo_loss(
-            pc, pr, nc, nr, *nll, beta=train.beta, nll_reduction=train.orpo_nll_reduction
+            pc, pr, nc, nr, *nll, beta=settings.beta, nll_reduction=settings.orpo_nll_reduction
         ).losses
     with torch.no_grad():
         rc, rr = padded_sums(reference, chosen + rejected)[0].chunk(2)
     if name == "ipo":
-        return pref.ipo_loss(pc, pr, rc, rr, nc, nr, beta=train.beta).losses
+        return pref.ipo_loss(pc, pr, rc, rr, nc, nr, beta=settings.beta).losses
     return pref.dpo_loss(
-        pc, pr, rc, rr, beta=train.beta, label_smoothing=train.label_smoothing, smoothing=train.dpo_smoothing
+        pc, pr, rc, rr, beta=settings.beta, label_smoothing=settings.label_smoothing, smoothing=settings.dpo_smoothing
     ).losses
 
 
@@ -193,7 +194,7 @@ def test_the_objective_loss_is_the_pure_loss_with_the_base_as_reference(name, op
     loss.backward()
     ours = grads(policy)
     policy.zero_grad()
-    expected = expected_paired(name, policy, reference, pairs, obj.train)
+    expected = expected_paired(name, policy, reference, pairs, obj.settings)
     expected.mean().backward()
     torch.testing.assert_close(loss, expected.mean().detach(), **TOL)
     for key, value in grads(policy).items():
@@ -206,17 +207,17 @@ def test_the_objective_loss_is_the_pure_loss_with_the_base_as_reference(name, op
 def test_full_fine_tuning_uses_the_frozen_copy_as_reference():
     obj = objective("dpo", lora=False)
     policy = tiny_llama()
-    obj.reference_model = copy.deepcopy(policy).requires_grad_(False).eval()
+    obj.reference.copy = copy.deepcopy(policy).requires_grad_(False).eval()
     with torch.no_grad():  # the policy has moved away from the copy
         for p in policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
     pairs = pair_rows(4, seed=3)
     (batch,) = batches(pair_dataset(pairs), "preference", [[0, 1], [2, 3]], rows_per_batch=2)
     loss, metrics = obj.loss(policy, batch, obj.units(batch))
-    expected = expected_paired("dpo", policy, obj.reference_model, pairs, obj.train)
+    expected = expected_paired("dpo", policy, obj.reference.copy, pairs, obj.settings)
     torch.testing.assert_close(loss, expected.mean().detach(), **TOL)
     rewards = pref.dpo_loss(*padded_sums(policy, [c for c, _ in pairs] + [r for _, r in pairs])[0].chunk(2),
-                            *padded_sums(obj.reference_model, [c for c, _ in pairs] + [r for _, r in pairs])[0].chunk(2))  # fmt: skip
+                            *padded_sums(obj.reference.copy, [c for c, _ in pairs] + [r for _, r in pairs])[0].chunk(2))  # fmt: skip
     assert (
         metrics["rewards/accuracies"].item()
         == (rewards.chosen_rewards > rewards.rejected_rewards).sum().item()
@@ -361,7 +362,7 @@ def test_precomputed_reference_is_the_base_and_is_cached(tmp_path):
     again = load_or_compute(tabled.accelerator, path, {"train": rows}, compute, make_batches, kto=False)
     assert sum(calls) == 3  # loaded, not computed again
     torch.testing.assert_close(again["train"].values, tables["train"].values)
-    tabled.reference_tables = again
+    tabled.reference.tables = again
     for batch in batches(ds, "preference", bins, rows_per_batch=2):
         torch.testing.assert_close(
             tabled.loss(policy, batch, obj_units := live.units(batch))[0],
@@ -408,7 +409,7 @@ def test_evaluate_reports_the_mean_metrics_over_held_out_pairs():
     obj.eval_loader = obj.accelerator.prepare(loader)
     fields = obj.evaluate(policy, step=0)
     with torch.no_grad():
-        expected = expected_paired("dpo", policy, reference, pairs, obj.train)
+        expected = expected_paired("dpo", policy, reference, pairs, obj.settings)
         sums = padded_sums(policy, [c for c, _ in pairs] + [r for _, r in pairs])[0].chunk(2)
         refs = padded_sums(reference, [c for c, _ in pairs] + [r for _, r in pairs])[0].chunk(2)
     out = pref.dpo_loss(*sums, *refs, beta=0.3)

@@ -1,9 +1,17 @@
-"""Reference log-probs computed once per prepared dataset and reference model, and cached.
+"""The reference model an objective compares its policy with (DPO, IPO, KTO; GRPO's KL term).
 
-With `train.precompute_ref_log_probs`, the reference model's per-sequence log-prob sums of every
-prepared row are computed before the first step (the policy then still equals the reference: the
-engine resumes a checkpoint only afterwards) and saved as one safetensors file per preparation and
-reference model:
+`Reference` says where the reference's outputs come from and runs it:
+
+* `adapter`: the model being trained with its LoRA adapters disabled (no second model in memory);
+* `copy`: a frozen copy of the initial model in eval mode (full fine-tuning; not under FSDP or
+  ZeRO, whose shards a copy would not share);
+* `precomputed`: per-sequence log-prob sums of every prepared row, computed once before the first
+  step and cached (below); the objective looks rows up instead of running a forward.
+
+Precomputed log-probs (`preference.precompute_ref_log_probs`): the reference model's per-sequence
+log-prob sums of every prepared row are computed before the first step (the policy then still equals
+the reference: the engine resumes a checkpoint only afterwards) and saved as one safetensors file
+per preparation and reference model:
 
     <dataset_prepared_path>/reference_logps/<data fingerprint>-<reference key>.safetensors
 
@@ -20,9 +28,11 @@ for kto its KL sequences) and `<split>.offsets` (where each prepared row starts;
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +45,74 @@ from finetune.errors import FinetuneError
 CACHE_FOLDER = "reference_logps"
 # Weight files whose size and modification time identify a local model folder.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json")
+
+
+def reference_source(*, needed: bool, precompute: bool, lora: bool) -> str | None:
+    """Where an objective's reference comes from: None (none needed), precomputed, adapter or copy.
+
+    >>> reference_source(needed=True, precompute=False, lora=True)
+    'adapter'
+    """
+    if not needed:
+        return None
+    if precompute:
+        return "precomputed"
+    return "adapter" if lora else "copy"
+
+
+class Reference:
+    """The reference model of a run: `source` is one of reference_source's answers.
+
+    `attach(model, accelerator)` after the model is built (the copy is taken then, before any
+    update), `to(device)` once the engine prepared it; `model(policy, accelerator)` is a context
+    giving the module that computes the reference's outputs, without gradients; `tables` holds the
+    precomputed log-probs by split.
+    """
+
+    def __init__(self, source: str | None, *, objective: str, lora: bool):
+        self.source, self.objective, self.lora = source, objective, lora
+        self.copy: Any = None  # the frozen copy (source `copy`)
+        self.tables: dict[str, ReferenceTable] = {}  # precomputed: split -> table
+
+    @property
+    def forward_passes(self) -> int:
+        """Forward-only passes over each token the reference adds to a step (for FLOPs)."""
+        return 1 if self.source in ("adapter", "copy") else 0
+
+    def attach(self, model, accelerator) -> None:
+        """Take the frozen copy of the initial model (source `copy`)."""
+        if self.source != "copy":
+            return
+        from accelerate.utils import DistributedType
+
+        kind = accelerator.distributed_type
+        if kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            raise FinetuneError(
+                f"train.objective {self.objective} with full fine-tuning under {kind.value}: a frozen reference "
+                "copy would not be sharded; set preference.precompute_ref_log_probs: true (the reference "
+                "log-probs are computed once with the sharded model) or train LoRA adapters"
+            )
+        # A second copy of the weights: the memory cost of a full fine-tune's reference.
+        self.copy = copy.deepcopy(model).requires_grad_(False).eval()
+
+    def to(self, device) -> None:
+        if self.copy is not None:
+            self.copy.to(device)
+
+    @contextlib.contextmanager
+    def model(self, policy, accelerator) -> Iterator[Any]:
+        """The module whose forward gives the reference's outputs, under no_grad: the frozen copy
+        (in the run's autocast), else the unwrapped policy with its adapters disabled (LoRA), or as
+        it is (full fine-tuning, precomputing before any update). The unwrapped model has no DDP
+        hooks for a pass without backward, and its forward keeps Accelerate's autocast wrapper."""
+        with torch.no_grad():
+            if self.copy is not None:
+                with accelerator.autocast():
+                    yield self.copy
+                return
+            unwrapped = accelerator.unwrap_model(policy)
+            with unwrapped.disable_adapter() if self.lora else contextlib.nullcontext():
+                yield unwrapped
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""finetune.evaluation.generate: batched greedy generation and streaming, on a tiny random Llama with
+"""finetune.generation.sampling: batched greedy generation and streaming, on a tiny random Llama with
 the demo tokenizer (ChatML), and once on the real SmolLM2."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from finetune.evaluation.generate import decode_new_tokens, generate, prompt_ids, stop_token_ids, stream_chat
-from finetune.evaluation.run import evaluate_generations
+from finetune.generation.sampling import decode_new_tokens, generate, prompt_ids, stop_token_ids, stream_chat
+from finetune.generation.sets import evaluate_generations
 from finetune.model import apply_lora, load_for_inference
 from finetune.recipe import LoraSection
 from tests.unit.conftest import SmolLM2

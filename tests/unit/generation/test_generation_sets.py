@@ -1,4 +1,4 @@
-"""finetune.evaluation.run: rows -> answers -> scores -> summary (generation replaced by fixed answers)."""
+"""finetune.generation.sets: rows -> answers -> scores -> summary (generation replaced by fixed answers)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from unittest import mock
 
 import pytest
 
-from finetune.evaluation import run
-from finetune.evaluation.run import evaluate_generations, summarize
+from finetune.generation import sets as run
+from finetune.generation.sets import evaluate_generations, summarize
 
 ROWS = [
     {"prompt": "Tom has 3 apples and buys 4. How many?", "expected": "3 + 4 = 7\n#### 7"},

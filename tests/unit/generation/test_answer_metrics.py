@@ -1,4 +1,4 @@
-"""finetune.evaluation.metrics on fixed strings: number normalisation, answer extraction, the metrics."""
+"""finetune.generation.metrics on fixed strings: number normalisation, answer extraction, the metrics."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import doctest
 
 import pytest
 
-from finetune.evaluation import metrics
-from finetune.evaluation.metrics import (
+from finetune.generation import metrics
+from finetune.generation.metrics import (
     contains,
     exact_match,
     extract_answer,

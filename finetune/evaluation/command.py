@@ -1,0 +1,128 @@
+"""The `finetune eval` and `finetune chat` commands (finetune/cli.py parses and calls these).
+
+`finetune eval` compares models side by side (the recipe's base and a tuned adapter or model) on:
+* the recipe's held-out split, scored the way the objective scores it in training (EVAL_PATHS, by
+  the objective table's kind): SFT's token loss and perplexity, the preference objectives' loss,
+  rewards and `preferred` on held-out pairs with the base as the reference;
+* its `eval.generation_sets` (finetune.generation.sets).
+The held-out batches are built by the objective modules' own loaders, as training builds them.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import FinetuneError
+from finetune.recipe.objectives import OBJECTIVES
+
+
+def run_chat(
+    model_dir: str, *, base: str | None, prompt: str | None, system: str | None, max_new_tokens: int
+) -> int:
+    """`finetune chat`: load the model once, then one answer (`prompt`) or a conversation."""
+    from finetune.evaluation.chat import chat
+    from finetune.model import inference_device, load_for_inference
+
+    model, tokenizer = load_for_inference(model_dir, base=base)
+    model.to(inference_device())
+    return chat(model, tokenizer, prompt=prompt, system=system, max_new_tokens=max_new_tokens)
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+def _sft_split(recipe, prepared) -> dict[str, Any]:
+    """SFT: token loss and perplexity over the held-out rows."""
+    import finetune.objectives.sft as sft
+
+    def batches(tokenizer):
+        return sft.loader(recipe.data, recipe.train, prepared.eval, tokenizer, training=False)
+
+    return {"eval_batches": batches}
+
+
+def _preference_split(recipe, prepared) -> dict[str, Any]:
+    """Preference objectives: the held-out pairs (kto: examples) scored with training's batches,
+    forwards and losses; the base is every model's reference where the objective has one."""
+    import finetune.objectives.preference as preference
+    from finetune.evaluation.preference import preference_scorer
+    from finetune.model import inference_device
+
+    def batches(tokenizer):
+        return preference.loader(recipe.data, recipe.train, prepared.eval, tokenizer, training=False)
+
+    name = recipe.train.objective
+    score = preference_scorer(batches, name=name, settings=recipe.preference, device=inference_device())
+    return {"score": score, "needs_reference": OBJECTIVES[name].reference}
+
+
+EVAL_PATHS: dict[str, Callable[[Any, Any], dict[str, Any]]] = {
+    "sft": _sft_split,
+    "paired": _preference_split,
+    "unpaired": _preference_split,
+}
+"""How `finetune eval` scores each objective kind's held-out split (a test checks every kind has one)."""
+
+
+def _held_out(recipe) -> dict[str, Any]:
+    """The objective's eval path on the prepared eval split ({} without one)."""
+    from finetune.data.prepare import prepare
+
+    if not (recipe.data.val_set_size or recipe.data.test_datasets):
+        return {}
+    prepared = prepare(recipe, log=_say)
+    if prepared.eval is None or len(prepared.eval) == 0:
+        return {}
+    return EVAL_PATHS[OBJECTIVES[recipe.train.objective].kind](recipe, prepared)
+
+
+def run_eval(
+    recipe, *, recipe_path: str, adapter: str | None, model: str | None, no_base: bool, output: str | None,
+    progress: bool,
+) -> int:  # fmt: skip
+    """`finetune eval`: the models to compare, the held-out split, the generation sets -> table."""
+    from finetune.evaluation.report import evaluate_models, format_table, write_report
+    from finetune.model import base_model_source, inference_device, load_for_inference, load_tokenizer
+
+    held_out = _held_out(recipe)
+    if not held_out and not recipe.eval.generation_sets:
+        raise FinetuneError(
+            "nothing to evaluate: the recipe has no eval split (data.val_set_size or data.test_datasets) and "
+            "no eval.generation_sets"
+        )
+    needs_reference = held_out.get("needs_reference", False)
+    target = adapter or model
+    models = {}
+    if no_base and needs_reference and target is not None:
+        _say(f"the base model is scored too: it is train.objective {recipe.train.objective}'s reference")
+    if target is None or not no_base or needs_reference:
+        base = base_model_source(recipe.model, adapter=adapter)
+        models["base"] = lambda: _on_device(
+            load_for_inference(base, tokenizer=load_tokenizer(recipe.model)), inference_device()
+        )
+    if target is not None:
+        # Merged into the base for generation (faster); the weights are the same function.
+        models["tuned"] = lambda: _on_device(load_for_inference(target, merge=True), inference_device())
+    results = evaluate_models(
+        models,
+        eval_batches=held_out.get("eval_batches"),
+        sets=recipe.eval.generation_sets,
+        batch_size=recipe.eval.batch_size,
+        progress=progress,
+        say=_say,
+        score=held_out.get("score"),
+    )
+    path = Path(output) if output else Path(target or recipe.train.output_dir) / "eval.json"
+    write_report(results, path, recipe=recipe_path, models={"base": recipe.model.model_path, "tuned": target})
+    print(format_table(results))
+    print(f"\nfull results and every sample: {path}")
+    return 0
+
+
+def _on_device(loaded, device):
+    model, tokenizer = loaded
+    return model.to(device), tokenizer

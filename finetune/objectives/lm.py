@@ -1,0 +1,261 @@
+"""The causal-LM toolkit every LM objective shares (SFT, preference, and the next ones).
+
+* `build_lm`: the model to train (pretrained or random-init, LoRA / QLoRA, fp32 trainable weights
+  under fp16) and its parameter counts for FLOPs;
+* `make_loader`: a loader of prepared rows with the recipe's loader settings (training: this rank's
+  share, shuffled per epoch; evaluation: every row in order), also used by `finetune eval`;
+* `checkpoint_trainable_only`: LoRA checkpoints that hold the trained tensors, not the frozen base;
+* `check_batches`, `throughput_fields`: the batch check and tokens/s, TFLOP/s and MFU;
+* `save_final_lm` / `save_lm`: the final adapter or model in Hugging Face format with the tokenizer
+  and model card, merging sharded weights where asked.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.data.loader import make_dataloader
+from finetune.errors import FinetuneError
+from finetune.metrics import device_peak_flops, forward_flops_per_token, model_flops_per_token
+
+
+def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, dict[str, Any]]:
+    """(the causal LM to train, not yet prepared; its parameter counts for FLOPs): pretrained or
+    random-init weights, LoRA / QLoRA adapters (a random-init base is saved with the tokenizer to
+    output_dir/base_model, so the adapter can be loaded later), fp32 trainable weights under fp16."""
+    from finetune.model import (
+        apply_lora,
+        build_model,
+        count_parameters,
+        save_base_model,
+        upcast_trainable_to_fp32,
+    )
+
+    output_dir = Path(train.output_dir)
+    model = build_model(
+        model_settings,
+        lora,
+        mixed_precision=train.mixed_precision,
+        vocab_size=len(tokenizer),
+        gradient_checkpointing=train.gradient_checkpointing,
+    )
+    if lora.enable_lora:
+        base_dir = None
+        if model_settings.model_path is None:
+            base_dir = output_dir / "base_model"
+            save_base_model(model, base_dir, is_main_process=accelerator.is_main_process)
+            if accelerator.is_main_process:  # so the base alone loads for eval and chat
+                tokenizer.save_pretrained(base_dir)
+        model = apply_lora(model, lora, gradient_checkpointing=train.gradient_checkpointing)
+        if base_dir is not None:
+            model.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
+    if train.mixed_precision == "fp16":
+        upcast_trainable_to_fp32(model)
+    trainable, total = count_parameters(model)
+    accelerator.print(f"parameters: {trainable:,} trainable / {total:,} total")
+    return model, {"num_params": total, "num_trainable": trainable}
+
+
+def make_loader(
+    data, train, dataset, pad_id: int, *, packed: bool, training: bool, accelerator=None, **options
+):
+    """The loader of a causal-LM objective's prepared rows (SFT, preference; `finetune eval` too):
+    the recipe's loader settings; in training this rank's share in a shuffled order (unless
+    data.shuffle_merged_datasets is false, which keeps the prepared order), in evaluation every row
+    in order (sharded later by `accelerator.prepare`, or not at all in `finetune eval`, which passes
+    no accelerator). `options` go to make_dataloader (preference rows bring their columns and
+    collation)."""
+    return make_dataloader(
+        dataset,
+        micro_batch_size=train.micro_batch_size,
+        seed=train.seed,
+        pad_id=pad_id,
+        packed=packed,
+        shuffle=training and data.shuffle_merged_datasets,
+        drop_last=data.dataloader_drop_last if training else False,
+        pad_to_multiple_of=data.pad_to_multiple_of,
+        num_workers=data.dataloader_num_workers if accelerator is not None else 0,
+        prefetch_factor=data.dataloader_prefetch_factor if accelerator is not None else None,
+        pin_memory=data.dataloader_pin_memory if accelerator is not None else False,
+        num_replicas=accelerator.num_processes if training and accelerator is not None else None,
+        rank=accelerator.process_index if accelerator is not None else 0,
+        **options,
+    )
+
+
+def save_final_lm(objective, model, metrics: dict[str, Any], card_fields: dict[str, Any]) -> None:
+    """save_lm for a causal-LM objective (SFT, preference) at the end of its run: the model card shows
+    the step, `card_fields` and the final eval_ metrics, beside the recipe and the data manifest."""
+    from finetune.recipe import recipe_to_dict
+
+    card_metrics = {"step": metrics["step"], **card_fields}
+    card_metrics.update(
+        {k: v for k, v in metrics.items() if k.startswith("eval_") and isinstance(v, (int, float))}
+    )
+    save_lm(
+        objective.accelerator,
+        model,
+        objective.tokenizer,
+        lora=objective.lora,
+        output_dir=Path(objective.train.output_dir),
+        card={
+            "recipe": recipe_to_dict(objective.recipe),
+            "manifest": objective.manifest,
+            "metrics": card_metrics,
+        },
+    )
+
+
+def checkpoint_trainable_only(accelerator) -> None:
+    """LoRA checkpoints hold what trains (adapters, modules_to_save), not the frozen base.
+
+    accelerate's save_state would write the whole model at every checkpoint (570 MB for
+    SmolLM2-135M against a 20 MB adapter; 16 GB for Llama-3.1-8B), and a QLoRA base's 4-bit
+    quantization state does not load back into a freshly quantized model. Resume rebuilds the
+    frozen base from the recipe (the same weights, or for a random-init base the same seed) and
+    these hooks restore the trained tensors. DeepSpeed and FSDP save their own formats.
+    """
+    from accelerate.utils import DistributedType
+    from safetensors.torch import load_file, save_file
+
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        return
+    acc = accelerator
+
+    def trainable(model) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in acc.unwrap_model(model).named_parameters() if p.requires_grad}
+
+    def save_hook(models, weights, output_dir):
+        if acc.is_main_process:
+            for k, model in enumerate(models):
+                tensors = {n: p.detach().cpu().contiguous() for n, p in trainable(model).items()}
+                save_file(tensors, str(Path(output_dir) / f"trainable_{k}.safetensors"))
+        weights.clear()  # nothing left for accelerate to save: the frozen base is not written
+
+    def load_hook(models, input_dir):
+        for k, model in enumerate(models):
+            path = Path(input_dir) / f"trainable_{k}.safetensors"
+            params = trainable(model)
+            state = load_file(str(path))
+            if set(state) != set(params):
+                raise FinetuneError(
+                    f"{path} holds other trained tensors than this run trains ({len(state)} saved, "
+                    f"{len(params)} now): resume with the recipe that wrote the checkpoint"
+                )
+            with torch.no_grad():
+                for name, param in params.items():
+                    param.copy_(state[name])
+        models.clear()  # loaded: accelerate must not look for model.safetensors
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+
+
+def check_batches(accelerator, loader, num_rows: int, micro_batch_size: int) -> None:
+    """Refuse an epoch without batches; say how many rows drop_last leaves out of each epoch."""
+    processes = accelerator.num_processes
+    if len(loader) == 0:
+        raise FinetuneError(
+            "no training batches: the prepared train split has fewer rows than "
+            f"train.micro_batch_size x processes ({num_rows} rows); lower micro_batch_size "
+            "or set data.dataloader_drop_last: false"
+        )
+    dropped = loader.batch_sampler.dropped_per_epoch
+    if dropped:
+        accelerator.print(
+            f"data.dataloader_drop_last: {dropped} of {num_rows} rows per epoch do not fill a "
+            f"last batch of {micro_batch_size} x {processes} processes and are not trained on (a different "
+            "set each epoch); set dataloader_drop_last: false to keep them"
+        )
+
+
+def throughput_fields(
+    accelerator, flops: dict, interval: dict, elapsed: float, totals: dict, *, forward_passes: int = 0
+) -> dict:
+    """tokens/s (this process and all processes), TFLOP/s and MFU of a logging interval.
+
+    `interval` holds this process's `tokens` and the `seq_sq` / `seq` sums of `seq_stats`; `flops`
+    the parameter counts of `build_lm` and the model `config`; `forward_passes` counts the extra
+    forward-only passes over the same tokens (a reference model). Updates totals["num_tokens"].
+    """
+    tokens = interval.get("tokens", 0)
+    totals["num_tokens"] = totals.get("num_tokens", 0) + tokens
+    seq_len_sq_mean = interval.get("seq_sq", 0.0) / max(interval.get("seq", 0), 1)
+    flops_per_token = model_flops_per_token(
+        flops["config"],
+        num_params=flops["num_params"],
+        num_trainable=flops["num_trainable"],
+        seq_len_sq_mean=seq_len_sq_mean,
+    ) + forward_passes * forward_flops_per_token(
+        flops["config"], num_params=flops["num_params"], seq_len_sq_mean=seq_len_sq_mean
+    )
+    tflops = tokens * flops_per_token / elapsed / 1e12
+    peak = device_peak_flops(accelerator.device)
+    return {
+        "tokens_per_sec": tokens / elapsed,
+        "tokens_per_sec_total": tokens * accelerator.num_processes / elapsed,
+        "tflops_per_device": tflops,
+        "mfu": tflops * 1e12 / peak if peak else None,
+    }
+
+
+def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict) -> None:
+    """The adapter (or full model, or the merged model with lora.save_lora_only false) in Hugging Face
+    format with the tokenizer and a model card (`card`: recipe, manifest, metrics); every process calls
+    it."""
+    from accelerate.utils import DistributedType
+
+    from finetune.model_card import write_model_card
+
+    unwrapped = accelerator.unwrap_model(model)
+    # Sharded engines must gather the full weights first; otherwise the unwrapped model saves its
+    # own state dict (get_state_dict of a torch.compile'd PEFT model has keys PEFT's save cannot map).
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    # ZeRO-3 gathers the 16-bit weights, FSDP2 a full state dict on rank 0 (every rank takes part).
+    state_dict = accelerator.get_state_dict(model) if sharded else None
+    merge = lora.enable_lora and not lora.save_lora_only
+    if merge and sharded:
+        _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir)
+    else:
+        if merge:
+            unwrapped = unwrapped.merge_and_unload()
+        unwrapped.save_pretrained(
+            output_dir,
+            state_dict=state_dict,
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+            safe_serialization=True,
+        )
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(output_dir)
+        write_model_card(output_dir, **card)
+
+
+def _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir: Path) -> None:
+    """The sharded model cannot merge in place: save the adapter, then merge it into the base
+    weights on the main process (the same code as `finetune merge-lora`)."""
+    from accelerate.utils import DistributedType
+
+    from finetune.model import merge_lora
+
+    adapter_dir = output_dir / ".adapter-to-merge"
+    unwrapped.save_pretrained(
+        adapter_dir,
+        state_dict=state_dict,
+        is_main_process=accelerator.is_main_process,
+        safe_serialization=True,
+    )
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(adapter_dir)  # its length sizes the embeddings
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            # Otherwise transformers would load the base for merging partitioned (ZeRO-3 init);
+            # training is over, nothing else is built under ZeRO-3 after this.
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+        merge_lora(str(adapter_dir), str(output_dir))
+        shutil.rmtree(adapter_dir)

@@ -1,0 +1,203 @@
+"""SFT of a causal LM: next-token cross-entropy on the trained tokens of prepared (packed) rows.
+
+The loss of a micro-batch is the sum of its token losses divided by the trainable tokens of the
+whole accumulation window on all processes (transformers' `num_items_in_batch`), so the window's
+update is the mean over its trainable tokens, whatever the micro-batch sizes.
+
+The parts every causal-LM objective needs (the model with LoRA / QLoRA, loaders, LoRA checkpoints of
+the trained tensors only, throughput, the final save) are in finetune.objectives.lm.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import finetune.objectives.lm as lm
+from finetune import trackers
+from finetune.data.loader import count_tokens, count_trainable, seq_stats
+from finetune.engine.objective import Parts
+from finetune.generation.sets import generation_metrics, training_generation_rows
+from finetune.losses.causal_lm import forward, token_loss_sums
+from finetune.notices import warn
+
+
+class SFTObjective:
+    """SFT of a transformers causal LM (full, LoRA, QLoRA) on prepared token rows."""
+
+    name = "sft"
+    summary_keys = ("tokens",)
+
+    def __init__(self, recipe):
+        from finetune.model import check_attention_backend
+
+        # Before anything is written or prepared: an attention backend that cannot run here fails now.
+        check_attention_backend(recipe.model.attn_implementation)
+        # The objective is built by the entry point from the whole recipe and keeps only its parts.
+        self.recipe = recipe
+        self.model_settings, self.lora, self.data = recipe.model, recipe.lora, recipe.data
+        self.train, self.eval_settings = recipe.train, recipe.eval
+        self.generation_rows: dict[str, list[dict]] = {}
+        self.eval_loader = None
+        self.tokenizer = None
+        self.accelerator = None
+        self.flops: dict[str, Any] = {}
+        self.loss_chunk_size = 0  # tokens per chunk of the head's loss; 0 = full logits
+        self.manifest: dict = {}
+        self.eval_every: int | None = None
+        self.can_evaluate = False
+
+    # ----------------------------------------------------------------------------------- build
+
+    def build(self, accelerator) -> Parts:
+        from finetune.data.prepare import prepare_on_main_process
+        from finetune.model import load_tokenizer
+
+        self.accelerator = accelerator
+        self.tokenizer = load_tokenizer(self.model_settings)
+        # One process per machine builds the prepared dataset; the others wait, however long it takes,
+        # then load it from the cache.
+        prepared = prepare_on_main_process(self.recipe, accelerator)
+        self.manifest = prepared.manifest
+        model, self.flops = lm.build_lm(
+            self.model_settings, self.lora, self.train, self.tokenizer, accelerator
+        )
+        self.loss_chunk_size = self._chunk_size(model, accelerator)
+        train_loader = loader(self.data, self.train, prepared.train, self.tokenizer, accelerator=accelerator)
+        lm.check_batches(accelerator, train_loader, len(prepared.train), self.train.micro_batch_size)
+        if prepared.eval is not None and len(prepared.eval) > 0:
+            self.eval_loader = loader(
+                self.data, self.train, prepared.eval, self.tokenizer, training=False, accelerator=accelerator
+            )
+        self.generation_rows = training_generation_rows(self.eval_settings, accelerator)
+        if self.lora.enable_lora:
+            lm.checkpoint_trainable_only(accelerator)
+        self.can_evaluate = self.eval_loader is not None or bool(self.generation_rows)
+        self.eval_every = self.train.eval_steps if self.can_evaluate else None
+        return Parts(model=model, train_loader=train_loader, manifest=prepared.manifest)
+
+    def _chunk_size(self, model, accelerator) -> int:
+        """train.loss_chunk_size resolved for this model (auto: on for large vocab x tokens)."""
+        from finetune.losses.chunked_ce import resolve_loss_chunk_size
+
+        setting = self.train.loss_chunk_size
+        if self.model_settings.enable_liger_kernel:
+            if setting:  # Liger's fused linear cross-entropy already avoids the full logits
+                warn(
+                    "train.loss_chunk_size is ignored with model.enable_liger_kernel: Liger's fused linear "
+                    "cross-entropy already computes the loss without the full logits",
+                    emit=accelerator.print,
+                )
+            return 0
+        size = resolve_loss_chunk_size(
+            setting,
+            vocab_size=model.get_output_embeddings().weight.shape[0],
+            tokens_per_micro_batch=self.train.micro_batch_size * self.data.packing_len,
+        )
+        if size and setting is None:
+            accelerator.print(f"train.loss_chunk_size auto: the loss is computed {size} tokens at a time")
+        return size
+
+    def on_prepared(self, accelerator, model) -> None:
+        self.flops["config"] = accelerator.unwrap_model(model).config
+        if self.eval_loader is not None:
+            # Sharded by Accelerate, after the model: DeepSpeed wants that order.
+            self.eval_loader = accelerator.prepare(self.eval_loader)
+        return None  # no state besides the model's, the optimizer's and the schedule's
+
+    def after_update(self, model) -> None:
+        """Nothing to do after an applied update."""
+
+    # ------------------------------------------------------------------------------------ step
+
+    def units(self, batch: dict) -> torch.Tensor:
+        return count_trainable(batch)
+
+    def loss(self, model, batch: dict, num_units: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        if self.loss_chunk_size:
+            from finetune.losses.chunked_ce import causal_lm_loss
+
+            return causal_lm_loss(model, batch, num_items=num_units, chunk_size=self.loss_chunk_size), {}
+        return forward(model, batch, num_items=num_units).loss, {}
+
+    def counts(self, batch: dict) -> dict[str, float]:
+        seq_sq, seq = seq_stats(batch)
+        return {"tokens": count_tokens(batch), "seq_sq": seq_sq, "seq": seq}
+
+    def log_fields(self, interval: dict[str, float], elapsed: float, totals: dict[str, float]) -> dict:
+        """tokens/s (this process and all), trainable tokens, TFLOP/s and MFU for the interval.
+
+        Token counts are this process's; trainable tokens (`units`) are all processes'.
+        """
+        fields = lm.throughput_fields(self.accelerator, self.flops, interval, elapsed, totals)
+        trainable = interval.get("units", 0)
+        return {
+            "tokens_per_sec": fields["tokens_per_sec"],
+            "tokens_per_sec_total": fields["tokens_per_sec_total"],
+            "trainable_tokens": trainable,
+            "trainable_tokens_per_sec": trainable / elapsed,
+            "tflops_per_device": fields["tflops_per_device"],
+            "mfu": fields["mfu"],
+        }
+
+    # ------------------------------------------------------------------------------------ eval
+
+    def evaluate(self, model, step: int) -> dict[str, Any]:
+        """Eval loss and perplexity on the eval split, and the generation sets' scores and samples."""
+        metrics: dict[str, Any] = self._eval_loss(model, step) if self.eval_loader is not None else {}
+        if self.generation_rows:
+            metrics.update(
+                generation_metrics(
+                    self.accelerator,
+                    model,
+                    self.tokenizer,
+                    self.eval_settings,
+                    self.generation_rows,
+                    step=step,
+                )
+            )
+        return metrics
+
+    def _eval_loss(self, model, step: int) -> dict[str, float]:
+        """Token-weighted eval loss and perplexity over the eval split, gathered across processes."""
+        acc = self.accelerator
+        model.eval()
+        total_loss, total_count = 0.0, 0
+        with torch.no_grad():
+            for batch in self.eval_loader:
+                sums, counts = token_loss_sums(model, batch, chunk_size=self.loss_chunk_size)
+                sums, counts = acc.gather_for_metrics((sums, counts))
+                total_loss += float(sums.sum())
+                total_count += int(counts.sum())
+        model.train()
+        loss = total_loss / max(total_count, 1)
+        metrics = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": total_count}
+        trackers.log_scalars(acc, metrics, step)
+        return metrics
+
+    # ------------------------------------------------------------------------------------ save
+
+    def save(self, model, metrics: dict[str, Any]) -> list[Path]:
+        """The adapter (or full model) in Hugging Face format, tokenizer and model card."""
+        lm.save_final_lm(self, model, metrics, {"trainable_tokens": metrics["units"]})
+        return []
+
+
+def loader(data, train, dataset, tokenizer, *, training: bool = True, accelerator=None):
+    """The loader of prepared SFT rows: packed as data.sample_packing (training) or
+    data.eval_sample_packing (evaluation) says; training's and `finetune eval`'s."""
+    from finetune.model import pad_token_id
+
+    packed = data.sample_packing if training else data.eval_sample_packing
+    return lm.make_loader(
+        data,
+        train,
+        dataset,
+        pad_token_id(tokenizer),
+        packed=packed,
+        training=training,
+        accelerator=accelerator,
+    )

@@ -1,0 +1,108 @@
+"""The objectives a recipe can name in `train.objective`: one table, torch-free.
+
+Everything that needs to know about an objective asks this table instead of keeping its own list:
+the recipe validator (which dataset types it trains on, which settings it reads), `objective_for`
+(which implementation runs it), `finetune eval` (whether the base model is its reference) and the
+error messages. Adding an objective starts here (docs/CONTRIBUTING.md walks through the rest).
+
+>>> OBJECTIVES["dpo"].kind, OBJECTIVES["dpo"].data_type, OBJECTIVES["dpo"].reference
+('paired', 'preference', True)
+>>> readers("preference.simpo_gamma")
+('simpo',)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["sft", "paired", "unpaired"]
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """One objective: what it trains on and what it reads.
+
+    `kind` picks the implementation (finetune.objectives.objective_for): sft (next-token loss on
+    any text type), paired (preference pairs: chosen and rejected completions of one prompt),
+    unpaired (single completions labelled desirable or not). `data_type` is the dataset entry type
+    it trains on (None: any text type). `unit` is what its loss is averaged over. `reference`: the
+    loss compares the policy with a reference model (the base with adapters disabled, a frozen copy,
+    or precomputed log-probs). `settings` are the recipe fields (section.field) only it reads: a
+    non-default value under another objective is an error.
+    """
+
+    name: str
+    kind: Kind
+    data_type: str | None
+    unit: Literal["tokens", "pairs", "examples"]
+    reference: bool
+    settings: tuple[str, ...]
+    summary: str
+
+
+_PREFERENCE = "preference"
+OBJECTIVES: dict[str, ObjectiveSpec] = {
+    spec.name: spec
+    for spec in (
+        ObjectiveSpec(
+            "sft", "sft", None, "tokens", False, ("train.loss_chunk_size",),
+            "next-token cross-entropy on the trained tokens",
+        ),
+        ObjectiveSpec(
+            "dpo", "paired", _PREFERENCE, "pairs", True,
+            ("preference.beta", "preference.label_smoothing", "preference.dpo_smoothing",
+             "preference.precompute_ref_log_probs"),
+            "Direct Preference Optimization (Rafailov et al. 2023)",
+        ),
+        ObjectiveSpec(
+            "ipo", "paired", _PREFERENCE, "pairs", True,
+            ("preference.beta", "preference.precompute_ref_log_probs"),
+            "Identity Preference Optimization (Azar et al. 2023)",
+        ),
+        ObjectiveSpec(
+            "simpo", "paired", _PREFERENCE, "pairs", False,
+            ("preference.beta", "preference.label_smoothing", "preference.simpo_gamma"),
+            "Simple Preference Optimization, reference-free (Meng et al. 2024)",
+        ),
+        ObjectiveSpec(
+            "orpo", "paired", _PREFERENCE, "pairs", False,
+            ("preference.beta", "preference.orpo_nll_reduction"),
+            "Odds-Ratio Preference Optimization, reference-free (Hong et al. 2024)",
+        ),
+        ObjectiveSpec(
+            "kto", "unpaired", "kto", "examples", True,
+            ("preference.beta", "preference.kto_desirable_weight", "preference.kto_undesirable_weight",
+             "preference.precompute_ref_log_probs"),
+            "Kahneman-Tversky Optimization on examples labelled desirable or not (Ethayarajh et al. 2024)",
+        ),
+    )
+}  # fmt: skip
+
+ObjectiveName = Literal[tuple(OBJECTIVES)]  # type: ignore[valid-type]
+"""The names of OBJECTIVES, as the schema's type of train.objective."""
+
+
+def readers(setting: str) -> tuple[str, ...]:
+    """The objectives that read `setting` (a `section.field` path), in table order."""
+    return tuple(name for name, spec in OBJECTIVES.items() if setting in spec.settings)
+
+
+def objective_settings() -> tuple[str, ...]:
+    """Every setting some objective reads (and the others must leave at its default)."""
+    return tuple(dict.fromkeys(s for spec in OBJECTIVES.values() for s in spec.settings))
+
+
+def describe(names: tuple[str, ...] | list[str]) -> str:
+    """`a, b or c` for messages.
+
+    >>> describe(["dpo", "ipo", "kto"])
+    'dpo, ipo or kto'
+    """
+    names = list(names)
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def trained_on(data_type: str) -> tuple[str, ...]:
+    """The objectives that train on dataset entries of `data_type`."""
+    return tuple(name for name, spec in OBJECTIVES.items() if spec.data_type == data_type)

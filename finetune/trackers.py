@@ -1,0 +1,144 @@
+"""Trackers (`train.report_to`): which exist, whether they are installed, and one way to send them
+scalars, text tables and images.
+
+Accelerate runs the trackers (`Accelerator(log_with=...)`, `init_trackers`, `end_training`); this
+module owns what finetune sends them, so objectives and the engine never ask which tracker is on:
+
+* `log_scalars`: numbers, to every tracker.
+* `log_table`: rows of text (generation samples), as the tracker's own table where it has one
+  (wandb), as markdown text where it takes text (tensorboard), and not at all where it takes only
+  numbers: progress.jsonl always holds the same rows, and `check_available` says so once at start.
+* `log_images`: images with captions (diffusion validation samples), through the tracker's own
+  image API where it has one; the images are always saved under output_dir/samples as well.
+
+Adding a tracker is one `TrackerSpec` entry in TRACKERS (the recipe's `train.report_to` choices
+come from this table). The table is plain data with lazy imports: the recipe layer reads it
+without importing torch or accelerate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from finetune.errors import FinetuneError
+
+
+@dataclass(frozen=True)
+class TrackerSpec:
+    """A tracker Accelerate ships: its name in `log_with`, the package that provides it, and how it
+    takes text tables and images (None: it takes only numbers)."""
+
+    name: str
+    package: str
+    table: Callable[[Any, str, list[str], list[list[Any]], int], None] | None
+    images: Callable[[Any, str, list[list[Any]], list[str], int], None] | None
+
+
+def _markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Rows as a markdown table (cells on one line, `|` escaped).
+
+    >>> print(_markdown_table(["prompt", "output"], [["2+2?", "4 | four"]]))
+    | prompt | output |
+    |---|---|
+    | 2+2? | 4 \\| four |
+    """
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in row) + " |")
+    return "\n".join(lines)
+
+
+def _text_table(tracker, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+    tracker.log({name: _markdown_table(columns, rows)}, step=step)
+
+
+def _wandb_table(tracker, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+    tracker.log_table(name, columns=columns, data=[[str(c) for c in row] for row in rows], step=step)
+
+
+def _tensorboard_images(tracker, name: str, images: list[list[Any]], captions: list[str], step: int) -> None:
+    import numpy as np
+
+    # One NHWC grid per prompt; TensorBoard has no captions, the prompt's index names the grid.
+    for p, row in enumerate(images):
+        tracker.log_images(
+            {f"{name}/{p:02d}": np.stack([np.asarray(im) for im in row])}, step=step, dataformats="NHWC"
+        )
+
+
+def _wandb_images(tracker, name: str, images: list[list[Any]], captions: list[str], step: int) -> None:
+    import wandb
+
+    pictures = [wandb.Image(im, caption=c) for c, row in zip(captions, images, strict=True) for im in row]
+    tracker.log({name: pictures}, step=step)
+
+
+TRACKERS: dict[str, TrackerSpec] = {
+    spec.name: spec
+    for spec in (
+        TrackerSpec("tensorboard", "tensorboard", table=_text_table, images=_tensorboard_images),
+        TrackerSpec("wandb", "wandb", table=_wandb_table, images=_wandb_images),
+    )
+}
+
+
+def _installed(name: str) -> bool:
+    import accelerate.utils
+
+    return bool(getattr(accelerate.utils, f"is_{name}_available")())
+
+
+def check_available(names: Sequence[str]) -> list[str]:
+    """Refuse a tracker that is not installed (naming the package); returns a note for each tracker
+    that takes only numbers or no images (what it misses stays in progress.jsonl and output_dir/samples),
+    for the run to print once."""
+    notes = []
+    for name in names:
+        spec = TRACKERS[name]
+        if not _installed(name):
+            raise FinetuneError(f"train.report_to: {name} is not installed (pip install {spec.package})")
+        missing = [what for what, how in (("tables", spec.table), ("images", spec.images)) if how is None]
+        if missing:
+            notes.append(
+                f"train.report_to: {name} takes no {' or '.join(missing)}; they stay in progress.jsonl and "
+                "output_dir/samples"
+            )
+    return notes
+
+
+def start(accelerator, names: Sequence[str], *, run_name: str, config: dict[str, Any]) -> None:
+    """Start the trackers of `train.report_to` on the main process with the run's flat settings, and
+    say once what a tracker will not receive."""
+    if names and accelerator.is_main_process:
+        accelerator.init_trackers(run_name, config=config)
+        for note in check_available(names):
+            accelerator.print(note)
+
+
+def log_scalars(accelerator, values: dict[str, Any], step: int) -> None:
+    """The numeric values (booleans and None left out) to every tracker; nothing without trackers."""
+    numbers = {
+        k: v
+        for k, v in values.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"
+    }
+    if accelerator.trackers and numbers:
+        accelerator.log(numbers, step=step)
+
+
+def log_table(accelerator, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+    """Rows of text to every tracker that takes tables or text (see the module docstring)."""
+    for tracker in accelerator.trackers:
+        spec = TRACKERS.get(tracker.name)
+        if spec is not None and spec.table is not None:
+            spec.table(tracker, name, columns, rows, step)
+
+
+def log_images(accelerator, name: str, images: list[list[Any]], captions: list[str], step: int) -> None:
+    """Images (one list per caption) to every tracker with an image API."""
+    for tracker in accelerator.trackers:
+        spec = TRACKERS.get(tracker.name)
+        if spec is not None and spec.images is not None:
+            spec.images(tracker, name, images, captions, step)
