@@ -48,7 +48,9 @@ def reference_markdown(recipe_cls: type[BaseModel] | None = None) -> str:
         recipe_cls = Recipe
     parts = [HEADER]
     sections = [(name, field) for name, field in recipe_cls.model_fields.items()]
-    parts.append("Sections: " + ", ".join(f"[`{name}`](#{_anchor(name)})" for name, _ in sections) + ".\n")
+    parts.append(
+        "Sections: " + ", ".join(f"[`{name}`](#{heading_anchor(name)})" for name, _ in sections) + ".\n"
+    )
     seen: dict[tuple, str] = {}
     for name, field in sections:
         models = _models_in(field.annotation)
@@ -86,7 +88,7 @@ def _nested_tables(model: type[BaseModel], path: str, seen: dict[tuple, str]) ->
         key = tuple(models)
         if key in seen:
             out.append(f"### {child}\n")
-            out.append(f"The same as [{seen[key]}](#{_anchor(seen[key])}).\n")
+            out.append(f"The same as [{seen[key]}](#{heading_anchor(seen[key])}).\n")
             continue
         seen[key] = child
         if len(models) == 1:
@@ -109,7 +111,7 @@ def _union_tables(
     ]
     tags = {m: _tag(m, key) for m in models}
     out = [f"### {path}\n"]
-    listing = ", ".join(f"[`{tags[m]}`](#{_anchor(f'{path} {key}: {tags[m]}')})" for m in models)
+    listing = ", ".join(f"[`{tags[m]}`](#{heading_anchor(f'{path} {key}: {tags[m]}')})" for m in models)
     out.append(
         f"One of {len(models)} kinds, chosen by `{key}`: {listing}. Fields every kind has:\n"
         if key
@@ -283,10 +285,11 @@ def _own_doc(model: type[BaseModel]) -> str:
     return " ".join(doc.strip().split("\n\n")[0].split())
 
 
-def _anchor(title: str) -> str:
-    """GitHub's heading anchor: lower case, punctuation dropped, spaces to dashes.
+def heading_anchor(title: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to dashes (a repeated
+    heading gets -1, -2, ... after it; tests/unit/test_docs.py counts those).
 
-    >>> _anchor("data.datasets[] type: alpaca")
+    >>> heading_anchor("data.datasets[] type: alpaca")
     'datadatasets-type-alpaca'
     """
     kept = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
