@@ -2,7 +2,7 @@
 PYTHON ?= python
 RECIPE ?= recipes/demo/tiny_sft_cpu.yaml
 
-.PHONY: test test-fast lint format demo bench clean
+.PHONY: test test-fast lint format docs demo bench clean
 
 test:            ## the whole suite (CPU; GPU tests skip themselves)
 	$(PYTHON) -m pytest
@@ -17,6 +17,9 @@ lint:            ## ruff lint + format check
 format:          ## apply ruff fixes and formatting
 	ruff check --fix .
 	ruff format .
+
+docs:            ## regenerate docs/reference.md from the recipe schema (tests/unit/test_docs.py checks it)
+	$(PYTHON) -m finetune.recipe.reference docs/reference.md
 
 demo:            ## LoRA on a tiny random-init Llama, CPU, offline
 	finetune train $(RECIPE)
