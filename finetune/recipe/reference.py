@@ -32,7 +32,9 @@ HEADER = (
     "<!-- Generated from finetune/recipe by `make docs`; edit the field descriptions there, not this file. -->\n\n"
     "Every field of a recipe, section by section, with its type, default and description, as the schema "
     "defines them. `finetune validate recipe.yaml --explain` prints the same descriptions next to a resolved "
-    "recipe. How a recipe is written, overridden and checked: [recipes.md](recipes.md).\n"
+    "recipe. How a recipe is written, overridden and checked: [recipes.md](recipes.md). *Fixed on resume* "
+    "marks a setting a resumed run may not change (it continues the checkpoint's optimizer, schedule, data "
+    "order and model): [checkpoints.md](checkpoints.md).\n"
 )
 
 _UNION_TYPES = (typing.Union, types.UnionType)
@@ -72,7 +74,7 @@ def _model_tables(model: type[BaseModel], path: str, seen: dict[tuple, str]) -> 
     doc = _own_doc(model)
     if doc:
         out.append(doc + "\n")
-    out.append(_table(list(model.model_fields.items())))
+    out.append(_table(list(model.model_fields.items()), fixed=_fixed_on_resume(model)))
     out.extend(_nested_tables(model, path, seen))
     return out
 
@@ -139,16 +141,26 @@ def _key_field(models: list[type[BaseModel]], key: str) -> FieldInfo:
     return merged
 
 
-def _table(fields: list[tuple[str, FieldInfo]]) -> str:
+def _fixed_on_resume(model: type[BaseModel]) -> set[str]:
+    """The fields of a section that a resumed run may not change (finetune.recipe.resume's marks)."""
+    marks = {
+        name: (info.json_schema_extra or {}).get("fixed_on_resume")
+        if isinstance(info.json_schema_extra, dict)
+        else None
+        for name, info in model.model_fields.items()
+    }
+    if getattr(model, "fixed_on_resume", False):
+        return {name for name, mark in marks.items() if mark is not False}
+    return {name for name, mark in marks.items() if mark is True}
+
+
+def _table(fields: list[tuple[str, FieldInfo]], *, fixed: set[str] = frozenset()) -> str:
+    """Fields as table rows; those in `fixed` say that a resumed run may not change them."""
     rows = ["| field | type | default | description |", "|---|---|---|---|"]
     for name, info in fields:
-        rows.append(
-            "| "
-            + " | ".join(
-                _cell(x) for x in (f"`{name}`", _type_text(info), _default_text(info), info.description or "")
-            )
-            + " |"
-        )
+        description = (info.description or "") + (" *Fixed on resume.*" if name in fixed else "")
+        cells = (f"`{name}`", _type_text(info), _default_text(info), description)
+        rows.append("| " + " | ".join(_cell(x) for x in cells) + " |")
     return "\n".join(rows) + "\n"
 
 
