@@ -168,7 +168,13 @@ def expected_paired(name: str, policy, reference, pairs, settings) -> torch.Tens
     if name == "ipo":
         return pref.ipo_loss(pc, pr, rc, rr, nc, nr, beta=settings.beta).losses
     return pref.dpo_loss(
-        pc, pr, rc, rr, beta=settings.beta, label_smoothing=settings.label_smoothing, smoothing=settings.dpo_smoothing
+        pc,
+        pr,
+        rc,
+        rr,
+        beta=settings.beta,
+        label_smoothing=settings.label_smoothing,
+        smoothing=settings.dpo_smoothing,
     ).losses
 
 

@@ -1,0 +1,164 @@
+"""Policy-gradient losses of online RL (GRPO and its DAPO / Dr. GRPO / BNPO variants), pure functions.
+
+Inputs are per completion token, flattened over a micro-batch (packed or padded, the caller picks
+the completion tokens): the policy's log-prob of each sampled token `logps` (with gradient), the
+log-prob when it was sampled `old_logps`, the advantage of the token's completion, and optionally the
+reference model's log-prob `ref_logps` for the KL term.
+
+Per token (token-level importance sampling, as TRL's GRPOTrainer by default):
+
+    ratio = exp(logps - old_logps)
+    loss  = -min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) + beta * KL
+    KL    = exp(ref - logps) - (ref - logps) - 1          (the k3 estimator, Schulman 2020)
+            (x ratio with kl_bias_correction, TRL's default: the estimate is taken under the sampling
+            policy, so the ratio reweights it to the current one)
+
+How the token losses of a window become one loss is the loss type (TRL's names and formulas), and
+what the engine normalises by, its `unit`:
+
+* ``grpo``: each completion's mean token loss, averaged over completions (unit: completions);
+* ``dr_grpo``: token losses summed and divided by max_completion_length, averaged over completions
+  (Liu et al. 2025, "Understanding R1-Zero-Like Training"; unit: completions);
+* ``dapo``: token losses averaged over every completion token of the window (Yu et al. 2025; unit:
+  tokens);
+* ``bnpo``: token losses averaged over each micro-batch's tokens, then over micro-batches (unit:
+  micro-batches), TRL's per-batch normalisation.
+
+`policy_loss_sums` returns the micro-batch's sum over its units; the engine divides by the units of
+the whole accumulation window on all processes, so the window's loss is TRL's for equal micro-batches.
+
+>>> import torch
+>>> out = per_token_loss(torch.zeros(2), torch.zeros(2), torch.tensor([1.0, -1.0]), epsilon_low=0.2, epsilon_high=0.2)
+>>> out.losses.tolist()
+[-1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo"]
+UNITS: dict[str, str] = {
+    "grpo": "completions",
+    "dr_grpo": "completions",
+    "dapo": "tokens",
+    "bnpo": "micro_batches",
+}
+"""What each loss type averages over (the engine's normalisation unit)."""
+
+
+@dataclass(frozen=True)
+class TokenLosses:
+    """Per completion token: the loss (with gradient), the KL term (detached; None without a
+    reference) and whether the ratio was clipped below / above (for the clip-ratio metrics)."""
+
+    losses: torch.Tensor
+    kl: torch.Tensor | None
+    low_clipped: torch.Tensor
+    high_clipped: torch.Tensor
+
+
+def per_token_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+    beta: float = 0.0,
+    ref_logps: torch.Tensor | None = None,
+    kl_bias_correction: bool = True,
+) -> TokenLosses:
+    """The clipped surrogate (plus beta x KL) of every completion token (see the module docstring)."""
+    ratio = torch.exp(logps - old_logps)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    losses = -torch.min(ratio * advantages, clipped * advantages)
+    kl = None
+    if beta != 0.0:
+        if ref_logps is None:
+            raise ValueError("beta != 0 needs the reference model's log-probs (ref_logps)")
+        delta = ref_logps - logps
+        kl_per_token = torch.exp(delta) - delta - 1
+        if kl_bias_correction:
+            kl_per_token = kl_per_token * ratio
+        losses = losses + beta * kl_per_token
+        kl = kl_per_token.detach()
+    ratio = ratio.detach()
+    return TokenLosses(
+        losses=losses,
+        kl=kl,
+        low_clipped=(ratio < 1 - epsilon_low) & (advantages < 0),
+        high_clipped=(ratio > 1 + epsilon_high) & (advantages > 0),
+    )
+
+
+def policy_loss_sums(
+    losses: torch.Tensor,
+    sequence_index: torch.Tensor,
+    num_sequences: int,
+    *,
+    loss_type: LossType,
+    max_completion_length: int,
+) -> torch.Tensor:
+    """The micro-batch's loss summed over its units (see UNITS): token losses `losses` belong to the
+    completions `sequence_index` (0..num_sequences-1).
+
+    >>> import torch
+    >>> losses, index = torch.tensor([1.0, 3.0, 2.0]), torch.tensor([0, 0, 1])
+    >>> [float(policy_loss_sums(losses, index, 2, loss_type=t, max_completion_length=4))
+    ...  for t in ("grpo", "dr_grpo", "dapo", "bnpo")]
+    [4.0, 1.5, 6.0, 2.0]
+    """
+    if loss_type == "dapo":
+        return losses.sum()
+    if loss_type == "bnpo":
+        return losses.sum() / max(losses.numel(), 1)
+    sums = torch.zeros(num_sequences, dtype=losses.dtype, device=losses.device).index_add(
+        0, sequence_index, losses
+    )
+    if loss_type == "dr_grpo":
+        return sums.sum() / max_completion_length
+    if loss_type == "grpo":
+        counts = torch.bincount(sequence_index, minlength=num_sequences).clamp(min=1)
+        return (sums / counts).sum()
+    raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {', '.join(UNITS)}")
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    *,
+    num_generations: int,
+    scale_rewards: Literal["group", "batch", "none"],
+    batch_std: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, whether each completion's group has zero reward spread), for rewards laid out
+    group after group (num_generations completions of one prompt in a row), as TRL computes them:
+    reward minus its group's mean, divided (scale_rewards group: by the group's std; batch: by the
+    std of every reward of the step, `batch_std` where the caller gathered it across processes, else
+    of `rewards`; none: not at all) with 1e-4 added to the std.
+
+    >>> adv, flat = group_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), num_generations=2, scale_rewards="none")
+    >>> adv.tolist(), flat.tolist()
+    ([0.5, -0.5, 0.0, 0.0], [False, False, True, True])
+    """
+    grouped = rewards.view(-1, num_generations)
+    mean = grouped.mean(dim=1).repeat_interleave(num_generations)
+    # Unbiased std, as torch.std (TRL's nanstd is the same with Bessel's correction).
+    group_std = (
+        grouped.std(dim=1).repeat_interleave(num_generations)
+        if num_generations > 1
+        else torch.zeros_like(rewards)
+    )
+    advantages = rewards - mean
+    if scale_rewards == "group":
+        advantages = advantages / (group_std + 1e-4)
+    elif scale_rewards == "batch":
+        if batch_std is None:
+            batch_std = rewards.std() if rewards.numel() > 1 else torch.zeros(())
+        advantages = advantages / (batch_std + 1e-4)
+    elif scale_rewards != "none":
+        raise ValueError(f"unknown scale_rewards {scale_rewards!r}; choose group, batch or none")
+    return advantages, torch.isclose(group_std, torch.zeros_like(group_std))

@@ -1,0 +1,202 @@
+"""finetune.losses.policy_gradient against TRL's GRPOTrainer: the same loss and gradients for every loss
+type, with and without the KL term, on the same log-probs and advantages (our packed forward vs TRL's
+padded one), and the advantages TRL computes from rewards."""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+
+import pytest
+import torch
+
+from finetune.losses import policy_gradient as pg
+from finetune.losses.causal_lm import forward
+from finetune.losses.preference import token_logps
+
+VOCAB = 64
+LOSS_TYPES = ["grpo", "dr_grpo", "dapo", "bnpo"]
+
+
+def tiny_llama() -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def rollout(seed: int = 0, batch: int = 4, prompt_len: int = 3, completion_len: int = 6) -> dict:
+    """TRL's padded layout: prompts, right-padded completions, old and reference log-probs.
+
+    The prompts have one length: TRL's forward passes no position_ids, so a left-padded prompt's
+    positions would start at its padding (ours restart at 0 for every sequence)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_mask = torch.ones(batch, prompt_len, dtype=torch.long)
+    completion_mask = torch.ones(batch, completion_len, dtype=torch.long)
+    completion_mask[1, 4:] = 0  # a completion that stopped early
+    completion_mask[3, 2:] = 0
+    return {
+        "prompt_ids": torch.randint(3, VOCAB, (batch, prompt_len), generator=g) * prompt_mask,
+        "prompt_mask": prompt_mask,
+        "completion_ids": torch.randint(3, VOCAB, (batch, completion_len), generator=g) * completion_mask,
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(batch, generator=g),
+        "noise": 0.3
+        * torch.randn(batch, completion_len, generator=g),  # old = policy + noise: some ratios clip
+    }
+
+
+def padded_logps(model, data: dict, temperature: float) -> torch.Tensor:
+    """The policy's log-prob of every completion token (batch x completion_len), TRL's layout."""
+    ids = torch.cat([data["prompt_ids"], data["completion_ids"]], 1)
+    mask = torch.cat([data["prompt_mask"], data["completion_mask"]], 1)
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits / temperature
+    labels = ids.masked_fill(mask == 0, -100)
+    return token_logps(logits, labels)[:, -data["completion_ids"].shape[1] :]
+
+
+def packed_completion_logps(model, data: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ours: every sequence packed into one row (position_ids restart at 0), then the completion
+    tokens' log-probs in order, and the completion each token belongs to."""
+    ids, labels, positions, owners = [], [], [], []
+    for k in range(len(data["advantages"])):
+        prompt = data["prompt_ids"][k][data["prompt_mask"][k].bool()].tolist()
+        completion = data["completion_ids"][k][data["completion_mask"][k].bool()].tolist()
+        ids += prompt + completion
+        labels += [-100] * len(prompt) + completion
+        positions += list(range(len(prompt) + len(completion)))
+        owners += [k] * len(completion)
+    batch = {"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([positions])}
+    labels_t = torch.tensor([labels])
+    logits = forward(model, batch).logits / temperature
+    return token_logps(logits, labels_t)[labels_t != -100], torch.tensor(owners)
+
+
+def trl_trainer(model, tmp: str, **options):
+    trl = pytest.importorskip("trl", reason="trl is not installed (it is in the test extra)")
+    from datasets import Dataset
+
+    from tests.unit.losses.test_preference_losses import word_tokenizer
+
+    beta = options.pop("beta", 0.0)
+    args = trl.GRPOConfig(
+        output_dir=tmp, report_to=[], use_cpu=True, seed=0, bf16=False, num_generations=2, per_device_train_batch_size=4,
+        **options,
+    )  # fmt: skip
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["w1 w2", "w3"]}),
+        processing_class=word_tokenizer(),
+    )
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop; one micro-batch here
+    # With beta > 0 TRL would load a reference model by the policy's name; the reference log-probs are
+    # given to _compute_loss directly, so the trainer is built with beta 0 and given it afterwards.
+    trainer.beta = beta
+    return trainer
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"beta": 0.0, "temperature": 1.0},
+        {"beta": 0.04, "temperature": 0.7, "epsilon": 0.1, "epsilon_high": 0.28},
+        {"beta": 0.1, "temperature": 1.0, "use_bias_correction_kl": False},
+    ],
+    ids=["no-kl", "kl-temperature-asymmetric-clip", "kl-uncorrected"],
+)
+def test_losses_and_gradients_equal_trls(loss_type, options):
+    data = rollout()
+    policy = tiny_llama()
+    ours_model = copy.deepcopy(policy)
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    temperature, beta = options["temperature"], options["beta"]
+    epsilon_low = options.get("epsilon", 0.2)
+    epsilon_high = options.get("epsilon_high", epsilon_low)
+    completion_len = data["completion_ids"].shape[1]
+    with torch.no_grad():
+        old = padded_logps(policy, data, temperature) + data["noise"]
+        ref = padded_logps(reference, data, temperature)
+    mask = data["completion_mask"].bool()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = trl_trainer(
+            policy, tmp, loss_type=loss_type, max_completion_length=completion_len, **dict(options)
+        )
+        inputs = {
+            **{k: data[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")},
+            "advantages": data["advantages"],
+            "old_per_token_logps": old,
+            "ref_per_token_logps": ref,
+            "num_items_in_batch": data["completion_mask"].sum(),
+        }
+        trl_loss = trainer._compute_loss(trainer.model, inputs)
+        trl_loss.backward()
+        trl_grads = grads(trainer.model)
+
+    logps, owners = packed_completion_logps(ours_model, data, temperature)
+    out = pg.per_token_loss(
+        logps, old[mask], data["advantages"][owners],
+        epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, ref_logps=ref[mask] if beta else None,
+        kl_bias_correction=options.get("use_bias_correction_kl", True),
+    )  # fmt: skip
+    units = {"completions": len(data["advantages"]), "tokens": int(mask.sum()), "micro_batches": 1}
+    loss = (
+        pg.policy_loss_sums(
+            out.losses,
+            owners,
+            len(data["advantages"]),
+            loss_type=loss_type,
+            max_completion_length=completion_len,
+        )
+        / units[pg.UNITS[loss_type]]
+    )
+    loss.backward()
+    torch.testing.assert_close(loss, trl_loss.detach(), rtol=1e-5, atol=1e-6)
+    ours = grads(ours_model)
+    assert ours.keys() == trl_grads.keys()
+    for name, value in trl_grads.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    assert out.low_clipped.any() or out.high_clipped.any()  # the noise makes some ratios clip
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_advantages_equal_trls(scale_rewards):
+    """TRL's formula (GRPOTrainer._generate_and_score_completions, one reward function, weight 1)."""
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.0, 2.0, 2.0])
+    num_generations = 2
+    grouped = rewards.view(-1, num_generations)
+    mean = grouped.mean(1).repeat_interleave(num_generations)
+    std = {
+        "group": grouped.std(1).repeat_interleave(num_generations),
+        "batch": rewards.std().expand_as(rewards),
+    }
+    expected = rewards - mean
+    if scale_rewards != "none":
+        expected = expected / (std[scale_rewards] + 1e-4)
+    advantages, flat = pg.group_advantages(
+        rewards, num_generations=num_generations, scale_rewards=scale_rewards
+    )
+    torch.testing.assert_close(advantages, expected)
+    assert flat.tolist() == [False, False, True, True, False, False, True, True]
+
+
+def test_a_kl_term_without_reference_log_probs_is_refused():
+    with pytest.raises(ValueError, match="ref_logps"):
+        pg.per_token_loss(
+            torch.zeros(2), torch.zeros(2), torch.ones(2), epsilon_low=0.2, epsilon_high=0.2, beta=0.1
+        )
