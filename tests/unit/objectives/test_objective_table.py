@@ -76,7 +76,7 @@ def test_each_objective_takes_its_data_type_and_refuses_others(spec):
     wanted = spec.data_type or "completion"
     validate_recipe(_recipe(spec.name, wanted))
     other = "completion" if spec.data_type else "preference"
-    with pytest.raises(ValidationError, match="data.datasets.0.type"):
+    with pytest.raises(ValidationError, match=r"data\.datasets\.0\.type"):
         validate_recipe(_recipe(spec.name, other))
 
 
