@@ -1,4 +1,11 @@
-"""Greedy generation from chat prompts: batched (evaluation) and streamed (interactive chat).
+"""Generation from chat prompts: batched (evaluation, online RL) and streamed (interactive chat).
+
+The one sampling primitive is `generate_ids`: left-padded batches with the KV cache (transformers'
+`generate`), stop tokens, greedy decoding (temperature 0) or sampling (temperature, top_p, top_k,
+num_return_sequences), where every returned sequence draws from its own seeded generator
+(`SeededSampler`): what a prompt's completions are depends on its seeds only, not on which other
+prompts share its batch, so a resumed run samples the same completions. `generate` (texts, greedy)
+and `stream_chat` build on the same prompt rendering and stop tokens.
 
 A prompt is a string (one user turn) or a list of ``{"role", "content"}`` messages. It is rendered
 with the tokenizer's chat template and ``add_generation_prompt=True`` (so the template's default
@@ -18,9 +25,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import LogitsProcessor
 
 Prompt = str | Sequence[dict[str, Any]]
 # End-of-turn tokens of common chat templates: generation stops at whichever the tokenizer has.
@@ -102,6 +111,99 @@ def _generation_kwargs(tokenizer, model, max_new_tokens: int) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class Completion:
+    """One generated sequence: its new token ids (cut after the stop token, which is kept) and
+    whether it ended at a stop token (False: cut at max_new_tokens)."""
+
+    ids: list[int]
+    finished: bool
+
+
+class SeededSampler(LogitsProcessor):
+    """Sampling inside `generate` with one torch.Generator per sequence of the batch.
+
+    transformers' own sampling draws every row from the global RNG, so a completion would depend on
+    the other rows of its batch. Here the logits are tempered and filtered with transformers' own
+    warpers, each row draws its token from its generator, and every other token gets -inf: greedy
+    decoding then picks exactly the drawn token. Rows that already stopped keep drawing (their draws
+    are discarded), which changes nothing for the rows still running.
+    """
+
+    def __init__(self, generators: list[torch.Generator], *, temperature: float, top_p: float, top_k: int):
+        from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.generators = generators
+        self.warpers = [TemperatureLogitsWarper(temperature)]
+        if top_k:
+            self.warpers.append(TopKLogitsWarper(top_k))
+        if top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p))
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = scores.float()
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        probs = torch.softmax(scores, dim=-1)
+        picked = torch.cat(
+            [torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.generators)]
+        )
+        out = torch.full_like(scores, float("-inf"))
+        out[torch.arange(len(picked), device=out.device), picked] = 0.0
+        return out
+
+
+def generate_ids(
+    model,
+    tokenizer,
+    prompts: Sequence[list[int]],
+    *,
+    max_new_tokens: int,
+    batch_size: int = 8,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    num_return_sequences: int = 1,
+    seeds: Sequence[Sequence[int]] | None = None,
+    progress: bool = False,
+) -> list[list[Completion]]:
+    """For each prompt (token ids, e.g. from `prompt_ids`), its `num_return_sequences` completions.
+
+    temperature 0 is greedy (one distinct answer; `seeds` unused); above 0 each completion j of
+    prompt k is sampled with the generator seeded `seeds[k][j]` (required). Prompts go in
+    left-padded batches of `batch_size` prompts (longest first, so a batch holds prompts of similar
+    length), each expanded to its completions; the model is in eval mode without autograd inside and
+    given back in its mode.
+    """
+    from tqdm.auto import tqdm
+
+    sampling = temperature > 0
+    if sampling and (seeds is None or any(len(s) != num_return_sequences for s in seeds)):
+        raise ValueError("sampling needs one seed per completion: seeds[k] holds num_return_sequences seeds")
+    order = sorted(range(len(prompts)), key=lambda k: -len(prompts[k]))
+    kwargs = _generation_kwargs(tokenizer, model, max_new_tokens)
+    stops = set(kwargs["eos_token_id"] or [])
+    outputs: list[list[Completion]] = [[] for _ in prompts]
+    batches = [order[k : k + batch_size] for k in range(0, len(order), batch_size)]
+    device = _device(model)
+    with eval_mode(model):
+        for batch in tqdm(batches, desc="generating", unit="batch", disable=not progress):
+            rows = [prompts[k] for k in batch for _ in range(num_return_sequences)]
+            extra = {}
+            if sampling:
+                generators = [
+                    torch.Generator(device=device).manual_seed(int(seed)) for k in batch for seed in seeds[k]
+                ]
+                sampler = SeededSampler(generators, temperature=temperature, top_p=top_p, top_k=top_k)
+                extra["logits_processor"] = [sampler]
+            new_ids = _generate_batch(model, rows, {**kwargs, **extra})
+            for r, row in enumerate(new_ids.tolist()):
+                end = next((t for t, token in enumerate(row) if token in stops), None)
+                completion = Completion(row if end is None else row[: end + 1], end is not None)
+                outputs[batch[r // num_return_sequences]].append(completion)
+    return outputs
+
+
 def generate(
     model,
     tokenizer,
@@ -112,23 +214,14 @@ def generate(
     use_chat_template: bool = True,
     progress: bool = True,
 ) -> list[str]:
-    """Greedy answers to `prompts`, in order: batches of left-padded prompts (longest first, so a
-    batch holds prompts of similar length), stopping at eos / end of turn or after max_new_tokens;
-    only the new tokens are decoded, special tokens removed."""
-    from tqdm.auto import tqdm
-
+    """Greedy answers to `prompts`, in order (see `generate_ids`), stopping at eos / end of turn or
+    after max_new_tokens; only the new tokens are decoded, special tokens removed."""
     encoded = [prompt_ids(tokenizer, p, use_chat_template=use_chat_template) for p in prompts]
-    order = sorted(range(len(encoded)), key=lambda k: -len(encoded[k]))
-    kwargs = _generation_kwargs(tokenizer, model, max_new_tokens)
-    outputs: list[str] = [""] * len(encoded)
-    batches = [order[k : k + batch_size] for k in range(0, len(order), batch_size)]
-    with eval_mode(model):
-        for batch in tqdm(batches, desc="generating", unit="batch", disable=not progress):
-            new_ids = _generate_batch(model, [encoded[k] for k in batch], kwargs)
-            texts = decode_new_tokens(tokenizer, new_ids, stops=kwargs["eos_token_id"] or [])
-            for k, text in zip(batch, texts, strict=True):
-                outputs[k] = text
-    return outputs
+    completions = generate_ids(
+        model, tokenizer, encoded, max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress
+    )
+    stops = stop_token_ids(tokenizer, model)
+    return [decode_completion(tokenizer, c[0].ids, stops=stops) for c in completions]
 
 
 def _generate_batch(model, batch: list[list[int]], kwargs: dict[str, Any]) -> torch.Tensor:
@@ -142,13 +235,16 @@ def _generate_batch(model, batch: list[list[int]], kwargs: dict[str, Any]) -> to
     return out[:, width:].cpu()
 
 
+def decode_completion(tokenizer, ids: Sequence[int], *, stops: Sequence[int]) -> str:
+    """Generated ids cut at the first stop id and decoded without special tokens."""
+    ids = list(ids)
+    end = next((k for k, t in enumerate(ids) if t in stops), len(ids))
+    return tokenizer.decode(ids[:end], skip_special_tokens=True).strip()
+
+
 def decode_new_tokens(tokenizer, new_ids: torch.Tensor, *, stops: Sequence[int]) -> list[str]:
     """Each row of generated ids cut at its first stop id and decoded without special tokens."""
-    texts = []
-    for row in new_ids.tolist():
-        end = next((k for k, t in enumerate(row) if t in stops), len(row))
-        texts.append(tokenizer.decode(row[:end], skip_special_tokens=True).strip())
-    return texts
+    return [decode_completion(tokenizer, row, stops=stops) for row in new_ids.tolist()]
 
 
 def stream_chat(

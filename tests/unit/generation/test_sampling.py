@@ -9,7 +9,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from finetune.generation.sampling import decode_new_tokens, generate, prompt_ids, stop_token_ids, stream_chat
+from finetune.generation.sampling import (
+    SeededSampler,
+    decode_completion,
+    decode_new_tokens,
+    generate,
+    generate_ids,
+    prompt_ids,
+    stop_token_ids,
+    stream_chat,
+)
 from finetune.generation.sets import evaluate_generations
 from finetune.model import apply_lora, load_for_inference
 from finetune.recipe import LoraSection
@@ -135,3 +144,61 @@ def test_real_model_answers(smollm2: SmolLM2) -> None:
     assert first["output"] and second["output"] and "<|im_end|>" not in first["output"]
     assert (first["correct"], second["correct"], result["score"]) == (True, False, 0.5)
     assert "".join(stream_chat(model, tokenizer, "What is the capital of France?", max_new_tokens=12)).strip()
+
+
+# ------------------------------------------------------------------------------ seeded sampling
+
+
+def _sample(tiny, tokenizer, prompts, seeds, *, batch_size=8, **options):
+    encoded = [prompt_ids(tokenizer, p) for p in prompts]
+    options = {"max_new_tokens": 12, "temperature": 1.0, "num_return_sequences": len(seeds[0]), **options}
+    return generate_ids(tiny, tokenizer, encoded, seeds=seeds, batch_size=batch_size, **options)
+
+
+def test_a_prompts_completions_depend_on_its_seeds_not_on_its_batch(tokenizer, tiny) -> None:
+    seeds = [[10 * k + j for j in range(3)] for k in range(len(PROMPTS))]
+    together = _sample(tiny, tokenizer, PROMPTS, seeds, batch_size=8)
+    alone = [_sample(tiny, tokenizer, [p], [s], batch_size=1)[0] for p, s in zip(PROMPTS, seeds, strict=True)]
+    assert [[c.ids for c in row] for row in together] == [[c.ids for c in row] for row in alone]
+    again = _sample(tiny, tokenizer, PROMPTS, seeds, batch_size=2)
+    assert [[c.ids for c in row] for row in again] == [[c.ids for c in row] for row in together]
+    # Different seeds sample different completions (a random model spreads its mass widely).
+    assert len({tuple(c.ids) for row in together for c in row}) > len(PROMPTS)
+
+
+def test_sampling_follows_the_tempered_filtered_distribution(tokenizer) -> None:
+    """One step from fixed logits: SeededSampler draws with the probabilities softmax(logits / T)
+    restricted to the top_p nucleus (counted over many draws)."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    draws = []
+    for seed in range(4000):
+        sampler = SeededSampler([torch.Generator().manual_seed(seed)], temperature=1.0, top_p=0.8, top_k=0)
+        draws.append(int(sampler(torch.zeros(1, 1, dtype=torch.long), logits.clone()).argmax()))
+    counts = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
+    # The nucleus of 0.8 is {0.5, 0.3}: renormalised 0.625 / 0.375, nothing else.
+    assert counts[2] == counts[3] == 0
+    assert abs(counts[0] - 0.625) < 0.03 and abs(counts[1] - 0.375) < 0.03
+    cold = SeededSampler([torch.Generator().manual_seed(0)], temperature=0.05, top_p=1.0, top_k=0)
+    assert int(cold(torch.zeros(1, 1, dtype=torch.long), logits.clone()).argmax()) == 0
+
+
+def test_completions_say_whether_they_stopped_and_keep_the_stop_token(tokenizer, tiny) -> None:
+    stops = set(stop_token_ids(tokenizer, tiny))
+    rows = _sample(tiny, tokenizer, PROMPTS, [[1, 2]] * len(PROMPTS), max_new_tokens=6)
+    for row in rows:
+        for completion in row:
+            assert len(completion.ids) <= 6
+            if completion.finished:
+                assert completion.ids[-1] in stops and not stops & set(completion.ids[:-1])
+            else:
+                assert len(completion.ids) == 6 and not stops & set(completion.ids)
+
+
+def test_greedy_needs_no_seeds_and_sampling_refuses_missing_ones(tokenizer, tiny) -> None:
+    encoded = [prompt_ids(tokenizer, p) for p in PROMPTS[:2]]
+    greedy = generate_ids(tiny, tokenizer, encoded, max_new_tokens=5)
+    texts = generate(tiny, tokenizer, PROMPTS[:2], max_new_tokens=5, progress=False)
+    stops = stop_token_ids(tokenizer, tiny)
+    assert [decode_completion(tokenizer, row[0].ids, stops=stops) for row in greedy] == texts
+    with pytest.raises(ValueError, match="one seed per completion"):
+        generate_ids(tiny, tokenizer, encoded, max_new_tokens=5, temperature=1.0, num_return_sequences=2)
