@@ -86,3 +86,30 @@ class RankBatchSampler(torch.utils.data.Sampler):
     def __len__(self) -> int:
         extra = 1 if (not self.drop_last and self.leftover >= self.num_replicas) else 0
         return self.full_batches + extra
+
+
+class RepeatBatchSampler(torch.utils.data.Sampler):
+    """Each batch of `sampler` `times` times in a row (online RL reuses a rollout for several steps:
+    the loader gives its prompts once per step). `set_epoch` and `dropped_per_epoch` pass through.
+
+    >>> list(RepeatBatchSampler(RankBatchSampler(4, micro_batch_size=2, shuffle=False), 2))
+    [[0, 1], [0, 1], [2, 3], [2, 3]]
+    """
+
+    def __init__(self, sampler: RankBatchSampler, times: int):
+        self.sampler, self.times = sampler, times
+
+    @property
+    def dropped_per_epoch(self) -> int:
+        return self.sampler.dropped_per_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        for batch in self.sampler:
+            for _ in range(self.times):
+                yield batch
+
+    def __len__(self) -> int:
+        return len(self.sampler) * self.times

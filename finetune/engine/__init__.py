@@ -27,6 +27,16 @@ says what one micro-batch costs. The engine calls it through this narrow interfa
   before the first step with train.eval_on_start.
 * `save(model, metrics) -> extra files`: the final artifacts and model card (every process calls it).
 
+Online objectives (RL) add a rollout step, and the engine stays objective-free:
+
+* `batches_per_window` (attribute, optional): how many loader items make one optimizer step
+  (default: train.gradient_accumulation_steps micro-batches). An online objective's loader yields
+  one item per step: this process's prompts for it.
+* `rollout(model, items, step) -> (micro-batches, stats)` (optional): turns a window's items into
+  the micro-batches the usual accumulation window trains on (generate, score, advantages). `stats`
+  are numbers summed into the logging interval beside `rollout_seconds`, the rollout's wall time,
+  which `log_fields` reports apart from the training time.
+
 Reading order: loop.py (train -> setup -> train_loop -> save_final), step.py (one window),
 checkpoints.py (cadence, resume), outputs.py (progress records, trackers, profiler, Hub push),
 accelerator.py (the Accelerator of a run), state.py (counters).

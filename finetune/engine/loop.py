@@ -91,7 +91,7 @@ def setup(objective, accelerator, *, train, hub, recipe_dict: dict) -> Run:
     # The schedule length comes from the real number of optimizer steps in the (packed) data.
     steps_per_epoch, total_steps = schedule_length(
         len(parts.train_loader),
-        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        gradient_accumulation_steps=batches_per_window(objective, train),
         num_train_epochs=train.num_train_epochs,
         max_steps=train.max_steps,
     )
@@ -195,9 +195,33 @@ class StopFlag:
         self.signal_name = signal.Signals(signum).name
 
 
+def batches_per_window(objective, train) -> int:
+    """Loader items that make one optimizer step: the accumulation steps' micro-batches, or what an
+    online objective says (one window of prompts, which its rollout turns into the micro-batches)."""
+    return getattr(objective, "batches_per_window", None) or train.gradient_accumulation_steps
+
+
+def rollout(run: Run, window: list, interval: dict) -> list[dict]:
+    """An online objective's micro-batches for this step, made from the window's items (generate,
+    score, advantages); its time and statistics go into the logging interval (rollout_seconds apart
+    from the training time): summed, or kept at their largest for `max:` keys. Objectives without a
+    rollout train on the loader's micro-batches."""
+    make = getattr(run.objective, "rollout", None)
+    if make is None:
+        return window
+    started = time.perf_counter()
+    batches, stats = make(run.model, window, step=run.state.step + 1)
+    for key, value in {**stats, "rollout_seconds": time.perf_counter() - started}.items():
+        interval[key] = (
+            max(interval.get(key, value), value) if key.startswith("max:") else interval.get(key, 0) + value
+        )
+    return batches
+
+
 def train_loop(run: Run, log: ProgressLog) -> None:
     """Epochs of accumulation windows until total_steps; logs, evaluates, checkpoints, stops cleanly."""
     acc, train, st, objective = run.accelerator, run.train, run.state, run.objective
+    per_window = batches_per_window(objective, train)
     stop = StopFlag()
     started = time.monotonic()
     profiler = None
@@ -217,19 +241,22 @@ def train_loop(run: Run, log: ProgressLog) -> None:
         batches = iter(loader)
         epoch_done = False
         while st.step < run.total_steps:
-            window = list(islice(batches, train.gradient_accumulation_steps))
+            window = list(islice(batches, per_window))
             if not window:
                 epoch_done = True
                 break
             st.micro_step_in_epoch += len(window)
-            run.micro_batches_here += len(window)
             if train.enable_profiling and st.step + 1 == train.profile_start_step:
                 profiler = start_profiler(acc)
+            skipped = st.step + 1 in skip
+            if not skipped:
+                window = rollout(run, window, interval)
+            run.micro_batches_here += len(window)
             for batch in window:
                 for key, value in objective.counts(batch).items():
                     interval[key] = interval.get(key, 0) + value
                     run.counts_here[key] = run.counts_here.get(key, 0) + value
-            if st.step + 1 in skip:  # train.iterations_to_skip: consumed without forward or update
+            if skipped:  # train.iterations_to_skip: consumed without rollout, forward or update
                 st.skipped_iterations += 1
                 result = {"applied": False, "skipped": True}
             else:

@@ -1,0 +1,173 @@
+"""The `grpo` section: online RL with verifiable rewards (train.objective grpo).
+
+The model samples `num_generations` completions per prompt, the rewards score them, each completion's
+advantage is its reward against its group's, and a clipped policy-gradient loss (finetune.losses.
+policy_gradient, TRL's loss types) trains on them. Every field shapes what is sampled or trained,
+so all are fixed on resume.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from finetune.recipe.base import Problem, _Section
+
+BUILTIN_REWARDS = ("exact_match", "math_verify", "format", "length")
+# What each built-in reward reads besides the completion: the recipe fields it needs, and those it
+# may take (a field set for a reward that does not read it is an error, never ignored).
+_REWARD_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "exact_match": (("field_expected",), ("answer_pattern",)),
+    "math_verify": (("field_expected",), ()),
+    "format": (("pattern",), ()),
+    "length": ((), ("soft_cache",)),
+}
+_OPTIONAL = ("field_expected", "answer_pattern", "pattern", "soft_cache")
+
+
+class RewardSpec(_Section):
+    """One reward: a built-in by `name` or any importable function by `function`, and its weight."""
+
+    name: Literal["exact_match", "math_verify", "format", "length"] | None = Field(
+        None,
+        description="A built-in reward: exact_match (1 when the answer extracted from the completion equals "
+        "the row's field_expected, as the eval metric extracts it), math_verify (1 when Hugging Face's "
+        "math-verify finds them equal; pip install math-verify), format (1 when the completion matches "
+        "`pattern`, a regex searched in the whole completion), length (DAPO's soft overlong penalty: 0 up to "
+        "max_new_tokens - soft_cache tokens, then falling linearly to -1 at max_new_tokens).",
+    )
+    function: str | None = Field(
+        None,
+        description="A reward function `module:function` (importable, e.g. from the recipe's folder) or "
+        "`path/to/file.py:function`, called as function(completions, rows) -> list of floats: completions "
+        "are the decoded texts, rows the prompt rows (every column of the data) they answer.",
+    )
+    weight: float = Field(
+        1.0, description="Weight of this reward in the total (the advantages use the total)."
+    )
+    field_expected: str | None = Field(
+        None, description="exact_match, math_verify: the data column holding the expected answer."
+    )
+    answer_pattern: str | None = Field(
+        None,
+        description="exact_match: regex whose first group is the answer (default: GSM8K's `#### 42`, else the "
+        "last number in the text).",
+    )
+    pattern: str | None = Field(None, description="format: the regex a well-formed completion matches.")
+    soft_cache: int | None = Field(
+        None,
+        ge=1,
+        description="length: tokens before max_new_tokens where the penalty starts (DAPO's L_cache).",
+    )
+
+    @property
+    def label(self) -> str:
+        """How the reward is named in logs: the built-in's name or the function's path."""
+        return self.name or str(self.function)
+
+    def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
+        problems: list[Problem] = []
+        if not ok("name", "function"):
+            return problems
+        if (self.name is None) == (self.function is None):
+            problems.append(("name", self.name, "give exactly one of name (a built-in reward) or function"))
+            return problems
+        if self.function is not None:
+            module, _, attr = self.function.rpartition(":")
+            if not module or not attr.isidentifier():
+                problems.append(
+                    ("function", self.function, "write it as module:function or path/to/file.py:function")
+                )
+            set_fields = [f for f in _OPTIONAL if ok(f) and getattr(self, f) not in (None, False)]
+            problems += [
+                (f, getattr(self, f), "is read by built-in rewards only; remove it") for f in set_fields
+            ]
+            return problems
+        needed, allowed = _REWARD_FIELDS[self.name]
+        for name in needed:
+            if ok(name) and getattr(self, name) is None:
+                problems.append((name, None, f"the {self.name} reward needs it"))
+        for name in _OPTIONAL:
+            if name not in needed + allowed and ok(name) and getattr(self, name) not in (None, False):
+                problems.append(
+                    (name, getattr(self, name), f"the {self.name} reward does not read it; remove it")
+                )
+        for name in ("answer_pattern", "pattern"):
+            value = getattr(self, name) if ok(name) else None
+            if value is not None:
+                try:
+                    re.compile(value)
+                except re.error as exc:
+                    problems.append((name, value, f"is not a valid regular expression: {exc}"))
+        return problems
+
+
+class GrpoSection(_Section):
+    fixed_on_resume: ClassVar[bool] = True
+
+    num_generations: int = Field(
+        8,
+        ge=2,
+        description="Completions sampled per prompt (the group whose rewards make the advantages). A step "
+        "trains on train.micro_batch_size x gradient_accumulation_steps completions per process, which must "
+        "be a multiple of it.",
+    )
+    max_new_tokens: int = Field(
+        256, ge=1, description="Longest completion; longer ones are cut (and counted)."
+    )
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature (also applied to the trained log-probs)."
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens holding top_p."
+    )
+    top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens (0 = all).")
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field(
+        "dapo",
+        description="TRL's loss types: grpo (per-completion token means), dr_grpo (token sums over "
+        "max_new_tokens), dapo (token mean over the step's completion tokens), bnpo (token mean per micro-batch).",
+    )
+    beta: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the KL term to the reference (the base with adapters disabled, or a frozen copy "
+        "for full fine-tuning); 0 = no reference forward at all.",
+    )
+    kl_bias_correction: bool = Field(
+        True, description="Multiply the KL estimate by the importance ratio (TRL's use_bias_correction_kl)."
+    )
+    epsilon: float = Field(
+        0.2, gt=0, lt=1, description="Clipping of the probability ratio below (and above)."
+    )
+    epsilon_high: float | None = Field(
+        None, gt=0, description="Upper clipping (DAPO's clip-higher, e.g. 0.28); null = epsilon."
+    )
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps on each batch of rollouts (GRPO's mu); >1 computes old log-probs.",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="Divide advantages by the std of the group's rewards, of the step's rewards (batch), or not "
+        "(none, Dr. GRPO).",
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="Leave completions cut at max_new_tokens out of the loss (DAPO)."
+    )
+    generation_backend: Literal["transformers", "vllm"] = Field(
+        "transformers",
+        description="transformers (CPU and GPU; the training model generates) or vllm (GPU, colocated).",
+    )
+    generation_batch_size: int = Field(
+        8, ge=1, description="Prompts per generate call (each with its num_generations completions)."
+    )
+    log_completions: int = Field(
+        2,
+        ge=0,
+        description="Sampled completions with their rewards written to progress.jsonl per logged step.",
+    )
+    rewards: list[RewardSpec] = Field(min_length=1, description="The rewards, summed by weight.")
