@@ -1,0 +1,177 @@
+"""The GRPO objective's parts: packed rollouts, their loss against the padded layout, seeds, the
+rollout buffer that num_iterations reuses and checkpoints, and the repeating prompt sampler."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from finetune.data.sampler import RankBatchSampler, RepeatBatchSampler
+from finetune.engine.extra_state import load_extra, save_extra
+from finetune.losses import policy_gradient as pg
+from finetune.losses.causal_lm import forward
+from finetune.losses.preference import token_logps
+from finetune.objectives.grpo import GRPOObjective, RolloutBuffer, completion_seed, pack_completions
+from finetune.recipe.grpo import GrpoSection
+
+VOCAB = 64
+
+
+def tiny_llama() -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def sequences(n: int = 6, seed: int = 0) -> list[tuple[list[int], list[int], bool, float]]:
+    rng = random.Random(seed)
+    out = []
+    for k in range(n):
+        prompt = [1] + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 5))]
+        completion = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 6))]
+        out.append((prompt, completion, k % 3 != 2, rng.uniform(-1, 1)))
+    return out
+
+
+def objective(loss_type: str, **settings) -> GRPOObjective:
+    obj = GRPOObjective.__new__(GRPOObjective)  # the parts `loss` and `units` read, without a build
+    obj.settings = GrpoSection(
+        loss_type=loss_type, max_new_tokens=8, rewards=[{"name": "length"}], **settings
+    )
+    return obj
+
+
+def padded_loss(model, seqs, loss_type: str, settings: GrpoSection) -> torch.Tensor:
+    """The same loss from a right-padded batch, one sequence per row (TRL's layout)."""
+    width = max(len(p) + len(c) for p, c, _, _ in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for k, (p, c, _, _) in enumerate(seqs):
+        ids[k, : len(p) + len(c)] = torch.tensor(p + c)
+        labels[k, len(p) : len(p) + len(c)] = torch.tensor(c)
+        mask[k, : len(p) + len(c)] = 1
+    logps = token_logps(model(input_ids=ids, attention_mask=mask).logits, labels)
+    trained = labels != -100
+    owners = torch.arange(len(seqs))[:, None].expand_as(labels)[trained]
+    advantages = torch.tensor([a for *_, a in seqs])[owners]
+    out = pg.per_token_loss(
+        logps[trained], logps[trained].detach(), advantages, epsilon_low=0.2, epsilon_high=0.2
+    )
+    total = pg.policy_loss_sums(out.losses, owners, len(seqs), loss_type=loss_type, max_completion_length=8)
+    units = {"completions": len(seqs), "tokens": int(trained.sum()), "micro_batches": 1}[pg.UNITS[loss_type]]
+    return total / units
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+def test_a_packed_rollout_gives_the_padded_layouts_loss_and_gradients(loss_type):
+    seqs = sequences()
+    policy = tiny_llama()
+    padded_model = copy.deepcopy(policy)
+    obj = objective(loss_type)
+    (batch,) = pack_completions(seqs, per_batch=len(seqs), pad_token_id=0, pad_to_multiple_of=16)
+    assert batch["input_ids"].shape[1] % 16 == 0
+    loss, metrics = obj.loss(policy, batch, obj.units(batch))
+    loss.backward()
+    expected = padded_loss(padded_model, seqs, loss_type, obj.settings)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    theirs = {n: p.grad for n, p in padded_model.named_parameters()}
+    for name, param in policy.named_parameters():
+        torch.testing.assert_close(param.grad, theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert set(metrics) == {
+        "clip_ratio/low",
+        "clip_ratio/high",
+        "count:clip_ratio/low",
+        "count:clip_ratio/high",
+    }
+
+
+def test_accumulated_micro_batches_equal_one_batch_for_the_window_units():
+    """Two micro-batches normalised by the window's units give the one-batch loss (dapo: tokens)."""
+    seqs = sequences(8, seed=3)
+    policy = tiny_llama()
+    obj = objective("dapo")
+    whole = pack_completions(seqs, per_batch=8, pad_token_id=0)
+    halves = pack_completions(seqs, per_batch=4, pad_token_id=0)
+    units = sum(obj.units(b) for b in halves)
+    assert units == obj.units(whole[0])
+    split = sum(obj.loss(policy, b, units)[0] for b in halves)
+    torch.testing.assert_close(
+        split, obj.loss(policy, whole[0], obj.units(whole[0]))[0], rtol=1e-5, atol=1e-6
+    )
+
+
+def test_masked_truncated_completions_train_nothing_but_still_count():
+    seqs = sequences()
+    (masked,) = pack_completions(seqs, per_batch=6, pad_token_id=0, mask_truncated=True)
+    (kept,) = pack_completions(seqs, per_batch=6, pad_token_id=0)
+    truncated_tokens = sum(len(c) for _, c, finished, _ in seqs if not finished)
+    assert int((kept["labels"] != -100).sum()) - int((masked["labels"] != -100).sum()) == truncated_tokens
+    assert int(masked["num_sequences"]) == 6 and int(masked["completion_tokens"]) == int(
+        kept["completion_tokens"]
+    )
+
+
+def test_completion_seeds_are_fixed_and_distinct():
+    seeds = {completion_seed(42, step, row, j) for step in range(3) for row in range(5) for j in range(4)}
+    assert len(seeds) == 60 and all(0 <= s < 2**63 for s in seeds)
+    assert completion_seed(42, 1, 2, 3) == completion_seed(42, 1, 2, 3)
+
+
+def test_the_rollout_buffer_is_reused_then_renewed_and_survives_a_checkpoint(tmp_path):
+    batches = pack_completions(sequences(), per_batch=3, pad_token_id=0)
+    buffer = RolloutBuffer()
+    assert buffer.take([1, 2], 2) is None
+    buffer.keep([1, 2], batches)
+    save_extra({"rollout": buffer}, tmp_path)
+    again = buffer.take([1, 2], 2)
+    assert again is not None and torch.equal(again[1]["input_ids"], batches[1]["input_ids"])
+    assert buffer.take([1, 2], 2) is None  # used twice: a new rollout
+    assert buffer.take([3, 4], 2) is None  # other prompts
+    restored = RolloutBuffer()
+    load_extra({"rollout": restored}, tmp_path)
+    assert restored.key == [1, 2] and restored.uses == 1
+    for ours, theirs in zip(restored.take([1, 2], 2), batches, strict=True):
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_the_repeating_sampler_gives_each_batch_in_a_row_and_keeps_epochs():
+    sampler = RepeatBatchSampler(RankBatchSampler(6, micro_batch_size=2, seed=1), 3)
+    first = list(sampler)
+    assert len(first) == len(sampler) == 9
+    assert all(first[i] == first[i + 1] == first[i + 2] for i in range(0, 9, 3))
+    sampler.set_epoch(1)
+    assert list(sampler) != first and sampler.dropped_per_epoch == 0
+
+
+def test_units_follow_the_loss_type():
+    (batch,) = pack_completions(sequences(), per_batch=6, pad_token_id=0)
+    trained = int((batch["labels"] != -100).sum())
+    assert [int(objective(t).units(batch)) for t in ("grpo", "dr_grpo", "dapo", "bnpo")] == [6, 6, trained, 1]
+
+
+def test_counts_skip_a_window_consumed_without_rollout():
+    obj = objective("dapo")
+    assert obj.counts([{"prompt_ids": [1, 2]}]) == {}
+    (batch,) = pack_completions(sequences(), per_batch=6, pad_token_id=0)
+    assert obj.counts(batch)["tokens"] == sum(len(p) + len(c) for p, c, _, _ in sequences())
+
+
+def test_sampling_temperature_scales_the_trained_log_probs():
+    seqs = sequences()
+    policy = tiny_llama()
+    (batch,) = pack_completions(seqs, per_batch=6, pad_token_id=0)
+    cold = objective("dapo", temperature=0.5)
+    logps = cold._token_logps(policy, batch)
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    logits = forward(policy, inputs).logits / 0.5
+    torch.testing.assert_close(logps, token_logps(logits, batch["labels"]))
