@@ -32,9 +32,9 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
+from finetune.constants import IGNORE_INDEX
 from finetune.data.packing import build_packed_rows
 
-IGNORE_INDEX = -100
 PACKED_KINDS = ("preference", "kto")
 
 

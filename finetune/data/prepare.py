@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from finetune import hub
+from finetune.constants import IGNORE_INDEX
 from finetune.data.cache import (
     MANIFEST_NAME,
     Prepared,
@@ -50,7 +51,7 @@ from finetune.data.packing import (
 )
 from finetune.data.preference import PACKED_KINDS, pack_examples
 from finetune.data.sources import file_hash, load_source, looks_local, source_fingerprint
-from finetune.data.tokenize import IGNORE_INDEX, tokenize_dataset
+from finetune.data.tokenize import tokenize_dataset
 from finetune.errors import DataError, RecipeError
 from finetune.notices import warn
 

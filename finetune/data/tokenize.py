@@ -46,11 +46,11 @@ import numpy as np
 import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
 
+from finetune.constants import IGNORE_INDEX
 from finetune.data import damage, formats, preference
 from finetune.data.formats import BadRow
 from finetune.errors import DataError
 
-IGNORE_INDEX = -100
 BATCH_SIZE = 1000
 # Below this many rows, formats other than chat run in one process: the Rust tokenizer already
 # spreads a batch over every core, and starting workers (each gets a pickled copy of the
