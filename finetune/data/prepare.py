@@ -43,6 +43,7 @@ from finetune.data.cache import (
     load_complete,
     write_atomically,
 )
+from finetune.data.formats import FORMATS
 from finetune.data.packing import (
     build_packed_rows,
     pack_multipack,
@@ -65,7 +66,7 @@ _WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h
 # Entry fields that do not change what is prepared.
 _ENTRY_FIELDS_NOT_HASHED = {"trust_remote_code"}
 # Per-example columns of preference pairs and kto examples, kept through merge and split.
-_EXTRA_COLUMNS = ("chosen_len", "desirable", "prompt_len")
+_EXTRA_COLUMNS = tuple(name for fmt in FORMATS.values() for name in fmt.features)
 # What one example of each kind is, for the summary.
 _UNIT_NAMES = {"sft": "examples", "preference": "pairs", "kto": "examples"}
 # Above this share of kto examples alone in their packed row (no mismatched completion for the KL

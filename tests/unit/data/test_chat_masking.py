@@ -18,7 +18,9 @@ from pydantic import ValidationError
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from finetune.data.tokenize import IGNORE_INDEX, chat_spans, tokenize_dataset
+from finetune.constants import IGNORE_INDEX
+from finetune.data.chat import chat_spans
+from finetune.data.tokenize import tokenize_dataset
 from finetune.errors import DataError
 from finetune.recipe import KNOWN_CHAT_TEMPLATES, DatasetEntry
 
