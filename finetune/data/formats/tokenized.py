@@ -32,8 +32,11 @@ def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example |
     rows: list[Example | BadRow] = []
     for k, ids in enumerate(batch["input_ids"]):
         bad = check_ids("input_ids", ids, vocab_size, allow_ignore=False)
-        labels = list(ids) if labels_col is None or bad else labels_col[k]
-        if not bad and labels_col is not None:
+        if bad:
+            rows.append(bad)
+            continue
+        labels = list(ids) if labels_col is None else labels_col[k]
+        if labels_col is not None:
             bad = check_ids("labels", labels, vocab_size, allow_ignore=True)
             if not bad and len(labels) != len(ids):
                 bad = BadRow(

@@ -23,6 +23,8 @@ def test_ids_pass_through_and_labels_default_to_ids() -> None:
 @pytest.mark.parametrize(
     ("row", "field", "reason"),
     [
+        ({"input_ids": None}, "input_ids", "missing_field"),  # was a TypeError inside the map
+        ({"input_ids": None, "labels": [1]}, "input_ids", "missing_field"),
         ({"input_ids": "1 2", "labels": [1]}, "input_ids", "wrong_type"),
         ({"input_ids": [1.5], "labels": [1]}, "input_ids", "wrong_type"),
         ({"input_ids": [10], "labels": [1]}, "input_ids", "out_of_vocab"),
