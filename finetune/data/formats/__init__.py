@@ -23,7 +23,9 @@ Adding a format (say ``tools``) touches:
    ``tokenize`` (and ``renders_chat`` / ``check`` / ``FEATURES`` when it needs them), using the
    shared paths where they fit;
 3. this module: its entry in ``FORMATS``;
-4. tests/unit/data/formats/test_tools_format.py, and docs.
+4. tests/unit/data/formats/test_tools_format.py, and a row of it in ROWS of
+   tests/unit/data/formats/test_format_registry.py, which checks that the registry and the recipe's
+   entry classes agree and that every type tokenizes a row of its schema's defaults.
 
 >>> from types import SimpleNamespace as NS
 >>> sorted(columns_read(NS(type="alpaca", field_instruction="q", field_output="a", field_input="ctx"), ["q", "a"]))

@@ -21,7 +21,7 @@ from finetune.data.prepare import prepare
 from finetune.data.tokenize import tokenize_dataset
 from finetune.errors import DataError
 from finetune.losses.preference import kto_mismatched_completions
-from finetune.recipe import DatasetEntry, validate_recipe
+from finetune.recipe import DatasetEntry, dataset_entry, validate_recipe
 
 IGNORE = -100
 PAIRS = [
@@ -39,7 +39,7 @@ def tokenizer(repo_root: Path):
 
 
 def entry(**fields) -> DatasetEntry:
-    return DatasetEntry(**{"path": "pairs.jsonl", "type": "preference", **fields})
+    return dataset_entry(**{"path": "pairs.jsonl", "type": "preference", **fields})
 
 
 def tokenize(
@@ -200,7 +200,7 @@ def test_kto_examples_carry_their_label_and_prompt_length(tokenizer):
     ]
     result = tokenize_dataset(
         datasets.Dataset.from_list(rows),
-        DatasetEntry(path="k.jsonl", type="kto", apply_chat_template=True),
+        dataset_entry(path="k.jsonl", type="kto", apply_chat_template=True),
         tokenizer,
         sequence_len=128,
         excess_length_strategy="drop",
@@ -271,7 +271,7 @@ def test_the_collator_builds_kto_kl_rows_and_flags(tokenizer):
     rows = [{"prompt": f"Q{i}?", "completion": f"A{i}.", "label": i != 1} for i in range(3)]
     ds = tokenize_dataset(
         datasets.Dataset.from_list(rows),
-        DatasetEntry(path="k.jsonl", type="kto"),
+        dataset_entry(path="k.jsonl", type="kto"),
         tokenizer,
         sequence_len=64,
         excess_length_strategy="drop",

@@ -16,7 +16,7 @@ from finetune.data.formats.alpaca import alpaca_prompt
 from finetune.data.sources import load_source
 from finetune.data.tokenize import TokenizeResult, tokenize_dataset
 from finetune.errors import DataError
-from finetune.recipe import DatasetEntry
+from finetune.recipe import DatasetEntry, dataset_entry
 
 REPO = Path(__file__).resolve().parents[3]
 DEMO_TOKENIZER = REPO / "recipes" / "demo" / "tokenizer"
@@ -43,7 +43,7 @@ def llama():
 
 
 def entry(type: str, **kw) -> DatasetEntry:
-    return DatasetEntry(path=kw.pop("path", "mem.jsonl"), type=type, **kw)
+    return dataset_entry(path=kw.pop("path", "mem.jsonl"), type=type, **kw)
 
 
 def run(rows, e, tokenizer, **kw) -> TokenizeResult:

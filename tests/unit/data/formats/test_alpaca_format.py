@@ -5,11 +5,11 @@ from __future__ import annotations
 from finetune.data.chat import pair_turns
 from finetune.data.formats import alpaca
 from finetune.data.rows import BadRow
-from finetune.recipe import DatasetEntry
+from finetune.recipe import DatasetEntry, dataset_entry
 
 
 def entry(**kw) -> DatasetEntry:
-    return DatasetEntry(path="data/x.jsonl", type="alpaca", **kw)
+    return dataset_entry(path="data/x.jsonl", type="alpaca", **kw)
 
 
 def test_alpaca_prompt_with_and_without_input() -> None:

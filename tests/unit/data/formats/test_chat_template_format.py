@@ -8,11 +8,11 @@ import pytest
 from finetune.data.formats import chat_template
 from finetune.data.rows import BadRow
 from finetune.errors import DataError
-from finetune.recipe import DatasetEntry
+from finetune.recipe import DatasetEntry, dataset_entry
 
 
 def entry(**kw) -> DatasetEntry:
-    return DatasetEntry(path="data/x.jsonl", type="chat_template", **kw)
+    return dataset_entry(path="data/x.jsonl", type="chat_template", **kw)
 
 
 def test_conversation_role_map_sharegpt() -> None:

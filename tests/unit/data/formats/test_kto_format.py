@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from finetune.data.formats import kto
 from finetune.data.rows import MISSING_FIELD, NOT_A_BOOLEAN
-from finetune.recipe import DatasetEntry
+from finetune.recipe import dataset_entry
 
 
 def test_rows_need_a_boolean_label():
-    e = DatasetEntry(path="k.jsonl", type="kto")
+    e = dataset_entry(path="k.jsonl", type="kto")
     rows = kto.rows(
         {"prompt": ["a", "b", "c", "d"], "completion": ["x", "y", "z", "w"], "label": [True, 0, "yes", None]},
         e,

@@ -7,11 +7,11 @@ import datasets
 from finetune.data.completions import CompletionsRow
 from finetune.data.formats import preference
 from finetune.data.rows import IDENTICAL_COMPLETIONS, MISSING_FIELD
-from finetune.recipe import DatasetEntry
+from finetune.recipe import DatasetEntry, dataset_entry
 
 
 def entry(**kw) -> DatasetEntry:
-    return DatasetEntry(path="pairs.jsonl", type="preference", **kw)
+    return dataset_entry(path="pairs.jsonl", type="preference", **kw)
 
 
 def test_rows_take_strings_and_messages_and_count_what_cannot_train():
