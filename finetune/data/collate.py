@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from finetune.constants import IGNORE_INDEX
 from finetune.data.preference import kto_kl_row
-
-IGNORE_INDEX = -100
 
 
 def _round_up(n: int, multiple: int) -> int:

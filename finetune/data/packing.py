@@ -27,7 +27,8 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
-IGNORE_INDEX = -100
+from finetune.constants import IGNORE_INDEX
+
 STRATEGIES = ("bfd", "ffd")
 
 

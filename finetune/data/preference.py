@@ -1,9 +1,10 @@
 """The data side of preference tuning: pair lengths, the shared-prefix check, packing pairs, KTO's KL rows.
 
-Tokenized examples (finetune/data/tokenize.py) hold a preference pair as one example: the chosen
-sequence then the rejected one in `input_ids` / `labels`, `chosen_len` saying where the rejected
-one starts; a kto example is one sequence with `desirable` and `prompt_len`. A pair is the unit of
-the length limit and of packing: it is never split across rows.
+Tokenized examples (the preference and kto formats, finetune/data/completions.py) hold a
+preference pair as one example: the chosen sequence then the rejected one in `input_ids` /
+`labels`, `chosen_len` saying where the rejected one starts; a kto example is one sequence with
+`desirable` and `prompt_len`. A pair is the unit of the length limit and of packing: it is never
+split across rows.
 
 Packed rows (`pack_examples`) carry what SFT rows carry (`input_ids`, `labels`, `position_ids`
 restarting at 0 for every sequence, `seq_lens`) plus `num_units` (pairs or kto examples in the
@@ -32,9 +33,9 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
+from finetune.constants import IGNORE_INDEX
 from finetune.data.packing import build_packed_rows
 
-IGNORE_INDEX = -100
 PACKED_KINDS = ("preference", "kto")
 
 

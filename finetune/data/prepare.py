@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from finetune import hub
+from finetune.constants import IGNORE_INDEX
 from finetune.data.cache import (
     MANIFEST_NAME,
     Prepared,
@@ -42,6 +43,7 @@ from finetune.data.cache import (
     load_complete,
     write_atomically,
 )
+from finetune.data.formats import FORMATS
 from finetune.data.packing import (
     build_packed_rows,
     pack_multipack,
@@ -50,7 +52,7 @@ from finetune.data.packing import (
 )
 from finetune.data.preference import PACKED_KINDS, pack_examples
 from finetune.data.sources import file_hash, load_source, looks_local, source_fingerprint
-from finetune.data.tokenize import IGNORE_INDEX, tokenize_dataset
+from finetune.data.tokenize import tokenize_dataset
 from finetune.errors import DataError, RecipeError
 from finetune.notices import warn
 
@@ -63,8 +65,32 @@ FORMAT_VERSION = 1
 _WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx"}
 # Entry fields that do not change what is prepared.
 _ENTRY_FIELDS_NOT_HASHED = {"trust_remote_code"}
+# The hashed settings of an entry list, besides its own fields, every field the other formats read,
+# at its default, as when one entry class held the fields of every type (format version 1): so a
+# recipe keeps its fingerprint and its manifest now that each type has its own schema. Frozen:
+# the fields of a new format are hashed only for entries of that type. A field the entry does not
+# read cannot change its output, so its value here is a constant.
+_FORMAT_1_FIELDS = {
+    "field_text": "text",
+    "field_instruction": "instruction",
+    "field_input": "input",
+    "field_output": "output",
+    "field_prompt": "prompt",
+    "field_completion": "completion",
+    "field_chosen": "chosen",
+    "field_rejected": "rejected",
+    "field_label": "label",
+    "field_messages": "messages",
+    "message_field_role": "role",
+    "message_field_content": "content",
+    "role_map": {},
+    "train_on_inputs": False,
+    "roles_to_train": ["assistant"],
+    "train_on_eos": "turn",
+    "apply_chat_template": False,
+}
 # Per-example columns of preference pairs and kto examples, kept through merge and split.
-_EXTRA_COLUMNS = ("chosen_len", "desirable", "prompt_len")
+_EXTRA_COLUMNS = tuple(name for fmt in FORMATS.values() for name in fmt.features)
 # What one example of each kind is, for the summary.
 _UNIT_NAMES = {"sft": "examples", "preference": "pairs", "kto": "examples"}
 # Above this share of kto examples alone in their packed row (no mismatched completion for the KL
@@ -73,15 +99,16 @@ _KTO_ALONE_WARN = 0.05
 
 
 def data_kind(data: Any) -> str:
-    """`preference`, `kto` or `sft`: what the data section's entries prepare (the recipe checks that
-    they agree with train.objective).
+    """`preference`, `kto` or `sft`: what the data section's entries prepare, from the `kind` of their
+    schema classes (the recipe checks that they agree with train.objective).
 
     >>> from types import SimpleNamespace as NS
-    >>> data_kind(NS(datasets=[NS(type="preference")], test_datasets=[]))
+    >>> from finetune.recipe import dataset_entry
+    >>> data_kind(NS(datasets=[dataset_entry(path="p.jsonl", type="preference")], test_datasets=[]))
     'preference'
     """
-    types = {e.type for e in [*data.datasets, *data.test_datasets]}
-    return next((kind for kind in PACKED_KINDS if kind in types), "sft")
+    kinds = {type(e).kind for e in [*data.datasets, *data.test_datasets]}
+    return next((kind for kind in PACKED_KINDS if kind in kinds), "sft")
 
 
 # ------------------------------------------------------------------------------------ entry points
@@ -235,7 +262,7 @@ def fingerprint_inputs(recipe: Recipe, *, with_files: bool = True) -> dict:
 
 
 def _entry_inputs(entry: Any, with_files: bool = True) -> dict:
-    settings = entry.model_dump(mode="json", exclude=_ENTRY_FIELDS_NOT_HASHED)
+    settings = _FORMAT_1_FIELDS | entry.model_dump(mode="json", exclude=_ENTRY_FIELDS_NOT_HASHED)
     return {"settings": settings, "source": source_fingerprint(entry) if with_files else None}
 
 

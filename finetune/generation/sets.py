@@ -90,10 +90,10 @@ def load_generation_rows(gen_set) -> list[dict[str, Any]]:
     file and line), then reduced to the two columns the set names.
     """
     from finetune.data.sources import load_source
-    from finetune.recipe import DatasetEntry
+    from finetune.recipe import dataset_entry
 
     label = f"eval.generation_sets[{gen_set.name}]"
-    entry = DatasetEntry(path=gen_set.path, type="input_output", split=gen_set.split)
+    entry = dataset_entry(path=gen_set.path, type="input_output", split=gen_set.split)
     ds = load_source(entry, entry_label=label)
     columns = [c for c in (gen_set.field_prompt, gen_set.field_expected) if c is not None]
     missing = [c for c in columns if c not in ds.column_names]

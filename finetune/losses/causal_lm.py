@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from finetune.constants import IGNORE_INDEX
+
 
 def forward(model, batch: dict, *, num_items: torch.Tensor | None = None):
     """The model's forward on a collated batch (labels included when num_items is given).
@@ -23,13 +25,13 @@ def token_loss_sums(model, batch: dict, *, chunk_size: int = 0) -> tuple[torch.T
     """(sum of token cross-entropies, trained-token count) per row of a batch, under no_grad; with
     `chunk_size`, from chunked log-probabilities (the full logits are never built)."""
     target = batch["labels"][:, 1:]
-    counts = (target != -100).sum(dim=1)
+    counts = (target != IGNORE_INDEX).sum(dim=1)
     if chunk_size:
         from finetune.losses.chunked_ce import causal_lm_token_logps
 
         return -causal_lm_token_logps(model, batch, chunk_size=chunk_size)[:, 1:].sum(dim=1), counts
     logits = forward(model, batch).logits[:, :-1].float()
     per_token = torch.nn.functional.cross_entropy(
-        logits.transpose(1, 2), target, ignore_index=-100, reduction="none"
+        logits.transpose(1, 2), target, ignore_index=IGNORE_INDEX, reduction="none"
     )
     return per_token.sum(dim=1), counts

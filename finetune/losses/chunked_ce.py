@@ -38,9 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from finetune.constants import IGNORE_INDEX
 from finetune.errors import FinetuneError
 
-IGNORE_INDEX = -100
 # One chunk's fp32 logits are kept under this many elements (256 MiB): see default_chunk_size.
 CHUNK_LOGITS_BUDGET = 1 << 26
 # auto (train.loss_chunk_size: null) chunks when a micro batch's fp32 logits reach this many elements (1 GB;

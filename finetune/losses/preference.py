@@ -44,9 +44,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from finetune.constants import IGNORE_INDEX
 from finetune.errors import FinetuneError
 
-IGNORE_INDEX = -100
 # Rows of logits upcast to float32 at a time: 2**25 elements is 128 MiB of float32, whatever the vocab.
 _CHUNK_ELEMENTS = 2**25
 

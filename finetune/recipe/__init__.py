@@ -4,8 +4,8 @@ This package imports only pydantic and PyYAML, so `finetune validate` answers in
 seconds (no torch, transformers or datasets). Its modules:
 
 * `base` (the section base class and cross-field problems), one schema module per section (`model`,
-  `data`, `train`, `lora`, `hub`, `eval`, `diffusion`) and `schema` (the whole `Recipe` and the rules that
-  span sections);
+  `data`, `train`, `lora`, `hub`, `eval`, `diffusion`), `formats` (the schema of a dataset entry, one
+  class per data format) and `schema` (the whole `Recipe` and the rules that span sections);
 * `defaults`: defaults that depend on other fields, filled in before validation;
 * `load`: YAML -> overrides -> defaults -> validation (`load_recipe`), reporting every problem at once
   through `errors`; `overrides` parses `--section.field value`; `yaml_io` reads and writes YAML.
@@ -14,7 +14,13 @@ Field names, defaults and descriptions are documented by the fields themselves:
 `finetune validate recipe.yaml --explain` prints them.
 """
 
-from finetune.recipe.data import IMAGE_DATASET_TYPES, PREFERENCE_DATASET_TYPES, DataSection, DatasetEntry
+from finetune.recipe.data import (
+    IMAGE_DATASET_TYPES,
+    PREFERENCE_DATASET_TYPES,
+    DataSection,
+    DatasetEntry,
+    dataset_entry,
+)
 from finetune.recipe.diffusion import DiffusionSection
 from finetune.recipe.eval import EvalSection, GenerationSet
 from finetune.recipe.hub import HubSection
@@ -40,6 +46,7 @@ __all__ = [
     "Recipe",
     "SpecialTokens",
     "TrainSection",
+    "dataset_entry",
     "load_recipe",
     "recipe_to_dict",
     "recipe_warnings",

@@ -8,10 +8,11 @@ validation, in one visible step (finetune.recipe.defaults).
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 Problem = tuple[str, Any, str]  # (dotted path relative to the section, bad value, message)
@@ -70,3 +71,32 @@ def _combination_error(problems: list[Problem]) -> None:
             "; ".join(f"{path}: {msg}" for path, _, msg in problems),
             {"problems": problems},
         )
+
+
+def tagged_members(annotation: Any) -> dict[str, type[BaseModel]] | None:
+    """{tag: model} of a union discriminated by a function, as `Annotated[Annotated[A, Tag("a")] | ...,
+    Discriminator(f)]` (the dataset entries, finetune.recipe.formats); None for any other annotation.
+
+    pydantic puts the tag in an error's loc (`data.datasets.0.alpaca.field_x`): the error formatter
+    and the loader use this to find the member a tag names, or the one a value validates as.
+    """
+    if typing.get_origin(annotation) is not Annotated:
+        return None
+    union, *metadata = typing.get_args(annotation)
+    if not any(isinstance(m, Discriminator) for m in metadata):
+        return None
+    members = {}
+    for member in typing.get_args(union):
+        model, *tags = typing.get_args(member)
+        members.update({t.tag: model for t in tags if isinstance(t, Tag)})
+    return members
+
+
+def union_member(annotation: Any, value: Any) -> type[BaseModel] | None:
+    """The member of a tagged union (see `tagged_members`) that `value` validates as, or None."""
+    members = tagged_members(annotation)
+    if members is None:
+        return None
+    discriminator = next(m for m in typing.get_args(annotation)[1:] if isinstance(m, Discriminator))
+    tag = discriminator.discriminator(value) if callable(discriminator.discriminator) else None
+    return members.get(tag)

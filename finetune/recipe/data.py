@@ -1,4 +1,5 @@
-"""The `data` section: dataset entries (sources and formats), lengths, packing, cache, loaders."""
+"""The `data` section: dataset entries (their schemas: finetune.recipe.formats), lengths, packing, cache,
+loaders."""
 
 from __future__ import annotations
 
@@ -8,141 +9,25 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from finetune.recipe.base import FIXED_ON_RESUME, Problem, _Section
+from finetune.recipe.formats import (
+    CHAT_RENDERABLE_TYPES,
+    IMAGE_DATASET_TYPES,
+    PREFERENCE_DATASET_TYPES,
+    DatasetEntry,
+    DatasetType,
+    dataset_entry,
+)
 
-DatasetType = Literal[
-    "completion",
-    "alpaca",
-    "input_output",
-    "chat_template",
-    "tokenized",
-    "preference",
-    "kto",
-    "images",
-    "dreambooth",
+# Importable from here as before the entries got a module of their own (finetune.recipe.formats).
+__all__ = [
+    "CHAT_RENDERABLE_TYPES",
+    "IMAGE_DATASET_TYPES",
+    "PREFERENCE_DATASET_TYPES",
+    "DataSection",
+    "DatasetEntry",
+    "DatasetType",
+    "dataset_entry",
 ]
-# Entry types of diffusion recipes (model.kind: diffusion): images with captions (metadata.jsonl /
-# metadata.csv / .txt sidecars in a folder, or columns of a Hub image dataset), or a DreamBooth
-# instance folder whose images all get diffusion.instance_prompt.
-IMAGE_DATASET_TYPES = ("images", "dreambooth")
-# Entry types of preference objectives (train.objective): pairs (prompt, chosen, rejected) for dpo,
-# ipo, simpo and orpo; single completions labelled desirable or not for kto.
-PREFERENCE_DATASET_TYPES = ("preference", "kto")
-# Entry types whose prompt and completions may be rendered as a user and an assistant turn.
-CHAT_RENDERABLE_TYPES = ("alpaca", "input_output", "preference", "kto")
-
-
-class DatasetEntry(_Section):
-    path: str = Field(description="Local file or directory, Hub dataset id, or s3:// gs:// https:// URL.")
-    type: DatasetType = Field(description="How rows are formatted into prompt and trained text.")
-    name: str | None = Field(None, description="Hub dataset configuration name.")
-    split: str = Field("train", description="Split to load.")
-    revision: str | None = Field(None, description="Hub dataset revision (branch, tag or commit).")
-    data_files: str | list[str] | None = Field(None, description="File(s) inside path to load.")
-    ds_type: Literal["json", "csv", "parquet", "arrow", "text"] | None = Field(
-        None, description="File format; inferred from the extension when null."
-    )
-    shards: int | None = Field(None, ge=1, description="Split the source into this many shards...")
-    shards_idx: int | None = Field(None, ge=0, description="...and keep only this one (0-based).")
-    max_seq_len: int | None = Field(
-        None, ge=1, description="Longest sample for this entry (overrides data.sequence_len)."
-    )
-    trust_remote_code: bool = Field(False, description="Allow a Hub dataset's loading script to run.")
-    field_text: str = Field("text", description="completion: column with the raw text.")
-    field_instruction: str = Field("instruction", description="alpaca: instruction column.")
-    field_input: str = Field("input", description="alpaca: optional input/context column.")
-    field_output: str = Field("output", description="alpaca: response column.")
-    field_prompt: str = Field(
-        "prompt",
-        description="input_output / preference / kto: prompt column (a string or a list of messages; "
-        "preference may leave it out when chosen and rejected are whole conversations).",
-    )
-    field_completion: str = Field("completion", description="input_output / kto: completion column.")
-    field_chosen: str = Field(
-        "chosen", description="preference: the preferred completion (a string or a list of messages)."
-    )
-    field_rejected: str = Field(
-        "rejected", description="preference: the dispreferred completion (a string or a list of messages)."
-    )
-    field_label: str = Field(
-        "label", description="kto: boolean column, true when the completion is desirable."
-    )
-    field_messages: str = Field("messages", description="chat_template: column holding the list of messages.")
-    message_field_role: str = Field("role", description="chat_template: key of a message's role.")
-    message_field_content: str = Field("content", description="chat_template: key of a message's content.")
-    role_map: dict[str, str] = Field(
-        default_factory=dict,
-        description="chat_template: map file roles to template roles, e.g. {human: user, gpt: assistant}.",
-    )
-    train_on_inputs: bool = Field(
-        False, description="Train on prompt tokens too (otherwise they get label -100)."
-    )
-    roles_to_train: list[str] = Field(
-        default_factory=lambda: ["assistant"], description="chat_template: roles whose turns are trained."
-    )
-    train_on_eos: Literal["turn", "last", "all", "none"] = Field(
-        "turn",
-        description="chat_template: which end-of-turn tokens are trained: of every trained turn (turn), "
-        "only the last trained turn (last), every turn (all), none.",
-    )
-    apply_chat_template: bool = Field(
-        False,
-        description="alpaca / input_output / preference / kto: render each row as a chat with the model's chat "
-        "template (for instruct models): the prompt (alpaca: the instruction, then the input after a blank line) "
-        "as a user turn, the completion (preference: chosen and rejected each) as an assistant turn, plus "
-        "whatever the template adds (e.g. its default system prompt). Only the completion and its end-of-turn "
-        "token (per train_on_eos) are trained. Preference and kto rows whose fields are lists of messages "
-        "are always rendered with the template. "
-        "E.g. GSM8K: {type: input_output, field_prompt: question, field_completion: answer, "
-        "apply_chat_template: true}.",
-    )
-
-    def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
-        problems: list[Problem] = []
-        if not ok("shards", "shards_idx"):
-            pass
-        elif (self.shards is None) != (self.shards_idx is None):
-            problems.append(("shards_idx", self.shards_idx, "set shards and shards_idx together"))
-        elif self.shards is not None and self.shards_idx >= self.shards:
-            problems.append(
-                ("shards_idx", self.shards_idx, f"must be below shards ({self.shards}): 0..{self.shards - 1}")
-            )
-        if ok("type", "roles_to_train") and self.type == "chat_template" and not self.roles_to_train:
-            problems.append(("roles_to_train", [], "name at least one role to train, e.g. [assistant]"))
-        if (
-            ok("type", "apply_chat_template")
-            and self.apply_chat_template
-            and self.type not in CHAT_RENDERABLE_TYPES
-        ):
-            problems.append(
-                (
-                    "apply_chat_template",
-                    True,
-                    f"works with type {', '.join(CHAT_RENDERABLE_TYPES)} (a prompt and completions to render "
-                    f"as turns), not {self.type!r}; remove it",
-                )
-            )
-        if ok("type", "train_on_inputs") and self.train_on_inputs and self.type in PREFERENCE_DATASET_TYPES:
-            problems.append(
-                (
-                    "train_on_inputs",
-                    True,
-                    f"type {self.type} scores only completions, given their prompt (never trained): remove it",
-                )
-            )
-        if (
-            ok("type", "train_on_eos")
-            and self.train_on_eos == "all"
-            and self.type in PREFERENCE_DATASET_TYPES
-        ):
-            problems.append(
-                (
-                    "train_on_eos",
-                    "all",
-                    f"type {self.type} scores only the completion's turns (prompt turns are not compared): use "
-                    "turn, last or none",
-                )
-            )
-        return problems
 
 
 class DataSection(_Section):

@@ -12,23 +12,38 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from finetune.recipe.base import tagged_members
 from finetune.recipe.overrides import _unwrap, did_you_mean
 
 _LITERAL = re.compile(r"Input should be (.*)$")
 
 
-def _schema_walk(root: type[BaseModel], loc: tuple) -> tuple[tuple, type[BaseModel] | None, int | None]:
+class _Walk(typing.NamedTuple):
+    path: tuple
+    owner: type[BaseModel] | None
+    union_at: int | None
+    tagged: tuple[str, dict[str, type[BaseModel]]] | None
+
+
+def _schema_walk(root: type[BaseModel], loc: tuple) -> _Walk:
     """Keep the loc parts that are real keys (fields, list indexes, dict keys); drop union tags.
 
-    Returns the cleaned path, the model class that owns the last key (for did-you-mean), and the
-    length the path had at the first union tag (None when there was none): errors below that
-    point are one union member's complaint about the value at that path.
+    Returns the cleaned path, the model class that owns the last key (for did-you-mean), the length
+    the path had at the first plain union (None when there was none): errors below that point are
+    one union member's complaint about the value at that path, and the tag and members of the last
+    tagged union passed (a dataset entry's type and the entry classes), whose errors are the
+    member's own.
     """
     path: list = []
     annotation: Any = root
     owner: type[BaseModel] | None = root
     union_at: int | None = None
+    tagged: tuple[str, dict[str, type[BaseModel]]] | None = None
     for part in loc:
+        members = tagged_members(annotation)
+        if members is not None:
+            annotation, tagged = members.get(str(part)), (str(part), members)
+            continue
         alternatives = [a for a in _unwrap(annotation) if a is not type(None)]
         if len(alternatives) > 1:
             # pydantic names the union member that failed: 'str', 'list[str]', "literal['x']"...
@@ -50,7 +65,7 @@ def _schema_walk(root: type[BaseModel], loc: tuple) -> tuple[tuple, type[BaseMod
         else:
             annotation = None
         path.append(part)
-    return tuple(path), owner, union_at
+    return _Walk(tuple(path), owner, union_at, tagged)
 
 
 def _member(alternatives: list, tag: str) -> Any:
@@ -93,12 +108,18 @@ def _expected(err: dict) -> str:
     return msg
 
 
-def _describe(err: dict, path: tuple, owner: type[BaseModel] | None) -> str:
-    kind = err["type"]
+def _describe(err: dict, walk: _Walk) -> str:
+    kind, path, owner = err["type"], walk.path, walk.owner
     if kind == "extra_forbidden":
         allowed = list(owner.model_fields) if owner else []
-        close = did_you_mean(str(path[-1]), allowed)
-        hint = f"; did you mean '{close}'?" if close else ""
+        key = str(path[-1])
+        if readers := _read_by_others(key, walk):
+            hint = f": {readers}."
+        elif close := did_you_mean(key, allowed + _other_fields(walk)):
+            readers = "" if close in allowed else _read_by_others(close, walk)
+            hint = f"; did you mean '{close}'?{f' ({readers})' if readers else ''}"
+        else:
+            hint = ""
         return f"unknown key (value {_show(err['input'])}){hint} Allowed keys: {', '.join(allowed)}"
     if kind == "missing":
         field = owner.model_fields.get(str(path[-1])) if owner and path else None
@@ -112,6 +133,31 @@ def _describe(err: dict, path: tuple, owner: type[BaseModel] | None) -> str:
     msg = err["msg"]
     msg = msg[len("Value error, ") :] if msg.startswith("Value error, ") else msg
     return f"got {_show(err['input'])}: {msg}"
+
+
+def _readers(key: str, walk: _Walk) -> list[str]:
+    """The other members of the tagged union passed (other dataset types) that have the field `key`."""
+    if walk.tagged is None:
+        return []
+    tag, members = walk.tagged
+    return [name for name, model in members.items() if name != tag and key in model.model_fields]
+
+
+def _other_fields(walk: _Walk) -> list[str]:
+    """The fields of the tagged union's members (every dataset type), for did-you-mean."""
+    if walk.tagged is None:
+        return []
+    return list(dict.fromkeys(name for model in walk.tagged[1].values() for name in model.model_fields))
+
+
+def _read_by_others(key: str, walk: _Walk) -> str:
+    """For a field of other dataset types: which types read it, and why not this one when its class
+    says (`not_read`, finetune.recipe.formats); '' for any other key."""
+    readers = _readers(key, walk)
+    if not readers:
+        return ""
+    why = getattr(walk.owner, "not_read", {}).get(key)
+    return f"only type {', '.join(readers)} read it, not {walk.tagged[0]}{f' ({why})' if why else ''}"
 
 
 def _union_message(value: Any, members: list[tuple[tuple, dict]]) -> str:
@@ -142,14 +188,15 @@ def format_validation_error(
     found: list[tuple[tuple, str]] = []
     unions: dict[tuple, list[tuple[tuple, dict]]] = {}
     for err in exc.errors():
-        path, owner, union_at = _schema_walk(root, tuple(err["loc"]))
+        walk = _schema_walk(root, tuple(err["loc"]))
+        path, union_at = walk.path, walk.union_at
         if err["type"] == "combination":
             for sub_path, value, message in err["ctx"]["problems"]:
                 found.append(((*path, *split_path(sub_path)), f"got {_show(value)}: {message}"))
         elif union_at is not None:
             unions.setdefault(path[:union_at], []).append((path[union_at:], err))
         else:
-            found.append((path, _describe(err, path, owner)))
+            found.append((path, _describe(err, walk)))
     for path, members in unions.items():
         # pydantic gives each member error the input at its own loc: take the whole value from a
         # member that rejected it as a whole.

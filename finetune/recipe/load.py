@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from finetune.errors import RecipeError
-from finetune.recipe.base import Problem, _Section
+from finetune.recipe.base import Problem, _Section, tagged_members, union_member
 from finetune.recipe.defaults import resolve_defaults
 from finetune.recipe.schema import Recipe
 
@@ -58,9 +58,7 @@ def _salvage(cls: type[_Section], data: Any, errors: list[tuple[tuple, str]]) ->
         field = cls.model_fields.get(name)
         sub = [(loc[1:], kind) for loc, kind in errors if loc and loc[0] == name]
         annotation = field.annotation if field else None
-        item_cls = (
-            _model_class(typing.get_args(annotation)[0]) if typing.get_origin(annotation) is list else None
-        )
+        item_type = typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else None
         if field is None:
             bad.add(name)
         elif not sub:
@@ -71,14 +69,15 @@ def _salvage(cls: type[_Section], data: Any, errors: list[tuple[tuple, str]]) ->
         elif _model_class(annotation):
             values[name], sub_bad, sub_problems = _salvage(_model_class(annotation), value, sub)
             adopt(name, sub_bad, sub_problems)
-        elif item_cls and isinstance(value, list) and all(loc and isinstance(loc[0], int) for loc, _ in sub):
+        elif (
+            (_model_class(item_type) or tagged_members(item_type))
+            and isinstance(value, list)
+            and all(loc and isinstance(loc[0], int) for loc, _ in sub)
+        ):
             items = []
             for i, item in enumerate(value):
                 item_errors = [(loc[1:], kind) for loc, kind in sub if loc[0] == i]
-                if not item_errors:
-                    items.append(item_cls.model_validate(item))
-                    continue
-                instance, sub_bad, sub_problems = _salvage(item_cls, item, item_errors)
+                instance, sub_bad, sub_problems = _salvage_item(item_type, item, item_errors)
                 items.append(instance)
                 adopt(f"{name}.{i}", sub_bad, sub_problems)
             values[name] = items
@@ -88,6 +87,20 @@ def _salvage(cls: type[_Section], data: Any, errors: list[tuple[tuple, str]]) ->
     if not any(not loc for loc, _ in errors):  # else its rules ran, and their problems are reported
         problems += instance._problems(lambda *names: not any(_overlaps(n, b) for n in names for b in bad))
     return instance, bad, problems
+
+
+def _salvage_item(item_type: Any, item: Any, errors: list[tuple[tuple, str]]) -> tuple[Any, set[str], list]:
+    """`_salvage` of one list item: a model, or the member of a tagged union (a dataset entry, whose
+    errors carry the member's tag first) that the item validates as."""
+    item_cls = _model_class(item_type)
+    if item_cls is None:
+        item_cls = union_member(item_type, item)
+        if item_cls is None or any(not loc for loc, _ in errors):  # not a mapping: nothing to salvage
+            return None, {""}, []
+        errors = [(loc[1:], kind) for loc, kind in errors]
+    if not errors:
+        return item_cls.model_validate(item), set(), []
+    return _salvage(item_cls, item, errors)
 
 
 # ---------------------------------------------------------------------------------------- loading

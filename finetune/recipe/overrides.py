@@ -61,26 +61,32 @@ def did_you_mean(word: str, names: list[str]) -> str | None:
 
 
 def _unwrap(annotation: Any) -> list[Any]:
-    """The alternatives of a (possibly Optional/Union) annotation."""
+    """The alternatives of a (possibly Optional/Union, possibly Annotated) annotation."""
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _unwrap(typing.get_args(annotation)[0])
     if origin in (typing.Union, types.UnionType):
         return [a for arg in typing.get_args(annotation) for a in _unwrap(arg)]
     return [annotation]
 
 
 def _step(annotation: Any, part: str, path: str, shown: str) -> tuple[str | int, Any]:
-    """Resolve one path part below a value of type `annotation`; return (key, child annotation)."""
-    for alt in _unwrap(annotation):
-        if isinstance(alt, type) and issubclass(alt, BaseModel):
-            fields = alt.model_fields
-            if part in fields:
-                return part, fields[part].annotation
-            close = did_you_mean(part, list(fields))
-            hint = f"; did you mean '{f'{shown}.' if shown else ''}{close}'?" if close else ""
-            raise RecipeError(
-                f"unknown override --{path}: '{part}' is not a field of {shown or 'the recipe'}{hint} "
-                f"(fields: {', '.join(fields)})"
-            )
+    """Resolve one path part below a value of type `annotation`; return (key, child annotation).
+
+    Below a union of models (a dataset entry: one class per type) a field of any member is
+    accepted: the value's type is not known here, and validation names the types that read a field.
+    """
+    models = [alt for alt in _unwrap(annotation) if isinstance(alt, type) and issubclass(alt, BaseModel)]
+    if models:
+        fields = {name: f for model in models for name, f in model.model_fields.items()}
+        if part in fields:
+            return part, fields[part].annotation
+        close = did_you_mean(part, list(fields))
+        hint = f"; did you mean '{f'{shown}.' if shown else ''}{close}'?" if close else ""
+        raise RecipeError(
+            f"unknown override --{path}: '{part}' is not a field of {shown or 'the recipe'}{hint} "
+            f"(fields: {', '.join(fields)})"
+        )
     for alt in _unwrap(annotation):
         origin = typing.get_origin(alt)
         if origin is list:

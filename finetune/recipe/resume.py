@@ -63,6 +63,20 @@ def resume_rules(recipe_cls: type[BaseModel] | None = None) -> dict[str, Section
     return rules
 
 
+def _entries(before, after):
+    """A checkpoint's dataset entries as the current schema writes them: before entries became one
+    class per type, every entry listed every type's fields (at their defaults where unused); only the
+    fields the current entry has are compared."""
+    if not (isinstance(before, list) and isinstance(after, list) and len(before) == len(after)):
+        return before
+    if not all(isinstance(b, dict) and isinstance(a, dict) for b, a in zip(before, after, strict=True)):
+        return before
+    return [
+        {k: b.get(k) for k in a} if b.get("type") == a.get("type") else b
+        for b, a in zip(before, after, strict=True)
+    ]
+
+
 def changed_on_resume(saved: dict, now: dict) -> list[str]:
     """The fixed settings that differ between a checkpoint's resolved recipe and the recipe now, one
     line each (`section.field: old in the checkpoint, new now`)."""
@@ -74,7 +88,7 @@ def changed_on_resume(saved: dict, now: dict) -> list[str]:
         before, after = saved.get(section) or {}, now.get(section) or {}
         names = rule.fields or sorted((set(before) | set(after)) - rule.free)
         for name in names:
-            if before.get(name) != after.get(name):
+            if _entries(before.get(name), after.get(name)) != after.get(name):
                 changes.append(
                     f"{section}.{name}: {before.get(name)!r} in the checkpoint, {after.get(name)!r} now"
                 )

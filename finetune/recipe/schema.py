@@ -134,7 +134,7 @@ def _unsupported_problems(recipe: Recipe, ok: Callable[..., bool]) -> Iterator[P
         *owner_parts, name = pattern.split(".")
         for parts, owner in _expand(recipe, owner_parts, ()):
             path = ".".join(map(str, (*parts, name)))
-            if not ok(path):
+            if not ok(path) or name not in type(owner).model_fields:  # a field of another entry type
                 continue
             value = getattr(owner, name)
             if value != type(owner).model_fields[name].get_default(call_default_factory=True):

@@ -325,7 +325,7 @@ def render_chatml(messages: list[dict[str, str]]) -> str:
 def corpus_texts(arith: list[dict], chat: list[dict], sharegpt: list[dict]) -> Iterator[str]:
     # The rows are rendered with the project's own Alpaca template (the demo recipe uses
     # `type: alpaca`), so the tokenizer learns the template's words instead of spelling them out.
-    from finetune.data.formats import alpaca_prompt
+    from finetune.data.formats.alpaca import alpaca_prompt
 
     for row in arith:
         yield alpaca_prompt(row["instruction"], row["input"]) + row["output"]

@@ -145,14 +145,17 @@ def test_validate_explain_prints_descriptions(recipe_path: Path, capsys: pytest.
         )
         for name, field in section_cls.model_fields.items():
             assert field.description in comments, f"{section_name}.{name}"
-    # Dataset entries are explained too, and the description sits right above its field.
-    for name, field in config.DatasetEntry.model_fields.items():
-        assert field.description in comments, f"data.datasets[*].{name}"
+    # Dataset entries are explained too (the fields of their type), and the description sits right
+    # above its field.
+    for i, entry in enumerate(recipe.data.datasets):
+        for name, field in type(entry).model_fields.items():
+            assert field.description in comments, f"data.datasets[{i}].{name}"
     lines = out.splitlines()
     at = lines.index("  # Training datasets, merged in order.")
     assert lines[at + 1] == "  datasets:"
     assert lines[at + 2].strip() == "-"
-    assert lines[at + 3].strip() == f"# {config.DatasetEntry.model_fields['path'].description}"
+    path_field = type(recipe.data.datasets[0]).model_fields["path"]
+    assert lines[at + 3].strip() == f"# {path_field.description}"
     assert lines[at + 4].strip() == "path: a.jsonl"
 
 

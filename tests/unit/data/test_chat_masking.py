@@ -18,9 +18,12 @@ from pydantic import ValidationError
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from finetune.data.tokenize import IGNORE_INDEX, chat_spans, tokenize_dataset
+from finetune.constants import IGNORE_INDEX
+from finetune.data.chat import chat_spans
+from finetune.data.tokenize import tokenize_dataset
 from finetune.errors import DataError
-from finetune.recipe import KNOWN_CHAT_TEMPLATES, DatasetEntry
+from finetune.recipe import KNOWN_CHAT_TEMPLATES, Recipe, dataset_entry, validate_recipe
+from finetune.recipe.errors import format_validation_error
 
 REPO = Path(__file__).resolve().parents[3]
 DEMO = REPO / "recipes" / "demo"
@@ -115,7 +118,7 @@ SETUPS = {
 
 def tokenize(rows, tokenizer, template=None, *, on_bad_row="raise", **entry_kw):
     ds = datasets.Dataset.from_list([{"messages": r} if isinstance(r, list) else r for r in rows])
-    e = DatasetEntry(path="chat.jsonl", type="chat_template", **entry_kw)
+    e = dataset_entry(path="chat.jsonl", type="chat_template", **entry_kw)
     return tokenize_dataset(
         ds,
         e,
@@ -369,7 +372,7 @@ def smollm2_tok():
 
 def tokenize_pairs(rows, tokenizer, *, on_bad_row="raise", **entry_kw):
     entry_kw.setdefault("type", "input_output")
-    e = DatasetEntry(path="qa.jsonl", apply_chat_template=True, **entry_kw)
+    e = dataset_entry(path="qa.jsonl", apply_chat_template=True, **entry_kw)
     ds = datasets.Dataset.from_list(rows)
     return tokenize_dataset(
         ds, e, tokenizer, sequence_len=4096, excess_length_strategy="raise", on_bad_row=on_bad_row
@@ -415,10 +418,14 @@ def test_alpaca_rows_through_the_chat_template(demo_tok) -> None:
 
 
 def test_apply_chat_template_needs_a_pair_format() -> None:
-    with pytest.raises(
-        ValidationError, match="apply_chat_template: works with type alpaca, input_output, preference, kto"
-    ):
-        DatasetEntry(path="t.jsonl", type="completion", apply_chat_template=True)
+    data = {"model": {"model_path": "m"}, "train": {"output_dir": "o"}}
+    data["data"] = {"datasets": [{"path": "t.jsonl", "type": "completion", "apply_chat_template": True}]}
+    with pytest.raises(ValidationError) as info:
+        validate_recipe(data)
+    assert (
+        "data.datasets[0].apply_chat_template: unknown key (value True): only type alpaca, input_output, "
+        "preference, kto read it, not completion (it renders a prompt and completions as turns)"
+    ) in format_validation_error(info.value, Recipe)
 
 
 def test_gsm8k_through_the_real_smollm2_template(smollm2_tok, shared_data: Path) -> None:

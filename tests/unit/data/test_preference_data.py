@@ -12,7 +12,7 @@ import datasets
 import pytest
 import torch
 
-from finetune.data import formats
+from finetune.data import completions
 from finetune.data import prepare as prepare_mod
 from finetune.data.collate import collate_preference
 from finetune.data.packing import pack_multipack
@@ -21,7 +21,7 @@ from finetune.data.prepare import prepare
 from finetune.data.tokenize import tokenize_dataset
 from finetune.errors import DataError
 from finetune.losses.preference import kto_mismatched_completions
-from finetune.recipe import DatasetEntry, validate_recipe
+from finetune.recipe import DatasetEntry, dataset_entry, validate_recipe
 
 IGNORE = -100
 PAIRS = [
@@ -39,7 +39,7 @@ def tokenizer(repo_root: Path):
 
 
 def entry(**fields) -> DatasetEntry:
-    return DatasetEntry(**{"path": "pairs.jsonl", "type": "preference", **fields})
+    return dataset_entry(**{"path": "pairs.jsonl", "type": "preference", **fields})
 
 
 def tokenize(
@@ -69,41 +69,18 @@ def trained_text(tokenizer, labels: list[int]) -> str:
 # ------------------------------------------------------------------------------------------ formats
 
 
-def test_preference_rows_take_strings_and_messages_and_count_what_cannot_train():
-    e = entry()
-    batch = {
-        "prompt": ["a?", "b?", None, "d?"],
-        "chosen": ["yes", [{"role": "assistant", "content": "fine"}], "x", "same"],
-        "rejected": ["no", [{"role": "assistant", "content": "bad"}], "y", "same"],
-    }
-    rows = formats.preference_rows(batch, e)
-    assert rows[0] == formats.CompletionsRow("a?", ("yes", "no"))
-    assert rows[1].completions[0] == [{"role": "assistant", "content": "fine"}]
-    assert rows[2].reason == formats.MISSING_FIELD and rows[2].field == "prompt"
-    assert rows[3].reason == formats.IDENTICAL_COMPLETIONS and not rows[3].malformed
-
-
-def test_kto_rows_need_a_boolean_label():
-    e = DatasetEntry(path="k.jsonl", type="kto")
-    rows = formats.kto_rows(
-        {"prompt": ["a", "b", "c"], "completion": ["x", "y", "z"], "label": [True, 0, "yes"]}, e
-    )
-    assert [r.desirable for r in rows[:2]] == [True, False]
-    assert rows[2].reason == formats.NOT_A_BOOLEAN and rows[2].field == "label"
-
-
 def test_conversations_drop_a_repeated_prompt_and_find_the_implicit_one():
     user = {"role": "user", "content": "2+2?"}
-    row = formats.CompletionsRow(
+    row = completions.CompletionsRow(
         "2+2?",
         ([user, {"role": "assistant", "content": "4"}], [user, {"role": "assistant", "content": "5"}]),
     )
-    shared, (chosen, _) = formats.completion_conversations(row, "chosen")
+    shared, (chosen, _) = completions.completion_conversations(row, "chosen")
     assert shared == [user] and chosen == [{"role": "assistant", "content": "4"}]
-    implicit = formats.CompletionsRow(None, row.completions)
-    assert formats.completion_conversations(implicit, "chosen")[0] == [user]
-    kto = formats.CompletionsRow(None, ([user, {"role": "assistant", "content": "4"}],), True)
-    assert formats.completion_conversations(kto, "completion") == (
+    implicit = completions.CompletionsRow(None, row.completions)
+    assert completions.completion_conversations(implicit, "chosen")[0] == [user]
+    kto = completions.CompletionsRow(None, ([user, {"role": "assistant", "content": "4"}],), True)
+    assert completions.completion_conversations(kto, "completion") == (
         [user],
         [[{"role": "assistant", "content": "4"}]],
     )
@@ -223,7 +200,7 @@ def test_kto_examples_carry_their_label_and_prompt_length(tokenizer):
     ]
     result = tokenize_dataset(
         datasets.Dataset.from_list(rows),
-        DatasetEntry(path="k.jsonl", type="kto", apply_chat_template=True),
+        dataset_entry(path="k.jsonl", type="kto", apply_chat_template=True),
         tokenizer,
         sequence_len=128,
         excess_length_strategy="drop",
@@ -294,7 +271,7 @@ def test_the_collator_builds_kto_kl_rows_and_flags(tokenizer):
     rows = [{"prompt": f"Q{i}?", "completion": f"A{i}.", "label": i != 1} for i in range(3)]
     ds = tokenize_dataset(
         datasets.Dataset.from_list(rows),
-        DatasetEntry(path="k.jsonl", type="kto"),
+        dataset_entry(path="k.jsonl", type="kto"),
         tokenizer,
         sequence_len=64,
         excess_length_strategy="drop",

@@ -261,6 +261,41 @@ def test_fingerprint_ignores_what_does_not_change_the_output(workdir: Path, fiel
     assert _fp(_with(base, field, value)) == _fp(validate_recipe(base))
 
 
+# Fingerprints (without the file hashes) made when one entry class held every type's fields.
+FORMAT_1_FINGERPRINTS = {
+    "completion": ("92b9c795a6b10d8e", {"field_text": "body", "max_seq_len": 64, "train_on_eos": "none"}),
+    "alpaca": (
+        "c0a1b18a5908e409",
+        {"field_input": "ctx", "apply_chat_template": True, "train_on_inputs": True},
+    ),
+    "input_output": (
+        "bd98f3708af19fd4",
+        {"field_prompt": "q", "field_completion": "a", "shards": 2, "shards_idx": 1},
+    ),
+    "chat_template": (
+        "f93ca12fbf752fc7",
+        {"role_map": {"human": "user"}, "roles_to_train": ["assistant", "user"], "train_on_eos": "last"},
+    ),
+    "tokenized": ("539e088225150738", {"split": "test", "data_files": ["a.jsonl"]}),
+    "preference": ("9f7070c511f9ec1b", {"field_chosen": "c", "apply_chat_template": True}),
+    "kto": ("ebc36ad79c5172a6", {"field_label": "ok", "train_on_eos": "none"}),
+}
+
+
+@pytest.mark.parametrize("kind", FORMAT_1_FINGERPRINTS)
+def test_fingerprints_survive_the_schema_per_type(kind: str):
+    # Each type's entry now has only its fields; the hashed settings still list them all (the others
+    # at their defaults), so a recipe keeps the fingerprint of its prepared data.
+    expected, fields = FORMAT_1_FINGERPRINTS[kind]
+    data = {"model": {"model_path": "org/base"}, "train": {"output_dir": "o"}}
+    data["train"]["objective"] = {"preference": "dpo", "kto": "kto"}.get(kind, "sft")
+    data["data"] = {
+        "datasets": [{"path": "x.jsonl", "type": kind, **fields}],
+        "test_datasets": [{"path": "y.jsonl", "type": kind}],
+    }
+    assert compute_fingerprint(fingerprint_inputs(validate_recipe(data), with_files=False)) == expected
+
+
 def test_fingerprint_follows_file_contents(workdir: Path):
     recipe = _recipe(workdir)
     before = _fp(recipe)

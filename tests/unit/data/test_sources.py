@@ -17,13 +17,13 @@ from finetune.data import sources
 from finetune.data.damage import BAD_ROW_COLUMN
 from finetune.data.sources import load_source, source_fingerprint
 from finetune.errors import DataError
-from finetune.recipe import DatasetEntry
+from finetune.recipe import DatasetEntry, dataset_entry
 
 ROWS = [{"text": f"row {i}", "n": i} for i in range(10)]
 
 
 def entry(path, **kw) -> DatasetEntry:
-    return DatasetEntry(path=str(path), type=kw.pop("type", "completion"), **kw)
+    return dataset_entry(path=str(path), type=kw.pop("type", "completion"), **kw)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

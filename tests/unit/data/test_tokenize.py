@@ -10,12 +10,13 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
+from finetune.constants import IGNORE_INDEX
 from finetune.data import tokenize as tokenize_module
-from finetune.data.formats import alpaca_prompt
+from finetune.data.formats.alpaca import alpaca_prompt
 from finetune.data.sources import load_source
-from finetune.data.tokenize import IGNORE_INDEX, TokenizeResult, tokenize_dataset
+from finetune.data.tokenize import TokenizeResult, tokenize_dataset
 from finetune.errors import DataError
-from finetune.recipe import DatasetEntry
+from finetune.recipe import DatasetEntry, dataset_entry
 
 REPO = Path(__file__).resolve().parents[3]
 DEMO_TOKENIZER = REPO / "recipes" / "demo" / "tokenizer"
@@ -42,7 +43,7 @@ def llama():
 
 
 def entry(type: str, **kw) -> DatasetEntry:
-    return DatasetEntry(path=kw.pop("path", "mem.jsonl"), type=type, **kw)
+    return dataset_entry(path=kw.pop("path", "mem.jsonl"), type=type, **kw)
 
 
 def run(rows, e, tokenizer, **kw) -> TokenizeResult:
@@ -409,10 +410,10 @@ def test_num_proc_gives_the_same_result(tok, kind: str, monkeypatch: pytest.Monk
 
 
 def test_small_non_chat_data_stays_in_process() -> None:
-    assert tokenize_module._worth_processes("completion", 7473, 16) is None
-    assert tokenize_module._worth_processes("chat_template", 7473, 16) == 8
-    assert tokenize_module._worth_processes("chat_template", 500, 16) is None
-    assert tokenize_module._worth_processes("input_output", 200_000, 4) == 4
+    assert tokenize_module._worth_processes(False, 7473, 16) is None
+    assert tokenize_module._worth_processes(True, 7473, 16) == 8  # chat rendering is Python-bound
+    assert tokenize_module._worth_processes(True, 500, 16) is None
+    assert tokenize_module._worth_processes(False, 200_000, 4) == 4
 
 
 def test_datasets_cache_follows_the_entry(tok, tmp_path: Path) -> None:

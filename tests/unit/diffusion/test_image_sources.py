@@ -10,14 +10,14 @@ import pytest
 
 from finetune.diffusion.sources import entry_fingerprint, load_class_images, load_entry
 from finetune.errors import DataError
-from finetune.recipe import DatasetEntry, DiffusionSection
+from finetune.recipe import DatasetEntry, DiffusionSection, dataset_entry
 from tests.diffusion_data import caption, write_color_folder
 
 SETTINGS = DiffusionSection(instance_prompt="a photo of sks thing")
 
 
 def _entry(path, type_="images", **kw) -> DatasetEntry:
-    return DatasetEntry(path=str(path), type=type_, **kw)
+    return dataset_entry(path=str(path), type=type_, **kw)
 
 
 @pytest.mark.parametrize("captions", ["jsonl", "csv", "txt"])

@@ -351,3 +351,93 @@ def test_random_corruptions_give_recipe_errors_only(tmp_path: Path) -> None:
             lines = str(exc).splitlines()
             assert lines[0].endswith("problem(s) in the recipe:") and len(lines) > 1
             assert all(line.startswith("  - ") for line in lines[1:])
+
+
+# ------------------------------------------------------------------ dataset entries: a schema per type
+
+
+def entry_problems(tmp_path: Path, entry: str, overrides: list[str] | None = None) -> list[str]:
+    """The problems of MINIMAL with its dataset entry's lines (after `- path: a.jsonl`) replaced."""
+    text = MINIMAL.replace("      type: alpaca\n", textwrap.indent(textwrap.dedent(entry), " " * 6))
+    return error_lines(write(tmp_path, text), overrides)[1:]
+
+
+def test_a_field_of_another_type_names_the_types_that_read_it(tmp_path: Path) -> None:
+    [problem] = entry_problems(tmp_path, "type: completion\nfield_chosen: better\n")
+    assert problem.startswith(
+        "  - data.datasets[0].field_chosen (line 7): unknown key (value 'better'): only type preference read it, "
+        "not completion. Allowed keys: path, type, name, split,"
+    )
+    assert problem.endswith("trust_remote_code, field_text, train_on_eos")
+    [problem] = entry_problems(tmp_path, "type: alpaca\nfield_prompt: question\n")
+    assert "only type input_output, preference, kto read it, not alpaca." in problem
+
+
+def test_a_field_another_type_reads_keeps_the_reason_it_does_not_apply(tmp_path: Path) -> None:
+    [problem] = entry_problems(tmp_path, "type: preference\ntrain_on_inputs: true\n")
+    assert problem.startswith(
+        "  - data.datasets[0].train_on_inputs (line 7): unknown key (value True): only type"
+    )
+    assert (
+        "not preference (it scores only completions, given their prompt, which is never trained)" in problem
+    )
+    [problem] = entry_problems(tmp_path, "type: chat_template\napply_chat_template: true\n")
+    assert "not chat_template (chat rows are always rendered with the template)" in problem
+
+
+def test_a_misspelled_field_of_another_type_is_suggested_with_its_type(tmp_path: Path) -> None:
+    [problem] = entry_problems(tmp_path, "type: alpaca\nfield_chosn: c\n")
+    assert (
+        "unknown key (value 'c'); did you mean 'field_chosen'? (only type preference read it, not alpaca)"
+        in problem
+    )
+    [problem] = entry_problems(tmp_path, "type: alpaca\nfield_outptu: c\n")
+    assert "did you mean 'field_output'? Allowed keys" in problem  # a field of its own type: no note
+
+
+def test_an_unknown_type_lists_the_valid_ones_and_judges_no_other_key(tmp_path: Path) -> None:
+    problems = entry_problems(tmp_path, "type: sharegpt\nfield_messages: conversations\n")
+    assert problems == [
+        "  - data.datasets[0].type (line 6): got 'sharegpt'; allowed: 'completion', 'alpaca', 'input_output', "
+        "'chat_template', 'tokenized', 'preference', 'kto', 'images' or 'dreambooth'"
+    ]
+
+
+def test_a_missing_type_is_reported_with_the_entry_line(tmp_path: Path) -> None:
+    problems = entry_problems(tmp_path, "field_prompt: question\n")
+    assert problems == [
+        "  - data.datasets[0].type (not set; data.datasets[0] at line 5): required field is missing (How rows "
+        "are formatted into prompt and trained text.)"
+    ]
+
+
+def test_an_entry_that_is_not_a_mapping(tmp_path: Path) -> None:
+    text = MINIMAL.replace("    - path: a.jsonl\n      type: alpaca\n", "    - a.jsonl\n")
+    assert error_lines(write(tmp_path, text))[1:] == [
+        "  - data.datasets[0] (line 5): got 'a.jsonl': Input should be a mapping (a dataset entry: path, type "
+        "and that type's fields)"
+    ]
+
+
+def test_entry_rules_run_beside_a_field_of_another_type(tmp_path: Path) -> None:
+    problems = entry_problems(
+        tmp_path, "type: chat_template\nroles_to_train: []\nfield_chosen: c\nshards: 2\n"
+    )
+    assert [p.split(":")[0] for p in problems] == [
+        "  - data.datasets[0].shards_idx (not set; data.datasets[0] at line 5)",
+        "  - data.datasets[0].roles_to_train (line 7)",
+        "  - data.datasets[0].field_chosen (line 8)",
+    ]
+
+
+def test_an_override_of_another_types_field_names_the_flag(tmp_path: Path) -> None:
+    problems = entry_problems(tmp_path, "type: alpaca\n", ["--data.datasets.0.field_chosen", "c"])
+    assert problems == [
+        "  - data.datasets[0].field_chosen (from --data.datasets.0.field_chosen): unknown key (value 'c'): only "
+        "type preference read it, not alpaca. Allowed keys: path, type, name, split, revision, data_files, "
+        "ds_type, shards, shards_idx, max_seq_len, trust_remote_code, field_instruction, field_input, "
+        "field_output, train_on_inputs, train_on_eos, apply_chat_template, roles_to_train"
+    ]
+    # A field no type has is refused as an override, with a did-you-mean over every type's fields.
+    with pytest.raises(RecipeError, match=r"did you mean 'data\.datasets\.0\.field_chosen'\?"):
+        load_recipe(write(tmp_path, MINIMAL), ["--data.datasets.0.field_chosn", "c"])

@@ -46,3 +46,14 @@ def test_changes_are_named_and_free_settings_are_not():
         "data.sequence_len: 2048 in the checkpoint, 64 now",
         "train.lr: 5e-05 in the checkpoint, 0.001 now",
     ]
+
+
+def test_a_checkpoint_whose_entries_listed_every_types_fields_still_resumes():
+    """Before one schema class per type, an entry dumped the fields of every type at their defaults."""
+    now = _dump()
+    old = {k: (dict(v) if isinstance(v, dict) else v) for k, v in now.items()}
+    old["data"] = dict(now["data"])
+    old["data"]["datasets"] = [{**now["data"]["datasets"][0], "field_chosen": "chosen", "role_map": {}}]
+    assert changed_on_resume(old, now) == []
+    old["data"]["datasets"] = [{**old["data"]["datasets"][0], "field_text": "body"}]
+    assert changed_on_resume(old, now) and "data.datasets" in changed_on_resume(old, now)[0]

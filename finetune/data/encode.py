@@ -1,0 +1,208 @@
+"""Token ids and labels from normalized rows: the tokenization paths the data formats share.
+
+A format (finetune/data/formats/<type>.py) turns a batch of raw rows into texts, (prompt,
+completion) pairs or conversations, and hands them to one of these paths:
+
+* `text_examples`: ``[bos] text eos``, all trained (completion).
+* `prompt_completion_examples`: ``[bos] prompt completion eos`` with the prompt masked unless
+  ``train_on_inputs``. The prompt and the completion are tokenized separately and their ids
+  concatenated, so no token straddles the boundary and the mask is exact (alpaca, input_output).
+* `chat_examples`: conversations rendered with the chat template, the tokens that overlap a trained
+  span (finetune.data.chat.chat_spans) trained (chat_template; alpaca and input_output with
+  apply_chat_template).
+
+``bos`` is whatever the tokenizer itself adds (its post-processor); the eos is trained unless
+``train_on_eos: none``. The tokenizer's bos is prepended to a rendered chat when the text doesn't
+start with it already. Labels here may still train the first token: tokenize.py sets it to -100.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from finetune.constants import IGNORE_INDEX
+from finetune.data.chat import ChatTemplateError, chat_spans, empty_turns, pair_turns, render_messages
+from finetune.data.rows import BadRow, Example
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """The tokenizer and what every format's tokenization needs of it, computed once per entry."""
+
+    tokenizer: Any
+    prefix_ids: list[int]  # the ids the tokenizer puts before a text by itself (usually [bos] or nothing)
+    eos_id: int | None
+    chat_template: str | None = None  # an override of the tokenizer's template (model.chat_template)
+    vocab_size: int = 0  # ids of pre-tokenized rows must be below it
+
+    def ids(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, without special tokens, in one call for the whole batch."""
+        return [e.ids for e in self.encode(texts, offsets=False)]
+
+    def encode(self, texts: list[str], *, offsets: bool) -> list[Any]:
+        """``tokenizers.Encoding`` per text (a batch call: the Rust tokenizer uses every core).
+
+        The transformers wrapper costs about twice the tokenization itself in Python conversions,
+        so the backend is called directly once the wrapper has set its state (no truncation or
+        padding, its split_special_tokens choice) with a call on an empty string.
+        """
+        if not getattr(self.tokenizer, "is_fast", False):
+            ids = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+            return [_Ids(x) for x in ids]
+        self.tokenizer("", add_special_tokens=False)
+        backend = self.tokenizer.backend_tokenizer
+        if offsets:
+            return backend.encode_batch(texts, add_special_tokens=False)
+        return backend.encode_batch_fast(texts, add_special_tokens=False)
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        """A conversation rendered by the chat template (the override, else the tokenizer's own)."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.chat_template)
+
+    def labelled(self, encoding: Any, spans: list[tuple[int, int]] | None) -> tuple[list[int], list[int]]:
+        """(ids, labels) of a rendered text: tokens overlapping a trained span get labels (every token
+        when `spans` is None), and the tokenizer's bos goes first unless the text starts with it."""
+        ids = encoding.ids
+        if spans is None:
+            labels = list(ids)
+        else:
+            labels = [IGNORE_INDEX] * len(ids)
+            for a, b in spans:
+                t0, t1 = _token_range(encoding, a, b)
+                labels[t0:t1] = ids[t0:t1]
+        prefix = self.prefix_ids
+        if prefix and ids[: len(prefix)] != prefix:
+            ids, labels = [*prefix, *ids], [IGNORE_INDEX] * len(prefix) + labels
+        return ids, labels
+
+
+def make_encoder(tokenizer: Any, chat_template: str | None = None) -> Encoder:
+    """The Encoder of `tokenizer`: its prefix ids found by tokenizing a text with and without them."""
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    start = next((k for k in range(len(with_special)) if with_special[k : k + len(plain)] == plain), 0)
+    return Encoder(
+        tokenizer, list(with_special[:start]), tokenizer.eos_token_id, chat_template, len(tokenizer)
+    )
+
+
+@dataclass
+class _Ids:
+    """Stand-in for ``tokenizers.Encoding`` with a slow tokenizer (ids only)."""
+
+    ids: list[int]
+
+
+def _token_range(encoding: Any, start: int, end: int) -> tuple[int, int]:
+    """Tokens [t0, t1) that overlap the characters [start, end) (via the offset mapping)."""
+    t0 = next((t for c in range(start, end) if (t := encoding.char_to_token(c)) is not None), None)
+    if t0 is None:
+        return 0, 0
+    t1 = next(t for c in range(end - 1, start - 1, -1) if (t := encoding.char_to_token(c)) is not None)
+    return t0, t1 + 1
+
+
+# ----------------------------------------------------------------------------------------------- paths
+
+
+def text_examples(texts: list[str | BadRow], enc: Encoder, *, train_eos: bool) -> list[Example | BadRow]:
+    """``[bos] text eos`` per text, every token trained (the eos when `train_eos`)."""
+    all_ids = enc.ids([t if isinstance(t, str) else "" for t in texts])
+    prefix, eos = enc.prefix_ids, enc.eos_id
+    rows: list[Example | BadRow] = []
+    for text, ids in zip(texts, all_ids, strict=True):
+        if isinstance(text, BadRow):
+            rows.append(text)
+            continue
+        ids = [*prefix, *ids, eos]
+        rows.append((ids, [*ids[:-1], eos if train_eos else IGNORE_INDEX]))
+    return rows
+
+
+def prompt_completion_examples(
+    pairs: list[tuple[str, str] | BadRow], enc: Encoder, *, train_on_inputs: bool, train_eos: bool
+) -> list[Example | BadRow]:
+    """``[bos] prompt completion eos`` per pair, the prompt masked unless `train_on_inputs`."""
+    ok = [p if isinstance(p, tuple) else ("", "") for p in pairs]
+    prompt_ids = enc.ids([p for p, _ in ok])
+    completion_ids = enc.ids([c for _, c in ok])
+    prefix, eos = enc.prefix_ids, enc.eos_id
+    end = eos if train_eos else IGNORE_INDEX
+    rows: list[Example | BadRow] = []
+    for pair, p_ids, c_ids in zip(pairs, prompt_ids, completion_ids, strict=True):
+        if isinstance(pair, BadRow):
+            rows.append(pair)
+            continue
+        ids = [*prefix, *p_ids, *c_ids, eos]
+        if train_on_inputs:
+            labels = [*ids[:-1], end]
+        else:
+            labels = [IGNORE_INDEX] * (len(prefix) + len(p_ids)) + [*c_ids, end]
+        rows.append((ids, labels))
+    return rows
+
+
+def chat_examples(
+    convs: list[list[dict[str, Any]] | BadRow],
+    enc: Encoder,
+    *,
+    field: str,
+    roles_to_train: list[str],
+    train_on_eos: str,
+    train_on_inputs: bool,
+) -> list[Example | BadRow]:
+    """Each conversation rendered with the chat template; the turns of `roles_to_train` (and their
+    end-of-turn text, per `train_on_eos`) trained, or every token with `train_on_inputs`. `field`
+    names the column in the problems of a row (an empty trained turn, a template that rejects it)."""
+    texts: list[str] = []
+    found: list[list[tuple[int, int]] | BadRow] = []
+    for conv in convs:
+        text, spans = "", conv if isinstance(conv, BadRow) else None
+        if spans is None and not train_on_inputs:
+            spans = empty_turns(conv, roles_to_train, field)
+        if spans is None:
+            try:
+                if train_on_inputs:
+                    text, spans = render_messages(enc.render, conv), []
+                else:
+                    text, spans = chat_spans(
+                        conv, enc.render, roles_to_train=roles_to_train, train_on_eos=train_on_eos
+                    )
+            except ChatTemplateError as e:
+                spans = BadRow(field, e.reason, str(e))
+        texts.append(text)
+        found.append(spans)
+    rows: list[Example | BadRow] = []
+    for spans, encoding in zip(found, enc.encode(texts, offsets=True), strict=True):
+        if isinstance(spans, BadRow):
+            rows.append(spans)
+        else:
+            rows.append(enc.labelled(encoding, None if train_on_inputs else spans))
+    return rows
+
+
+def pair_examples(
+    pairs: list[tuple[str, str] | BadRow],
+    enc: Encoder,
+    *,
+    chat: bool,
+    field: str,
+    train_on_inputs: bool,
+    train_on_eos: str,
+    roles_to_train: list[str],
+) -> list[Example | BadRow]:
+    """(prompt, completion) pairs: as a user and an assistant turn rendered with the chat template
+    when `chat` (apply_chat_template), else as ``[bos] prompt completion eos``."""
+    if chat:
+        return chat_examples(
+            pair_turns(pairs),
+            enc,
+            field=field,
+            roles_to_train=roles_to_train,
+            train_on_eos=train_on_eos,
+            train_on_inputs=train_on_inputs,
+        )
+    return prompt_completion_examples(
+        pairs, enc, train_on_inputs=train_on_inputs, train_eos=train_on_eos != "none"
+    )

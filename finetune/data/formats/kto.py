@@ -1,0 +1,91 @@
+"""``kto``: a prompt and one completion, labelled desirable or not.
+
+A row ``{"prompt": "2+2?", "completion": "4", "label": true}`` is one example ``[bos] 2+2? 4 eos``
+(the prompt masked) with ``desirable`` (the label) and ``prompt_len``. The prompt and completion may
+be lists of messages instead (then the row is rendered with the chat template, as every row is with
+``apply_chat_template``); without a prompt column a conversation's last message is the completion.
+The label must be a boolean (or 0/1).
+
+>>> from types import SimpleNamespace as NS
+>>> e = NS(field_prompt="prompt", field_completion="completion", field_label="label", role_map={},
+...        message_field_role="role", message_field_content="content")
+>>> rows({"prompt": ["2+2?"], "completion": ["4"], "label": [True]}, e)[0].desirable
+True
+>>> rows({"prompt": ["2+2?"], "completion": ["4"], "label": ["yes"]}, e)[0].reason
+'not_a_boolean'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import datasets
+
+from finetune.data import completions
+from finetune.data.chat import known_roles, message_keys
+from finetune.data.completions import CompletionsRow
+from finetune.data.encode import Encoder
+from finetune.data.rows import MISSING_FIELD, NOT_A_BOOLEAN, BadRow, Example
+
+FEATURES = {"desirable": datasets.Value("bool"), "prompt_len": datasets.Value("int32")}
+"""Per-example columns besides input_ids and labels: the label, and where the completion starts."""
+
+
+def columns(entry: Any, column_names: Sequence[str]) -> dict[str, str]:
+    """{entry field: column} of the columns read; the prompt only when the data has it, unless the
+    recipe names it."""
+    cols = {"field_completion": entry.field_completion, "field_label": entry.field_label}
+    if entry.field_prompt in column_names or "field_prompt" in getattr(entry, "model_fields_set", set()):
+        cols["field_prompt"] = entry.field_prompt
+    return cols
+
+
+def rows(batch: dict[str, list], entry: Any) -> list[CompletionsRow | BadRow]:
+    """(prompt, (completion,), desirable) per row, or why it can't be used."""
+    keys = message_keys(entry)
+    known = known_roles(keys.role_map)
+    prompts = completions.prompts(batch, entry.field_prompt, keys, known)
+    out: list[CompletionsRow | BadRow] = []
+    for prompt, completion, label in zip(
+        prompts, batch[entry.field_completion], batch[entry.field_label], strict=True
+    ):
+        values = [
+            prompt,
+            completions.turns(completion, entry.field_completion, keys, known),
+            boolean(label, entry.field_label),
+        ]
+        bad = next((v for v in values if isinstance(v, BadRow)), None)
+        out.append(bad if bad is not None else CompletionsRow(values[0], (values[1],), values[2]))
+    return out
+
+
+def boolean(value: Any, field: str) -> bool | BadRow:
+    """A label: true or false (or 1 or 0), else a bad row."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    if value is None:
+        return BadRow(field, MISSING_FIELD, f"{field!r} is missing or null")
+    return BadRow(
+        field, NOT_A_BOOLEAN, f"{field!r} should be true (desirable) or false (undesirable), got {value!r}"
+    )
+
+
+def renders_chat(entry: Any, features: datasets.Features) -> bool:
+    """With ``apply_chat_template``, or when a column read holds lists of messages."""
+    return entry.apply_chat_template or completions.has_messages(
+        features, columns(entry, list(features)).values()
+    )
+
+
+def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example | BadRow]:
+    """Each example (completions.completion_examples)."""
+    return completions.completion_examples(
+        rows(batch, entry),
+        enc,
+        apply_chat_template=entry.apply_chat_template,
+        field=entry.field_completion,
+        mismatch_field=entry.field_completion,  # one completion: no shared prefix to mismatch
+        roles_to_train=entry.roles_to_train,
+        train_on_eos=entry.train_on_eos,
+    )
