@@ -92,15 +92,15 @@ _FORMAT_1_FIELDS = {
 # Per-example columns of preference pairs and kto examples, kept through merge and split.
 _EXTRA_COLUMNS = tuple(name for fmt in FORMATS.values() for name in fmt.features)
 # What one example of each kind is, for the summary.
-_UNIT_NAMES = {"sft": "examples", "preference": "pairs", "kto": "examples"}
+_UNIT_NAMES = {"sft": "examples", "preference": "pairs", "kto": "examples", "prompt": "prompts"}
 # Above this share of kto examples alone in their packed row (no mismatched completion for the KL
 # estimate), prepare warns.
 _KTO_ALONE_WARN = 0.05
 
 
 def data_kind(data: Any) -> str:
-    """`preference`, `kto` or `sft`: what the data section's entries prepare, from the `kind` of their
-    schema classes (the recipe checks that they agree with train.objective).
+    """`preference`, `kto`, `prompt` or `sft`: what the data section's entries prepare, from the `kind`
+    of their schema classes (the recipe checks that they agree with train.objective).
 
     >>> from types import SimpleNamespace as NS
     >>> from finetune.recipe import dataset_entry
@@ -108,7 +108,7 @@ def data_kind(data: Any) -> str:
     'preference'
     """
     kinds = {type(e).kind for e in [*data.datasets, *data.test_datasets]}
-    return next((kind for kind in PACKED_KINDS if kind in kinds), "sft")
+    return next((kind for kind in (*PACKED_KINDS, "prompt") if kind in kinds), "sft")
 
 
 # ------------------------------------------------------------------------------------ entry points
@@ -512,6 +512,7 @@ def _pack(
     lengths = lengths.to_numpy().astype(np.int64)
     num_tokens, num_trainable = _token_counts(ds)
     bins = None
+    packed = packed and kind != "prompt"  # prompts are one per row: online RL samples their completions
     if packed:
         capacity = data.packing_len
         if data.sample_packing_method == "multipack":
@@ -521,7 +522,9 @@ def _pack(
     else:
         capacity = data.sequence_len
     multiple = data.pad_to_multiple_of if packed else None
-    if kind in PACKED_KINDS:
+    if kind == "prompt":
+        rows = ds.select_columns(["input_ids", "row"])
+    elif kind in PACKED_KINDS:
         rows = pack_examples(ds, bins, kind, pad_to_multiple_of=multiple, pad_token_id=pad_id)
     else:
         rows = build_packed_rows(ds, bins, pad_to_multiple_of=multiple, pad_token_id=pad_id)

@@ -185,7 +185,7 @@ def _encoder(
 ) -> Encoder:
     """The entry's Encoder, after checking that the tokenizer can do what the format asks of it."""
     if chat:
-        _check_chat(entry, tokenizer, chat_template, entry_label)
+        _check_chat(entry, tokenizer, chat_template, entry_label, trained=fmt.trained)
     if not chat and fmt.appends_eos and tokenizer.eos_token_id is None:
         raise DataError(
             f"{entry_label}: the tokenizer has no eos token, which type {entry.type!r} appends to every "
@@ -194,7 +194,9 @@ def _encoder(
     return make_encoder(tokenizer, chat_template if chat else None)
 
 
-def _check_chat(entry: Any, tokenizer: Any, chat_template: str | None, entry_label: str) -> None:
+def _check_chat(
+    entry: Any, tokenizer: Any, chat_template: str | None, entry_label: str, *, trained: bool = True
+) -> None:
     """Check the tokenizer and the roles to train of a chat-rendered entry."""
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(
@@ -211,8 +213,10 @@ def _check_chat(entry: Any, tokenizer: Any, chat_template: str | None, entry_lab
             f"{entry_label}: {what} needs a chat template, but the tokenizer has none; "
             "set model.chat_template (a Jinja string or a known name such as chatml or llama2)"
         )
-    # alpaca and input_output turns are a user's and an assistant's: they have no role_map.
-    check_roles_to_train(entry.roles_to_train, getattr(entry, "role_map", {}), entry_label)
+    # alpaca and input_output turns are a user's and an assistant's: they have no role_map; prompts
+    # (online RL) train no turn at all.
+    if trained:
+        check_roles_to_train(entry.roles_to_train, getattr(entry, "role_map", {}), entry_label)
 
 
 # ------------------------------------------------------------------------------------- batch function
@@ -243,17 +247,25 @@ def _tokenize_batch(
     out: dict[str, list] = {name: [] for name in features}
     extra_names = [name for name in features if name not in _FEATURES]
     for row, index in zip(examples, indices, strict=True):
-        values = _finish(row, extra_names, features, limit, strategy) | {"source_row": index}
+        values = _finish(row, extra_names, features, limit, strategy, trained=fmt.trained) | {
+            "source_row": index
+        }
         for name, value in values.items():
             out[name].append(value)
     return out
 
 
 def _finish(
-    row: Example | BadRow, extra_names: list[str], features: datasets.Features, limit: int, strategy: str
+    row: Example | BadRow,
+    extra_names: list[str],
+    features: datasets.Features,
+    limit: int,
+    strategy: str,
+    *,
+    trained: bool = True,
 ) -> dict[str, Any]:
     """One row's columns: labels[0] = -100 (of each sequence), the length policy, the
-    no-trainable-token check; a bad row's reason."""
+    no-trainable-token check (formats whose rows are `trained`); a bad row's reason."""
     extra = {name: False if features[name].dtype == "bool" else 0 for name in extra_names}
     if isinstance(row, BadRow):
         return _columns([], [], extra, drop=row.drop_key, field=row.field, detail=row.detail)
@@ -276,8 +288,12 @@ def _finish(
     starts = np.cumsum([0, *lengths[:-1]]).tolist()
     for start in starts if labels else ():
         labels[start] = IGNORE_INDEX  # the first token of a sequence is never predicted
-    if not drop and not all(
-        any(x != IGNORE_INDEX for x in labels[a : a + n]) for a, n in zip(starts, lengths, strict=True)
+    if (
+        trained
+        and not drop
+        and not all(
+            any(x != IGNORE_INDEX for x in labels[a : a + n]) for a, n in zip(starts, lengths, strict=True)
+        )
     ):
         drop = NO_TRAINABLE_TOKENS
     if "chosen_len" in extra:

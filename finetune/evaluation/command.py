@@ -60,10 +60,35 @@ def _preference_split(recipe, prepared) -> dict[str, Any]:
     return {"score": score, "needs_reference": OBJECTIVES[name].reference}
 
 
+def _reward_split(recipe, prepared) -> dict[str, Any]:
+    """Online RL: greedy completions of the held-out prompts, scored by the recipe's rewards."""
+    from finetune.generation.rewards import build_rewards
+    from finetune.objectives.grpo import eval_rewards
+
+    settings = recipe.grpo
+    rows = list(prepared.eval)
+
+    def score(model_name: str, model, tokenizer) -> dict[str, Any]:
+        count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+        rewards = build_rewards(settings.rewards, max_new_tokens=settings.max_new_tokens, count_tokens=count)
+        fields = eval_rewards(
+            model,
+            tokenizer,
+            rows,
+            rewards,
+            max_new_tokens=settings.max_new_tokens,
+            batch_size=recipe.eval.batch_size,
+        )
+        return {"rewards": fields}
+
+    return {"score": score}
+
+
 EVAL_PATHS: dict[str, Callable[[Any, Any], dict[str, Any]]] = {
     "sft": _sft_split,
     "paired": _preference_split,
     "unpaired": _preference_split,
+    "online": _reward_split,
 }
 """How `finetune eval` scores each objective kind's held-out split (a test checks every kind has one)."""
 

@@ -100,6 +100,11 @@ def format_table(results: dict[str, dict[str, Any]], *, samples: int = 2, width:
         for key in PREFERENCE_ROWS:
             if key in first["preference"]:
                 rows.append((key, [f"{results[n]['preference'][key]:.4f}" for n in names]))
+    if "rewards" in first:  # online RL: the held-out prompts' greedy completions, scored by the rewards
+        rows.append(("held-out prompts", [str(results[n]["rewards"]["eval_prompts"]) for n in names]))
+        for key in first["rewards"]:
+            if key != "eval_prompts":
+                rows.append((key, [f"{results[n]['rewards'][key]:.4f}" for n in names]))
     for set_name, summary in first["generation"].items():
         if summary["metric"] != "none":
             rows.append(

@@ -2,6 +2,7 @@
 
 * `sft`: SFT of a causal LM on prepared token rows (full, LoRA, QLoRA).
 * `preference`: DPO, IPO, SimPO, ORPO and KTO of a causal LM on prepared pairs (examples).
+* `grpo`: online RL (GRPO, DAPO, Dr. GRPO) of a causal LM on prompts, with rewards.
 * `diffusion`: LoRA / DreamBooth on a diffusers pipeline's denoiser, from cached latents
   (model.kind: diffusion).
 * `lm`: the causal-LM toolkit the LM objectives share (build, loader, save); `reference`: the
@@ -31,13 +32,25 @@ def _preference():
     return PreferenceObjective
 
 
+def _grpo():
+    from finetune.objectives.grpo import GRPOObjective
+
+    return GRPOObjective
+
+
 def _diffusion():
     from finetune.objectives.diffusion import DiffusionObjective
 
     return DiffusionObjective
 
 
-IMPLEMENTATIONS = {"sft": _sft, "paired": _preference, "unpaired": _preference, "diffusion": _diffusion}
+IMPLEMENTATIONS = {
+    "sft": _sft,
+    "paired": _preference,
+    "unpaired": _preference,
+    "online": _grpo,
+    "diffusion": _diffusion,
+}
 
 
 def objective_for(recipe):

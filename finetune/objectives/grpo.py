@@ -159,7 +159,7 @@ class GRPOObjective:
         group = settings.num_generations
         seeds = [[completion_seed(self.train.seed, step, k, j) for j in range(group)] for k in key]
         completions = generate_ids(
-            acc.unwrap_model(model), self.tokenizer, [list(row["prompt_ids"]) for row in prompts],
+            acc.unwrap_model(model), self.tokenizer, [list(row["input_ids"]) for row in prompts],
             max_new_tokens=settings.max_new_tokens, batch_size=settings.generation_batch_size,
             temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
             num_return_sequences=group, seeds=seeds,
@@ -176,7 +176,7 @@ class GRPOObjective:
             batch_std=self._batch_std(total),
         )
         sequences = [
-            (list(prompts[k // group]["prompt_ids"]), c.ids, c.finished, float(a))
+            (list(prompts[k // group]["input_ids"]), c.ids, c.finished, float(a))
             for k, (c, a) in enumerate(zip(flat, advantages.tolist(), strict=True))
         ]
         batches = pack_completions(
@@ -265,7 +265,7 @@ class GRPOObjective:
         group = self.settings.num_generations
         self.samples = [
             {
-                "prompt": self.tokenizer.decode(prompts[k // group]["prompt_ids"], skip_special_tokens=True),
+                "prompt": self.tokenizer.decode(prompts[k // group]["input_ids"], skip_special_tokens=True),
                 "completion": texts[k],
                 "reward": float(total[k]),
                 **{f"reward/{r.name}": float(per_reward[k, i]) for i, r in enumerate(self.rewards)},
@@ -473,7 +473,7 @@ def eval_rewards(
     completions = generate_ids(
         model,
         tokenizer,
-        [list(r["prompt_ids"]) for r in rows],
+        [list(r["input_ids"]) for r in rows],
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
     )
@@ -504,11 +504,16 @@ def prompt_loader(
         drop_last=drop_last,
     )
     return torch.utils.data.DataLoader(
-        rows.select_columns(["prompt_ids", "row", "row_index"]),
+        _with_row_index(rows).select_columns(["input_ids", "row", "row_index"]),
         batch_sampler=RepeatBatchSampler(sampler, repeat),
         collate_fn=list,
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+def _with_row_index(rows):
+    """The prepared prompt rows with their index (what seeds their completions)."""
+    return rows if "row_index" in rows.column_names else rows.add_column("row_index", list(range(len(rows))))
 
 
 def check_reward_columns(specs, rows) -> None:

@@ -16,7 +16,7 @@ A new format is a class here, added to `ENTRY_CLASSES`, plus its module there.
 >>> type(entry).__name__, entry.field_prompt, entry.field_completion
 ('InputOutputEntry', 'question', 'completion')
 >>> CHAT_RENDERABLE_TYPES
-('alpaca', 'input_output', 'preference', 'kto')
+('alpaca', 'input_output', 'preference', 'kto', 'prompt')
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ class _Entry(_Section):
     """The fields every dataset entry has: where the data is and which part of it is used."""
 
     # What the rows hold, and so which objectives train on them: text (sft), preference pairs (dpo,
-    # ipo, simpo, orpo), kto examples (kto), images (diffusion recipes).
-    kind: ClassVar[Literal["text", "preference", "kto", "images"]] = "text"
+    # ipo, simpo, orpo), kto examples (kto), prompts (grpo), images (diffusion recipes).
+    kind: ClassVar[Literal["text", "preference", "kto", "prompt", "images"]] = "text"
     # Why a key that other formats read does not apply to this one, where their names alone do not
     # say it (shown with the unknown-key error, see finetune.recipe.errors).
     not_read: ClassVar[dict[str, str]] = {}
@@ -278,6 +278,28 @@ class KtoEntry(_Entry):
         return super()._problems(ok) + _scored_problems(self, ok)
 
 
+class PromptEntry(_Entry):
+    """A prompt alone, for online RL: `{"question": "2+2?", "answer": "4"}` with field_prompt question; the
+    other columns stay available to the rewards (grpo.rewards[].field_expected)."""
+
+    kind = "prompt"
+    not_read: ClassVar[dict[str, str]] = {
+        "train_on_inputs": "the prompt is never trained: the model's sampled completions are",
+        "train_on_eos": "the prompt is never trained: the model's sampled completions are",
+    }
+
+    type: Annotated[Literal["prompt"], Field(description=_TYPE_DESCRIPTION)]
+    field_prompt: str = Field(
+        "prompt",
+        description="Column with the prompt (a string, or a list of messages rendered by the template).",
+    )
+    apply_chat_template: bool = Field(
+        False,
+        description="Render a string prompt as a user turn with the model's chat template, ending with its "
+        "generation prompt (for instruct models); a prompt that is a list of messages always is.",
+    )
+
+
 class ImagesEntry(_Entry):
     """Images with captions (model.kind: diffusion): a folder with metadata.jsonl / metadata.csv or .txt
     sidecars, or a Hub image dataset (columns named in the diffusion section)."""
@@ -303,6 +325,7 @@ ENTRY_CLASSES: tuple[type[_Entry], ...] = (
     TokenizedEntry,
     PreferenceEntry,
     KtoEntry,
+    PromptEntry,
     ImagesEntry,
     DreamboothEntry,
 )

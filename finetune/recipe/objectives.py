@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["sft", "paired", "unpaired"]
+Kind = Literal["sft", "paired", "unpaired", "online"]
 
 
 @dataclass(frozen=True)
@@ -25,20 +25,23 @@ class ObjectiveSpec:
 
     `kind` picks the implementation (finetune.objectives.objective_for): sft (next-token loss on
     any text type), paired (preference pairs: chosen and rejected completions of one prompt),
-    unpaired (single completions labelled desirable or not). `data_type` is the dataset entry type
-    it trains on (None: any text type). `unit` is what its loss is averaged over. `reference`: the
-    loss compares the policy with a reference model (the base with adapters disabled, a frozen copy,
-    or precomputed log-probs). `settings` are the recipe fields (section.field) only it reads: a
-    non-default value under another objective is an error.
+    unpaired (single completions labelled desirable or not), online (completions sampled from the
+    model during training, scored by rewards). `data_type` is the dataset entry type it trains on
+    (None: any text type). `unit` is what its loss is averaged over. `reference`: the loss compares
+    the policy with a reference model (the base with adapters disabled, a frozen copy, or
+    precomputed log-probs; grpo: only with grpo.beta > 0). `settings` are the recipe fields
+    (section.field) only it reads: a non-default value under another objective is an error.
+    `section` is the recipe section that holds all of its settings and that only it may have.
     """
 
     name: str
     kind: Kind
     data_type: str | None
-    unit: Literal["tokens", "pairs", "examples"]
+    unit: Literal["tokens", "pairs", "examples", "completions"]
     reference: bool
     settings: tuple[str, ...]
     summary: str
+    section: str | None = None
 
 
 _PREFERENCE = "preference"
@@ -75,6 +78,12 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
             ("preference.beta", "preference.kto_desirable_weight", "preference.kto_undesirable_weight",
              "preference.precompute_ref_log_probs"),
             "Kahneman-Tversky Optimization on examples labelled desirable or not (Ethayarajh et al. 2024)",
+        ),
+        ObjectiveSpec(
+            "grpo", "online", "prompt", "completions", False, (),
+            "Group Relative Policy Optimization with verifiable rewards (Shao et al. 2024), and TRL's "
+            "DAPO / Dr. GRPO / BNPO loss types",
+            section="grpo",
         ),
     )
 }  # fmt: skip

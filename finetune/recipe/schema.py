@@ -11,6 +11,7 @@ from finetune.recipe.base import Problem, _Section
 from finetune.recipe.data import IMAGE_DATASET_TYPES, DataSection
 from finetune.recipe.diffusion import DiffusionSection
 from finetune.recipe.eval import EvalSection
+from finetune.recipe.grpo import GrpoSection
 from finetune.recipe.hub import HubSection
 from finetune.recipe.lora import LoraSection
 from finetune.recipe.model import ModelSection
@@ -20,7 +21,9 @@ from finetune.recipe.train import TrainSection
 
 # Fields whose behaviour has not landed yet: a non-default value is rejected with this reason, so
 # an accepted field always works (never silently ignored). Paths use `*` for list items.
-NOT_SUPPORTED_YET: dict[str, str] = {}
+NOT_SUPPORTED_YET: dict[str, str] = {
+    "grpo.generation_backend": "vLLM generation is not built yet; transformers generation runs on CPU and GPU",
+}
 
 
 class Recipe(_Section):
@@ -38,6 +41,10 @@ class Recipe(_Section):
     preference: PreferenceSection = Field(
         default_factory=PreferenceSection,
         description="Settings of the preference objectives (train.objective dpo, ipo, simpo, orpo, kto).",
+    )
+    grpo: GrpoSection | None = Field(
+        None,
+        description="Online RL settings (train.objective grpo): sampling, rewards, loss; null otherwise.",
     )
     diffusion: DiffusionSection | None = Field(
         None, description="Diffusion fine-tuning settings (model.kind: diffusion); null for LLM recipes."
@@ -97,6 +104,7 @@ class Recipe(_Section):
         problems += diffusion_problems(self, ok)
         problems += objective_problems(self, ok)
         problems += objective_setting_problems(self, ok)
+        problems += online_problems(self, ok)
         if ok("model.torch_dtype", "train.mixed_precision", "lora.enable_lora", "lora.enable_qlora"):
             problems += _precision_problems(self.model.torch_dtype, self.train.mixed_precision, self.lora)
         if ok("hub.strategy", "hub.model_id") and self.hub.strategy == "every_save" and not self.hub.model_id:
@@ -315,6 +323,7 @@ def objective_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
 _DATA_SHAPES = {
     "preference": "pairs (prompt, chosen, rejected)",
     "kto": "examples (prompt, completion, label)",
+    "prompt": "prompts (the model samples the completions; other columns feed the rewards)",
 }
 
 
@@ -339,6 +348,58 @@ def objective_setting_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[
                 value,
                 f"belongs to train.objective {' / '.join(readers(path))}, not {objective!r}; remove it or "
                 "change the objective",
+            )
+        )
+    return problems
+
+
+def online_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
+    """An objective's own section (grpo) present exactly when it is the objective, and what sampling
+    groups need of the batch: each process's completions per step hold whole groups."""
+    if not ok("train.objective"):
+        return []
+    spec, problems = OBJECTIVES[recipe.train.objective], []
+    for other in OBJECTIVES.values():
+        if other.section is None or not ok(other.section):
+            continue
+        present = getattr(recipe, other.section) is not None
+        if other is spec and not present:
+            problems.append(
+                (
+                    other.section,
+                    None,
+                    f"train.objective {spec.name} needs a {other.section} section (at least its rewards)",
+                )
+            )
+        elif other is not spec and present:
+            problems.append(
+                (
+                    other.section,
+                    "...",
+                    f"is read by train.objective {other.name} only; remove it or set that objective",
+                )
+            )
+    grpo = recipe.grpo
+    if spec.name != "grpo" or grpo is None:
+        return problems
+    fields = ("train.micro_batch_size", "train.gradient_accumulation_steps", "grpo.num_generations")
+    per_step = recipe.train.micro_batch_size * recipe.train.gradient_accumulation_steps
+    if ok(*fields) and per_step % grpo.num_generations:
+        problems.append(
+            (
+                "grpo.num_generations",
+                grpo.num_generations,
+                f"must divide the completions each process trains on per step, train.micro_batch_size x "
+                f"gradient_accumulation_steps = {per_step} (every prompt's group is sampled and trained on one "
+                "process): change one of them",
+            )
+        )
+    if ok("data.excess_length_strategy") and recipe.data.excess_length_strategy == "truncate":
+        problems.append(
+            (
+                "data.excess_length_strategy",
+                "truncate",
+                "a cut prompt loses its end (the question and the generation prompt): use drop or raise",
             )
         )
     return problems

@@ -10,6 +10,7 @@ formats share (finetune/data/encode.py, finetune/data/completions.py):
 * ``tokenized``: ids (and labels) as they are, after checks.
 * ``preference`` and ``kto``: a prompt and completions (a chosen and a rejected one; one labelled
   desirable or not), strings or lists of messages.
+* ``prompt``: a prompt alone (online RL samples the completions), its row kept for the rewards.
 
 A `Format` is what tokenize.py asks of a type: the columns it reads, how a batch becomes token ids
 and labels, whether its rows go through the chat template, and its per-example columns. The rows
@@ -48,6 +49,7 @@ from finetune.data.formats import (
     input_output,
     kto,
     preference,
+    prompt,
     tokenized,
 )
 from finetune.data.rows import BadRow, Example, missing_name_message
@@ -78,6 +80,9 @@ class Format:
     """Per-example columns besides input_ids and labels."""
     appends_eos: bool = True
     """Whether rows not rendered with a chat template end with the tokenizer's eos."""
+    trained: bool = True
+    """Whether its rows carry the trained tokens (a row without any is dropped and counted); prompts
+    for online RL carry none: the model's sampled completions are trained."""
 
 
 FORMATS: dict[str, Format] = {
@@ -92,6 +97,14 @@ FORMATS: dict[str, Format] = {
         preference.columns, preference.tokenize, preference.renders_chat, features=preference.FEATURES
     ),
     "kto": Format(kto.columns, kto.tokenize, kto.renders_chat, features=kto.FEATURES),
+    "prompt": Format(
+        prompt.columns,
+        prompt.tokenize,
+        prompt.renders_chat,
+        features=prompt.FEATURES,
+        appends_eos=False,
+        trained=False,
+    ),
 }
 """The format of each LLM dataset type (images and dreambooth entries are finetune/diffusion's)."""
 

@@ -424,7 +424,7 @@ def test_apply_chat_template_needs_a_pair_format() -> None:
         validate_recipe(data)
     assert (
         "data.datasets[0].apply_chat_template: unknown key (value True): only type alpaca, input_output, "
-        "preference, kto read it, not completion (it renders a prompt and completions as turns)"
+        "preference, kto, prompt read it, not completion (it renders a prompt and completions as turns)"
     ) in format_validation_error(info.value, Recipe)
 
 

@@ -10,7 +10,9 @@ from pydantic import ValidationError
 
 from finetune.evaluation.command import EVAL_PATHS
 from finetune.objectives import IMPLEMENTATIONS
+from finetune.losses import policy_gradient as pg
 from finetune.objectives.preference import LOSSES
+from finetune.recipe.grpo import GrpoSection
 from finetune.recipe import DataSection, Recipe, TrainSection, validate_recipe
 from finetune.recipe.objectives import OBJECTIVES, objective_settings, readers
 
@@ -43,8 +45,11 @@ def test_every_objective_has_an_implementation_a_loss_data_and_an_eval_path(spec
     assert spec.kind in IMPLEMENTATIONS
     implementation = IMPLEMENTATIONS[spec.kind]()
     assert callable(getattr(implementation, "loss", None))
-    if spec.kind != "sft":
+    if spec.kind in ("paired", "unpaired"):
         assert spec.name in LOSSES, f"{spec.name}: no loss in finetune.objectives.preference.LOSSES"
+    if spec.kind == "online":  # every loss type the section offers is one of the policy-gradient losses
+        offered = typing.get_args(GrpoSection.model_fields["loss_type"].annotation)
+        assert set(offered) == set(pg.UNITS)
     assert spec.data_type is None or spec.data_type in _dataset_types()
     assert spec.kind in EVAL_PATHS, f"{spec.name}: `finetune eval` has no path for kind {spec.kind}"
 
@@ -63,12 +68,15 @@ def test_losses_name_only_table_objectives():
 
 
 def _recipe(objective: str, data_type: str, **preference) -> dict:
-    return {
+    recipe = {
         "model": {"model_path": "org/base"},
         "data": {"datasets": [{"path": "p.jsonl", "type": data_type}]},
-        "train": {"output_dir": "out", "objective": objective},
+        "train": {"output_dir": "out", "objective": objective, "micro_batch_size": 8},
         "preference": preference,
     }
+    if OBJECTIVES[objective].section:
+        recipe[OBJECTIVES[objective].section] = {"rewards": [{"name": "format", "pattern": "####"}]}
+    return recipe
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)

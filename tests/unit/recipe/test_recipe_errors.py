@@ -56,7 +56,7 @@ EXPECTED = [
      "'flex_attention'"),
     ("data.datasets[1].shards_idx (not set; data.datasets[1] at line 9)", "got None: set shards and shards_idx"),
     ("data.datasets[1].type (line 10)", "got 'chat'; allowed: 'completion', 'alpaca', 'input_output', "
-     "'chat_template', 'tokenized', 'preference', 'kto', 'images' or 'dreambooth'"),
+     "'chat_template', 'tokenized', 'preference', 'kto', 'prompt', 'images' or 'dreambooth'"),
     ("data.sample_packing_sequence_len (line 13)", "got 256: must be >= sequence_len (512)"),
     ("train.output_dir (not set; train at line 14)", "required field is missing (Checkpoints, logs, final weights.)"),
     ("train.seed (line 15)", "got 'abc': Input should be a valid integer"),
@@ -370,7 +370,7 @@ def test_a_field_of_another_type_names_the_types_that_read_it(tmp_path: Path) ->
     )
     assert problem.endswith("trust_remote_code, field_text, train_on_eos")
     [problem] = entry_problems(tmp_path, "type: alpaca\nfield_prompt: question\n")
-    assert "only type input_output, preference, kto read it, not alpaca." in problem
+    assert "only type input_output, preference, kto, prompt read it, not alpaca." in problem
 
 
 def test_a_field_another_type_reads_keeps_the_reason_it_does_not_apply(tmp_path: Path) -> None:
@@ -399,7 +399,7 @@ def test_an_unknown_type_lists_the_valid_ones_and_judges_no_other_key(tmp_path: 
     problems = entry_problems(tmp_path, "type: sharegpt\nfield_messages: conversations\n")
     assert problems == [
         "  - data.datasets[0].type (line 6): got 'sharegpt'; allowed: 'completion', 'alpaca', 'input_output', "
-        "'chat_template', 'tokenized', 'preference', 'kto', 'images' or 'dreambooth'"
+        "'chat_template', 'tokenized', 'preference', 'kto', 'prompt', 'images' or 'dreambooth'"
     ]
 
 

@@ -259,7 +259,7 @@ def test_documented_fields_are_all_present() -> None:
 def test_type_lists_come_from_the_entry_classes() -> None:
     assert IMAGE_DATASET_TYPES == ("images", "dreambooth")
     assert PREFERENCE_DATASET_TYPES == ("preference", "kto")
-    assert CHAT_RENDERABLE_TYPES == ("alpaca", "input_output", "preference", "kto")
+    assert CHAT_RENDERABLE_TYPES == ("alpaca", "input_output", "preference", "kto", "prompt")
     assert [type(dataset_entry(path="a", type=name)) for name in ENTRY_TYPES] == list(ENTRY_CLASSES)
 
 
