@@ -14,7 +14,7 @@ from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 from peft.utils import ModulesToSaveWrapper
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import finetune.model
 from finetune.errors import FinetuneError
@@ -29,6 +29,7 @@ from finetune.model import (
     weight_dtype,
 )
 from finetune.recipe import LoraSection, ModelSection
+from tests.tiny import tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_TOKENIZER = str(REPO / "recipes" / "demo" / "tokenizer")
@@ -60,10 +61,7 @@ def _build(model: ModelSection | None = None, lora: LoraSection | None = None, *
 def base_dir(tmp_path_factory) -> Path:
     """A tiny random Llama saved with save_pretrained: a 'pretrained' model on disk."""
     folder = tmp_path_factory.mktemp("base")
-    cfg = dict(TINY)
-    config = LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tiny_model(**{k: v for k, v in TINY.items() if k != "model_type"}).save_pretrained(folder)
     AutoTokenizer.from_pretrained(DEMO_TOKENIZER).save_pretrained(folder)
     return folder
 
