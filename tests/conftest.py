@@ -16,6 +16,7 @@ import shutil
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,13 @@ def hub_repo_id(hub_server: HubServer, request: pytest.FixtureRequest) -> str:
     """A repo id unique to this test, in the test user's namespace (the repo is not created)."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name).strip("-.")[:60]
     return f"{hub_server.user}/{name}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def fresh_accelerator_state() -> Iterator[None]:
+    """Accelerate's process-wide state reset before and after the test (tests/fakes.py says why)."""
+    from tests.fakes import reset_accelerator_state
+
+    reset_accelerator_state()
+    yield
+    reset_accelerator_state()

@@ -300,20 +300,9 @@ def test_exit_duration_checkpoints_and_exits_zero_with_tensorboard_events(tmp_pa
 # --------------------------------------------------------------------------------- in process
 
 
-@pytest.fixture
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 @pytest.mark.parametrize("backend", ["flex_attention", "flash_attention_2"])
 def test_gpu_attention_backends_fail_before_data_preparation(
-    tmp_path, capsys, backend, fresh_accelerate_state
+    tmp_path, capsys, backend, fresh_accelerator_state
 ):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
@@ -326,7 +315,7 @@ def test_gpu_attention_backends_fail_before_data_preparation(
     assert not (tmp_path / "prepared").exists() and not (tmp_path / "out").exists()
 
 
-def test_missing_tracker_is_an_error_with_the_fix(tmp_path, monkeypatch, fresh_accelerate_state):
+def test_missing_tracker_is_an_error_with_the_fix(tmp_path, monkeypatch, fresh_accelerator_state):
     import accelerate.utils
 
     from finetune.engine import make_accelerator
