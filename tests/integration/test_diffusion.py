@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +10,7 @@ import yaml
 
 from tests.diffusion_data import (
     assert_lora_changes_generation,
+    assert_prepared_then_reused,
     assert_resumes_exactly,
     diffusion_recipe,
     prepare_and_train,
@@ -37,19 +37,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_prepare_then_cache_hit(trained: dict) -> None:
-    first, train = trained["prepare"], trained["train"]
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "(built)" in first.stdout and "images: 8 in, 8 kept" in first.stdout
-    fingerprint = first.stdout.split("prepared dataset ", 1)[1].split()[0]
-    assert train.returncode == 0, train.stderr[-3000:]
-    assert (
-        f"reusing prepared image dataset {fingerprint}" in train.stdout
-        and "nothing to encode" in train.stdout
-    )
-    folder = Path(
-        next(ln for ln in first.stdout.splitlines() if ln.startswith("prepared dataset")).rsplit(" at ", 1)[1]
-    )
-    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest = assert_prepared_then_reused(trained)
+    assert "nothing to encode" in trained["train"].stdout
     assert len(manifest["buckets"]) == 3 and manifest["latents"]["flipped_variants"] is True
 
 

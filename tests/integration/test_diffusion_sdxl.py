@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import yaml
 
 from tests.diffusion_data import (
     assert_lora_changes_generation,
     assert_resumes_exactly,
-    diffusion_recipe,
-    write_color_folder,
+    prepare_and_train,
 )
-from tests.integration._run import accelerate_cmd, progress, run, step_losses
+from tests.integration._run import progress, step_losses
 
 pytestmark = pytest.mark.slow
 
@@ -23,36 +21,22 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def sdxl(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """8 coloured images in 3 buckets, 4 steps of 2 micro-batches (2 epochs), samples at steps 2 and 4."""
-    from finetune.diffusion.tiny import build_tiny_pipeline
-
-    tmp = tmp_path_factory.mktemp("sdxl")
-    pipeline = build_tiny_pipeline(tmp / "tiny-sdxl", sdxl=True)
-    write_color_folder(tmp / "imgs", captions="txt")
-    recipe = diffusion_recipe(
-        tmp,
-        pipeline,
-        tmp / "imgs",
-        random_flip=True,
+    """8 coloured images in 3 buckets (.txt captions), 4 steps of 2 micro-batches (2 epochs) with
+    gradient checkpointing, checkpoints and 2 samples of 2 prompts at steps 2 and 4, to TensorBoard;
+    no separate prepare: training prepares."""
+    return prepare_and_train(
+        tmp_path_factory.mktemp("sdxl"),
+        "sdxl",
+        steps=STEPS,
+        prepare=False,
+        captions="txt",
+        train={"save_steps": 2, "gradient_checkpointing": True, "report_to": ["tensorboard"], "log_steps": 1},
+        timeout=300,
         center_crop=False,
         validation_prompts=["a red square", "a blue square"],
         validation_steps=2,
         num_validation_images=2,
-        validation_inference_steps=2,
     )
-    recipe["data"]["dataloader_drop_last"] = False
-    recipe["train"].update(
-        max_steps=STEPS,
-        save_steps=2,
-        gradient_accumulation_steps=2,
-        gradient_checkpointing=True,
-        report_to=["tensorboard"],
-        log_steps=1,
-    )
-    recipe["lora"]["lora_dropout"] = 0.1
-    path = tmp / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return {"tmp": tmp, "pipeline": pipeline, "recipe": path, "train": run(accelerate_cmd(path), timeout=300)}
 
 
 def test_sdxl_trains_and_saves_a_lora_that_the_sdxl_pipeline_loads(sdxl: dict) -> None:
