@@ -79,6 +79,33 @@ def diffusion_recipe(tmp: Path, pipeline: Path, data: Path, *, type_: str = "ima
     }
 
 
+def dreambooth_recipe(
+    tmp: Path,
+    pipeline: Path,
+    photos: Path,
+    *,
+    instance_prompt: str,
+    class_prompt: str,
+    num_class_images: int,
+    **diffusion,
+) -> dict:
+    """`diffusion_recipe` for DreamBooth with prior preservation: class images in tmp/class, the missing
+    ones generated with one denoising step."""
+    return diffusion_recipe(
+        tmp,
+        pipeline,
+        photos,
+        type_="dreambooth",
+        instance_prompt=instance_prompt,
+        with_prior_preservation=True,
+        class_data_dir=str(tmp / "class"),
+        class_prompt=class_prompt,
+        num_class_images=num_class_images,
+        class_generation_steps=1,
+        **diffusion,
+    )
+
+
 def validated_recipe(tmp: Path, pipeline: Path, data: Path, **diffusion):
     """`diffusion_recipe(...)` validated into a Recipe."""
     from finetune.recipe import validate_recipe

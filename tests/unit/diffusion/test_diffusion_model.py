@@ -30,7 +30,7 @@ from finetune.diffusion.model import (
 from finetune.errors import FinetuneError, RecipeError
 from finetune.recipe import load_recipe
 from finetune.recipe.diffusion import DIFFUSION_DEFAULT_LORA_TARGETS
-from tests.diffusion_data import validated_recipe, with_default_lora, write_color_folder
+from tests.diffusion_data import dreambooth_recipe, validated_recipe, with_default_lora, write_color_folder
 
 
 @pytest.mark.parametrize(
@@ -121,20 +121,15 @@ def test_all_linear_and_bad_targets(tiny_sd: Path) -> None:
 def test_class_images_are_generated_until_there_are_enough(tmp_path: Path, tiny_sd: Path) -> None:
     from finetune.diffusion.sampling import ensure_class_images
     from finetune.recipe import validate_recipe
-    from tests.diffusion_data import diffusion_recipe, write_color_folder
 
     write_color_folder(tmp_path / "class", captions="txt", count=1)
-    data = diffusion_recipe(
+    data = dreambooth_recipe(
         tmp_path,
         tiny_sd,
         tmp_path / "photos",
-        type_="dreambooth",
         instance_prompt="a sks square",
-        with_prior_preservation=True,
-        class_data_dir=str(tmp_path / "class"),
         class_prompt="a square",
         num_class_images=3,
-        class_generation_steps=1,
     )
     recipe = validate_recipe(data)
     info = pipeline_info(str(tiny_sd))
