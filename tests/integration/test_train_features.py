@@ -300,21 +300,6 @@ def test_exit_duration_checkpoints_and_exits_zero_with_tensorboard_events(tmp_pa
 # --------------------------------------------------------------------------------- in process
 
 
-@pytest.mark.parametrize("backend", ["flex_attention", "flash_attention_2"])
-def test_gpu_attention_backends_fail_before_data_preparation(
-    tmp_path, capsys, backend, fresh_accelerator_state
-):
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
-    from finetune.train import main
-
-    code = main([str(DEMO), *demo_overrides(tmp_path), "--model.attn_implementation", backend])
-    assert code == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"error: model.attn_implementation: {backend}") and "sdpa" in err
-    assert not (tmp_path / "prepared").exists() and not (tmp_path / "out").exists()
-
-
 def test_missing_tracker_is_an_error_with_the_fix(tmp_path, monkeypatch, fresh_accelerator_state):
     import accelerate.utils
 
