@@ -10,6 +10,7 @@ which imports tests/unit/conftest.py (and whatever it imports) before configurin
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -112,3 +113,12 @@ def fresh_accelerator_state() -> Iterator[None]:
     reset_accelerator_state()
     yield
     reset_accelerator_state()
+
+
+@pytest.fixture
+def without_bitsandbytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """importlib.util.find_spec finds no bitsandbytes during the test, as where it is not installed."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )

@@ -16,7 +16,6 @@ from peft.utils import ModulesToSaveWrapper
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import finetune.model
 from finetune.errors import FinetuneError
 from finetune.model import (
     apply_lora,
@@ -217,13 +216,7 @@ def test_qlora_needs_a_pretrained_model_path():
         _build(lora=LoraSection(enable_qlora=True, enable_lora=True))
 
 
-def test_qlora_without_bitsandbytes_says_how_to_install(monkeypatch, base_dir):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        finetune.model.importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "bitsandbytes" else real(name, *a),
-    )
+def test_qlora_without_bitsandbytes_says_how_to_install(without_bitsandbytes, base_dir):
     with pytest.raises(FinetuneError, match=r"bitsandbytes.*\[qlora\]"):
         _build(ModelSection(model_path=str(base_dir)), LoraSection(enable_qlora=True, enable_lora=True))
 

@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 
-import finetune.optim
 from finetune.errors import FinetuneError
 from finetune.optim import build_optimizer, build_scheduler, param_groups
 from tests.tiny import tiny_model
@@ -106,13 +105,7 @@ def test_adamw_8bit_runs_on_cpu_with_8bit_state():
     assert state["state1"].dtype == torch.uint8 and state["state2"].dtype == torch.uint8
 
 
-def test_adamw_8bit_without_bitsandbytes_says_how_to_install(monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        finetune.optim.importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "bitsandbytes" else real(name, *a),
-    )
+def test_adamw_8bit_without_bitsandbytes_says_how_to_install(without_bitsandbytes):
     with pytest.raises(FinetuneError, match=r"adamw_8bit needs bitsandbytes.*\[qlora\]"):
         build_optimizer(_model(), name="adamw_8bit", lr=1e-3, weight_decay=0, no_decay_params=[], **ADAM)
 
