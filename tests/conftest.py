@@ -10,12 +10,14 @@ which imports tests/unit/conftest.py (and whatever it imports) before configurin
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,22 @@ def hub_repo_id(hub_server: HubServer, request: pytest.FixtureRequest) -> str:
     """A repo id unique to this test, in the test user's namespace (the repo is not created)."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name).strip("-.")[:60]
     return f"{hub_server.user}/{name}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def fresh_accelerator_state() -> Iterator[None]:
+    """Accelerate's process-wide state reset before and after the test (tests/fakes.py says why)."""
+    from tests.fakes import reset_accelerator_state
+
+    reset_accelerator_state()
+    yield
+    reset_accelerator_state()
+
+
+@pytest.fixture
+def without_bitsandbytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """importlib.util.find_spec finds no bitsandbytes during the test, as where it is not installed."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )

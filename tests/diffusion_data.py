@@ -1,4 +1,4 @@
-"""Images, folders and recipes for the diffusion tests (generated here: nothing is downloaded).
+"""Images, folders, recipes and runs for the diffusion tests (generated here: nothing is downloaded).
 
 Every image is a solid colour named in its caption ("a red square"), so a test can tell from a
 caption which image a cached latent must come from.
@@ -79,11 +79,55 @@ def diffusion_recipe(tmp: Path, pipeline: Path, data: Path, *, type_: str = "ima
     }
 
 
+def dreambooth_recipe(
+    tmp: Path,
+    pipeline: Path,
+    photos: Path,
+    *,
+    instance_prompt: str,
+    class_prompt: str,
+    num_class_images: int,
+    **diffusion,
+) -> dict:
+    """`diffusion_recipe` for DreamBooth with prior preservation: class images in tmp/class, the missing
+    ones generated with one denoising step."""
+    return diffusion_recipe(
+        tmp,
+        pipeline,
+        photos,
+        type_="dreambooth",
+        instance_prompt=instance_prompt,
+        with_prior_preservation=True,
+        class_data_dir=str(tmp / "class"),
+        class_prompt=class_prompt,
+        num_class_images=num_class_images,
+        class_generation_steps=1,
+        **diffusion,
+    )
+
+
 def validated_recipe(tmp: Path, pipeline: Path, data: Path, **diffusion):
     """`diffusion_recipe(...)` validated into a Recipe."""
     from finetune.recipe import validate_recipe
 
     return validate_recipe(diffusion_recipe(tmp, pipeline, data, **diffusion))
+
+
+def with_default_lora(denoiser, *, gradient_checkpointing: bool = False):
+    """`denoiser` (a UNet or transformer) with LoRA on the recipe's default targets (rank 4, alpha 4,
+    no dropout)."""
+    from finetune.diffusion.model import add_lora
+    from finetune.recipe.diffusion import DIFFUSION_DEFAULT_LORA_TARGETS
+
+    add_lora(
+        denoiser,
+        rank=4,
+        alpha=4,
+        dropout=0.0,
+        targets=DIFFUSION_DEFAULT_LORA_TARGETS,
+        gradient_checkpointing=gradient_checkpointing,
+    )
+    return denoiser
 
 
 def assert_lora_changes_generation(pipe, out: Path, **call) -> None:
@@ -134,11 +178,23 @@ def assert_resumes_exactly(trained: dict, from_step: int, *extra: str) -> None:
         assert after[step] == pytest.approx(reference[step], abs=1e-6), step
 
 
-def prepare_and_train(tmp: Path, family: str, *, steps: int, **diffusion) -> dict:
-    """A tiny pipeline of `family` (sd, sdxl, sd3, flux) and 8 coloured images (jsonl captions),
-    prepared with the CLI, then trained `steps` steps (accumulation 2, checkpoints every 3 steps, LoRA
-    dropout so resume must replay the masks) through `accelerate launch`, which prepares again and
-    must find the cache. Returns what the tests read: tmp, pipeline, recipe, prepare, train."""
+def prepare_and_train(
+    tmp: Path,
+    family: str,
+    *,
+    steps: int,
+    prepare: bool = True,
+    captions: str = "jsonl",
+    train: dict | None = None,
+    timeout: int = 600,
+    **diffusion,
+) -> dict:
+    """A tiny pipeline of `family` (sd, sdxl, sd3, flux) and 8 coloured images (`captions` as in
+    write_color_folder), prepared with the CLI (unless `prepare` is False), then trained `steps` steps
+    (accumulation 2, checkpoints every 3 steps, a validation sample every 3 steps, LoRA dropout so
+    resume must replay the masks) through `accelerate launch`, which prepares again and must find the
+    cache. `diffusion` and `train` fields add to or replace those of the diffusion and train sections.
+    Returns what the tests read: tmp, pipeline, recipe, prepare (None without), train."""
     import yaml
 
     from finetune.diffusion.tiny import build_tiny_pipeline
@@ -146,16 +202,35 @@ def prepare_and_train(tmp: Path, family: str, *, steps: int, **diffusion) -> dic
 
     flags = {"sd": {}, "sdxl": {"sdxl": True}, "sd3": {"sd3": True}, "flux": {"flux": True}}[family]
     pipeline = build_tiny_pipeline(tmp / f"tiny-{family}", **flags)
-    write_color_folder(tmp / "imgs", captions="jsonl")
-    validation = {"validation_prompts": ["a red square"], "validation_steps": 3, "num_validation_images": 1}
-    recipe = diffusion_recipe(
-        tmp, pipeline, tmp / "imgs", random_flip=True, validation_inference_steps=2, **validation, **diffusion
-    )
+    write_color_folder(tmp / "imgs", captions=captions)
+    settings = {
+        "random_flip": True,
+        "validation_inference_steps": 2,
+        "validation_prompts": ["a red square"],
+        "validation_steps": 3,
+        "num_validation_images": 1,
+    }
+    recipe = diffusion_recipe(tmp, pipeline, tmp / "imgs", **{**settings, **diffusion})
     recipe["data"]["dataloader_drop_last"] = False
-    recipe["train"].update(max_steps=steps, save_steps=3, gradient_accumulation_steps=2)
+    recipe["train"].update(
+        {"max_steps": steps, "save_steps": 3, "gradient_accumulation_steps": 2, **(train or {})}
+    )
     recipe["lora"]["lora_dropout"] = 0.1
     path = tmp / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    prepare = cli("prepare-dataset", str(path))
-    train = run(accelerate_cmd(path))
-    return {"tmp": tmp, "pipeline": pipeline, "recipe": path, "prepare": prepare, "train": train}
+    prepared = cli("prepare-dataset", str(path)) if prepare else None
+    trained = run(accelerate_cmd(path), timeout=timeout)
+    return {"tmp": tmp, "pipeline": pipeline, "recipe": path, "prepare": prepared, "train": trained}
+
+
+def assert_prepared_then_reused(trained: dict) -> dict:
+    """The CLI's prepare-dataset built the cache of the 8 images and training reused it (the same
+    fingerprint); returns the cache's manifest."""
+    first, train = trained["prepare"], trained["train"]
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "(built)" in first.stdout and "images: 8 in, 8 kept" in first.stdout
+    fingerprint = first.stdout.split("prepared dataset ", 1)[1].split()[0]
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert f"reusing prepared image dataset {fingerprint}" in train.stdout
+    line = next(ln for ln in first.stdout.splitlines() if ln.startswith("prepared dataset"))
+    return json.loads((Path(line.rsplit(" at ", 1)[1]) / "manifest.json").read_text())

@@ -551,7 +551,7 @@ class HubServer:
 
     def _validate_yaml(self, req: Request) -> Response:
         content = req.json().get("content") or ""
-        error = _front_matter_error(content)
+        _, error = _front_matter(content)
         if error:
             return Response.json({"errors": [{"message": error}], "warnings": []}, status=400)
         return Response.json({"errors": [], "warnings": []})
@@ -598,18 +598,8 @@ class HubServer:
         entry = commit.files.get("README.md")
         if entry is None:
             return None
-        match = _FRONT_MATTER_RE.match(self._object_path(entry.sha256).read_text(encoding="utf-8"))
-        if match is None:
-            return None
-        try:
-            import yaml  # a dependency of the project; only needed to show cardData
-        except ImportError:
-            return None
-        try:
-            data = yaml.safe_load(match.group(1))
-        except yaml.YAMLError:
-            return None
-        return data if isinstance(data, dict) else None
+        data, _ = _front_matter(self._object_path(entry.sha256).read_text(encoding="utf-8"))
+        return data
 
     def _tree_entries(
         self, commit: Commit, prefix: str, recursive: bool, expand: bool
@@ -944,21 +934,23 @@ def _tree_oid(entries: list[FileEntry]) -> str:
     ).hexdigest()
 
 
-def _front_matter_error(content: str) -> str | None:
+def _front_matter(content: str) -> tuple[dict | None, str | None]:
+    """A README's YAML front matter and what is wrong with it: (mapping, None), (None, error), or
+    (None, None) where there is none (or no PyYAML: a dependency of the project, needed only here)."""
     match = _FRONT_MATTER_RE.match(content)
     if match is None:
-        return None
+        return None, None
     try:
         import yaml
     except ImportError:
-        return None
+        return None, None
     try:
         data = yaml.safe_load(match.group(1))
     except yaml.YAMLError as err:
-        return f"Invalid YAML in README.md front matter: {err}"
+        return None, f"Invalid YAML in README.md front matter: {err}"
     if data is not None and not isinstance(data, dict):
-        return "README.md front matter must be a YAML mapping"
-    return None
+        return None, "README.md front matter must be a YAML mapping"
+    return data, None
 
 
 def _localhost_is_loopback() -> bool:

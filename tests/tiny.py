@@ -5,19 +5,28 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+# The default tiny Llama: 2 layers, grouped-query attention (4 heads, 2 KV heads), ~80k parameters.
+TINY_LLAMA = {
+    "vocab_size": 97,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
 
-def tiny_model(attn: str) -> torch.nn.Module:
+
+def tiny_model(attn: str = "sdpa", *, dtype: torch.dtype = torch.float32, **config) -> torch.nn.Module:
+    """A tiny random Llama, the same weights on every call (seed 0), from a config: nothing is downloaded.
+
+    `config` overrides or adds LlamaConfig fields of TINY_LLAMA (vocab_size=, hidden_size=,
+    tie_word_embeddings=, initializer_range=, token ids ...); `attn` and `dtype` go to from_config.
+    """
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
+    return AutoModelForCausalLM.from_config(
+        LlamaConfig(**{**TINY_LLAMA, **config}), attn_implementation=attn, dtype=dtype
     )
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
 def sequences() -> list[dict]:

@@ -13,23 +13,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DeepSpeedPlugin
 from peft import LoraConfig, get_peft_model
 
 from finetune.data.collate import collate_rows
 from finetune.losses.chunked_ce import causal_lm_loss
-from tests.tiny import sequences
-from tests.unit.losses.test_chunked_ce import tiny_llama
+from tests.fakes import reset_accelerator_state
+from tests.tiny import sequences, tiny_model
 
 
 def losses(kind: str, chunked: bool) -> list[float]:
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerator_state()
     plugin = DeepSpeedPlugin(zero_stage=3, gradient_accumulation_steps=1)
     plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
     acc = Accelerator(deepspeed_plugin=plugin)
-    model = tiny_llama(tie=kind == "full")
+    model = tiny_model(tie_word_embeddings=kind == "full")
     if kind == "lora":
         config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
                             target_modules=["q_proj", "lm_head"])  # fmt: skip

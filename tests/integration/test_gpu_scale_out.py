@@ -43,52 +43,52 @@ def _logits(model) -> torch.Tensor:
         return model.eval().float()(input_ids=_ids()).logits
 
 
-def _resume_matches(tmp_path: Path, prepared: Path, out: Path, config: str, *args: str) -> None:
+def _full_fine_tune_resumes(tmp_path: Path, config: str) -> Path:
+    """A 4-step full fine-tune with `config` lowers the loss, and steps 3-4 resumed from the step-2
+    checkpoint log the same losses (to 1e-3 relative); returns its output folder."""
+    prepared, out = tmp_path / "prepared", tmp_path / "run"
+    train(out, prepared, config, *FULL)
+    losses = step_losses(progress(out))
+    assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
     resumed = tmp_path / "resumed"
     checkpoint = out / "checkpoints" / "step-2"
-    train(resumed, prepared, config, *args, "--train.load_checkpoint_path", str(checkpoint))
+    train(resumed, prepared, config, *FULL, "--train.load_checkpoint_path", str(checkpoint))
     before, after = step_losses(progress(out)), step_losses(progress(resumed))
     assert sorted(after) == [3, 4]
     for step in (3, 4):
         assert abs(after[step] - before[step]) <= 1e-3 * abs(before[step]), (before, after)
+    return out
+
+
+def _assert_export_holds(out: Path, state: dict, atol: float) -> None:
+    """The Hugging Face folder exported to `out` gives the logits of the trained weights `state`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out))
+    trained.load_state_dict(state)
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.allclose(_logits(exported), _logits(trained), atol=atol)
 
 
 def test_fsdp2_bf16_full_fine_tune_resume_and_export(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    prepared, out = tmp_path / "prepared", tmp_path / "run"
-    train(out, prepared, "fsdp2", *FULL)
-    losses = step_losses(progress(out))
-    assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
-    _resume_matches(tmp_path, prepared, out, "fsdp2", *FULL)
+    out = _full_fine_tune_resumes(tmp_path, "fsdp2")
     # The sharded checkpoint (torch.distributed.checkpoint) converted by torch's own tool holds the
     # trained weights; the exported folder must give the same logits.
     shards = next((out / "checkpoints" / "step-4").glob("pytorch_model_fsdp_*"))
     dcp_to_torch_save(str(shards), str(tmp_path / "full.pt"))
     state = torch.load(tmp_path / "full.pt", weights_only=True)
-    state = state.get("model", state)
-    trained = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out))
-    trained.load_state_dict(state)
-    exported = AutoModelForCausalLM.from_pretrained(out)
-    assert torch.allclose(_logits(exported), _logits(trained), atol=1e-3)
+    _assert_export_holds(out, state.get("model", state), atol=1e-3)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 def test_zero3_bf16_full_fine_tune_resume_and_export(tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    prepared, out = tmp_path / "prepared", tmp_path / "run"
-    train(out, prepared, "zero3", *FULL)
-    losses = step_losses(progress(out))
-    assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
-    _resume_matches(tmp_path, prepared, out, "zero3", *FULL)
+    out = _full_fine_tune_resumes(tmp_path, "zero3")
     state = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints" / "step-4"), tag="pytorch_model")
-    trained = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out))
-    trained.load_state_dict(state)
-    exported = AutoModelForCausalLM.from_pretrained(out)  # the 16-bit weights ZeRO-3 gathered
-    assert torch.allclose(_logits(exported), _logits(trained), atol=5e-2)
+    _assert_export_holds(out, state, atol=5e-2)  # the export: the 16-bit weights ZeRO-3 gathered
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")

@@ -60,11 +60,9 @@ def test_fp16_loss_scaling_trains_logs_the_scale_and_resumes_exactly(tmp_path):
     assert {r["step"]: r["loss_scale"] for r in train_records(resumed)} == {s: scales[s] for s in after}
 
 
-def test_fp16_overflow_skips_the_update_and_counts_it(tmp_path, monkeypatch):
+def test_fp16_overflow_skips_the_update_and_counts_it(tmp_path, monkeypatch, fresh_accelerator_state):
     """An infinite gradient under fp16: GradScaler skips the step (weights unchanged), the loop
     counts it, the scale halves; the next finite step updates the weights."""
-    from accelerate.state import AcceleratorState, GradientState
-
     from finetune import engine
     from finetune.engine.loop import setup
     from finetune.engine.step import train_step
@@ -72,8 +70,6 @@ def test_fp16_overflow_skips_the_update_and_counts_it(tmp_path, monkeypatch):
     from finetune.recipe import load_recipe, recipe_to_dict
 
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
     recipe = load_recipe(
         str(DEMO),
         [
@@ -107,8 +103,6 @@ def test_fp16_overflow_skips_the_update_and_counts_it(tmp_path, monkeypatch):
     result = train_step(run_, [next(batches)])
     assert result["applied"] and not result["fp16_skipped"]
     assert not torch.equal(lora.detach(), before)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def test_bf16_full_fine_tune_on_gpu_logs_throughput_and_mfu_fields(tmp_path):

@@ -117,14 +117,8 @@ def test_kto_trains_with_its_kl_reference_point(tmp_path, prepared):
 
 def test_two_process_ddp_matches_one_process_and_resumes_exactly(tmp_path, prepared):
     steps = ["--train.max_steps", "4", "--train.gradient_accumulation_steps", "2", "--train.save_steps", "2"]
-    steps += [
-        "--train.eval_steps",
-        "null",
-        "--train.eval_on_start",
-        "false",
-        "--train.save_hf_weights",
-        "false",
-    ]
+    steps += ["--train.eval_steps", "null", "--train.eval_on_start", "false"]
+    steps += ["--train.save_hf_weights", "false"]
     # 2 processes x 1 packed row x accumulation 2 == 1 process x 2 rows x accumulation 2: the same pairs.
     ddp = tmp_path / "ddp"
     finetune(
@@ -183,14 +177,8 @@ def test_sigkill_then_resume_gives_the_same_losses_and_rewards(tmp_path, prepare
     """DPO with LoRA dropout on (the RNG state matters), killed with SIGKILL once the step-4 checkpoint
     exists, then resumed with `auto`: every step's loss and reward margin equal the uninterrupted run's."""
     steps = ["--train.max_steps", "8", "--train.save_steps", "2", "--train.eval_on_start", "false"]
-    steps += [
-        "--train.save_hf_weights",
-        "false",
-        "--lora.lora_dropout",
-        "0.1",
-        "--train.micro_batch_size",
-        "1",
-    ]
+    steps += ["--train.save_hf_weights", "false", "--lora.lora_dropout", "0.1"]
+    steps += ["--train.micro_batch_size", "1"]
     reference = tmp_path / "reference"
     finetune("train", reference, prepared, *steps)
     expected = {r["step"]: r for r in records(reference)[0]}

@@ -25,6 +25,30 @@ def _run_cli(repo_root: Path, *args: str, timeout: float = 300) -> subprocess.Co
     )
 
 
+# A config-only Llama: prepare reads the tokenizer, never the weights.
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1}
+
+
+def _write_recipe(
+    tmp_path: Path, tokenizer: Path, datasets: list[dict], *, config=TINY_LLAMA, name="recipe.yaml", **data
+) -> Path:
+    """A recipe for `datasets` (one process, prepared into tmp_path/prepared) written to tmp_path/name;
+    `data` adds fields to its data section."""
+    recipe = {
+        "model": {"config_path": config, "tokenizer_path": str(tokenizer)},
+        "data": {
+            "datasets": datasets,
+            **data,
+            "dataset_num_proc": 1,
+            "dataset_prepared_path": str(tmp_path / "prepared"),
+        },
+        "train": {"output_dir": str(tmp_path / "out")},
+    }
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
 def _manifest(stdout: str) -> dict:
     """The manifest of the folder named in the summary line `prepared dataset <fp> (...) at <path>`."""
     line = next(ln for ln in stdout.splitlines() if ln.startswith("prepared dataset "))
@@ -35,25 +59,11 @@ def test_prepare_dataset_cli_on_demo_data(tmp_path: Path, repo_root: Path):
     demo = repo_root / "recipes" / "demo"
     if not (demo / "tokenizer" / "tokenizer.json").is_file():
         pytest.skip("demo data not generated yet (python recipes/demo/make_demo_data.py)")
-    recipe = {
-        "model": {
-            "config_path": {"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1},
-            "tokenizer_path": str(demo / "tokenizer"),
-        },
-        "data": {
-            "datasets": [
-                {"path": str(demo / "data" / "arithmetic.jsonl"), "type": "alpaca"},
-                {"path": str(demo / "data" / "chat.jsonl"), "type": "chat_template"},
-            ],
-            "val_set_size": 0.05,
-            "sequence_len": 1024,
-            "dataset_num_proc": 1,
-            "dataset_prepared_path": str(tmp_path / "prepared"),
-        },
-        "train": {"output_dir": str(tmp_path / "out")},
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
+    datasets = [
+        {"path": str(demo / "data" / "arithmetic.jsonl"), "type": "alpaca"},
+        {"path": str(demo / "data" / "chat.jsonl"), "type": "chat_template"},
+    ]
+    path = _write_recipe(tmp_path, demo / "tokenizer", datasets, val_set_size=0.05, sequence_len=1024)
 
     override = ("--data.sequence_len", "512")
     first = _run_cli(repo_root, str(path), *override)
@@ -78,25 +88,15 @@ def test_prepare_dataset_cli_on_gsm8k_with_llama2(tmp_path: Path, repo_root: Pat
     data, tokenizer = shared_data / "gsm8k" / "train.jsonl", shared_data / "tokenizers" / "llama2-hf"
     if not data.is_file() or not (tokenizer / "tokenizer.json").is_file():
         pytest.skip(f"GSM8K or the Llama 2 tokenizer is missing under {shared_data}")
-    recipe = {
-        "model": {"config_path": {"model_type": "llama"}, "tokenizer_path": str(tokenizer)},
-        "data": {
-            "datasets": [
-                {
-                    "path": str(data),
-                    "type": "input_output",
-                    "field_prompt": "question",
-                    "field_completion": "answer",
-                }
-            ],
-            "sequence_len": 2048,
-            "dataset_num_proc": 1,
-            "dataset_prepared_path": str(tmp_path / "prepared"),
-        },
-        "train": {"output_dir": str(tmp_path / "out")},
+    gsm8k = {
+        "path": str(data),
+        "type": "input_output",
+        "field_prompt": "question",
+        "field_completion": "answer",
     }
-    path = tmp_path / "gsm8k.yaml"
-    path.write_text(yaml.safe_dump(recipe))
+    path = _write_recipe(
+        tmp_path, tokenizer, [gsm8k], config={"model_type": "llama"}, name="gsm8k.yaml", sequence_len=2048
+    )
     result = _run_cli(repo_root, str(path))
     assert result.returncode == 0, result.stderr
     m = _manifest(result.stdout)
@@ -136,21 +136,11 @@ def test_prepare_dataset_cli_on_damaged_files(tmp_path: Path, repo_root: Path, c
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"".join(line + b"\n" for line in lines))
     data_path = path.parent if case == "no_data_files" else path
-    recipe = {
-        "model": {
-            "config_path": {"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1},
-            "tokenizer_path": str(repo_root / "recipes" / "demo" / "tokenizer"),
-        },
-        "data": {
-            "datasets": [{"path": str(data_path), "type": "completion"}],
-            "on_bad_row": on_bad_row,
-            "dataset_num_proc": 1,
-            "dataset_prepared_path": str(tmp_path / "prepared"),
-        },
-        "train": {"output_dir": str(tmp_path / "out")},
-    }
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    result = _run_cli(repo_root, str(tmp_path / "recipe.yaml"))
+    datasets = [{"path": str(data_path), "type": "completion"}]
+    recipe = _write_recipe(
+        tmp_path, repo_root / "recipes" / "demo" / "tokenizer", datasets, on_bad_row=on_bad_row
+    )
+    result = _run_cli(repo_root, str(recipe))
     assert result.returncode == code, result.stderr
     assert "Traceback" not in result.stderr
     for message in messages:

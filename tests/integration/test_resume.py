@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +38,10 @@ COMMON = (
     "--train.gradient_accumulation_steps",
     "2",
 )
+
+# Until stopped: a step logged every step, no checkpoint but the one stopping makes.
+UNTIL_STOPPED = ("--train.log_steps", "1", "--train.max_steps", "100000", "--train.save_steps", "0",
+                 "--train.save_epochs", "0", "--train.log_format", "structured")  # fmt: skip
 
 
 def _wait_for(predicate, proc, timeout=300):
@@ -80,37 +85,32 @@ def test_sigkill_then_resume_gives_the_same_losses(tmp_path):
         assert after[step] == pytest.approx(ref_losses[step], abs=1e-6), step
 
 
+def _sigterm_once_training(cmd: list[str], out: Path, timeout: int) -> tuple[str, str]:
+    """Run `cmd` (a run that would go on for 100000 steps, checkpointing only when stopped) and send it
+    SIGTERM once 3 steps are logged: it exits 0 with a checkpoint of its last step. Returns its
+    output and the checkpoint's name."""
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert _wait_for(lambda: len(step_losses(progress(out))) >= 3, proc), "training did not start"
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, output[-3000:]
+    assert "stopping: received SIGTERM" in output
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert int(latest[5:]) == max(step_losses(progress(out)))
+    return output, latest
+
+
 def test_sigterm_checkpoints_and_exits_zero(tmp_path):
     out = tmp_path / "out"
     cmd = [
         sys.executable,
         str(REPO / "finetune" / "train.py"),
         str(DEMO),
-        *demo_overrides(
-            tmp_path,
-            "--train.log_steps",
-            "1",
-            "--train.max_steps",
-            "100000",
-            "--train.save_steps",
-            "0",
-            "--train.save_epochs",
-            "0",
-            "--train.log_format",
-            "structured",
-        ),
+        *demo_overrides(tmp_path, *UNTIL_STOPPED),
     ]
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    assert _wait_for(lambda: len(step_losses(progress(out))) >= 3, proc), "training did not start"
-    proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, output[-3000:]
-    assert "stopping: received SIGTERM" in output
-    latest = (out / "checkpoints" / "latest").read_text().strip()
-    step = int(latest[5:])
-    assert step == max(step_losses(progress(out)))
+    _, latest = _sigterm_once_training(cmd, out, timeout=120)
     assert (out / "checkpoints" / latest / "train_state.json").is_file()
 
 
@@ -190,20 +190,16 @@ def test_resume_with_a_changed_learning_rate_is_refused(tmp_path):
 def test_finetune_train_forwards_sigterm_and_waits_for_the_checkpoint(tmp_path):
     """SIGTERM to `finetune train` alone (as `docker stop` sends it) reaches training, which checkpoints;
     finetune train exits 0 once it has."""
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "finetune.cli", "train", str(DEMO)]
-    cmd += demo_overrides(tmp_path, "--train.log_steps", "1", "--train.max_steps", "100000", "--train.save_steps",
-                          "0", "--train.save_epochs", "0", "--train.log_format", "structured")  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    assert _wait_for(lambda: len(step_losses(progress(out))) >= 3, proc), "training did not start"
-    proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=180)
-    assert proc.returncode == 0, output[-3000:]
-    assert "asking training to checkpoint and stop" in output and "stopping: received SIGTERM" in output
-    latest = (out / "checkpoints" / "latest").read_text().strip()
-    assert int(latest[5:]) == max(step_losses(progress(out)))
+    cmd = [
+        sys.executable,
+        "-m",
+        "finetune.cli",
+        "train",
+        str(DEMO),
+        *demo_overrides(tmp_path, *UNTIL_STOPPED),
+    ]
+    output, _ = _sigterm_once_training(cmd, tmp_path / "out", timeout=180)
+    assert "asking training to checkpoint and stop" in output
 
 
 def test_finetune_train_reports_a_training_error_with_exit_2_and_no_traceback(tmp_path):

@@ -55,6 +55,13 @@ def train(tmp_path: Path, prepared: Path, *extra: str) -> subprocess.CompletedPr
     return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
 
 
+def train_ok(tmp_path: Path, prepared: Path, overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """`train` with `overrides` (one string, see _split) that must exit 0: its result and output folder."""
+    result = train(tmp_path, prepared, *_split(overrides))
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result, tmp_path / "out"
+
+
 def steps(records: list[dict]) -> dict[int, dict]:
     """The step records (not events) by step."""
     return {r["step"]: r for r in records if r.get("event") is None}
@@ -84,9 +91,7 @@ def test_skip_profile_sgd_linear_schedule_unpacked_data_and_eval(tmp_path, prepa
         "--train.lr_decay_style linear --data.sample_packing false --data.eval_sample_packing false "
         "--train.eval_steps 2"
     )
-    result = train(tmp_path, prepared, *overrides.split())
-    assert result.returncode == 0, result.stderr[-4000:]
-    out = tmp_path / "out"
+    _, out = train_ok(tmp_path, prepared, overrides)
     records = progress(out)
     by_step = steps(records)
     assert sorted(by_step) == list(range(1, total + 1))
@@ -216,20 +221,16 @@ def test_epochs_fractional_saves_limit_special_tokens_checkpointing_adamw_8bit(t
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     optimizer = "adamw_8bit" if HAS_BNB else "adamw"  # the other checks run without bitsandbytes too
-    result = train(
+    _, out = train_ok(
         tmp_path,
         prepared,
-        *_split(
-            "--data.datasets.0.shards 10 --data.datasets.0.shards_idx 0 --train.max_steps null "
-            "--train.num_train_epochs 1.5 --train.save_epochs 0.5 --train.save_total_limit 2 "
-            "--model.special_tokens.pad_token <|pad|> "
-            "--model.special_tokens.additional_special_tokens ['<|tool|>'] "
-            f"--train.gradient_checkpointing true --train.optimizer {optimizer} "
-            "--train.lr_decay_style cosine --train.lr_min 1e-4"
-        ),
+        "--data.datasets.0.shards 10 --data.datasets.0.shards_idx 0 --train.max_steps null "
+        "--train.num_train_epochs 1.5 --train.save_epochs 0.5 --train.save_total_limit 2 "
+        "--model.special_tokens.pad_token <|pad|> "
+        "--model.special_tokens.additional_special_tokens ['<|tool|>'] "
+        f"--train.gradient_checkpointing true --train.optimizer {optimizer} "
+        "--train.lr_decay_style cosine --train.lr_min 1e-4",
     )
-    assert result.returncode == 0, result.stderr[-4000:]
-    out = tmp_path / "out"
     by_step = steps(progress(out))
     # Steps per epoch from the logged epoch position; num_train_epochs 1.5 without max_steps.
     steps_per_epoch = round(1 / by_step[1]["epoch"])
@@ -270,13 +271,8 @@ def test_epochs_fractional_saves_limit_special_tokens_checkpointing_adamw_8bit(t
 @slow
 def test_exit_duration_checkpoints_and_exits_zero_with_tensorboard_events(tmp_path, prepared):
     trackers = "[tensorboard]" if HAS_TENSORBOARD else "[]"  # the exit checks run without tensorboard too
-    result = train(
-        tmp_path,
-        prepared,
-        *_split(f"--train.max_steps 50 --train.exit_duration_in_mins 0.0001 --train.report_to {trackers}"),
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    out = tmp_path / "out"
+    overrides = f"--train.max_steps 50 --train.exit_duration_in_mins 0.0001 --train.report_to {trackers}"
+    result, out = train_ok(tmp_path, prepared, overrides)
     assert "stopping: train.exit_duration_in_mins (0.0001) reached; checkpoint at" in result.stdout
     assert "--train.load_checkpoint_path auto" in result.stdout
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-1"
@@ -300,33 +296,7 @@ def test_exit_duration_checkpoints_and_exits_zero_with_tensorboard_events(tmp_pa
 # --------------------------------------------------------------------------------- in process
 
 
-@pytest.fixture
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-@pytest.mark.parametrize("backend", ["flex_attention", "flash_attention_2"])
-def test_gpu_attention_backends_fail_before_data_preparation(
-    tmp_path, capsys, backend, fresh_accelerate_state
-):
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
-    from finetune.train import main
-
-    code = main([str(DEMO), *demo_overrides(tmp_path), "--model.attn_implementation", backend])
-    assert code == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"error: model.attn_implementation: {backend}") and "sdpa" in err
-    assert not (tmp_path / "prepared").exists() and not (tmp_path / "out").exists()
-
-
-def test_missing_tracker_is_an_error_with_the_fix(tmp_path, monkeypatch, fresh_accelerate_state):
+def test_missing_tracker_is_an_error_with_the_fix(tmp_path, monkeypatch, fresh_accelerator_state):
     import accelerate.utils
 
     from finetune.engine import make_accelerator

@@ -26,6 +26,12 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
+def _deepspeed(path: Path, section: str, *, num_processes: int | None = None) -> Path:
+    """A DeepSpeed accelerate config whose deepspeed_config holds `section` (indented lines)."""
+    processes = "" if num_processes is None else f"num_processes: {num_processes}\n"
+    return _write(path, f"distributed_type: DEEPSPEED\n{processes}deepspeed_config:\n{section}")
+
+
 def test_engine_defaults_and_plain_configs(tmp_path):
     assert read_accelerate_config(None) == DistributedSetup()
     assert read_accelerate_config(None, num_processes=4).kind == "ddp"
@@ -70,13 +76,8 @@ def test_engine_fsdp(tmp_path):
 
 
 def test_engine_deepspeed_inline_and_json(tmp_path):
-    inline = read_accelerate_config(
-        _write(
-            tmp_path / "z2.yaml",
-            "distributed_type: DEEPSPEED\nnum_processes: 8\ndeepspeed_config:\n"
-            "  zero_stage: 2\n  offload_optimizer_device: cpu\n  offload_param_device: none\n",
-        )
-    )
+    section = "  zero_stage: 2\n  offload_optimizer_device: cpu\n  offload_param_device: none\n"
+    inline = read_accelerate_config(_deepspeed(tmp_path / "z2.yaml", section, num_processes=8))
     assert (inline.zero_stage, inline.offload_optimizer, inline.offload_params) == (2, "cpu", "none")
     assert inline.name == "zero2_offload"
     (tmp_path / "ds").mkdir()
@@ -84,26 +85,15 @@ def test_engine_deepspeed_inline_and_json(tmp_path):
     _write(
         tmp_path / "ds" / "zero3.json", json.dumps({"bf16": {"enabled": "auto"}, "zero_optimization": zero})
     )
-    from_file = read_accelerate_config(
-        _write(
-            tmp_path / "z3.yaml",
-            "distributed_type: DEEPSPEED\nnum_processes: 8\ndeepspeed_config:\n"
-            "  deepspeed_config_file: ds/zero3.json\n  zero3_init_flag: true\n",
-        )
-    )
+    section = "  deepspeed_config_file: ds/zero3.json\n  zero3_init_flag: true\n"
+    from_file = read_accelerate_config(_deepspeed(tmp_path / "z3.yaml", section, num_processes=8))
     assert (from_file.zero_stage, from_file.offload_optimizer, from_file.offload_params) == (3, "cpu", "nvme")
     parts = {p.name: p for p in shard_states(States(P, 2 * P, 2 * P, 12 * P), from_file)}
     assert parts["weights"].nvme_bytes == 2 * P / 8 and parts["weights"].host_bytes == 0
-    _write(
-        tmp_path / "bad.yaml",
-        "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: nope.json\n",
-    )
+    _deepspeed(tmp_path / "bad.yaml", "  deepspeed_config_file: nope.json\n")
     with pytest.raises(FinetuneError, match=r"nope\.json.*not found"):
         read_accelerate_config(tmp_path / "bad.yaml")
-    _write(
-        tmp_path / "p.yaml",
-        "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n  offload_param_device: cpu\n",
-    )
+    _deepspeed(tmp_path / "p.yaml", "  zero_stage: 2\n  offload_param_device: cpu\n")
     with pytest.raises(FinetuneError, match="stage 3"):
         read_accelerate_config(tmp_path / "p.yaml")
 

@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file
 
 from finetune.checkpoint import (
@@ -26,10 +25,8 @@ from finetune.errors import FinetuneError
 
 
 @pytest.fixture
-def trained():
+def trained(fresh_accelerator_state):
     """A prepared model + optimizer with optimizer state, on a fresh CPU accelerator."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
     acc = Accelerator(cpu=True, mixed_precision="no")
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
@@ -37,9 +34,7 @@ def trained():
     model, optimizer = acc.prepare(model, optimizer)
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
-    yield acc, model, optimizer
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    return acc, model, optimizer
 
 
 def _save(acc, out, step, limit=None):

@@ -33,6 +33,7 @@ from finetune.gguf import (
     resolve_package_path,
 )
 from finetune.recipe import LoraSection, ModelSection
+from tests.tiny import tiny_model
 from tests.unit.conftest import SMOLLM2_REF, SmolLM2
 
 
@@ -230,13 +231,11 @@ def test_why_a_plain_gguf_load_refuses_to_save(tmp_path: Path) -> None:
     """What transformers 5.23 leaves on a model loaded with only gguf_file=: the GGUF quantizer, whose
     is_serializable() is False, so save_pretrained refuses; remove_quantization_config (what
     GgufConfig(dequantize=True) makes the loader call) clears that state."""
-    from transformers import GgufConfig, LlamaConfig
+    from transformers import GgufConfig
     from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
 
-    net = AutoModelForCausalLM.from_config(
-        LlamaConfig(
-            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
-        )
+    net = tiny_model(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
     )
     quantizer = GgufHfQuantizer(GgufConfig(gguf_file="m.gguf"))
     net.hf_quantizer, net.config.quantization_config = quantizer, quantizer.quantization_config

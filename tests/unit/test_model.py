@@ -14,9 +14,8 @@ from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 from peft.utils import ModulesToSaveWrapper
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import finetune.model
 from finetune.errors import FinetuneError
 from finetune.model import (
     apply_lora,
@@ -29,6 +28,7 @@ from finetune.model import (
     weight_dtype,
 )
 from finetune.recipe import LoraSection, ModelSection
+from tests.tiny import tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_TOKENIZER = str(REPO / "recipes" / "demo" / "tokenizer")
@@ -60,10 +60,7 @@ def _build(model: ModelSection | None = None, lora: LoraSection | None = None, *
 def base_dir(tmp_path_factory) -> Path:
     """A tiny random Llama saved with save_pretrained: a 'pretrained' model on disk."""
     folder = tmp_path_factory.mktemp("base")
-    cfg = dict(TINY)
-    config = LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tiny_model(**{k: v for k, v in TINY.items() if k != "model_type"}).save_pretrained(folder)
     AutoTokenizer.from_pretrained(DEMO_TOKENIZER).save_pretrained(folder)
     return folder
 
@@ -219,13 +216,7 @@ def test_qlora_needs_a_pretrained_model_path():
         _build(lora=LoraSection(enable_qlora=True, enable_lora=True))
 
 
-def test_qlora_without_bitsandbytes_says_how_to_install(monkeypatch, base_dir):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        finetune.model.importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "bitsandbytes" else real(name, *a),
-    )
+def test_qlora_without_bitsandbytes_says_how_to_install(without_bitsandbytes, base_dir):
     with pytest.raises(FinetuneError, match=r"bitsandbytes.*\[qlora\]"):
         _build(ModelSection(model_path=str(base_dir)), LoraSection(enable_qlora=True, enable_lora=True))
 

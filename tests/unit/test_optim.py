@@ -8,28 +8,16 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-import finetune.optim
 from finetune.errors import FinetuneError
 from finetune.optim import build_optimizer, build_scheduler, param_groups
+from tests.tiny import tiny_model
 
 ADAM = {"betas": (0.9, 0.999), "eps": 1e-8}
 
 
 def _model(bias: bool = True) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_bias=bias,
-        mlp_bias=bias,
-    )
-    return AutoModelForCausalLM.from_config(config)
+    return tiny_model(vocab_size=128, attention_bias=bias, mlp_bias=bias)
 
 
 def _group_names(model, groups) -> list[set[str]]:
@@ -117,13 +105,7 @@ def test_adamw_8bit_runs_on_cpu_with_8bit_state():
     assert state["state1"].dtype == torch.uint8 and state["state2"].dtype == torch.uint8
 
 
-def test_adamw_8bit_without_bitsandbytes_says_how_to_install(monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        finetune.optim.importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "bitsandbytes" else real(name, *a),
-    )
+def test_adamw_8bit_without_bitsandbytes_says_how_to_install(without_bitsandbytes):
     with pytest.raises(FinetuneError, match=r"adamw_8bit needs bitsandbytes.*\[qlora\]"):
         build_optimizer(_model(), name="adamw_8bit", lr=1e-3, weight_decay=0, no_decay_params=[], **ADAM)
 

@@ -24,7 +24,7 @@ def loss_and_grads(model, batch: dict, num_items: int) -> tuple[torch.Tensor, di
 
 def reference(model, seqs: list[dict]) -> tuple[torch.Tensor, dict]:
     """Each sequence alone, token losses summed and divided by the total trainable count."""
-    total = sum(sum(1 for t in s["labels"][1:] if t != -100) for s in seqs)
+    total = _trainable(seqs)
     loss_sum, grads = torch.zeros(()), None
     for s in seqs:
         n = len(s["input_ids"])
@@ -40,6 +40,15 @@ def _trainable(seqs) -> int:
     return sum(sum(1 for t in s["labels"][1:] if t != -100) for s in seqs)
 
 
+def assert_same_as_one_by_one(model, seqs: list[dict], batch: dict) -> None:
+    """The batch of `seqs` gives the loss and gradients of the sequences run one by one (fp32)."""
+    ref_loss, ref_grads = reference(model, seqs)
+    loss, grads = loss_and_grads(model, batch, _trainable(seqs))
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def pack(seqs: list[dict], pad_to: int) -> dict:
     ids, labels, pos = [], [], []
     for s in seqs:
@@ -51,16 +60,11 @@ def pack(seqs: list[dict], pad_to: int) -> dict:
 
 @pytest.mark.parametrize("attn", ATTN)
 def test_packed_row_equals_sequences_one_by_one(attn):
-    model = tiny_model(attn)
     seqs = sequences()
-    ref_loss, ref_grads = reference(model, seqs)
     batch = collate_rows([pack(seqs, 8)], pad_token_id=0, pad_to_multiple_of=16, packed=True)
     assert "attention_mask" not in batch
     assert batch["input_ids"].shape[1] % 16 == 0  # padding present: it forms its own segment
-    loss, grads = loss_and_grads(model, batch, _trainable(seqs))
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for name in ref_grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_as_one_by_one(tiny_model(attn), seqs, batch)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -79,28 +83,18 @@ def test_packing_without_position_ids_would_leak(attn):
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_two_packed_rows_in_one_batch(attn):
-    model = tiny_model(attn)
     seqs = sequences()
-    ref_loss, ref_grads = reference(model, seqs)
     rows = [pack(seqs[:2], 8), pack(seqs[2:], 8)]
     batch = collate_rows(rows, pad_token_id=0, pad_to_multiple_of=8, packed=True)
-    loss, grads = loss_and_grads(model, batch, _trainable(seqs))
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for name in ref_grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_as_one_by_one(tiny_model(attn), seqs, batch)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_padded_unpacked_batch_equals_sequences(attn):
-    model = tiny_model(attn)
     seqs = sequences()
-    ref_loss, ref_grads = reference(model, seqs)
     batch = collate_rows(seqs, pad_token_id=0, pad_to_multiple_of=8, packed=False)
     assert batch["attention_mask"].sum() == sum(len(s["input_ids"]) for s in seqs)
-    loss, grads = loss_and_grads(model, batch, _trainable(seqs))
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for name in ref_grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_as_one_by_one(tiny_model(attn), seqs, batch)
 
 
 def test_flex_attention_packed_forward_matches_on_cpu():

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from finetune.accelerate_config import DistributedSetup
 from finetune.cli import main
@@ -33,6 +32,7 @@ from finetune.plan import (
     suggest,
 )
 from finetune.recipe import LoraSection, Recipe, validate_recipe
+from tests.tiny import tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 P, N = 7_500_000_000, 64  # the ZeRO paper's Figure 1: 7.5B parameters on 64 GPUs
@@ -66,17 +66,12 @@ def _bare_inventory(total: int) -> ModelInventory:
 
 
 def _tiny_llama(**overrides) -> torch.nn.Module:
-    torch.manual_seed(0)
     fields = {
         "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 3,
         "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 2048,
         "tie_word_embeddings": False,
     }  # fmt: skip
-    attn = overrides.pop("attn", "sdpa")
-    dtype = overrides.pop("dtype", torch.float32)
-    return AutoModelForCausalLM.from_config(
-        LlamaConfig(**{**fields, **overrides}), attn_implementation=attn, dtype=dtype
-    )
+    return tiny_model(**{**fields, **overrides})
 
 
 def _total(parts) -> float:

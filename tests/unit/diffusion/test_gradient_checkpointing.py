@@ -44,10 +44,9 @@ def _loss_and_grads(path: Path, *, checkpointing: bool) -> tuple[float, dict[str
 
 @pytest.mark.parametrize("family", ["sd", "sdxl"])
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(
-    family: str, tiny_sd: Path, tiny_sdxl: Path, monkeypatch: pytest.MonkeyPatch
+    family: str, pipeline: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = tiny_sd if family == "sd" else tiny_sdxl
-    plain_loss, plain_grads = _loss_and_grads(path, checkpointing=False)
+    plain_loss, plain_grads = _loss_and_grads(pipeline, checkpointing=False)
 
     calls = []
     real = torch.utils.checkpoint.checkpoint
@@ -57,7 +56,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counting)
-    loss, grads = _loss_and_grads(path, checkpointing=True)
+    loss, grads = _loss_and_grads(pipeline, checkpointing=True)
     # Non-reentrant checkpoints: the LoRA weights get gradients although the blocks' inputs need none.
     assert calls and set(calls) == {False}
     assert loss == pytest.approx(plain_loss, abs=1e-6)

@@ -1,4 +1,5 @@
-"""prepare_images: cached latents and text embeddings, manifest, fingerprint, cache reuse, pairing."""
+"""prepare_images: cached latents and text embeddings (SD, SDXL, SD3, Flux), manifest, fingerprint,
+cache reuse, pairing, resolutions a pipeline cannot take."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from finetune.diffusion.model import (
     load_vae,
     pipeline_info,
 )
+from finetune.errors import RecipeError
 from finetune.recipe import Recipe
 from tests.diffusion_data import (
     COLORS,
@@ -174,3 +176,111 @@ def test_resolution_must_fit_the_pipeline(tmp_path: Path, tiny_sd: Path) -> None
         prepare_images(
             validated_recipe(tmp_path, tiny_sd, tmp_path / "imgs", resolution=33), log=lambda _: None
         )
+
+
+# --------------------------------------------------------------------------------- SD3 and Flux
+
+
+@pytest.mark.parametrize(
+    ("family", "pipeline_class", "count", "latents", "prompt_shape"),
+    [
+        ("sd3", "StableDiffusion3Pipeline", 5, (1.5305, 0.0609), [16 + 20, 32]),  # CLIP + T5 tokens, T5 width
+        ("flux", "FluxPipeline", 4, (0.3611, 0.1159), [20, 32]),  # T5 tokens x T5 width
+    ],
+    ids=["sd3", "flux"],
+)
+def test_cached_embeddings_are_the_pipelines_and_pair_with_their_images(
+    tmp_path: Path,
+    family: str,
+    pipeline_class: str,
+    count: int,
+    latents: tuple,
+    prompt_shape: list[int],
+    pipeline: Path,
+) -> None:
+    import diffusers
+
+    folder = tmp_path / "imgs"
+    write_color_folder(folder, captions="jsonl", count=count)
+    recipe = validated_recipe(tmp_path, pipeline, folder, max_sequence_length=20, aspect_ratio_buckets=False)
+    prepared = prepare_images(recipe, log=lambda _: None)
+    manifest = prepared.manifest
+    assert (manifest["latents"]["scaling_factor"], manifest["latents"]["shift_factor"]) == latents
+    if family == "flux":
+        assert manifest["fingerprint_inputs"]["text"] == {"max_sequence_length": 20}
+        assert [p["subfolder"] for p in manifest["fingerprint_inputs"]["text_encoders"]] == [
+            "text_encoder",
+            "text_encoder_2",
+            "tokenizer",
+            "tokenizer_2",
+        ]
+    pipe = getattr(diffusers, pipeline_class).from_pretrained(pipeline)
+    vae = load_vae(pipeline_info(str(pipeline)))
+    assert len(prepared.train) == count
+    for row in prepared.train.with_format("numpy"):
+        assert list(row["prompt_shape"]) == prompt_shape
+        with torch.no_grad():
+            if family == "sd3":
+                embeds, _, pooled, _ = pipe.encode_prompt(
+                    row["caption"], None, None, do_classifier_free_guidance=False, max_sequence_length=20
+                )
+            else:
+                embeds, pooled, _ = pipe.encode_prompt(row["caption"], None, max_sequence_length=20)
+        np.testing.assert_allclose(row["prompt_embeds"].reshape(prompt_shape), embeds[0].numpy(), atol=1e-5)
+        np.testing.assert_allclose(row["pooled_prompt_embeds"], pooled[0].numpy(), atol=1e-5)
+        # The latents are the raw VAE mean of this caption's solid-colour image (not shifted, not scaled).
+        shape = tuple(int(x) for x in row["latent_shape"])
+        rgb = torch.tensor(COLORS[color_of(str(row["caption"]))], dtype=torch.float32) / 127.5 - 1
+        with torch.no_grad():
+            mean = vae.encode(rgb.view(1, 3, 1, 1).expand(1, 3, 32, 32)).latent_dist.mean[0]
+        assert shape == tuple(mean.shape) == (16, 16, 16)
+        np.testing.assert_allclose(row["latent_mean"].reshape(shape), mean.numpy(), atol=2e-4)
+
+
+def test_max_sequence_length_is_in_the_sd3_fingerprint_only(
+    tmp_path: Path, tiny_sd3: Path, tiny_sd: Path
+) -> None:
+    folder = tmp_path / "imgs"
+    write_color_folder(folder, count=2)
+
+    def fingerprint(pipeline: Path, **diffusion) -> tuple[str, dict]:
+        recipe = validated_recipe(tmp_path, pipeline, folder, **diffusion)
+        inputs = fingerprint_inputs(recipe, pipeline_info(str(pipeline)))
+        return compute_fingerprint(inputs), inputs
+
+    (short, inputs), (long, _) = fingerprint(tiny_sd3, max_sequence_length=12), fingerprint(tiny_sd3)
+    assert short != long and inputs["text"] == {"max_sequence_length": 12}
+    assert [p["subfolder"] for p in inputs["text_encoders"]][-1] == "tokenizer_3"
+    assert "text" not in fingerprint(tiny_sd)[1]
+
+
+def test_max_sequence_length_is_in_the_flux_fingerprint(tmp_path: Path, tiny_flux: Path) -> None:
+    folder = tmp_path / "imgs"
+    write_color_folder(folder, count=2)
+
+    def inputs(**diffusion) -> dict:
+        return fingerprint_inputs(
+            validated_recipe(tmp_path, tiny_flux, folder, **diffusion), pipeline_info(str(tiny_flux))
+        )
+
+    default, explicit, short = inputs(), inputs(max_sequence_length=512), inputs(max_sequence_length=64)
+    assert default["text"] == {"max_sequence_length": 512}  # null resolves to FluxPipeline's default
+    assert compute_fingerprint(default) == compute_fingerprint(explicit) != compute_fingerprint(short)
+
+
+@pytest.mark.parametrize(
+    ("family", "resolution", "message"),
+    [
+        ("sd3", 160, r"diffusion.resolution: 160 gives buckets with sides up to \d+ px, beyond the 128"),
+        ("flux", 30, r"diffusion.resolution: 30 is not a multiple of 4 .* use e.g. 32"),
+    ],
+    ids=["sd3-beyond-the-position-embeddings", "flux-sides-that-do-not-pack"],
+)
+def test_resolutions_the_transformer_cannot_take_are_refused(
+    tmp_path: Path, family: str, resolution: int, message: str, pipeline: Path
+) -> None:
+    folder = tmp_path / "imgs"
+    write_color_folder(folder, count=2)
+    recipe = validated_recipe(tmp_path, pipeline, folder, resolution=resolution)
+    with pytest.raises(RecipeError, match=message):
+        prepare_images(recipe, log=lambda _: None)

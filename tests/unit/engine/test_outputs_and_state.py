@@ -17,6 +17,7 @@ from finetune.engine.loop import start_progress_log
 from finetune.engine.outputs import log_step
 from finetune.engine.state import LoopState
 from finetune.errors import FinetuneError
+from tests.fakes import fake_run
 
 
 class _Log:
@@ -27,14 +28,6 @@ class _Log:
         self.records.append(record)
 
 
-def _run(objective) -> SimpleNamespace:
-    acc = SimpleNamespace(device=torch.device("cpu"), scaler=None, num_processes=1, print=print, trackers=[])
-    train = SimpleNamespace(mixed_precision="no", report_to=[])
-    return SimpleNamespace(
-        accelerator=acc, state=LoopState(), train=train, objective=objective, train_loader=[0] * 10
-    )
-
-
 def test_evaluation_and_checkpoint_time_is_left_out_of_throughput():
     seen = {}
 
@@ -43,7 +36,7 @@ def test_evaluation_and_checkpoint_time_is_left_out_of_throughput():
             seen.update(interval=dict(interval), elapsed=elapsed)
             return {"tokens_per_sec": interval["tokens"] / elapsed}
 
-    run, log = _run(Objective()), _Log()
+    run, log = fake_run(Objective(), train_loader=[0] * 10), _Log()
     interval = {"t0": time.perf_counter() - 10.0, "paused": 9.0, "tokens": 100}
     log_step(run, {"loss": 1.0, "lr": 0.1}, interval, log)
     assert seen["elapsed"] == pytest.approx(1.0, abs=0.05)  # 10 s of which 9 s evaluating or saving

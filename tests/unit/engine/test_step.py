@@ -4,35 +4,20 @@ token-normalised gradient accumulation, nonfinite-loss skipping, clipping."""
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 
 from finetune.data.collate import collate_rows
-from finetune.engine.state import LoopState
 from finetune.engine.step import train_step
 from finetune.objectives.sft import SFTObjective
 from finetune.recipe import validate_recipe
+from tests.fakes import fake_run
 from tests.tiny import sequences, tiny_model
 
 
-def _accelerator(ga: int) -> Accelerator:
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    return Accelerator(gradient_accumulation_steps=ga, mixed_precision="no", cpu=True)
-
-
 def _run(model, ga: int, max_grad_norm=None):
-    acc = _accelerator(ga)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    model, optimizer = acc.prepare(model, optimizer)
-    train = SimpleNamespace(gradient_accumulation_steps=ga, max_grad_norm=max_grad_norm, log_steps=1)
-    return SimpleNamespace(
-        accelerator=acc, model=model, optimizer=optimizer, train=train, objective=_sft(), state=LoopState()
-    )
+    return fake_run(_sft(), model, ga=ga, max_grad_norm=max_grad_norm)
 
 
 def _sft() -> SFTObjective:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoTokenizer
 
 from finetune.generation.sampling import (
     SeededSampler,
@@ -22,6 +22,7 @@ from finetune.generation.sampling import (
 from finetune.generation.sets import evaluate_generations
 from finetune.model import apply_lora, load_for_inference
 from finetune.recipe import LoraSection
+from tests.tiny import tiny_model
 from tests.unit.conftest import SmolLM2
 
 REPO = Path(__file__).resolve().parents[3]
@@ -41,20 +42,13 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def tiny(tokenizer):
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    return tiny_model(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=256,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
 
 
 def test_prompt_ids_render_the_chat_template_like_training(tokenizer) -> None:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from finetune.data.collate import collate_rows
 from finetune.errors import FinetuneError
@@ -26,7 +26,7 @@ from finetune.losses.chunked_ce import (
     resolve_loss_chunk_size,
 )
 from finetune.losses.preference import token_logps
-from tests.tiny import sequences
+from tests.tiny import sequences, tiny_model
 
 VOCAB = 97
 # fp32: only the order of the float sums differs from the unchunked loss.
@@ -34,12 +34,7 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def tiny_llama(*, tie: bool = False, **extra) -> nn.Module:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tie, **extra,
-    )  # fmt: skip
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return tiny_model(vocab_size=VOCAB, tie_word_embeddings=tie, **extra)
 
 
 def padded_batch() -> dict:
@@ -482,12 +477,10 @@ def test_no_tensor_of_tokens_x_vocab_is_made(path):
 
 def test_causal_lm_loss_never_makes_the_logits():
     """Through a whole model: no tensor made in forward or backward comes near [tokens x vocab]."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    model = tiny_model(
         vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=512,
+        max_position_embeddings=512,
     )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     ids = torch.randint(0, 4096, (1, 512))
     batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(512)[None]}
     saved, made = _largest_tensors(lambda: causal_lm_loss(model, batch, num_items=511, chunk_size=64))

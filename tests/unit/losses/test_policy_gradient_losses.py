@@ -13,20 +13,20 @@ import torch
 from finetune.losses import policy_gradient as pg
 from finetune.losses.causal_lm import forward
 from finetune.losses.preference import token_logps
+from tests.tiny import tiny_model
 
 VOCAB = 64
 LOSS_TYPES = ["grpo", "dr_grpo", "dapo", "bnpo"]
 
 
 def tiny_llama() -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
-    )  # fmt: skip
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return tiny_model(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+    )
 
 
 def rollout(seed: int = 0, batch: int = 4, prompt_len: int = 3, completion_len: int = 6) -> dict:

@@ -16,12 +16,12 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from finetune.data.collate import collate_rows
 from finetune.errors import FinetuneError
 from finetune.losses import preference as pref
 from finetune.losses.causal_lm import forward
+from tests.tiny import tiny_model
 
 VOCAB = 64
 # fp32 end to end: TRL's fused LM head computes log-probs in fp32 whatever the model dtype.
@@ -33,18 +33,11 @@ GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def tiny_llama(attn: str = "sdpa") -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.2,  # larger than the default so the logits are far from uniform
-    )
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    # initializer_range larger than the default so the logits are far from uniform
+    return tiny_model(
+        attn, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=256,
+        initializer_range=0.2,
+    )  # fmt: skip
 
 
 def policy_and_reference(attn: str = "sdpa") -> tuple[torch.nn.Module, torch.nn.Module]:

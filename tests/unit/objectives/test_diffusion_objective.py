@@ -4,17 +4,16 @@ the engine's step for a loss that is a mean per micro-batch (on a linear model).
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from finetune.diffusion.loader import BucketBatchSampler
-from finetune.engine.state import LoopState
 from finetune.engine.step import train_step
 from finetune.errors import FinetuneError
 from finetune.objectives.diffusion import DiffusionObjective, report_dropped
+from tests.fakes import fake_run
 
 BUCKETS = np.array([0] * 5 + [1] * 1)  # 5 square images, 1 wide one
 
@@ -73,25 +72,6 @@ class _SquaredError(DiffusionObjective):
         pass
 
 
-def _run(ga: int, model: torch.nn.Module) -> SimpleNamespace:
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    acc = Accelerator(gradient_accumulation_steps=ga, mixed_precision="no", cpu=True)
-    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
-    train = SimpleNamespace(gradient_accumulation_steps=ga, max_grad_norm=None, log_steps=1)
-    return SimpleNamespace(
-        accelerator=acc,
-        model=model,
-        optimizer=optimizer,
-        train=train,
-        objective=_SquaredError(),
-        state=LoopState(),
-    )
-
-
 def test_an_update_is_the_mean_over_its_window_also_when_the_window_is_short() -> None:
     """A full window of 2 micro-batches, the short last window of an epoch (2 of 4 micro-batches)
     and one batch of both give the same update: accelerate's division by the accumulation steps
@@ -102,7 +82,7 @@ def test_an_update_is_the_mean_over_its_window_also_when_the_window_is_short() -
     whole = {key: torch.cat([b[key] for b in window]) for key in ("x", "y")}
     weights = []
     for ga, batches in ((2, window), (4, window), (1, [whole])):
-        run = _run(ga, copy.deepcopy(base))
+        run = fake_run(_SquaredError(), copy.deepcopy(base), ga=ga)
         result = train_step(run, batches)
         assert result["applied"]
         weights.append((result["loss"], run.accelerator.unwrap_model(run.model).weight.detach().clone()))

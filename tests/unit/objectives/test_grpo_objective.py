@@ -16,19 +16,19 @@ from finetune.losses.causal_lm import forward
 from finetune.losses.preference import token_logps
 from finetune.objectives.grpo import GRPOObjective, RolloutBuffer, completion_seed, pack_completions
 from finetune.recipe.grpo import GrpoSection
+from tests.tiny import tiny_model
 
 VOCAB = 64
 
 
 def tiny_llama() -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
-    )  # fmt: skip
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return tiny_model(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+    )
 
 
 def sequences(n: int = 6, seed: int = 0) -> list[tuple[list[int], list[int], bool, float]]:

@@ -9,11 +9,11 @@ import pytest
 from pydantic import ValidationError
 
 from finetune.evaluation.command import EVAL_PATHS
-from finetune.objectives import IMPLEMENTATIONS
 from finetune.losses import policy_gradient as pg
+from finetune.objectives import IMPLEMENTATIONS
 from finetune.objectives.preference import LOSSES
-from finetune.recipe.grpo import GrpoSection
 from finetune.recipe import DataSection, Recipe, TrainSection, validate_recipe
+from finetune.recipe.grpo import GrpoSection
 from finetune.recipe.objectives import OBJECTIVES, objective_settings, readers
 
 SPECS = list(OBJECTIVES.values())

@@ -7,24 +7,21 @@ from __future__ import annotations
 
 import copy
 import random
-from types import SimpleNamespace
 
 import datasets
 import pytest
 import torch
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from finetune.data.collate import collate_preference, collate_rows
 from finetune.data.preference import pack_examples
-from finetune.engine.state import LoopState
 from finetune.engine.step import train_step
 from finetune.losses import preference as pref
 from finetune.losses.causal_lm import forward
 from finetune.objectives.preference import PreferenceObjective
 from finetune.objectives.reference import cache_path, load_or_compute, reference_key
 from finetune.recipe import validate_recipe
+from tests.fakes import cpu_accelerator, fake_run
+from tests.tiny import tiny_model
 
 VOCAB, PAD, IGNORE = 64, 0, -100
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -34,18 +31,10 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def tiny_llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+    return tiny_model(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=256,
         initializer_range=0.2,
-    )
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    )  # fmt: skip
 
 
 def with_lora(model: torch.nn.Module) -> torch.nn.Module:
@@ -55,12 +44,6 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
     torch.manual_seed(1)
     config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
     return get_peft_model(model, config)
-
-
-def accelerator(ga: int = 1) -> Accelerator:
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    return Accelerator(gradient_accumulation_steps=ga, mixed_precision="no", cpu=True)
 
 
 def objective(
@@ -76,7 +59,7 @@ def objective(
         }
     )
     obj = PreferenceObjective(recipe)
-    obj.accelerator = accelerator()
+    obj.accelerator = cpu_accelerator()
     return obj
 
 
@@ -293,13 +276,9 @@ def test_packed_and_unpacked_rows_give_the_same_loss_and_gradients(name):
 
 
 def _run(obj, model, ga: int):
-    acc = obj.accelerator = accelerator(ga)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    model, optimizer = acc.prepare(model, optimizer)
-    train = SimpleNamespace(gradient_accumulation_steps=ga, max_grad_norm=None, log_steps=1)
-    return SimpleNamespace(
-        accelerator=acc, model=model, optimizer=optimizer, train=train, objective=obj, state=LoopState()
-    )
+    run = fake_run(obj, model, ga=ga)
+    obj.accelerator = run.accelerator
+    return run
 
 
 @pytest.mark.parametrize("kind", ["dpo", "kto"])

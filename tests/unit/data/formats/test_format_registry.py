@@ -46,7 +46,9 @@ def test_every_llm_type_tokenizes_a_row_of_its_schema_defaults(name: str) -> Non
     # A format that read a field its schema class lacks would fail here (AttributeError).
     tokenizer = AutoTokenizer.from_pretrained(str(DEMO_TOKENIZER))
     ds = datasets.Dataset.from_list([ROWS[name]])
-    for extra in ({}, {"apply_chat_template": True}) if name in ("alpaca", "input_output", "kto", "prompt") else ({},):
+    for extra in (
+        ({}, {"apply_chat_template": True}) if name in ("alpaca", "input_output", "kto", "prompt") else ({},)
+    ):
         entry = dataset_entry(path="x.jsonl", type=name, **extra)
         result = tokenize_dataset(
             ds, entry, tokenizer, sequence_len=256, excess_length_strategy="drop", on_bad_row="raise"
