@@ -43,7 +43,6 @@ from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
 from finetune.generation.rewards import build_rewards, score_rewards
 from finetune.generation.sampling import decode_completion, generate_ids, stop_token_ids
-from finetune.generation.sets import generation_metrics, training_generation_rows
 from finetune.losses import policy_gradient as pg
 from finetune.losses.causal_lm import forward
 from finetune.losses.preference import token_logps
@@ -78,17 +77,10 @@ class GRPOObjective:
         source = reference_source(needed=self.settings.beta > 0, precompute=False, lora=self.lora.enable_lora)
         self.reference = Reference(source, objective=self.name, lora=self.lora.enable_lora)
         self.buffer = RolloutBuffer()
-        self.accelerator: Any = None
-        self.tokenizer: Any = None
         self.rewards: list = []
         self.stops: list[int] = []
-        self.manifest: dict = {}
-        self.flops: dict[str, Any] = {}
         self.eval_rows: list[dict] = []
-        self.generation_rows: dict[str, list[dict]] = {}
         self.samples: list[dict] = []  # the last rollout's logged completions
-        self.can_evaluate = False
-        self.eval_every: int | None = None
 
     # ----------------------------------------------------------------------------------- build
 
@@ -130,11 +122,7 @@ class GRPOObjective:
         lm.check_batches(accelerator, train_loader, len(prepared.train), self.prompts_per_step)
         if prepared.eval is not None and len(prepared.eval) > 0:
             self.eval_rows = list(prepared.eval)
-        self.generation_rows = training_generation_rows(self.eval_settings, accelerator)
-        if self.lora.enable_lora:
-            lm.checkpoint_trainable_only(accelerator)
-        self.can_evaluate = bool(self.eval_rows) or bool(self.generation_rows)
-        self.eval_every = self.train.eval_steps if self.can_evaluate else None
+        lm.finish_build(self, accelerator, held_out=bool(self.eval_rows))
         return Parts(model=model, train_loader=train_loader, manifest=self.manifest)
 
     def on_prepared(self, accelerator, model) -> dict[str, Any] | None:
@@ -340,20 +328,17 @@ class GRPOObjective:
     def evaluate(self, model, step: int) -> dict[str, Any]:
         """The rewards of greedy completions of the held-out prompts (main process), and the
         generation sets' scores."""
+        return lm.evaluate_lm(self, model, step, self._eval_rewards if self.eval_rows else None)
+
+    def _eval_rewards(self, model, step: int) -> dict[str, Any]:
         acc, metrics = self.accelerator, {}
-        if self.eval_rows and acc.is_main_process:
+        if acc.is_main_process:
             metrics = eval_rewards(
                 acc.unwrap_model(model), self.tokenizer, self.eval_rows, self.rewards,
                 max_new_tokens=self.settings.max_new_tokens, batch_size=self.eval_settings.batch_size,
             )  # fmt: skip
             trackers.log_scalars(acc, metrics, step)
         acc.wait_for_everyone()
-        if self.generation_rows:
-            metrics.update(
-                generation_metrics(
-                    acc, model, self.tokenizer, self.eval_settings, self.generation_rows, step=step
-                )
-            )
         return metrics
 
     # ------------------------------------------------------------------------------------ save

@@ -1,4 +1,8 @@
-"""The causal-LM toolkit every LM objective shares (SFT, preference, and the next ones).
+"""The causal-LM toolkit every LM objective shares (SFT, preference, GRPO, and the next ones).
+
+* `start` / `finish_build` / `evaluate_lm`: the attributes an LM objective starts with, the end of
+  its build (generation sets, trainable-only checkpoints, the evaluation cadence), and its
+  evaluation (its held-out metrics plus the generation sets);
 
 * `build_lm`: the model to train (pretrained or random-init, LoRA / QLoRA, fp32 trainable weights
   under fp16) and its parameter counts for FLOPs;
@@ -21,6 +25,47 @@ import torch
 from finetune.data.loader import make_dataloader
 from finetune.errors import FinetuneError
 from finetune.metrics import device_peak_flops, forward_flops_per_token, model_flops_per_token
+
+
+def start(objective, recipe) -> None:
+    """Give an LM objective the recipe's parts and the attributes the engine reads, empty until
+    `build`; refuse an attention backend that cannot run here before anything is prepared."""
+    from finetune.model import check_attention_backend
+
+    check_attention_backend(recipe.model.attn_implementation)
+    # The objective is built by the entry point from the whole recipe and keeps only its parts.
+    objective.recipe = recipe
+    objective.model_settings, objective.lora, objective.data = recipe.model, recipe.lora, recipe.data
+    objective.train, objective.eval_settings = recipe.train, recipe.eval
+    objective.accelerator = objective.tokenizer = objective.eval_loader = None
+    objective.manifest, objective.flops, objective.generation_rows = {}, {}, {}
+    objective.can_evaluate, objective.eval_every = False, None
+
+
+def finish_build(objective, accelerator, *, held_out: bool) -> None:
+    """The end of an LM objective's build: the generation sets scored during training, LoRA
+    checkpoints of the trained tensors only, and whether (and how often) it evaluates."""
+    from finetune.generation.sets import training_generation_rows
+
+    objective.generation_rows = training_generation_rows(objective.eval_settings, accelerator)
+    if objective.lora.enable_lora:  # checkpoints hold the adapters, not the frozen base
+        checkpoint_trainable_only(accelerator)
+    objective.can_evaluate = held_out or bool(objective.generation_rows)
+    objective.eval_every = objective.train.eval_steps if objective.can_evaluate else None
+
+
+def evaluate_lm(objective, model, step: int, held_out=None) -> dict[str, Any]:
+    """`held_out(model, step)`'s metrics (the objective's held-out split, when it has one) and the
+    eval.generation_sets' scores and samples."""
+    from finetune.generation.sets import generation_metrics
+
+    metrics: dict[str, Any] = held_out(model, step) if held_out is not None else {}
+    if objective.generation_rows:
+        rows, settings = objective.generation_rows, objective.eval_settings
+        metrics.update(
+            generation_metrics(objective.accelerator, model, objective.tokenizer, settings, rows, step=step)
+        )
+    return metrics
 
 
 def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, dict[str, Any]]:

@@ -37,7 +37,6 @@ import finetune.objectives.lm as lm
 from finetune import trackers
 from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
-from finetune.generation.sets import generation_metrics, training_generation_rows
 from finetune.losses import preference as losses
 from finetune.losses.causal_lm import forward
 from finetune.objectives.reference import Reference, reference_source
@@ -68,20 +67,8 @@ class PreferenceObjective:
     """DPO, IPO, SimPO, ORPO or KTO of a transformers causal LM (full, LoRA, QLoRA) on prepared pairs."""
 
     def __init__(self, recipe):
-        from finetune.model import check_attention_backend
-
-        # Before anything is written or prepared: an attention backend that cannot run here fails now.
-        check_attention_backend(recipe.model.attn_implementation)
-        # The objective is built by the entry point from the whole recipe and keeps only its parts.
-        self.recipe = recipe
-        self.model_settings, self.lora, self.data, self.train = (
-            recipe.model,
-            recipe.lora,
-            recipe.data,
-            recipe.train,
-        )
-        self.settings, self.eval_settings = recipe.preference, recipe.eval
-        self.generation_rows: dict[str, list[dict]] = {}
+        lm.start(self, recipe)
+        self.settings = recipe.preference
         self.spec = OBJECTIVES[recipe.train.objective]
         self.name = self.spec.name
         if self.name not in LOSSES:
@@ -89,14 +76,7 @@ class PreferenceObjective:
         self.paired = self.spec.kind == "paired"
         self.unit = self.spec.unit
         self.summary_keys = (self.unit,)
-        self.accelerator: Any = None
-        self.tokenizer: Any = None
         self.prepared: Any = None
-        self.manifest: dict = {}
-        self.flops: dict[str, Any] = {}
-        self.eval_loader: Any = None
-        self.eval_every: int | None = None
-        self.can_evaluate = False
         source = reference_source(
             needed=self.spec.reference,
             precompute=self.settings.precompute_ref_log_probs,
@@ -125,11 +105,7 @@ class PreferenceObjective:
         lm.check_batches(accelerator, train_loader, len(train_rows), self.train.micro_batch_size)
         if self.prepared.eval is not None and len(self.prepared.eval) > 0:
             self.eval_loader = self._loader(_with_row_index(self.prepared.eval), training=False)
-        self.generation_rows = training_generation_rows(self.eval_settings, accelerator)
-        if self.lora.enable_lora:  # checkpoints hold the adapters, not the frozen base (as SFT's)
-            lm.checkpoint_trainable_only(accelerator)
-        self.can_evaluate = self.eval_loader is not None or bool(self.generation_rows)
-        self.eval_every = self.train.eval_steps if self.can_evaluate else None
+        lm.finish_build(self, accelerator, held_out=self.eval_loader is not None)
         return Parts(model=model, train_loader=train_loader, manifest=self.manifest)
 
     def _check_prepared_kind(self) -> None:
@@ -283,19 +259,7 @@ class PreferenceObjective:
     def evaluate(self, model, step: int) -> dict[str, Any]:
         """The loss and the training metrics over the held-out pairs (examples), prefixed eval_, and the
         eval.generation_sets' scores (as for SFT)."""
-        metrics = self._eval_pairs(model, step) if self.eval_loader is not None else {}
-        if self.generation_rows:
-            metrics.update(
-                generation_metrics(
-                    self.accelerator,
-                    model,
-                    self.tokenizer,
-                    self.eval_settings,
-                    self.generation_rows,
-                    step=step,
-                )
-            )
-        return metrics
+        return lm.evaluate_lm(self, model, step, self._eval_pairs if self.eval_loader is not None else None)
 
     def _eval_pairs(self, model, step: int) -> dict[str, Any]:
         acc = self.accelerator
@@ -399,39 +363,41 @@ class SequenceScores:
     desirable: torch.Tensor | None = None
     z0: torch.Tensor | None = None
 
+    @property
+    def pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) log-prob sums of the pairs."""
+        return self.sums[0::2], self.sums[1::2]
+
+    @property
+    def ref_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's (chosen, rejected) log-prob sums."""
+        return self.ref[0::2], self.ref[1::2]
+
+    @property
+    def count_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) completion token counts."""
+        return self.counts[0::2], self.counts[1::2]
+
 
 def _dpo(s: SequenceScores, settings) -> losses.PreferenceLoss:
-    return losses.dpo_loss(
-        s.sums[0::2], s.sums[1::2], s.ref[0::2], s.ref[1::2],
-        beta=settings.beta, label_smoothing=settings.label_smoothing, smoothing=settings.dpo_smoothing,
-    )  # fmt: skip
+    smoothing = {"label_smoothing": settings.label_smoothing, "smoothing": settings.dpo_smoothing}
+    return losses.dpo_loss(*s.pair, *s.ref_pair, beta=settings.beta, **smoothing)
 
 
 def _ipo(s: SequenceScores, settings) -> losses.PreferenceLoss:
-    return losses.ipo_loss(
-        s.sums[0::2],
-        s.sums[1::2],
-        s.ref[0::2],
-        s.ref[1::2],
-        s.counts[0::2],
-        s.counts[1::2],
-        beta=settings.beta,
-    )
+    return losses.ipo_loss(*s.pair, *s.ref_pair, *s.count_pair, beta=settings.beta)
 
 
 def _simpo(s: SequenceScores, settings) -> losses.PreferenceLoss:
-    return losses.simpo_loss(
-        s.sums[0::2], s.sums[1::2], s.counts[0::2], s.counts[1::2],
-        beta=settings.beta, gamma=settings.simpo_gamma, label_smoothing=settings.label_smoothing,
-    )  # fmt: skip
+    margin = {"gamma": settings.simpo_gamma, "label_smoothing": settings.label_smoothing}
+    return losses.simpo_loss(*s.pair, *s.count_pair, beta=settings.beta, **margin)
 
 
 def _orpo(s: SequenceScores, settings) -> losses.PreferenceLoss:
-    nll_sums, nll_counts = s.nll if s.nll is not None else (s.sums[0::2], s.counts[0::2])
+    nll = s.nll if s.nll is not None else (s.pair[0], s.count_pair[0])
     return losses.orpo_loss(
-        s.sums[0::2], s.sums[1::2], s.counts[0::2], s.counts[1::2], nll_sums, nll_counts,
-        beta=settings.beta, nll_reduction=settings.orpo_nll_reduction,
-    )  # fmt: skip
+        *s.pair, *s.count_pair, *nll, beta=settings.beta, nll_reduction=settings.orpo_nll_reduction
+    )
 
 
 def _kto(s: SequenceScores, settings) -> losses.PreferenceLoss:

@@ -20,7 +20,6 @@ import finetune.objectives.lm as lm
 from finetune import trackers
 from finetune.data.loader import count_tokens, count_trainable, seq_stats
 from finetune.engine.objective import Parts
-from finetune.generation.sets import generation_metrics, training_generation_rows
 from finetune.losses.causal_lm import forward, token_loss_sums
 from finetune.notices import warn
 
@@ -32,23 +31,8 @@ class SFTObjective:
     summary_keys = ("tokens",)
 
     def __init__(self, recipe):
-        from finetune.model import check_attention_backend
-
-        # Before anything is written or prepared: an attention backend that cannot run here fails now.
-        check_attention_backend(recipe.model.attn_implementation)
-        # The objective is built by the entry point from the whole recipe and keeps only its parts.
-        self.recipe = recipe
-        self.model_settings, self.lora, self.data = recipe.model, recipe.lora, recipe.data
-        self.train, self.eval_settings = recipe.train, recipe.eval
-        self.generation_rows: dict[str, list[dict]] = {}
-        self.eval_loader = None
-        self.tokenizer = None
-        self.accelerator = None
-        self.flops: dict[str, Any] = {}
+        lm.start(self, recipe)
         self.loss_chunk_size = 0  # tokens per chunk of the head's loss; 0 = full logits
-        self.manifest: dict = {}
-        self.eval_every: int | None = None
-        self.can_evaluate = False
 
     # ----------------------------------------------------------------------------------- build
 
@@ -72,11 +56,7 @@ class SFTObjective:
             self.eval_loader = loader(
                 self.data, self.train, prepared.eval, self.tokenizer, training=False, accelerator=accelerator
             )
-        self.generation_rows = training_generation_rows(self.eval_settings, accelerator)
-        if self.lora.enable_lora:
-            lm.checkpoint_trainable_only(accelerator)
-        self.can_evaluate = self.eval_loader is not None or bool(self.generation_rows)
-        self.eval_every = self.train.eval_steps if self.can_evaluate else None
+        lm.finish_build(self, accelerator, held_out=self.eval_loader is not None)
         return Parts(model=model, train_loader=train_loader, manifest=prepared.manifest)
 
     def _chunk_size(self, model, accelerator) -> int:
@@ -147,19 +127,7 @@ class SFTObjective:
 
     def evaluate(self, model, step: int) -> dict[str, Any]:
         """Eval loss and perplexity on the eval split, and the generation sets' scores and samples."""
-        metrics: dict[str, Any] = self._eval_loss(model, step) if self.eval_loader is not None else {}
-        if self.generation_rows:
-            metrics.update(
-                generation_metrics(
-                    self.accelerator,
-                    model,
-                    self.tokenizer,
-                    self.eval_settings,
-                    self.generation_rows,
-                    step=step,
-                )
-            )
-        return metrics
+        return lm.evaluate_lm(self, model, step, self._eval_loss if self.eval_loader is not None else None)
 
     def _eval_loss(self, model, step: int) -> dict[str, float]:
         """Token-weighted eval loss and perplexity over the eval split, gathered across processes."""
