@@ -65,8 +65,9 @@ class RewardSpec(_Section):
 
     @property
     def label(self) -> str:
-        """How the reward is named in logs: the built-in's name or the function's path."""
-        return self.name or str(self.function)
+        """How the reward is named in logs: the built-in's name or the function's name (`digits` for
+        rewards.py:digits)."""
+        return self.name or str(self.function).rpartition(":")[2]
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
         problems: list[Problem] = []
@@ -171,3 +172,23 @@ class GrpoSection(_Section):
         description="Sampled completions with their rewards written to progress.jsonl per logged step.",
     )
     rewards: list[RewardSpec] = Field(min_length=1, description="The rewards, summed by weight.")
+
+    def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
+        problems: list[Problem] = []
+        if ok("rewards"):
+            labels = [r.label for r in self.rewards if r is not None]
+            for label in sorted({x for x in labels if labels.count(x) > 1}):
+                problems.append(
+                    (
+                        "rewards",
+                        label,
+                        "two rewards log under the same name; use functions with different names",
+                    )
+                )
+        if (
+            ok("epsilon", "epsilon_high")
+            and self.epsilon_high is not None
+            and self.epsilon_high < self.epsilon
+        ):
+            problems.append(("epsilon_high", self.epsilon_high, f"is below epsilon ({self.epsilon})"))
+        return problems

@@ -147,6 +147,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
             f"{len(bad_overrides)} bad overrides:\n" + "\n".join(f"  - {p}" for p in bad_overrides)
         )
     recipe.moved_settings = [*moved, *moved_overrides]
+    recipe._source_path = str(Path(path).resolve())
     return recipe
 
 

@@ -51,6 +51,13 @@ class Recipe(_Section):
     )
     # Notes on settings read from where they used to live (finetune.recipe.moved): said as warnings.
     _moved_settings: list[str] = PrivateAttr(default_factory=list)
+    # The YAML file the recipe was read from (files it names, like reward functions, are found beside it).
+    _source_path: str | None = PrivateAttr(default=None)
+
+    @property
+    def source_path(self) -> str | None:
+        """The recipe file this recipe was loaded from (None when built in memory)."""
+        return self._source_path
 
     @property
     def moved_settings(self) -> list[str]:
