@@ -107,7 +107,7 @@ class GRPOObjective:
             self.settings.rewards,
             max_new_tokens=self.settings.max_new_tokens,
             count_tokens=lambda text: len(self.tokenizer(text, add_special_tokens=False)["input_ids"]),
-            base=_recipe_folder(self.recipe),
+            base=recipe_folder(self.recipe),
         )
         check_reward_columns(self.settings.rewards, prepared.train)
         train_loader = prompt_loader(
@@ -526,7 +526,7 @@ def _refuse_sharded_generation(accelerator) -> None:
         )
 
 
-def _recipe_folder(recipe) -> Path | None:
+def recipe_folder(recipe) -> Path | None:
     """Where the recipe file lives (relative reward files are looked up there), if known."""
     source = getattr(recipe, "source_path", None)
     return Path(source).parent if source else None

@@ -1,0 +1,162 @@
+"""GRPO through the real CLI on the tiny demo (recipes/demo/tiny_grpo_cpu.yaml):
+
+- `finetune validate` reports every GRPO problem at once;
+- a run logs rewards (total and per function), group spread, completion lengths, clip ratios, the
+  rollout time apart from the training time and sampled completions, evaluates its held-out prompts,
+  and saves the adapter;
+- a run killed with SIGKILL (LoRA dropout, a KL term to the reference, rollouts reused for two
+  steps) resumes with `auto` to the same completions, rewards and losses as an uninterrupted run;
+- 2-process DDP trains on the same completions and gets the same losses as one process with the
+  same global batch of prompts;
+- `finetune eval` scores base and tuned on the held-out prompts with the rewards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration._run import REPO, env, progress, run, short_run
+
+pytestmark = pytest.mark.slow
+
+GRPO_DEMO = REPO / "recipes" / "demo" / "tiny_grpo_cpu.yaml"
+
+
+def command(name: str, out: Path, prepared: Path, *args: str) -> list[str]:
+    cmd = [sys.executable, "-m", "finetune.cli", name, str(GRPO_DEMO), *short_run(*args)]
+    return [*cmd, "--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared)]
+
+
+def finetune(name: str, out: Path, prepared: Path, *args: str) -> subprocess.CompletedProcess:
+    result = run(command(name, out, prepared, *args))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+def steps_of(out: Path) -> dict[int, dict]:
+    """Each step's record (the last one wins: a resumed run appends)."""
+    return {r["step"]: r for r in progress(out) if r.get("event") is None and "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("prepared")
+
+
+def test_validate_reports_every_grpo_problem_at_once(tmp_path):
+    bad = [
+        "--grpo.num_generations", "3",
+        "--grpo.rewards", "[{name: exact_match}, {name: format, pattern: '(unclosed'}, {name: nope}]",
+    ]  # fmt: skip
+    result = run([sys.executable, "-m", "finetune.cli", "validate", str(GRPO_DEMO), *bad])
+    assert result.returncode == 2
+    err = result.stderr
+    assert "grpo.num_generations" in err and "must divide" in err
+    assert "grpo.rewards[0].field_expected" in err and "needs it" in err
+    assert "grpo.rewards[1].pattern" in err and "not a valid regular expression" in err
+    assert "grpo.rewards[2].name" in err and "'exact_match'" in err
+    assert "Traceback" not in err
+    missing = run([sys.executable, "-m", "finetune.cli", "validate", str(GRPO_DEMO), "--grpo", "null"])
+    assert missing.returncode == 2 and "train.objective grpo needs a grpo section" in missing.stderr
+
+
+def test_grpo_trains_logs_rewards_evaluates_and_saves(tmp_path, prepared):
+    out = tmp_path / "grpo"
+    made = finetune("train", out, prepared, "--train.max_steps", "4", "--train.eval_steps", "2")
+    assert "prompts ->" in made.stdout
+    steps = steps_of(out)
+    assert sorted(steps) == [1, 2, 3, 4]
+    for record in steps.values():
+        for key in ("reward", "reward_std", "reward/digits", "reward/exact_match", "frac_reward_zero_std",
+                    "completion_length", "completion_length_max", "clipped_ratio", "clip_ratio/low",
+                    "rollout_seconds", "train_seconds", "tokens_per_sec"):  # fmt: skip
+            assert key in record, key
+        assert record["rollout_seconds"] > 0 and record["train_seconds"] > 0
+        assert 0 <= record["frac_reward_zero_std"] <= 1 and record["completion_length_max"] <= 12
+        samples = record["completions_sample"]
+        assert len(samples) == 2 and {"prompt", "completion", "reward", "reward/digits"} <= set(samples[0])
+        assert "What is" in samples[0]["prompt"]
+    evals = [r for r in progress(out) if r.get("event") == "eval"]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert {"eval_reward", "eval_reward/digits", "eval_reward/exact_match", "eval_prompts"} <= set(evals[-1])
+    assert evals[-1]["eval_prompts"] == 8
+    assert (out / "adapter_model.safetensors").is_file() and (out / "README.md").is_file()
+    assert "grpo" in (out / "README.md").read_text()
+
+    result = run([sys.executable, "-m", "finetune.cli", "eval", str(GRPO_DEMO), "--adapter", str(out),
+                  "--data.dataset_prepared_path", str(prepared), "--no-progress"])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "held-out prompts" in result.stdout and "eval_reward/digits" in result.stdout
+    table = {
+        line.split()[0]: line.split()[1:] for line in result.stdout.splitlines() if line.startswith("eval_")
+    }
+    assert len(table["eval_reward"]) == 2  # base and tuned side by side
+    assert float(table["eval_reward"][1]) == pytest.approx(evals[-1]["eval_reward"], abs=1e-4)
+
+
+def test_sigkill_then_resume_gives_the_same_completions_rewards_and_losses(tmp_path, prepared):
+    """LoRA dropout (the RNG matters), a KL term to the reference (adapters disabled) and each rollout
+    reused for two steps (the checkpoint at step 3 falls between them): killed once step-3 is saved."""
+    args = ["--train.max_steps", "10", "--train.save_steps", "3", "--train.eval_steps", "null"]
+    args += ["--lora.lora_dropout", "0.1", "--grpo.beta", "0.04", "--grpo.num_iterations", "2"]
+    args += ["--train.save_hf_weights", "false", "--grpo.max_new_tokens", "24"]
+    reference = tmp_path / "reference"
+    finetune("train", reference, prepared, *args)
+    expected = steps_of(reference)
+    assert sorted(expected) == list(range(1, 11)) and all("kl" in r for r in expected.values())
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(
+        command("train", out, prepared, *args), cwd=REPO, env=env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    latest = out / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if latest.is_file() and latest.read_text().strip() == "step-3":
+            break
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = max(steps_of(out))
+    assert 3 <= killed_at < 10, f"killed after step {killed_at}: the run should have been mid-way"
+
+    resumed = finetune("train", out, prepared, *args, "--train.load_checkpoint_path", "auto")
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    after = steps_of(out)
+    assert sorted(after) == list(range(1, 11))
+    for step, want in expected.items():
+        got = after[step]
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-6), step
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), step
+        if "reward" in want:  # a step that rolled out (the reused steps log no new rewards)
+            assert got["reward"] == pytest.approx(want["reward"], abs=1e-6), step
+            assert [s["completion"] for s in got["completions_sample"]] == [
+                s["completion"] for s in want["completions_sample"]
+            ], step
+    rolled = [s for s, r in expected.items() if "reward" in r]
+    assert rolled == [1, 3, 5, 7, 9]  # a new rollout every num_iterations steps
+
+
+def test_two_process_ddp_trains_on_the_same_completions_as_one_process(tmp_path, prepared):
+    """2 processes x 8 completions == 1 process x 8 completions x accumulation 2: the same 4 prompts a
+    step, each group on one rank, the loss normalised over the global batch."""
+    args = ["--train.max_steps", "3", "--train.eval_steps", "null", "--train.save_hf_weights", "false"]
+    ddp, single = tmp_path / "ddp", tmp_path / "single"
+    finetune("train", ddp, prepared, "--accelerate-config", "multi_cpu", *args,
+             "--train.gradient_accumulation_steps", "1")  # fmt: skip
+    finetune("train", single, prepared, *args, "--train.gradient_accumulation_steps", "2")
+    two, one = steps_of(ddp), steps_of(single)
+    assert sorted(two) == sorted(one) == [1, 2, 3]
+    for step in one:
+        assert two[step]["reward"] == pytest.approx(one[step]["reward"], abs=1e-6), step
+        assert two[step]["completion_length"] == pytest.approx(one[step]["completion_length"]), step
+        assert two[step]["loss"] == pytest.approx(one[step]["loss"], abs=1e-6), step
+        assert two[step]["grad_norm"] == pytest.approx(one[step]["grad_norm"], rel=1e-4), step
