@@ -194,8 +194,9 @@ def qlora_config(lora: LoraSection, *, compute_dtype: torch.dtype):
     )
 
 
-def apply_lora(net, lora: LoraSection, *, gradient_checkpointing: bool):
-    """Wrap the model with PEFT LoRA adapters (rsLoRA / DoRA / modules_to_save as configured)."""
+def apply_lora(net, lora: LoraSection, *, gradient_checkpointing: bool, base: str | None = None):
+    """Wrap the model with PEFT LoRA adapters (rsLoRA / DoRA / modules_to_save as configured), new or
+    lora.init_adapter's (then `base`, the location the model was loaded from, must be its base)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if lora.enable_qlora:
@@ -204,6 +205,8 @@ def apply_lora(net, lora: LoraSection, *, gradient_checkpointing: bool):
             use_gradient_checkpointing=gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
+    if lora.init_adapter:
+        return continue_adapter(net, lora, base=base)
     config = LoraConfig(
         r=lora.lora_rank,
         lora_alpha=lora.lora_alpha,
@@ -218,6 +221,84 @@ def apply_lora(net, lora: LoraSection, *, gradient_checkpointing: bool):
         return get_peft_model(net, config)
     except ValueError as exc:
         raise FinetuneError(f"lora.lora_target_modules: {exc}") from None
+
+
+# The LoRA settings an adapter folder records (adapter_config.json) and the recipe field of each.
+_ADAPTER_SETTINGS = {
+    "r": "lora_rank",
+    "lora_alpha": "lora_alpha",
+    "target_modules": "lora_target_modules",
+    "modules_to_save": "modules_to_save",
+    "use_dora": "use_dora",
+    "use_rslora": "use_rslora",
+}
+
+
+def continue_adapter(net, lora: LoraSection, *, base: str | None):
+    """lora.init_adapter loaded onto `net` with its weights trainable, after checking that its base is
+    the recipe's model and its LoRA settings the recipe's (a mismatch is an error naming both)."""
+    from peft import PeftModel
+
+    folder = Path(lora.init_adapter).expanduser()
+    config_file = folder / "adapter_config.json"
+    if not config_file.is_file():
+        raise FinetuneError(
+            f"lora.init_adapter: {folder} holds no adapter_config.json; point it at a trained adapter folder "
+            "(a LoRA run's train.output_dir)"
+        )
+    saved = json.loads(config_file.read_text())
+    problems = []
+    recorded = saved.get("base_model_name_or_path")
+    if base is not None and recorded and _same_location(recorded) != _same_location(base):
+        problems.append(f"its base is {recorded}, this recipe's model is {base}")
+    for key, field in _ADAPTER_SETTINGS.items():
+        want, have = getattr(lora, field), saved.get(key)
+        if key == "modules_to_save":
+            want, have = sorted(want or []), sorted(have or [])
+        if key == "target_modules":  # names or all-linear: compare the modules they pick in this model
+            if _targeted(net, want) != _targeted(net, have):
+                problems.append(f"lora.{field} is {want!r} here; the adapter targets {_short(have)}")
+        elif want != have:
+            problems.append(f"lora.{field} is {want!r} here, {have!r} in the adapter")
+    if problems:
+        raise FinetuneError(
+            f"lora.init_adapter {folder} does not fit this recipe: "
+            + "; ".join(problems)
+            + ". Set the recipe's "
+            "model and lora settings to the adapter's (its adapter_config.json), or start a new adapter"
+        )
+    try:
+        return PeftModel.from_pretrained(net, folder, is_trainable=True)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise FinetuneError(f"lora.init_adapter: cannot load {folder} onto the model: {exc}") from None
+
+
+def _targeted(net, targets) -> set[str]:
+    """The modules of `net` that LoRA target_modules pick, as PEFT matches them: `all-linear` is every
+    linear layer but the output head; a name matches a module that is it or ends with `.name`."""
+    head = net.get_output_embeddings()
+    names = {
+        name
+        for name, module in net.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not head
+    }
+    if targets == "all-linear":
+        return names
+    targets = [targets] if isinstance(targets, str) else list(targets or [])
+    return {n for n in names if any(n == t or n.endswith("." + t) for t in targets)}
+
+
+def _short(targets) -> str:
+    """Target module names for a message: the distinct last parts (q_proj, v_proj, ...)."""
+    if isinstance(targets, str):
+        return repr(targets)
+    return repr(sorted({t.rsplit(".", 1)[-1] for t in targets or []}))
+
+
+def _same_location(path: str) -> str:
+    """A local path resolved (symlinks, relative parts), a Hub id as it is."""
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.exists() else path
 
 
 def upcast_trainable_to_fp32(net) -> int:

@@ -72,6 +72,7 @@ def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, 
     """(the causal LM to train, not yet prepared; its parameter counts for FLOPs): pretrained or
     random-init weights, LoRA / QLoRA adapters (a random-init base is saved with the tokenizer to
     output_dir/base_model, so the adapter can be loaded later), fp32 trainable weights under fp16."""
+    from finetune.gguf import resolve_model_source
     from finetune.model import (
         apply_lora,
         build_model,
@@ -95,7 +96,12 @@ def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, 
             save_base_model(model, base_dir, is_main_process=accelerator.is_main_process)
             if accelerator.is_main_process:  # so the base alone loads for eval and chat
                 tokenizer.save_pretrained(base_dir)
-        model = apply_lora(model, lora, gradient_checkpointing=train.gradient_checkpointing)
+        base = (
+            str(base_dir.resolve())
+            if base_dir is not None
+            else resolve_model_source(model_settings).model_path
+        )
+        model = apply_lora(model, lora, gradient_checkpointing=train.gradient_checkpointing, base=base)
         if base_dir is not None:
             model.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
     if train.mixed_precision == "fp16":

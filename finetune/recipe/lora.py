@@ -33,6 +33,12 @@ class LoraSection(_Section):
     )
     quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit format.")
     double_quant: bool = Field(True, description="Quantize the quantization constants too.")
+    init_adapter: str | None = Field(
+        None,
+        description="A trained adapter folder to start from (e.g. an SFT run's output_dir, then DPO or GRPO on "
+        "top): its weights are trained further. Its base must be this recipe's model and its LoRA settings "
+        "(rank, alpha, targets, modules_to_save, DoRA, rsLoRA) this section's: both are checked at start.",
+    )
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
         problems: list[Problem] = []
@@ -41,5 +47,9 @@ class LoraSection(_Section):
         if ok("enable_qlora", "enable_lora") and self.enable_qlora and not self.enable_lora:
             problems.append(
                 ("enable_lora", False, "enable_qlora trains LoRA adapters: set enable_lora: true or drop it")
+            )
+        if ok("init_adapter", "enable_lora") and self.init_adapter and not self.enable_lora:
+            problems.append(
+                ("init_adapter", self.init_adapter, "starts LoRA training: set enable_lora: true")
             )
         return problems

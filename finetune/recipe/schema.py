@@ -201,6 +201,7 @@ _NOT_FOR_DIFFUSION: dict[str, str] = {
     "lora.enable_qlora": "not supported for diffusion",
     "lora.use_dora": "not supported yet for diffusion",
     "lora.use_rslora": "not supported yet for diffusion",
+    "lora.init_adapter": "not supported yet for diffusion",
     "lora.save_lora_only": "diffusion saves the LoRA weights (pytorch_lora_weights.safetensors)",
     "train.eval_steps": "no evaluation split for diffusion; use diffusion.validation_steps",
     "train.iterations_to_skip": "not supported yet for diffusion",
