@@ -54,6 +54,13 @@ class Recipe(_Section):
     # The YAML file the recipe was read from (files it names, like reward functions, are found beside it).
     _source_path: str | None = PrivateAttr(default=None)
 
+    def __eq__(self, other: object) -> bool:
+        # Two recipes are equal when they say the same: where one was read from and which settings it
+        # wrote at their old place (the private notes above) do not count.
+        return isinstance(other, Recipe) and self.model_dump() == other.model_dump()
+
+    __hash__ = None  # mutable, like every pydantic model
+
     @property
     def source_path(self) -> str | None:
         """The recipe file this recipe was loaded from (None when built in memory)."""
