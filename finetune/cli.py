@@ -97,7 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         "its eval.generation_sets; with --adapter or --model, the recipe's base model too, side by side.",
     )
     which = evaluate.add_mutually_exclusive_group()
-    which.add_argument("--adapter", metavar="DIR", help="a trained adapter folder (evaluated on its base)")
+    which.add_argument(
+        "--adapter",
+        metavar="DIR",
+        action="append",
+        help="a trained adapter folder (evaluated on its base); repeat it to compare several side by side",
+    )
     which.add_argument("--model", metavar="DIR", help="a full model folder (e.g. merged or fully fine-tuned)")
     evaluate.add_argument(
         "--no-base", action="store_true", help="with --adapter/--model: skip the base model"
@@ -326,7 +331,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         return run_eval(
             recipe,
             recipe_path=args.recipe,
-            adapter=args.adapter,
+            adapters=args.adapter,
             model=args.model,
             no_base=args.no_base,
             output=args.output,

@@ -110,11 +110,32 @@ def _held_out(recipe) -> dict[str, Any]:
     return EVAL_PATHS[OBJECTIVES[recipe.train.objective].kind](recipe, prepared)
 
 
+def model_labels(targets: list[str]) -> list[str]:
+    """Column names of the tuned models: `tuned` for one, else their folder names (made unique).
+
+    >>> model_labels(["out/sft"]), model_labels(["out/sft", "out/grpo", "b/grpo"])
+    (['tuned'], ['sft', 'grpo', 'grpo-2'])
+    """
+    if len(targets) == 1:
+        return ["tuned"]
+    labels: list[str] = []
+    for target in targets:
+        name = Path(target).name or str(target)
+        label, k = name, 2
+        while label in labels or label == "base":
+            label, k = f"{name}-{k}", k + 1
+        labels.append(label)
+    return labels
+
+
 def run_eval(
-    recipe, *, recipe_path: str, adapter: str | None, model: str | None, no_base: bool, output: str | None,
-    progress: bool,
+    recipe, *, recipe_path: str, adapters: list[str] | None, model: str | None, no_base: bool,
+    output: str | None, progress: bool,
 ) -> int:  # fmt: skip
-    """`finetune eval`: the models to compare, the held-out split, the generation sets -> table."""
+    """`finetune eval`: the models to compare, the held-out split, the generation sets -> table.
+
+    Several adapters (`--adapter A --adapter B`, e.g. an SFT run and a GRPO run on top of it) are
+    scored side by side with the base, each in its own column."""
     from finetune.evaluation.report import evaluate_models, format_table, write_report
     from finetune.model import base_model_source, inference_device, load_for_inference, load_tokenizer
 
@@ -125,18 +146,20 @@ def run_eval(
             "no eval.generation_sets"
         )
     needs_reference = held_out.get("needs_reference", False)
-    target = adapter or model
+    targets = list(adapters or []) or ([model] if model else [])
     models = {}
-    if no_base and needs_reference and target is not None:
+    if no_base and needs_reference and targets:
         _say(f"the base model is scored too: it is train.objective {recipe.train.objective}'s reference")
-    if target is None or not no_base or needs_reference:
-        base = base_model_source(recipe.model, adapter=adapter)
+    if not targets or not no_base or needs_reference:
+        base = base_model_source(recipe.model, adapter=adapters[0] if adapters else None)
         models["base"] = lambda: _on_device(
             load_for_inference(base, tokenizer=load_tokenizer(recipe.model)), inference_device()
         )
-    if target is not None:
+    for label, target in zip(model_labels(targets), targets, strict=True):
         # Merged into the base for generation (faster); the weights are the same function.
-        models["tuned"] = lambda: _on_device(load_for_inference(target, merge=True), inference_device())
+        models[label] = lambda target=target: _on_device(
+            load_for_inference(target, merge=True), inference_device()
+        )
     results = evaluate_models(
         models,
         eval_batches=held_out.get("eval_batches"),
@@ -146,8 +169,9 @@ def run_eval(
         say=_say,
         score=held_out.get("score"),
     )
-    path = Path(output) if output else Path(target or recipe.train.output_dir) / "eval.json"
-    write_report(results, path, recipe=recipe_path, models={"base": recipe.model.model_path, "tuned": target})
+    path = Path(output) if output else Path(targets[-1] if targets else recipe.train.output_dir) / "eval.json"
+    names = {"base": recipe.model.model_path, **dict(zip(model_labels(targets), targets, strict=True))}
+    write_report(results, path, recipe=recipe_path, models=names)
     print(format_table(results))
     print(f"\nfull results and every sample: {path}")
     return 0
