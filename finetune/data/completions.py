@@ -23,7 +23,14 @@ import datasets
 
 from finetune.constants import IGNORE_INDEX
 from finetune.data import preference
-from finetune.data.chat import ChatTemplateError, MessageKeys, chat_spans, conversation
+from finetune.data.chat import (
+    ChatTemplateError,
+    MessageKeys,
+    chat_spans,
+    conversation,
+    known_roles,
+    message_keys,
+)
 from finetune.data.encode import Encoder
 from finetune.data.rows import EMPTY_COMPLETION, PREFIX_MISMATCH, BadRow, Example, empty_detail, text
 
@@ -69,6 +76,20 @@ def prompts(batch: dict[str, list], field: str, keys: MessageKeys, known: set[st
     return [turns(value, field, keys, known, completion=False) for value in batch[field]]
 
 
+def parsed_rows(batch: dict[str, list], entry: Any, fields: Sequence[str]) -> list[CompletionsRow | BadRow]:
+    """Each row's prompt (`prompts`, from the entry's `field_prompt`) and its completions in the columns
+    `fields` (`turns`), or the first of their problems: a row of the preference and kto formats,
+    before the checks each makes of its own."""
+    keys = message_keys(entry)
+    known = known_roles(keys.role_map)
+    out: list[CompletionsRow | BadRow] = []
+    for k, prompt in enumerate(prompts(batch, entry.field_prompt, keys, known)):
+        values = [prompt, *(turns(batch[field][k], field, keys, known) for field in fields)]
+        bad = next((v for v in values if isinstance(v, BadRow)), None)
+        out.append(bad if bad is not None else CompletionsRow(values[0], tuple(values[1:])))
+    return out
+
+
 def is_conversational(row: CompletionsRow) -> bool:
     """Whether any part of the row is a list of messages (then it is rendered with the chat template).
 
@@ -78,9 +99,15 @@ def is_conversational(row: CompletionsRow) -> bool:
     return isinstance(row.prompt, list) or any(isinstance(c, list) for c in row.completions)
 
 
-def has_messages(features: datasets.Features, columns: Sequence[str]) -> bool:
-    """Whether any of `columns` holds lists (of messages): then the rows are rendered with the template."""
-    return any(isinstance(features.get(c), (datasets.List, datasets.LargeList)) for c in columns)
+def renders_chat(
+    entry: Any, features: datasets.Features, columns: Callable[[Any, Sequence[str]], dict[str, str]]
+) -> bool:
+    """Whether a preference or kto entry's rows are rendered with the chat template: with its
+    ``apply_chat_template``, or when a column it reads (`columns`, its format's) holds lists (of messages)."""
+    if entry.apply_chat_template:
+        return True
+    read = columns(entry, list(features)).values()
+    return any(isinstance(features.get(c), (datasets.List, datasets.LargeList)) for c in read)
 
 
 def completion_conversations(
@@ -145,23 +172,17 @@ def _common_start(lists: list[list]) -> int:
 
 
 def completion_examples(
-    rows: list[CompletionsRow | BadRow],
-    enc: Encoder,
-    *,
-    apply_chat_template: bool,
-    field: str,
-    mismatch_field: str,
-    roles_to_train: list[str],
-    train_on_eos: str,
+    rows: list[CompletionsRow | BadRow], enc: Encoder, entry: Any, *, field: str, mismatch_field: str
 ) -> list[Example | BadRow]:
     """One example per row: a preference pair is its chosen sequence then its rejected one (with
     ``chosen_len``), a kto example one sequence (with ``desirable`` and ``prompt_len``). Strings go
-    as ``[bos] prompt completion eos``; message lists (or every row, with `apply_chat_template`) are
-    rendered with the chat template. `field` names the column of a chat row's problems,
-    `mismatch_field` that of a pair whose shared prefix tokenizes differently."""
-    chat = [not isinstance(r, BadRow) and (apply_chat_template or is_conversational(r)) for r in rows]
+    as ``[bos] prompt completion eos``; message lists (or every row, with the entry's
+    `apply_chat_template`) are rendered with the chat template, its `roles_to_train` and `train_on_eos`
+    applied. `field` names the column of a chat row's problems, `mismatch_field` that of a pair whose
+    shared prefix tokenizes differently."""
+    chat = [not isinstance(r, BadRow) and (entry.apply_chat_template or is_conversational(r)) for r in rows]
     paths: list[tuple[bool, Callable[[list[CompletionsRow]], list[Any]]]] = [
-        (False, lambda picked: _plain_examples(picked, enc, train_eos=train_on_eos != "none")),
+        (False, lambda picked: _plain_examples(picked, enc, train_eos=entry.train_on_eos != "none")),
         (
             True,
             lambda picked: _chat_examples(
@@ -169,8 +190,8 @@ def completion_examples(
                 enc,
                 field=field,
                 mismatch_field=mismatch_field,
-                roles_to_train=roles_to_train,
-                train_on_eos=train_on_eos,
+                roles_to_train=entry.roles_to_train,
+                train_on_eos=entry.train_on_eos,
             ),
         ),
     ]

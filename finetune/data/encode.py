@@ -1,7 +1,9 @@
 """Token ids and labels from normalized rows: the tokenization paths the data formats share.
 
 A format (finetune/data/formats/<type>.py) turns a batch of raw rows into texts, (prompt,
-completion) pairs or conversations, and hands them to one of these paths:
+completion) pairs or conversations, and hands them to one of these paths (`chat_examples` and
+`pair_examples` take the dataset entry and read its options themselves: ``apply_chat_template``,
+``train_on_inputs``, ``train_on_eos``, ``roles_to_train``, which mean the same in every format):
 
 * `text_examples`: ``[bos] text eos``, all trained (completion).
 * `prompt_completion_examples`: ``[bos] prompt completion eos`` with the prompt masked unless
@@ -144,30 +146,26 @@ def prompt_completion_examples(
 
 
 def chat_examples(
-    convs: list[list[dict[str, Any]] | BadRow],
-    enc: Encoder,
-    *,
-    field: str,
-    roles_to_train: list[str],
-    train_on_eos: str,
-    train_on_inputs: bool,
+    convs: list[list[dict[str, Any]] | BadRow], enc: Encoder, entry: Any, *, field: str
 ) -> list[Example | BadRow]:
-    """Each conversation rendered with the chat template; the turns of `roles_to_train` (and their
-    end-of-turn text, per `train_on_eos`) trained, or every token with `train_on_inputs`. `field`
-    names the column in the problems of a row (an empty trained turn, a template that rejects it)."""
+    """Each conversation rendered with the chat template; the turns of the entry's `roles_to_train`
+    (and their end-of-turn text, per its `train_on_eos`) trained, or every token with its
+    `train_on_inputs`. `field` names the column in the problems of a row (an empty trained turn, a
+    template that rejects it)."""
+    train_on_inputs = entry.train_on_inputs
     texts: list[str] = []
     found: list[list[tuple[int, int]] | BadRow] = []
     for conv in convs:
         text, spans = "", conv if isinstance(conv, BadRow) else None
         if spans is None and not train_on_inputs:
-            spans = empty_turns(conv, roles_to_train, field)
+            spans = empty_turns(conv, entry.roles_to_train, field)
         if spans is None:
             try:
                 if train_on_inputs:
                     text, spans = render_messages(enc.render, conv), []
                 else:
                     text, spans = chat_spans(
-                        conv, enc.render, roles_to_train=roles_to_train, train_on_eos=train_on_eos
+                        conv, enc.render, roles_to_train=entry.roles_to_train, train_on_eos=entry.train_on_eos
                     )
             except ChatTemplateError as e:
                 spans = BadRow(field, e.reason, str(e))
@@ -183,26 +181,13 @@ def chat_examples(
 
 
 def pair_examples(
-    pairs: list[tuple[str, str] | BadRow],
-    enc: Encoder,
-    *,
-    chat: bool,
-    field: str,
-    train_on_inputs: bool,
-    train_on_eos: str,
-    roles_to_train: list[str],
+    pairs: list[tuple[str, str] | BadRow], enc: Encoder, entry: Any, *, field: str
 ) -> list[Example | BadRow]:
     """(prompt, completion) pairs: as a user and an assistant turn rendered with the chat template
-    when `chat` (apply_chat_template), else as ``[bos] prompt completion eos``."""
-    if chat:
-        return chat_examples(
-            pair_turns(pairs),
-            enc,
-            field=field,
-            roles_to_train=roles_to_train,
-            train_on_eos=train_on_eos,
-            train_on_inputs=train_on_inputs,
-        )
+    when the entry has `apply_chat_template` (`chat_examples`), else as ``[bos] prompt completion eos``
+    (its `train_on_inputs` and `train_on_eos` apply either way)."""
+    if entry.apply_chat_template:
+        return chat_examples(pair_turns(pairs), enc, entry, field=field)
     return prompt_completion_examples(
-        pairs, enc, train_on_inputs=train_on_inputs, train_eos=train_on_eos != "none"
+        pairs, enc, train_on_inputs=entry.train_on_inputs, train_eos=entry.train_on_eos != "none"
     )

@@ -12,6 +12,7 @@ row and a counted skip. A well-formed row that would train nothing (an empty out
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +94,20 @@ def empty_detail(field: str, value: str) -> str:
     """The detail of an `EMPTY_COMPLETION` drop."""
     what = "empty" if not value else f"only whitespace ({value!r})"
     return f"{field!r} is {what}: the row would train nothing"
+
+
+def optional_column(entry: Any, attr: str, column_names: Sequence[str]) -> dict[str, str]:
+    """{attr: column} for an optional column of an entry's mapping: when the data has it, or when the
+    recipe names it (then a missing one is an error, not a silent fallback); else {}.
+
+    >>> from types import SimpleNamespace as NS
+    >>> optional_column(NS(field_input="input"), "field_input", ["instruction"])
+    {}
+    """
+    column = getattr(entry, attr)
+    if column in column_names or attr in getattr(entry, "model_fields_set", set()):
+        return {attr: column}
+    return {}
 
 
 def missing_name_message(

@@ -11,7 +11,8 @@ prior-preservation split).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -136,24 +137,30 @@ def flow_matching_loss(
     As diffusers' train_dreambooth_lora_sd3.py with `--precondition_outputs 0` (its default 1 is
     this loss times sigma^2). Prior preservation as in `diffusion_loss`.
     """
-    draws = _flow_draws(
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    # Latents, noise and noise levels, drawn in this order (resumable).
+    latents = sample_latents(batch["latent_mean"], batch["latent_std"], scaling_factor, shift_factor)
+    noise = torch.randn_like(latents)
+    timesteps, sigmas = flow_sigmas(
         scheduler,
-        batch,
-        scaling_factor=scaling_factor,
-        shift_factor=shift_factor,
+        latents.shape[0],
         weighting_scheme=weighting_scheme,
         logit_mean=logit_mean,
         logit_std=logit_std,
         mode_scale=mode_scale,
     )
+    sigmas = sigmas.to(latents.device, torch.float32).view(-1, 1, 1, 1)
+    noisy = (1.0 - sigmas) * latents + sigmas * noise
     pred = transformer(
-        hidden_states=draws.noisy.to(model_dtype),
-        timestep=draws.timesteps,
+        hidden_states=noisy.to(model_dtype),
+        timestep=timesteps.to(latents.device),
         encoder_hidden_states=batch["prompt_embeds"].to(model_dtype),
         pooled_projections=batch["pooled_prompt_embeds"].to(model_dtype),
         return_dict=False,
     )[0]
-    per_sample = _weighted_mse(pred, draws, weighting_scheme)
+    weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=sigmas).float()
+    per_sample = (weighting * (pred.float() - (noise - latents).float()) ** 2).mean(dim=(1, 2, 3))
     return combine_prior(per_sample, batch["is_prior"], prior_loss_weight)
 
 
@@ -162,89 +169,53 @@ def flux_loss(
     scheduler,
     batch: dict[str, torch.Tensor],
     *,
-    scaling_factor: float,
-    shift_factor: float = 0.0,
     guidance_scale: float | None = None,
-    weighting_scheme: str = "logit_normal",
-    logit_mean: float = 0.0,
-    logit_std: float = 1.0,
-    mode_scale: float = 1.29,
-    prior_loss_weight: float = 1.0,
-    model_dtype: torch.dtype = torch.float32,
+    **flow: Any,
 ) -> torch.Tensor:
     """Rectified-flow loss of Flux, as diffusers' train_dreambooth_lora_flux.py computes it.
 
-    The same draws and target as `flow_matching_loss`, but the transformer sees the noisy latents
-    packed into 2x2 patches (`FluxPipeline._pack_latents`) with their position ids, zero text ids,
-    `timestep / 1000`, and `guidance_scale` as its embedded guidance (None for transformers without
-    guidance embeddings, e.g. FLUX.1-schnell); its prediction is unpacked before the loss. The
-    schedule's sigmas are the scheduler's: Flux's shifts dynamically at inference only, so training
-    draws unshifted sigmas, as that script does. Latent sides must be even (`pixel_multiple`).
+    `flow_matching_loss` (the same draws, target and weighting; `flow` are its keyword arguments),
+    but the transformer sees the noisy latents packed into 2x2 patches (`FluxPipeline._pack_latents`)
+    with their position ids, zero text ids, `timestep / 1000`, and `guidance_scale` as its embedded
+    guidance (None for transformers without guidance embeddings, e.g. FLUX.1-schnell); its prediction
+    is unpacked before the loss. The schedule's sigmas are the scheduler's: Flux's shifts dynamically
+    at inference only, so training draws unshifted sigmas, as that script does. Latent sides must be
+    even (`pixel_multiple`).
     """
+    return flow_matching_loss(
+        functools.partial(_flux_forward, transformer, guidance_scale), scheduler, batch, **flow
+    )
+
+
+def _flux_forward(
+    transformer,
+    guidance_scale: float | None,
+    *,
+    hidden_states: torch.Tensor,
+    timestep: torch.Tensor,
+    **inputs: Any,
+) -> tuple[torch.Tensor]:
+    """The Flux transformer called as `flow_matching_loss` calls SD3's: on unpacked latents in the model
+    dtype; the text inputs (`inputs`) go through as they are."""
     from diffusers import FluxPipeline
 
-    draws = _flow_draws(
-        scheduler,
-        batch,
-        scaling_factor=scaling_factor,
-        shift_factor=shift_factor,
-        weighting_scheme=weighting_scheme,
-        logit_mean=logit_mean,
-        logit_std=logit_std,
-        mode_scale=mode_scale,
-    )
-    bsz, channels, height, width = draws.latents.shape
+    bsz, channels, height, width = hidden_states.shape
     if height % 2 or width % 2:
         raise ValueError(f"Flux packs 2x2 latent patches: latent sides {height}x{width} must be even")
-    device = draws.latents.device
-    packed = FluxPipeline._pack_latents(draws.noisy, bsz, channels, height, width)
-    img_ids = FluxPipeline._prepare_latent_image_ids(bsz, height // 2, width // 2, device, model_dtype)
-    prompt_embeds = batch["prompt_embeds"].to(model_dtype)
-    txt_ids = torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=model_dtype)
+    device, dtype = hidden_states.device, hidden_states.dtype
     guidance = None
     if guidance_scale is not None:
         guidance = torch.full((bsz,), float(guidance_scale), device=device, dtype=torch.float32)
     pred = transformer(
-        hidden_states=packed.to(model_dtype),
-        timestep=draws.timesteps / 1000,
+        hidden_states=FluxPipeline._pack_latents(hidden_states, bsz, channels, height, width),
+        timestep=timestep / 1000,
         guidance=guidance,
-        pooled_projections=batch["pooled_prompt_embeds"].to(model_dtype),
-        encoder_hidden_states=prompt_embeds,
-        txt_ids=txt_ids,
-        img_ids=img_ids,
-        return_dict=False,
+        txt_ids=torch.zeros(inputs["encoder_hidden_states"].shape[1], 3, device=device, dtype=dtype),
+        img_ids=FluxPipeline._prepare_latent_image_ids(bsz, height // 2, width // 2, device, dtype),
+        **inputs,
     )[0]
     # vae_scale_factor 1: height and width are already latent sides.
-    pred = FluxPipeline._unpack_latents(pred, height, width, 1)
-    per_sample = _weighted_mse(pred, draws, weighting_scheme)
-    return combine_prior(per_sample, batch["is_prior"], prior_loss_weight)
-
-
-class _FlowDraws(NamedTuple):
-    latents: torch.Tensor
-    noisy: torch.Tensor
-    target: torch.Tensor
-    timesteps: torch.Tensor
-    sigmas: torch.Tensor  # shaped (batch, 1, 1, 1)
-
-
-def _flow_draws(scheduler, batch, *, scaling_factor, shift_factor, weighting_scheme, **density) -> _FlowDraws:
-    """Latents, noise and noise levels of a flow-matching step, drawn in this order (resumable)."""
-    latents = sample_latents(batch["latent_mean"], batch["latent_std"], scaling_factor, shift_factor)
-    noise = torch.randn_like(latents)
-    timesteps, sigmas = flow_sigmas(scheduler, latents.shape[0], weighting_scheme=weighting_scheme, **density)
-    timesteps = timesteps.to(latents.device)
-    sigmas = sigmas.to(latents.device, torch.float32).view(-1, 1, 1, 1)
-    noisy = (1.0 - sigmas) * latents + sigmas * noise
-    return _FlowDraws(latents, noisy, noise - latents, timesteps, sigmas)
-
-
-def _weighted_mse(pred: torch.Tensor, draws: _FlowDraws, weighting_scheme: str) -> torch.Tensor:
-    """Per-sample mean of `weighting x (pred - target)^2` (weights: `compute_loss_weighting_for_sd3`)."""
-    from diffusers.training_utils import compute_loss_weighting_for_sd3
-
-    weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=draws.sigmas).float()
-    return (weighting * (pred.float() - draws.target.float()) ** 2).mean(dim=(1, 2, 3))
+    return (FluxPipeline._unpack_latents(pred, height, width, 1),)
 
 
 def combine_prior(per_sample: torch.Tensor, prior: torch.Tensor, prior_loss_weight: float) -> torch.Tensor:

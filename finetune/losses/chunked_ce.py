@@ -261,13 +261,7 @@ def causal_lm_loss(
     torch.compile; the batch is packed (position_ids) or padded (attention_mask), as the collator
     makes it. Raises FinetuneError for models that transform their logits after the head.
     """
-    labels = next_token_labels(batch["labels"])
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-
-    def loss_sum(hidden, head):
-        return chunked_cross_entropy(hidden, head, labels, chunk_size)
-
-    total, out = _forward_through_head(model, inputs, loss_sum)
+    total, out = _forward_through_head(model, batch, chunked_cross_entropy, chunk_size)
     if torch.is_tensor(num_items):
         num_items = num_items.to(total.device)
     return total / num_items + _router_aux_loss(model, out)
@@ -283,23 +277,21 @@ def causal_lm_token_logps(
     the logits. With gradient unless called under no_grad. Wrappers and refusals as in
     `causal_lm_loss`; MoE router losses are not added.
     """
-    labels = next_token_labels(batch["labels"])
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-
-    def logps(hidden, head):
-        return chunked_token_logps(hidden, head, labels, chunk_size)
-
-    next_logps = _forward_through_head(model, inputs, logps)[0]  # entry t scores labels[t + 1]
+    # Entry t scores labels[t + 1].
+    next_logps = _forward_through_head(model, batch, chunked_token_logps, chunk_size)[0]
     return F.pad(next_logps[..., :-1], (1, 0))
 
 
-def _forward_through_head(model, inputs, compute) -> tuple[torch.Tensor, Any]:
-    """Run `model(**inputs)` with its output head computing `compute(hidden, head)` instead of logits.
+def _forward_through_head(model, batch, chunked, chunk_size) -> tuple[torch.Tensor, Any]:
+    """Run `model` on `batch` less its labels, with its output head computing
+    `chunked(hidden, head, next_token_labels(labels), chunk_size)` instead of logits.
 
     Returns (the head's result as the model handed it back, the model output). The head argument is
     the module itself for a plain Linear (the fused path reads its weight inside the head's call) and
     the head's original forward otherwise (the swapped one would recurse).
     """
+    labels = next_token_labels(batch["labels"])
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
     base = _unwrap(model)
     _refuse_logit_transforms(base.config)
     head = base.get_output_embeddings()
@@ -309,7 +301,7 @@ def _forward_through_head(model, inputs, compute) -> tuple[torch.Tensor, Any]:
     produced: list[torch.Tensor] = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        produced.append(compute(hidden, head_arg))
+        produced.append(chunked(hidden, head_arg, labels, chunk_size))
         return produced[-1]
 
     with _forward_replaced(head, forward):

@@ -229,12 +229,8 @@ def dpo_loss(
     chosen_logratios = policy_chosen_logps - ref_chosen_logps
     rejected_logratios = policy_rejected_logps - ref_rejected_logps
     losses = _smoothed_logistic(beta * (chosen_logratios - rejected_logratios), label_smoothing, smoothing)
-    return PreferenceLoss(
-        losses=losses,
-        chosen_rewards=beta * chosen_logratios.detach(),
-        rejected_rewards=beta * rejected_logratios.detach(),
-        chosen_logps=policy_chosen_logps.detach(),
-        rejected_logps=policy_rejected_logps.detach(),
+    return _paired(
+        losses, beta, chosen_logratios, rejected_logratios, policy_chosen_logps, policy_rejected_logps
     )
 
 
@@ -264,12 +260,9 @@ def ipo_loss(
     chosen_logratios = policy_chosen_logps - ref_chosen_logps
     rejected_logratios = policy_rejected_logps - ref_rejected_logps
     h = _per_token(chosen_logratios, chosen_num_tokens) - _per_token(rejected_logratios, rejected_num_tokens)
-    return PreferenceLoss(
-        losses=(h - 1 / (2 * beta)) ** 2,
-        chosen_rewards=beta * chosen_logratios.detach(),
-        rejected_rewards=beta * rejected_logratios.detach(),
-        chosen_logps=policy_chosen_logps.detach(),
-        rejected_logps=policy_rejected_logps.detach(),
+    losses = (h - 1 / (2 * beta)) ** 2
+    return _paired(
+        losses, beta, chosen_logratios, rejected_logratios, policy_chosen_logps, policy_rejected_logps
     )
 
 
@@ -300,13 +293,7 @@ def simpo_loss(
     chosen_mean = _per_token(policy_chosen_logps, chosen_num_tokens)
     rejected_mean = _per_token(policy_rejected_logps, rejected_num_tokens)
     losses = _smoothed_logistic(beta * (chosen_mean - rejected_mean) - gamma, label_smoothing, "conservative")
-    return PreferenceLoss(
-        losses=losses,
-        chosen_rewards=beta * chosen_mean.detach(),
-        rejected_rewards=beta * rejected_mean.detach(),
-        chosen_logps=chosen_mean.detach(),
-        rejected_logps=rejected_mean.detach(),
-    )
+    return _paired(losses, beta, chosen_mean, rejected_mean, chosen_mean, rejected_mean)
 
 
 def orpo_loss(
@@ -353,12 +340,8 @@ def orpo_loss(
         raise FinetuneError(
             f"orpo nll_reduction must be 'batch' (as TRL) or 'sequence' (as the paper), not {nll_reduction!r}"
         )
-    return PreferenceLoss(
-        losses=nll - beta * F.logsigmoid(log_odds),
-        chosen_rewards=beta * chosen_mean.detach(),
-        rejected_rewards=beta * rejected_mean.detach(),
-        chosen_logps=chosen_mean.detach(),
-        rejected_logps=rejected_mean.detach(),
+    return _paired(
+        nll - beta * F.logsigmoid(log_odds), beta, chosen_mean, rejected_mean, chosen_mean, rejected_mean
     )
 
 
@@ -467,6 +450,26 @@ def preference_metrics(out: PreferenceLoss) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------ helpers
+
+
+def _paired(
+    losses: torch.Tensor,
+    beta: float,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+) -> PreferenceLoss:
+    """A paired loss's result: rewards are beta times `chosen` / `rejected` (the log-ratios, or the
+    reference-free losses' per-token means), the logged log-probs `chosen_logps` / `rejected_logps`;
+    all but `losses` detached."""
+    return PreferenceLoss(
+        losses=losses,
+        chosen_rewards=beta * chosen.detach(),
+        rejected_rewards=beta * rejected.detach(),
+        chosen_logps=chosen_logps.detach(),
+        rejected_logps=rejected_logps.detach(),
+    )
 
 
 def _smoothed_logistic(z: torch.Tensor, label_smoothing: float, smoothing: Smoothing) -> torch.Tensor:

@@ -202,6 +202,20 @@ class TokenizedEntry(_Entry):
     type: Annotated[Literal["tokenized"], Field(description=_TYPE_DESCRIPTION)]
 
 
+# Preference and kto entries score completions given a prompt: what they share.
+_SCORED_NOT_READ = {
+    "train_on_inputs": "it scores only completions, given their prompt, which is never trained"
+}
+
+
+def _scored_prompt(whole: str) -> Any:
+    return Field(
+        "prompt",
+        description="Column with the prompt (a string or a list of messages); may be left out of the data "
+        f"when {whole}.",
+    )
+
+
 def _scored_problems(entry: PreferenceEntry | KtoEntry, ok: Callable[..., bool]) -> list[Problem]:
     if ok("train_on_eos") and entry.train_on_eos == "all":
         message = (
@@ -216,16 +230,10 @@ class PreferenceEntry(_Entry):
     """A preference pair: `{"prompt": "2+2?", "chosen": "4", "rejected": "5"}` (strings or lists of messages)."""
 
     kind = "preference"
-    not_read: ClassVar[dict[str, str]] = {
-        "train_on_inputs": "it scores only completions, given their prompt, which is never trained"
-    }
+    not_read = _SCORED_NOT_READ
 
     type: Annotated[Literal["preference"], Field(description=_TYPE_DESCRIPTION)]
-    field_prompt: str = Field(
-        "prompt",
-        description="Column with the prompt (a string or a list of messages); may be left out of the data "
-        "when chosen and rejected are whole conversations.",
-    )
+    field_prompt: str = _scored_prompt("chosen and rejected are whole conversations")
     field_chosen: str = Field(
         "chosen", description="Column with the preferred completion (a string or a list of messages)."
     )
@@ -250,16 +258,10 @@ class KtoEntry(_Entry):
     """A completion labelled desirable or not: `{"prompt": "2+2?", "completion": "4", "label": true}`."""
 
     kind = "kto"
-    not_read: ClassVar[dict[str, str]] = {
-        "train_on_inputs": "it scores only completions, given their prompt, which is never trained"
-    }
+    not_read = _SCORED_NOT_READ
 
     type: Annotated[Literal["kto"], Field(description=_TYPE_DESCRIPTION)]
-    field_prompt: str = Field(
-        "prompt",
-        description="Column with the prompt (a string or a list of messages); may be left out of the data "
-        "when the completion is a whole conversation.",
-    )
+    field_prompt: str = _scored_prompt("the completion is a whole conversation")
     field_completion: str = Field(
         "completion", description="Column with the completion (a string or a list of messages)."
     )

@@ -19,7 +19,7 @@ import datasets
 
 from finetune.data import encode
 from finetune.data.encode import Encoder
-from finetune.data.rows import WRONG_TYPE, BadRow, Example, pair, text
+from finetune.data.rows import WRONG_TYPE, BadRow, Example, optional_column, pair, text
 
 ALPACA_PROMPT_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -63,9 +63,7 @@ def columns(entry: Any, column_names: Sequence[str]) -> dict[str, str]:
     """{entry field: column} of the columns read; the input only when the data has it, unless the
     recipe names it (then a missing one is an error, not a silent fallback to no input)."""
     cols = {"field_instruction": entry.field_instruction, "field_output": entry.field_output}
-    if entry.field_input in column_names or "field_input" in getattr(entry, "model_fields_set", set()):
-        cols["field_input"] = entry.field_input
-    return cols
+    return cols | optional_column(entry, "field_input", column_names)
 
 
 def pairs(batch: dict[str, list], entry: Any) -> list[tuple[str, str] | BadRow]:
@@ -100,12 +98,4 @@ def renders_chat(entry: Any, features: datasets.Features) -> bool:
 
 def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example | BadRow]:
     """The pairs as prompt and completion, or as a chat (encode.pair_examples)."""
-    return encode.pair_examples(
-        pairs(batch, entry),
-        enc,
-        chat=entry.apply_chat_template,
-        field=entry.field_output,
-        train_on_inputs=entry.train_on_inputs,
-        train_on_eos=entry.train_on_eos,
-        roles_to_train=entry.roles_to_train,
-    )
+    return encode.pair_examples(pairs(batch, entry), enc, entry, field=entry.field_output)

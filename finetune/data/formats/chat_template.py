@@ -69,11 +69,4 @@ def renders_chat(entry: Any, features: datasets.Features) -> bool:
 
 def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example | BadRow]:
     """Each conversation rendered and masked (encode.chat_examples)."""
-    return encode.chat_examples(
-        conversations(batch, entry),
-        enc,
-        field=entry.field_messages,
-        roles_to_train=entry.roles_to_train,
-        train_on_eos=entry.train_on_eos,
-        train_on_inputs=entry.train_on_inputs,
-    )
+    return encode.chat_examples(conversations(batch, entry), enc, entry, field=entry.field_messages)

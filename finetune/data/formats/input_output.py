@@ -48,12 +48,4 @@ def renders_chat(entry: Any, features: datasets.Features) -> bool:
 
 def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example | BadRow]:
     """The pairs as prompt and completion, or as a chat (encode.pair_examples)."""
-    return encode.pair_examples(
-        pairs(batch, entry),
-        enc,
-        chat=entry.apply_chat_template,
-        field=entry.field_completion,
-        train_on_inputs=entry.train_on_inputs,
-        train_on_eos=entry.train_on_eos,
-        roles_to_train=entry.roles_to_train,
-    )
+    return encode.pair_examples(pairs(batch, entry), enc, entry, field=entry.field_completion)

@@ -23,10 +23,9 @@ from typing import Any
 import datasets
 
 from finetune.data import completions
-from finetune.data.chat import known_roles, message_keys
 from finetune.data.completions import CompletionsRow
 from finetune.data.encode import Encoder
-from finetune.data.rows import MISSING_FIELD, NOT_A_BOOLEAN, BadRow, Example
+from finetune.data.rows import MISSING_FIELD, NOT_A_BOOLEAN, BadRow, Example, optional_column
 
 FEATURES = {"desirable": datasets.Value("bool"), "prompt_len": datasets.Value("int32")}
 """Per-example columns besides input_ids and labels: the label, and where the completion starts."""
@@ -36,27 +35,20 @@ def columns(entry: Any, column_names: Sequence[str]) -> dict[str, str]:
     """{entry field: column} of the columns read; the prompt only when the data has it, unless the
     recipe names it."""
     cols = {"field_completion": entry.field_completion, "field_label": entry.field_label}
-    if entry.field_prompt in column_names or "field_prompt" in getattr(entry, "model_fields_set", set()):
-        cols["field_prompt"] = entry.field_prompt
-    return cols
+    return cols | optional_column(entry, "field_prompt", column_names)
 
 
 def rows(batch: dict[str, list], entry: Any) -> list[CompletionsRow | BadRow]:
-    """(prompt, (completion,), desirable) per row, or why it can't be used."""
-    keys = message_keys(entry)
-    known = known_roles(keys.role_map)
-    prompts = completions.prompts(batch, entry.field_prompt, keys, known)
+    """(prompt, (completion,), desirable) per row, or why it can't be used (the prompt's or the
+    completion's problem before the label's)."""
+    parsed = completions.parsed_rows(batch, entry, (entry.field_completion,))
     out: list[CompletionsRow | BadRow] = []
-    for prompt, completion, label in zip(
-        prompts, batch[entry.field_completion], batch[entry.field_label], strict=True
-    ):
-        values = [
-            prompt,
-            completions.turns(completion, entry.field_completion, keys, known),
-            boolean(label, entry.field_label),
-        ]
-        bad = next((v for v in values if isinstance(v, BadRow)), None)
-        out.append(bad if bad is not None else CompletionsRow(values[0], (values[1],), values[2]))
+    for row, label in zip(parsed, batch[entry.field_label], strict=True):
+        desirable = boolean(label, entry.field_label)
+        if isinstance(row, BadRow) or isinstance(desirable, BadRow):
+            out.append(row if isinstance(row, BadRow) else desirable)
+        else:
+            out.append(CompletionsRow(row.prompt, row.completions, desirable))
     return out
 
 
@@ -73,19 +65,12 @@ def boolean(value: Any, field: str) -> bool | BadRow:
 
 def renders_chat(entry: Any, features: datasets.Features) -> bool:
     """With ``apply_chat_template``, or when a column read holds lists of messages."""
-    return entry.apply_chat_template or completions.has_messages(
-        features, columns(entry, list(features)).values()
-    )
+    return completions.renders_chat(entry, features, columns)
 
 
 def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example | BadRow]:
     """Each example (completions.completion_examples)."""
+    # One completion: no shared prefix to mismatch, so mismatch_field is never named.
     return completions.completion_examples(
-        rows(batch, entry),
-        enc,
-        apply_chat_template=entry.apply_chat_template,
-        field=entry.field_completion,
-        mismatch_field=entry.field_completion,  # one completion: no shared prefix to mismatch
-        roles_to_train=entry.roles_to_train,
-        train_on_eos=entry.train_on_eos,
+        rows(batch, entry), enc, entry, field=entry.field_completion, mismatch_field=entry.field_completion
     )

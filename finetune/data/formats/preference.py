@@ -24,10 +24,9 @@ from typing import Any
 import datasets
 
 from finetune.data import completions
-from finetune.data.chat import known_roles, message_keys
 from finetune.data.completions import CompletionsRow
 from finetune.data.encode import Encoder
-from finetune.data.rows import IDENTICAL_COMPLETIONS, BadRow, Example
+from finetune.data.rows import IDENTICAL_COMPLETIONS, BadRow, Example, optional_column
 
 FEATURES = {"chosen_len": datasets.Value("int32")}
 """Per-example column besides input_ids and labels: the length of the chosen sequence."""
@@ -37,52 +36,27 @@ def columns(entry: Any, column_names: Sequence[str]) -> dict[str, str]:
     """{entry field: column} of the columns read; the prompt only when the data has it, unless the
     recipe names it."""
     cols = {"field_chosen": entry.field_chosen, "field_rejected": entry.field_rejected}
-    if entry.field_prompt in column_names or "field_prompt" in getattr(entry, "model_fields_set", set()):
-        cols["field_prompt"] = entry.field_prompt
-    return cols
+    return cols | optional_column(entry, "field_prompt", column_names)
 
 
 def rows(batch: dict[str, list], entry: Any) -> list[CompletionsRow | BadRow]:
     """(prompt, (chosen, rejected)) per row. A missing or null value is a bad row; an empty
     completion, or chosen equal to rejected, is a counted drop (the pair would train nothing)."""
-    keys = message_keys(entry)
-    known = known_roles(keys.role_map)
-    prompts = completions.prompts(batch, entry.field_prompt, keys, known)
-    out: list[CompletionsRow | BadRow] = []
-    for prompt, chosen, rejected in zip(
-        prompts, batch[entry.field_chosen], batch[entry.field_rejected], strict=True
-    ):
-        values = [
-            prompt,
-            completions.turns(chosen, entry.field_chosen, keys, known),
-            completions.turns(rejected, entry.field_rejected, keys, known),
-        ]
-        bad = next((v for v in values if isinstance(v, BadRow)), None)
-        if bad is not None:
-            out.append(bad)
-        elif values[1] == values[2]:
+    out = completions.parsed_rows(batch, entry, (entry.field_chosen, entry.field_rejected))
+    for k, row in enumerate(out):
+        if not isinstance(row, BadRow) and row.completions[0] == row.completions[1]:
             detail = f"{entry.field_chosen!r} and {entry.field_rejected!r} are the same: the pair would train nothing"
-            out.append(BadRow(entry.field_rejected, IDENTICAL_COMPLETIONS, detail, malformed=False))
-        else:
-            out.append(CompletionsRow(values[0], (values[1], values[2])))
+            out[k] = BadRow(entry.field_rejected, IDENTICAL_COMPLETIONS, detail, malformed=False)
     return out
 
 
 def renders_chat(entry: Any, features: datasets.Features) -> bool:
     """With ``apply_chat_template``, or when a column read holds lists of messages."""
-    return entry.apply_chat_template or completions.has_messages(
-        features, columns(entry, list(features)).values()
-    )
+    return completions.renders_chat(entry, features, columns)
 
 
 def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example | BadRow]:
     """Each pair as one example, chosen then rejected (completions.completion_examples)."""
     return completions.completion_examples(
-        rows(batch, entry),
-        enc,
-        apply_chat_template=entry.apply_chat_template,
-        field=entry.field_chosen,
-        mismatch_field=entry.field_rejected,
-        roles_to_train=entry.roles_to_train,
-        train_on_eos=entry.train_on_eos,
+        rows(batch, entry), enc, entry, field=entry.field_chosen, mismatch_field=entry.field_rejected
     )
