@@ -328,15 +328,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.command == "eval":
         from finetune.evaluation.command import run_eval
 
-        return run_eval(
-            recipe,
-            recipe_path=args.recipe,
-            adapters=args.adapter,
-            model=args.model,
-            no_base=args.no_base,
-            output=args.output,
-            progress=not args.no_progress,
-        )
+        return run_eval(recipe, args)
     if args.command == "plan":
         from finetune.plan import format_plan, make_plan, plan_json
 

@@ -391,12 +391,9 @@ def load_adapter(adapter: Path, *, base: str | None = None, dtype: str = "auto")
     base_path = base or peft_config.base_model_name_or_path
     if not base_path:
         raise FinetuneError(f"{adapter}: the adapter names no base model; pass --base PATH")
-    base_path = resolve_path(base_path)
-    net = _load_causal_lm(
-        base_path,
-        dtype,
-        failure=f"could not load the base model {base_path!r} of {adapter}",
-        fix="Pass --base PATH if it moved (for a GGUF base, the .gguf file: it is converted again).",
+    fix = "Pass --base PATH if it moved (for a GGUF base, the .gguf file: it is converted again)."
+    net, base_path = _load_causal_lm(
+        base_path, dtype, f"could not load the base model {{}} of {adapter}", fix
     )
     tokenizer = _load_tokenizer_or_none(
         str(adapter) if (adapter / "tokenizer_config.json").is_file() else base_path
@@ -429,12 +426,9 @@ def load_for_inference(
     else:
         if base is not None:
             raise FinetuneError(f"{path}: a base model was given, but this is not an adapter folder")
-        source = resolve_path(path)
-        net = _load_causal_lm(
-            source,
-            dtype,
-            failure=f"{path}: not an adapter folder (no adapter_config.json) and no model loads from it",
-            fix="Point at a folder training wrote, a Hub id, or a .gguf file.",
+        failure = f"{path}: not an adapter folder (no adapter_config.json) and no model loads from it"
+        net, source = _load_causal_lm(
+            path, dtype, failure, "Point at a folder training wrote, a Hub id, or a .gguf file."
         )
         tokenizer = _load_tokenizer_or_none(source)
     tokenizer = given if given is not None else tokenizer
@@ -463,14 +457,17 @@ def base_model_source(model: ModelSection, *, adapter: str | None = None) -> str
     )
 
 
-def _load_causal_lm(source: str, dtype: str, *, failure: str, fix: str):
-    """AutoModelForCausalLM.from_pretrained, with a loading failure said as `failure: reason. fix`."""
+def _load_causal_lm(location: str, dtype: str, failure: str, fix: str):
+    """(model, the folder or Hub id it loaded from): AutoModelForCausalLM.from_pretrained on `location`
+    made loadable (a GGUF file or package:// reference converted, `resolve_path`); a loading failure
+    is said as `failure` (with the resolved location in place of `{}`), the reason, then `fix`."""
     from transformers import AutoModelForCausalLM
 
+    source = resolve_path(location)
     try:
-        return AutoModelForCausalLM.from_pretrained(source, dtype=_load_dtype(dtype))
+        return AutoModelForCausalLM.from_pretrained(source, dtype=_load_dtype(dtype)), source
     except OSError as exc:
-        raise FinetuneError(f"{failure}: {exc}. {fix}") from None
+        raise FinetuneError(f"{failure.format(repr(source))}: {exc}. {fix}") from None
 
 
 def _load_dtype(dtype: str):

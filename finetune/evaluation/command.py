@@ -128,14 +128,13 @@ def model_labels(targets: list[str]) -> list[str]:
     return labels
 
 
-def run_eval(
-    recipe, *, recipe_path: str, adapters: list[str] | None, model: str | None, no_base: bool,
-    output: str | None, progress: bool,
-) -> int:  # fmt: skip
-    """`finetune eval`: the models to compare, the held-out split, the generation sets -> table.
+def run_eval(recipe, args) -> int:
+    """`finetune eval` with its parsed command line `args` (finetune/cli.py): the models to compare,
+    the held-out split, the generation sets -> table.
 
     Several adapters (`--adapter A --adapter B`, e.g. an SFT run and a GRPO run on top of it) are
     scored side by side with the base, each in its own column."""
+    adapters, model, no_base = args.adapter, args.model, args.no_base
     from finetune.evaluation.report import evaluate_models, format_table, write_report
     from finetune.model import base_model_source, inference_device, load_for_inference, load_tokenizer
 
@@ -165,13 +164,14 @@ def run_eval(
         eval_batches=held_out.get("eval_batches"),
         sets=recipe.eval.generation_sets,
         batch_size=recipe.eval.batch_size,
-        progress=progress,
+        progress=not args.no_progress,
         say=_say,
         score=held_out.get("score"),
     )
-    path = Path(output) if output else Path(targets[-1] if targets else recipe.train.output_dir) / "eval.json"
+    default = Path(targets[-1] if targets else recipe.train.output_dir) / "eval.json"
+    path = Path(args.output) if args.output else default
     names = {"base": recipe.model.model_path, **dict(zip(model_labels(targets), targets, strict=True))}
-    write_report(results, path, recipe=recipe_path, models=names)
+    write_report(results, path, recipe=args.recipe, models=names)
     print(format_table(results))
     print(f"\nfull results and every sample: {path}")
     return 0

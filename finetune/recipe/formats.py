@@ -226,11 +226,26 @@ def _scored_problems(entry: PreferenceEntry | KtoEntry, ok: Callable[..., bool])
     return []
 
 
-class PreferenceEntry(_Entry):
+class _ScoredEntry(_Entry):
+    """The fields of the entries whose completions a preference loss scores (preference, kto): how
+    their messages are read and which of their turns are scored."""
+
+    not_read = _SCORED_NOT_READ
+
+    message_field_role: MessageRole
+    message_field_content: MessageContent
+    role_map: RoleMap
+    roles_to_train: RolesToTrain
+    train_on_eos: TrainOnEos
+
+    def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
+        return super()._problems(ok) + _scored_problems(self, ok)
+
+
+class PreferenceEntry(_ScoredEntry):
     """A preference pair: `{"prompt": "2+2?", "chosen": "4", "rejected": "5"}` (strings or lists of messages)."""
 
     kind = "preference"
-    not_read = _SCORED_NOT_READ
 
     type: Annotated[Literal["preference"], Field(description=_TYPE_DESCRIPTION)]
     field_prompt: str = _scored_prompt("chosen and rejected are whole conversations")
@@ -240,25 +255,16 @@ class PreferenceEntry(_Entry):
     field_rejected: str = Field(
         "rejected", description="Column with the dispreferred completion (a string or a list of messages)."
     )
-    message_field_role: MessageRole
-    message_field_content: MessageContent
-    role_map: RoleMap
-    roles_to_train: RolesToTrain
-    train_on_eos: TrainOnEos
     apply_chat_template: bool = _apply_chat_template(
         "a string prompt as a user turn, chosen and rejected each as an assistant turn (rows whose fields are "
         "lists of messages are always rendered with the template)"
     )
 
-    def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
-        return super()._problems(ok) + _scored_problems(self, ok)
 
-
-class KtoEntry(_Entry):
+class KtoEntry(_ScoredEntry):
     """A completion labelled desirable or not: `{"prompt": "2+2?", "completion": "4", "label": true}`."""
 
     kind = "kto"
-    not_read = _SCORED_NOT_READ
 
     type: Annotated[Literal["kto"], Field(description=_TYPE_DESCRIPTION)]
     field_prompt: str = _scored_prompt("the completion is a whole conversation")
@@ -266,18 +272,10 @@ class KtoEntry(_Entry):
         "completion", description="Column with the completion (a string or a list of messages)."
     )
     field_label: str = Field("label", description="Boolean column, true when the completion is desirable.")
-    message_field_role: MessageRole
-    message_field_content: MessageContent
-    role_map: RoleMap
-    roles_to_train: RolesToTrain
-    train_on_eos: TrainOnEos
     apply_chat_template: bool = _apply_chat_template(
         "a string prompt as a user turn, the completion as an assistant turn (rows whose fields are lists of "
         "messages are always rendered with the template)"
     )
-
-    def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
-        return super()._problems(ok) + _scored_problems(self, ok)
 
 
 class PromptEntry(_Entry):
