@@ -31,12 +31,12 @@ def rows(num_rows: int, seed: int) -> list[dict[str, str]]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-rows", type=int, default=256)
     parser.add_argument("--out", type=Path, default=HERE / "data" / "prompts.jsonl")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     lines = [json.dumps(row) for row in rows(args.num_rows, args.seed)]
     args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"wrote {len(lines)} prompts to {args.out}")
