@@ -175,3 +175,23 @@ def test_sampling_temperature_scales_the_trained_log_probs():
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
     logits = forward(policy, inputs).logits / 0.5
     torch.testing.assert_close(logps, token_logps(logits, batch["labels"]))
+
+
+@pytest.mark.parametrize("kind, stage", [("FSDP", None), ("DEEPSPEED", 3)])
+def test_generation_under_sharded_weights_is_refused_clearly(kind, stage):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from finetune.errors import FinetuneError
+    from finetune.objectives.grpo import _refuse_sharded_generation
+
+    plugin = SimpleNamespace(zero_stage=stage)
+    acc = SimpleNamespace(
+        distributed_type=getattr(DistributedType, kind), state=SimpleNamespace(deepspeed_plugin=plugin)
+    )
+    with pytest.raises(FinetuneError, match="use DDP, ZeRO-1/2, or LoRA"):
+        _refuse_sharded_generation(acc)
+    plugin.zero_stage = 2
+    if kind == "DEEPSPEED":
+        _refuse_sharded_generation(acc)  # ZeRO-2 keeps whole weights on every process: generation works
