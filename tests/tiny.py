@@ -38,3 +38,17 @@ def sequences() -> list[dict]:
         labels[0] = -100  # the first token of a sequence is never predicted
         out.append({"input_ids": ids, "labels": labels})
     return out
+
+
+def loss_test_model(attn: str = "sdpa") -> torch.nn.Module:
+    """The tiny Llama the loss tests compare with TRL and with padded layouts: a 64-token vocabulary,
+    hidden 32, and initializer_range 0.2 (larger than the default, so the logits are far from uniform
+    and the log-ratios the losses see are not all near zero)."""
+    return tiny_model(
+        attn,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+    )

@@ -13,20 +13,14 @@ import torch
 from finetune.losses import policy_gradient as pg
 from finetune.losses.causal_lm import forward
 from finetune.losses.preference import token_logps
-from tests.tiny import tiny_model
+from tests.tiny import loss_test_model
 
 VOCAB = 64
 LOSS_TYPES = ["grpo", "dr_grpo", "dapo", "bnpo"]
 
 
 def tiny_llama() -> torch.nn.Module:
-    return tiny_model(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-    )
+    return loss_test_model()
 
 
 def rollout(seed: int = 0, batch: int = 4, prompt_len: int = 3, completion_len: int = 6) -> dict:

@@ -21,7 +21,7 @@ from finetune.data.collate import collate_rows
 from finetune.errors import FinetuneError
 from finetune.losses import preference as pref
 from finetune.losses.causal_lm import forward
-from tests.tiny import tiny_model
+from tests.tiny import loss_test_model
 
 VOCAB = 64
 # fp32 end to end: TRL's fused LM head computes log-probs in fp32 whatever the model dtype.
@@ -33,11 +33,7 @@ GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def tiny_llama(attn: str = "sdpa") -> torch.nn.Module:
-    # initializer_range larger than the default so the logits are far from uniform
-    return tiny_model(
-        attn, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=256,
-        initializer_range=0.2,
-    )  # fmt: skip
+    return loss_test_model(attn)
 
 
 def policy_and_reference(attn: str = "sdpa") -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -16,19 +16,13 @@ from finetune.losses.causal_lm import forward
 from finetune.losses.preference import token_logps
 from finetune.objectives.grpo import GRPOObjective, RolloutBuffer, completion_seed, pack_completions
 from finetune.recipe.grpo import GrpoSection
-from tests.tiny import tiny_model
+from tests.tiny import loss_test_model
 
 VOCAB = 64
 
 
 def tiny_llama() -> torch.nn.Module:
-    return tiny_model(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-    )
+    return loss_test_model()
 
 
 def sequences(n: int = 6, seed: int = 0) -> list[tuple[list[int], list[int], bool, float]]:

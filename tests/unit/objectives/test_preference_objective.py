@@ -21,7 +21,7 @@ from finetune.objectives.preference import PreferenceObjective
 from finetune.objectives.reference import cache_path, load_or_compute, reference_key
 from finetune.recipe import validate_recipe
 from tests.fakes import cpu_accelerator, fake_run
-from tests.tiny import tiny_model
+from tests.tiny import loss_test_model
 
 VOCAB, PAD, IGNORE = 64, 0, -100
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -31,10 +31,7 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def tiny_llama() -> torch.nn.Module:
-    return tiny_model(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=256,
-        initializer_range=0.2,
-    )  # fmt: skip
+    return loss_test_model()
 
 
 def with_lora(model: torch.nn.Module) -> torch.nn.Module:
