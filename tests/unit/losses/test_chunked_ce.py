@@ -5,6 +5,7 @@ label; no [tokens x vocab] tensor is ever made; wrappers (DDP, torch.compile) an
 from __future__ import annotations
 
 import copy
+import gc
 import socket
 from types import SimpleNamespace
 
@@ -356,6 +357,7 @@ def test_ddp_matches_model_loss(find_unused):
     batch = packed_batch()
     ref_loss, ref_grads = model_reference(model, batch, trainable_count(batch))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    ddp = None
     try:
         ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=find_unused)
         for _ in range(2):  # the second call skips the (once per head) value check
@@ -364,6 +366,10 @@ def test_ddp_matches_model_loss(find_unused):
             loss.backward()
             assert_same(loss.detach(), grads_of(model), ref_loss, ref_grads)
     finally:
+        # The DDP wrapper (its reducer holds the gloo group) goes before the group: freed after it, the
+        # group's destructor waits for worker threads of a store that is gone, and the test hangs.
+        del ddp
+        gc.collect()
         dist.destroy_process_group()
 
 
