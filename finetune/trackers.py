@@ -91,14 +91,21 @@ def _installed(name: str) -> bool:
 
 
 def check_available(names: Sequence[str]) -> list[str]:
-    """Refuse a tracker that is not installed (naming the package); returns a note for each tracker
-    that takes only numbers or no images (what it misses stays in progress.jsonl and output_dir/samples),
-    for the run to print once."""
+    """Refuse a tracker that is not installed (naming the package); returns `missing_notes(names)`."""
+    for name in names:
+        if not _installed(name):
+            raise FinetuneError(
+                f"train.report_to: {name} is not installed (pip install {TRACKERS[name].package})"
+            )
+    return missing_notes(names)
+
+
+def missing_notes(names: Sequence[str]) -> list[str]:
+    """A note for each tracker that takes only numbers or no images (what it misses stays in
+    progress.jsonl and output_dir/samples), for the run to print once."""
     notes = []
     for name in names:
         spec = TRACKERS[name]
-        if not _installed(name):
-            raise FinetuneError(f"train.report_to: {name} is not installed (pip install {spec.package})")
         missing = [what for what, how in (("tables", spec.table), ("images", spec.images)) if how is None]
         if missing:
             notes.append(
@@ -110,10 +117,10 @@ def check_available(names: Sequence[str]) -> list[str]:
 
 def start(accelerator, names: Sequence[str], *, run_name: str, config: dict[str, Any]) -> None:
     """Start the trackers of `train.report_to` on the main process with the run's flat settings, and
-    say once what a tracker will not receive."""
+    say once what a tracker will not receive (make_accelerator has checked they are installed)."""
     if names and accelerator.is_main_process:
         accelerator.init_trackers(run_name, config=config)
-        for note in check_available(names):
+        for note in missing_notes(names):
             accelerator.print(note)
 
 

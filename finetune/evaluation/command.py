@@ -62,20 +62,13 @@ def _preference_split(recipe, prepared) -> dict[str, Any]:
 
 def _reward_split(recipe, prepared) -> dict[str, Any]:
     """Online RL: greedy completions of the held-out prompts, scored by the recipe's rewards."""
-    from finetune.generation.rewards import build_rewards
-    from finetune.objectives.grpo import eval_rewards, recipe_folder
+    from finetune.objectives.grpo import eval_rewards, rewards_for
 
     settings = recipe.grpo
     rows = list(prepared.eval)
 
     def score(model_name: str, model, tokenizer) -> dict[str, Any]:
-        count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-        rewards = build_rewards(
-            settings.rewards,
-            max_new_tokens=settings.max_new_tokens,
-            count_tokens=count,
-            base=recipe_folder(recipe),
-        )
+        rewards = rewards_for(recipe, tokenizer)
         fields = eval_rewards(
             model,
             tokenizer,

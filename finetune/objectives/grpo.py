@@ -57,7 +57,7 @@ class GRPOObjective:
     """GRPO of a transformers causal LM (full, LoRA, QLoRA) on prompts, with rewards."""
 
     name = "grpo"
-    summary_keys = ("completions",)
+    summary_keys = ("trained_completions",)
     batches_per_window = 1  # one loader item per step: this process's prompts (see `rollout`)
 
     def __init__(self, recipe):
@@ -103,12 +103,7 @@ class GRPOObjective:
         )
         self.reference.attach(model, accelerator)
         self.stops = stop_token_ids(self.tokenizer, model)
-        self.rewards = build_rewards(
-            self.settings.rewards,
-            max_new_tokens=self.settings.max_new_tokens,
-            count_tokens=lambda text: len(self.tokenizer(text, add_special_tokens=False)["input_ids"]),
-            base=recipe_folder(self.recipe),
-        )
+        self.rewards = rewards_for(self.recipe, self.tokenizer)
         check_reward_columns(self.settings.rewards, prepared.train)
         train_loader = prompt_loader(
             prepared.train,
@@ -175,7 +170,8 @@ class GRPOObjective:
             mask_truncated=settings.mask_truncated_completions,
         )
         self._fill_log_probs(model, batches)
-        self.buffer.keep(key, batches)
+        if settings.num_iterations > 1:  # reused on the next steps (and checkpointed)
+            self.buffer.keep(key, batches)
         self._keep_samples(prompts, texts, per_reward, total, step)
         return batches, self._rollout_stats(per_reward, total, flat_groups, flat)
 
@@ -306,7 +302,8 @@ class GRPOObjective:
             return {}
         seq_sq, seq = seq_stats(batch)
         real = int(batch["prompt_tokens"].sum() + batch["completion_tokens"].sum())
-        return {"tokens": real, "seq_sq": seq_sq, "seq": seq}
+        trained = int(batch["num_sequences"].sum())  # this process's (the rollout stats are global)
+        return {"tokens": real, "seq_sq": seq_sq, "seq": seq, "trained_completions": trained}
 
     def log_fields(self, interval: dict[str, float], elapsed: float, totals: dict[str, float]) -> dict:
         """Throughput over the training time (rollout time apart), rewards, lengths and samples."""
@@ -489,16 +486,11 @@ def prompt_loader(
         drop_last=drop_last,
     )
     return torch.utils.data.DataLoader(
-        _with_row_index(rows).select_columns(["input_ids", "row", "row_index"]),
+        lm.with_row_index(rows).select_columns(["input_ids", "row", "row_index"]),
         batch_sampler=RepeatBatchSampler(sampler, repeat),
         collate_fn=list,
         generator=torch.Generator().manual_seed(seed),
     )
-
-
-def _with_row_index(rows):
-    """The prepared prompt rows with their index (what seeds their completions)."""
-    return rows if "row_index" in rows.column_names else rows.add_column("row_index", list(range(len(rows))))
 
 
 def check_reward_columns(specs, rows) -> None:
@@ -524,6 +516,18 @@ def _refuse_sharded_generation(accelerator) -> None:
             "train.objective grpo samples with the training model, which FSDP and ZeRO-3 shard (every generated "
             "token would gather all weights): use DDP, ZeRO-1/2, or LoRA on one device per process"
         )
+
+
+def rewards_for(recipe, tokenizer) -> list:
+    """The recipe's grpo.rewards, ready to score: functions imported (beside the recipe first), the
+    length reward counting tokens with `tokenizer`."""
+    settings = recipe.grpo
+    return build_rewards(
+        settings.rewards,
+        max_new_tokens=settings.max_new_tokens,
+        count_tokens=lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
+        base=recipe_folder(recipe),
+    )
 
 
 def recipe_folder(recipe) -> Path | None:

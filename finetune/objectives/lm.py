@@ -68,6 +68,12 @@ def evaluate_lm(objective, model, step: int, held_out=None) -> dict[str, Any]:
     return metrics
 
 
+def with_row_index(rows):
+    """Prepared rows with their index in the split as a `row_index` column (precomputed reference
+    log-probs are looked up by it; online RL seeds a prompt's completions with it)."""
+    return rows if "row_index" in rows.column_names else rows.add_column("row_index", list(range(len(rows))))
+
+
 def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, dict[str, Any]]:
     """(the causal LM to train, not yet prepared; its parameter counts for FLOPs): pretrained or
     random-init weights, LoRA / QLoRA adapters (a random-init base is saved with the tokenizer to

@@ -100,11 +100,11 @@ class PreferenceObjective:
             self.model_settings, self.lora, self.train, self.tokenizer, accelerator
         )
         self.reference.attach(model, accelerator)
-        train_rows = _with_row_index(self.prepared.train)
+        train_rows = lm.with_row_index(self.prepared.train)
         train_loader = self._loader(train_rows, training=True)
         lm.check_batches(accelerator, train_loader, len(train_rows), self.train.micro_batch_size)
         if self.prepared.eval is not None and len(self.prepared.eval) > 0:
-            self.eval_loader = self._loader(_with_row_index(self.prepared.eval), training=False)
+            self.eval_loader = self._loader(lm.with_row_index(self.prepared.eval), training=False)
         lm.finish_build(self, accelerator, held_out=self.eval_loader is not None)
         return Parts(model=model, train_loader=train_loader, manifest=self.manifest)
 
@@ -147,9 +147,9 @@ class PreferenceObjective:
             self.model_settings, mixed_precision=self.train.mixed_precision, seed=self.train.seed
         )
         path = cache_path(Path(self.data.dataset_prepared_path), self.manifest["fingerprint"], key)
-        splits = {"train": _with_row_index(self.prepared.train)}
+        splits = {"train": lm.with_row_index(self.prepared.train)}
         if self.prepared.eval is not None and len(self.prepared.eval):
-            splits["eval"] = _with_row_index(self.prepared.eval)
+            splits["eval"] = lm.with_row_index(self.prepared.eval)
 
         def make_batches(rows):
             # In order, not sharded: load_or_compute gives each process its rows.
@@ -461,11 +461,6 @@ def eval_means(sums: dict[str, float], *, paired: bool, unit: str) -> dict[str, 
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-
-def _with_row_index(rows):
-    """The prepared rows with their index (where precomputed reference log-probs are looked up)."""
-    return rows if "row_index" in rows.column_names else rows.add_column("row_index", list(range(len(rows))))
 
 
 def _model_inputs(batch: dict) -> dict:

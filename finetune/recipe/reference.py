@@ -143,15 +143,10 @@ def _key_field(models: list[type[BaseModel]], key: str) -> FieldInfo:
 
 def _fixed_on_resume(model: type[BaseModel]) -> set[str]:
     """The fields of a section that a resumed run may not change (finetune.recipe.resume's marks)."""
-    marks = {
-        name: (info.json_schema_extra or {}).get("fixed_on_resume")
-        if isinstance(info.json_schema_extra, dict)
-        else None
-        for name, info in model.model_fields.items()
-    }
-    if getattr(model, "fixed_on_resume", False):
-        return {name for name, mark in marks.items() if mark is not False}
-    return {name for name, mark in marks.items() if mark is True}
+    from finetune.recipe.base import _Section
+    from finetune.recipe.resume import fixed_fields
+
+    return fixed_fields(model) if issubclass(model, _Section) else set()
 
 
 def _table(fields: list[tuple[str, FieldInfo]], *, fixed: set[str] = frozenset()) -> str:

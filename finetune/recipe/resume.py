@@ -35,6 +35,13 @@ def _marked(field, value: bool) -> bool:
     return isinstance(extra, dict) and extra.get("fixed_on_resume") is value
 
 
+def fixed_fields(section: type[_Section]) -> set[str]:
+    """The fields of `section` a resumed run may not change (its marks, or all but FREE_ON_RESUME)."""
+    if section.fixed_on_resume:
+        return {n for n, f in section.model_fields.items() if not _marked(f, False)}
+    return {n for n, f in section.model_fields.items() if _marked(f, True)}
+
+
 def _section_class(annotation) -> type[_Section] | None:
     for candidate in (annotation, *typing.get_args(annotation)):
         if isinstance(candidate, type) and issubclass(candidate, _Section):
