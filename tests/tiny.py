@@ -52,3 +52,65 @@ def loss_test_model(attn: str = "sdpa") -> torch.nn.Module:
         max_position_embeddings=256,
         initializer_range=0.2,
     )
+
+
+def tiny_gguf(path, *, metadata: dict[str, str] | None = None, seed: int = 0):
+    """Write a tiny Llama GGUF file at `path` (F32 weights, ~240 KB) with the demo's BPE tokenizer and
+    ChatML template, as llama.cpp's converter lays one out; `metadata` adds string keys
+    (general.source.url ...). Returns `path`. Needs the gguf package."""
+    import json
+    from pathlib import Path
+
+    import gguf
+    import numpy as np
+
+    tokenizer_dir = Path(__file__).resolve().parents[1] / "recipes" / "demo" / "tokenizer"
+    model = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    # transformers' GGUF tokenizer adds <|endoftext|> when the file lacks it: ship it, so the tokenizer's
+    # length is the embeddings' rows.
+    tokens.append("<|endoftext|>")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    vocab, hidden, inner, heads, kv_heads = len(tokens), 32, 64, 4, 2
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(inner)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (vocab - 1) + [3])
+    writer.add_token_merges(merges)
+    for add, token_id in (
+        (writer.add_unk_token_id, 0),
+        (writer.add_bos_token_id, 1),
+        (writer.add_eos_token_id, 2),
+    ):
+        add(token_id)
+    writer.add_pad_token_id(3)
+    writer.add_chat_template((tokenizer_dir / "chat_template.jinja").read_text())
+    for key, value in (metadata or {}).items():
+        writer.add_string(key, value)
+    rng = np.random.default_rng(seed)
+    kv = kv_heads * hidden // heads
+    shapes = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden)}
+    shapes |= {"blk.0.attn_q.weight": (hidden, hidden), "blk.0.attn_k.weight": (kv, hidden)}
+    shapes |= {"blk.0.attn_v.weight": (kv, hidden), "blk.0.attn_output.weight": (hidden, hidden)}
+    shapes |= {"blk.0.ffn_gate.weight": (inner, hidden), "blk.0.ffn_up.weight": (inner, hidden)}
+    shapes |= {"blk.0.ffn_down.weight": (hidden, inner)}
+    for name, shape in shapes.items():
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float32))
+    for name in ("output_norm.weight", "blk.0.attn_norm.weight", "blk.0.ffn_norm.weight"):
+        writer.add_tensor(name, np.ones(hidden, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -55,3 +55,15 @@ def smollm2(smollm2_gguf: Path) -> SmolLM2:
     # Converted earlier in the session (a test that reached it without this fixture): load it again.
     model, tokenizer = loaded[0] if loaded else real_load(smollm2_gguf)
     return SmolLM2(gguf=smollm2_gguf, folder=folder, gguf_model=model, gguf_tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama GGUF file (tests/tiny.py tiny_gguf: ~240 KB, converts in well under a second) whose
+    metadata names its source repository; skips where the gguf package is not installed."""
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("needs the gguf package (pip install gguf) to write GGUF files")
+    from tests.tiny import tiny_gguf
+
+    path = tmp_path_factory.mktemp("tiny_gguf") / "tiny.gguf"
+    return tiny_gguf(path, metadata={"general.source.url": "https://huggingface.co/org/tiny-source"})
