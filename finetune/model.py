@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from finetune.errors import FinetuneError
-from finetune.gguf import resolve_model_source, resolve_path
+from finetune.gguf import is_gguf_name, portable_base, resolve_model_source, resolve_path
 from finetune.notices import warn
 from finetune.quiet import quiet_third_party
 from finetune.recipe import LoraSection, ModelSection
@@ -133,11 +133,13 @@ def build_model(
     LoRA adapters are added afterwards by `apply_lora`.
 
     `vocab_size` is the tokenizer's length: the embeddings grow to it when special tokens were added.
-    A GGUF model loads from its converted folder, which an adapter then names as its base.
+    A GGUF model loads from its converted folder; an adapter names the GGUF file as its base
+    (`finetune.gguf.portable_base`), from which any machine converts it again.
     """
     from transformers import AutoModelForCausalLM
 
     check_attention_backend(model.attn_implementation)
+    portable = portable_base(model.model_path, model.gguf_file, model.revision)
     model = resolve_model_source(model)
     dtype = weight_dtype(model, lora, mixed_precision)
     common: dict[str, Any] = {"attn_implementation": model.attn_implementation, "dtype": dtype}
@@ -166,6 +168,10 @@ def build_model(
             dtype=dtype,
             trust_remote_code=model.trust_remote_code,
         )
+    if portable is not None:
+        # PEFT records the model's name_or_path as the adapter's base: the GGUF file's portable name,
+        # not the conversion cache's folder, which exists on this machine only (finetune.gguf).
+        net.name_or_path = portable
     if vocab_size > net.get_input_embeddings().weight.shape[0]:
         logger.info("resizing embeddings to %d tokens for the added special tokens", vocab_size)
         net.resize_token_embeddings(vocab_size, mean_resizing=True)
@@ -360,6 +366,28 @@ def save_base_model(net, folder: Path, *, is_main_process: bool = True) -> None:
             net.save_pretrained(folder, safe_serialization=True)
 
 
+def adapter_save_kwargs(net) -> dict[str, Any]:
+    """Extra save_pretrained arguments for `net`: for a PEFT model on a GGUF base, save_embedding_layers
+    decided as PEFT's "auto" decides it (embeddings resized since the base: save them).
+
+    PEFT reads the base's config.json at base_model_name_or_path to tell; a GGUF base records the
+    file's portable name there (finetune.gguf.portable_base), not a folder, so PEFT would warn and
+    assume nothing was resized. The converted folder's config answers instead.
+    """
+    from peft import PeftModel
+    from transformers import AutoConfig
+
+    if not isinstance(net, PeftModel):
+        return {}
+    base = net.peft_config[net.active_adapter].base_model_name_or_path
+    if not is_gguf_name(base):
+        return {}
+    resized = (
+        net.get_base_model().config.vocab_size != AutoConfig.from_pretrained(resolve_path(base)).vocab_size
+    )
+    return {"save_embedding_layers": resized}
+
+
 def merge_lora(adapter_dir: str, output: str, *, base: str | None = None, dtype: str = "auto") -> None:
     """Merge a LoRA adapter into its base model and save full safetensors weights + tokenizer."""
     adapter = Path(adapter_dir)
@@ -463,7 +491,10 @@ def _load_causal_lm(location: str, dtype: str, failure: str, fix: str):
     is said as `failure` (with the resolved location in place of `{}`), the reason, then `fix`."""
     from transformers import AutoModelForCausalLM
 
-    source = resolve_path(location)
+    try:
+        source = resolve_path(location)  # a GGUF base is converted (again, on a new machine) here
+    except FinetuneError as exc:
+        raise FinetuneError(f"{failure.format(repr(location))}: {exc}. {fix}") from None
     try:
         return AutoModelForCausalLM.from_pretrained(source, dtype=_load_dtype(dtype)), source
     except OSError as exc:

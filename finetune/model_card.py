@@ -6,6 +6,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from finetune.errors import FinetuneError
+from finetune.gguf import describe_gguf, portable_base
+
 _HUB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
 
 
@@ -29,6 +32,34 @@ def hub_model_id(model_path: str | None) -> str | None:
     return model_path
 
 
+def _gguf_base(model: dict) -> dict | None:
+    """For a GGUF base: the card's base-model sentence and the Hub repository the file was converted
+    from (its metadata's, or None); None for any other base."""
+    try:
+        found = describe_gguf(model["model_path"], model.get("gguf_file"), model.get("revision"))
+    except FinetuneError:  # the file is gone since training read it: the card names the reference only
+        found = {
+            "reference": portable_base(model["model_path"], model.get("gguf_file"), model.get("revision"))
+        }
+        if found["reference"] is None:
+            return None
+    if found is None:
+        return None
+    details = [f"GGUF file `{found['reference']}`"]
+    if found.get("name"):
+        details.append(f"({found['name']})")
+    if found.get("source_repo"):
+        details.append(
+            f"converted from [{found['source_repo']}](https://huggingface.co/{found['source_repo']})"
+        )
+    text = " ".join(details) + (
+        ", dequantized by finetune into a Hugging Face model; `finetune chat`, `finetune eval` and "
+        "`finetune merge-lora` rebuild that base from the file on any machine (pass --base FILE where "
+        "the file lies elsewhere)"
+    )
+    return {"text": text, "source_repo": found.get("source_repo")}
+
+
 def render_model_card(*, recipe: dict, manifest: dict, metrics: dict) -> str:
     """Card text: base model, data (from the prepared dataset's manifest), hyperparameters, metrics.
 
@@ -39,9 +70,12 @@ def render_model_card(*, recipe: dict, manifest: dict, metrics: dict) -> str:
 
     model, train, lora, data = recipe["model"], recipe["train"], recipe["lora"], recipe["data"]
     base = model["model_path"] or "random initialisation from an inline config (see base_model/)"
+    gguf = _gguf_base(model)
+    if gguf is not None:
+        base = gguf["text"]
     uses_lora = lora["enable_lora"]
     card_data = ModelCardData(
-        base_model=hub_model_id(model["model_path"]),
+        base_model=gguf["source_repo"] if gguf is not None else hub_model_id(model["model_path"]),
         library_name="peft" if uses_lora and lora["save_lora_only"] else "transformers",
         tags=[
             "finetune",

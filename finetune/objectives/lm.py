@@ -78,7 +78,7 @@ def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, 
     """(the causal LM to train, not yet prepared; its parameter counts for FLOPs): pretrained or
     random-init weights, LoRA / QLoRA adapters (a random-init base is saved with the tokenizer to
     output_dir/base_model, so the adapter can be loaded later), fp32 trainable weights under fp16."""
-    from finetune.gguf import resolve_model_source
+    from finetune.gguf import portable_base, resolve_model_source
     from finetune.model import (
         apply_lora,
         build_model,
@@ -105,7 +105,8 @@ def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, 
         base = (
             str(base_dir.resolve())
             if base_dir is not None
-            else resolve_model_source(model_settings).model_path
+            else portable_base(model_settings.model_path, model_settings.gguf_file, model_settings.revision)
+            or resolve_model_source(model_settings).model_path
         )
         model = apply_lora(model, lora, gradient_checkpointing=train.gradient_checkpointing, base=base)
         if base_dir is not None:
@@ -266,6 +267,7 @@ def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict
     it."""
     from accelerate.utils import DistributedType
 
+    from finetune.model import adapter_save_kwargs
     from finetune.model_card import write_model_card
 
     unwrapped = accelerator.unwrap_model(model)
@@ -286,6 +288,7 @@ def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict
             is_main_process=accelerator.is_main_process,
             save_function=accelerator.save,
             safe_serialization=True,
+            **adapter_save_kwargs(unwrapped),
         )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
@@ -297,7 +300,7 @@ def _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir: Pa
     weights on the main process (the same code as `finetune merge-lora`)."""
     from accelerate.utils import DistributedType
 
-    from finetune.model import merge_lora
+    from finetune.model import adapter_save_kwargs, merge_lora
 
     adapter_dir = output_dir / ".adapter-to-merge"
     unwrapped.save_pretrained(
@@ -305,6 +308,7 @@ def _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir: Pa
         state_dict=state_dict,
         is_main_process=accelerator.is_main_process,
         safe_serialization=True,
+        **adapter_save_kwargs(unwrapped),
     )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(adapter_dir)  # its length sizes the embeddings

@@ -144,7 +144,7 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path: Path) -> None:
         converted_folder(gguf, root=root)
     assert [p.name for p in root.iterdir() if not p.name.endswith(".lock")] == []
     # A folder without the marker (an interrupted copy by hand) is converted again.
-    (root / f"{file_sha256(gguf)[:16]}-v1").mkdir()
+    (root / f"{file_sha256(gguf)[:16]}-v{finetune.gguf.CONVERSION_VERSION}").mkdir()
     calls: list[Path] = []
     with mock.patch.object(finetune.gguf, "convert_gguf", _fake_convert(calls)):
         folder = converted_folder(gguf, root=root)
@@ -247,9 +247,14 @@ def test_why_a_plain_gguf_load_refuses_to_save(tmp_path: Path) -> None:
 
 
 def test_lora_on_a_gguf_base_reloads_by_its_base_and_merges(smollm2: SmolLM2, tmp_path: Path) -> None:
-    from peft import AutoPeftModelForCausalLM
-
-    from finetune.model import apply_lora, build_model, load_for_inference, load_tokenizer, merge_lora
+    from finetune.model import (
+        adapter_save_kwargs,
+        apply_lora,
+        build_model,
+        load_for_inference,
+        load_tokenizer,
+        merge_lora,
+    )
 
     model, lora = (
         ModelSection(model_path=SMOLLM2_REF, torch_dtype="fp32"),
@@ -265,13 +270,12 @@ def test_lora_on_a_gguf_base_reloads_by_its_base_and_merges(smollm2: SmolLM2, tm
         if "lora_B" in name:  # zero at init: give the adapter an effect
             param.data.normal_(std=0.02)
     adapter = tmp_path / "adapter"
-    net.save_pretrained(adapter)
+    net.save_pretrained(adapter, **adapter_save_kwargs(net))
     tokenizer.save_pretrained(adapter)
-    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
-        smollm2.folder
-    )
+    # The file's portable name, not the conversion cache's folder (tests/unit/test_gguf_base.py).
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == SMOLLM2_REF
 
-    reloaded = AutoPeftModelForCausalLM.from_pretrained(adapter)  # by the recorded base alone
+    reloaded, _ = load_for_inference(str(adapter))  # by the recorded base alone
     merge_lora(str(adapter), str(tmp_path / "merged"))
     merged, merged_tokenizer = load_for_inference(str(tmp_path / "merged"))
     assert merged_tokenizer.chat_template == tokenizer.chat_template
@@ -284,9 +288,8 @@ def test_lora_on_a_gguf_base_reloads_by_its_base_and_merges(smollm2: SmolLM2, tm
             assert not torch.allclose(reloaded(ids).logits, adapted, atol=1e-3)  # the adapter has an effect
         torch.testing.assert_close(merged(ids).logits, adapted, atol=2e-4, rtol=1e-4)
         greedy = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 6, "do_sample": False}
-        by_adapter, _ = load_for_inference(str(adapter))  # what `finetune chat ADAPTER_DIR` gets
         assert torch.equal(
-            merged.generate(input_ids=ids, **greedy), by_adapter.generate(input_ids=ids, **greedy)
+            merged.generate(input_ids=ids, **greedy), reloaded.generate(input_ids=ids, **greedy)
         )
 
 
