@@ -7,7 +7,9 @@ Measured in one process, after the imports, with a throwaway conversion cache:
 1. the dequantizing GGUF load transformers does (model, then tokenizer), the way finetune asks for
    it (finetune.gguf.load_gguf);
 2. the conversion: that load plus writing the Hugging Face folder (finetune.gguf.converted_folder);
-   a second call (cached: hash only);
+   a second call (cached: the GGUF file's hash, memoized, and the cache check); the cache check
+   alone (finetune.gguf.cache_damage: a stat per file), and what a full check would cost instead
+   (sha256 of every converted file);
 3. loading the converted folder with plain from_pretrained, and its first forward (which pages the
    memory-mapped weights in);
 4. greedy generation with finetune.generation.sampling: new tokens per second at each batch size,
@@ -17,6 +19,7 @@ Measured in one process, after the imports, with a throwaway conversion cache:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import platform
 import shutil
@@ -46,6 +49,15 @@ def timed(label: str, fn, rows: list):
     return out
 
 
+def _hash_all(folder: Path) -> None:
+    """sha256 of every file in `folder`, read from disk (not finetune.gguf's per-process memo)."""
+    for path in folder.iterdir():
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 23):
+                digest.update(chunk)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -60,7 +72,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from finetune.generation.sampling import _generate_batch, _generation_kwargs, eval_mode, prompt_ids
-    from finetune.gguf import converted_folder, file_sha256, gguf_path, load_gguf
+    from finetune.gguf import cache_damage, converted_folder, file_sha256, gguf_path, load_gguf
 
     gguf = gguf_path(REF)
     rows: list[tuple[str, float]] = []
@@ -68,6 +80,12 @@ def main() -> None:
     timed("GGUF load, dequantizing (model + tokenizer)", lambda: load_gguf(gguf), rows)
     folder = timed("conversion (GGUF load + save the folder)", lambda: converted_folder(gguf), rows)
     timed("conversion again (cached)", lambda: converted_folder(gguf), rows)
+    timed("cache check on a hit (sizes and times of the converted files)", lambda: cache_damage(folder), rows)
+    timed(
+        "sha256 of every converted file (a full check; done when a time moved)",
+        lambda: _hash_all(folder),
+        rows,
+    )
     net = timed(
         "converted folder: from_pretrained", lambda: AutoModelForCausalLM.from_pretrained(folder), rows
     )
