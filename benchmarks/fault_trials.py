@@ -1038,7 +1038,9 @@ def disk_trials(root: Path) -> list[Trial]:
     )  # fmt: skip
     folder = root / "disk" / "prepare"
     _mount_tmpfs(folder / "prepared", "1m")
-    recipe = _recipe(folder, REPO_ROOT / "recipes" / "demo" / "data" / "arithmetic.jsonl", {}, "raise")
+    recipe = _recipe(
+        folder, REPO_ROOT / "recipes" / "demo" / "data" / "arithmetic.jsonl", {"type": "alpaca"}, "raise"
+    )
     command = [sys.executable, "-m", "finetune.cli", "prepare-dataset", str(recipe)]
     trials.append(
         Trial("disk", "prepared dataset onto a full disk [prepare-dataset]", command, folder, "clear error",
