@@ -20,6 +20,7 @@ marked in the ``damage.BAD_ROW_COLUMN`` column, which tokenization counts as bad
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -29,6 +30,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 from datasets.fingerprint import Hasher
+from datasets.utils.json import get_json_field_paths_from_feature
 
 from finetune.data import damage
 from finetune.errors import DataError
@@ -226,6 +228,10 @@ def _load_dataset(
                 f"{label}: {entry.path!r} holds bytes that are not UTF-8; data files must be UTF-8"
             )
         return _load_damaged(path_or_builder, entry, label, on_bad_row, kwargs, None)
+    if ds.info.builder_name == "json" and get_json_field_paths_from_feature(ds.features):
+        resolved = _resolved_files(path_or_builder, entry, kwargs)
+        files = resolved[1] if resolved else []
+        return _strings_kept(ds, files, entry, label, {k: kwargs[k] for k in ("num_proc",) if kwargs.get(k)})
     return ds
 
 
@@ -262,6 +268,98 @@ def _no_data_files(entry: Any, label: str) -> str:
         f"compressed). Put the data there, or name the files with {label}.data_files and their format "
         f"with {label}.ds_type."
     )
+
+
+# ------------------------------------------------------------------------ columns of mixed JSON types
+
+# Bump when the encoded copies change: they are named with it (see _encoded_copy).
+ENCODED_COPY_VERSION = 1
+
+
+def _strings_kept(
+    ds: datasets.Dataset,
+    files: list[str],
+    entry: Any,
+    label: str,
+    extra: dict[str, Any],
+    *,
+    split: str | None = None,
+) -> datasets.Dataset:
+    """``ds`` again, with every string of its mixed-type JSON columns read back as that string.
+
+    datasets' json builder stores a column that mixes types (strings in some rows, lists of
+    messages or objects in others) as its ``Json`` feature: JSON text per value, decoded on read.
+    It encodes each value with ``json_encode_field``, which keeps a string that already parses as
+    JSON as it is, so the answer ``"42"`` is read back as the number 42, ``"null"`` as None and
+    ``"[1, 2]"`` as a list: a string can't be told from the JSON it spells. datasets has no
+    option that keeps them apart (``on_mixed_types=None`` fails on such a column, and a given
+    ``features=`` goes through the same encoding), so the files are copied with every value of
+    those columns written as its JSON text (``"42"`` -> ``"\\"42\\""``), which datasets keeps as
+    it is and decodes back to the string, and the copies are loaded with the same features.
+    Only data with such a column pays for the copy (one pass in Python over its files).
+    """
+    paths = get_json_field_paths_from_feature(ds.features)
+    if not paths:
+        return ds
+    names = sorted({".".join(str(p) for p in path if p != 0) for path in paths})
+    if not files or not all(Path(f).is_file() for f in files):
+        warn(
+            f"{label}: the column(s) {names} of {entry.path!r} mix strings with lists or objects, and datasets "
+            'reads such a string that is valid JSON as what it spells ("42" as 42, "null" as null); only '
+            "local files can be read again to keep them strings: download the files and point "
+            f"{label}.path at them, or give each column one type"
+        )
+        return ds
+    logger.info("%s: reading the mixed-type JSON column(s) %s again to keep their strings", label, names)
+    copies = [str(_encoded_copy(f, paths)) for f in files]
+    split_name = split or _base_split(entry.split)
+    return datasets.load_dataset(
+        "json",
+        data_files={split_name: copies},
+        split=split or entry.split,
+        features=ds.features,
+        **extra,
+    )
+
+
+def _encoded_copy(path: str, paths: list[list[Any]]) -> Path:
+    """A JSON lines copy of ``path`` with the values at ``paths`` written as their JSON text, in the
+    datasets cache, named by the file's content and the paths (an existing copy is reused)."""
+    name = Path(path).name
+    for ext in _COMPRESSION_EXTENSIONS:
+        name = name.removesuffix(ext)
+    key = Hasher.hash([file_hash(path), paths])[:16]
+    dest = Path(datasets.config.HF_DATASETS_CACHE) / "finetune-encoded-copies"
+    dest = dest / f"{key}-v{ENCODED_COPY_VERSION}-{Path(name).stem}.jsonl"
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as out:
+        for row in damage.json_rows(path):
+            for field_path in paths:
+                row = _encode_at(row, field_path)
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, dest)
+    return dest
+
+
+def _encode_at(value: Any, path: list[Any]) -> Any:
+    """``value`` with what is at ``path`` (0: each item of a list) written as its JSON text.
+
+    >>> _encode_at({"a": "42", "b": 1}, ["a"]), _encode_at({"m": [{"c": "null"}, {"c": None}]}, ["m", 0, "c"])
+    ({'a': '"42"', 'b': 1}, {'m': [{'c': '"null"'}, {'c': None}]})
+    """
+    if value is None:
+        return None  # a missing value stays null, as datasets keeps it
+    if not path:
+        return json.dumps(value, ensure_ascii=False)
+    key, *rest = path
+    if key == 0:
+        return [_encode_at(item, rest) for item in value] if isinstance(value, list) else value
+    if not isinstance(value, dict) or key not in value:
+        return value
+    return {**value, key: _encode_at(value[key], rest)}
 
 
 # ------------------------------------------------------------------------------------- damaged files
@@ -332,6 +430,10 @@ def _load_with_placeholders(
     extra = {k: kwargs[k] for k in ("sep", "num_proc") if kwargs.get(k)}
     try:
         ds = datasets.load_dataset(builder, data_files={split: files}, split=split, **extra)
+        if builder == "json":
+            ds = _strings_kept(ds, files, entry, label, extra, split=split)
+    except DataError:
+        raise
     except Exception as e:
         raise DataError(
             f"{label}: {damage.describe([b for f in scans for b in f.bad], skip_hint=False)} Even with the "

@@ -278,6 +278,40 @@ def test_clean_copy_is_reused(tmp_path: Path) -> None:
     assert [c.stat().st_mtime_ns for c in copies] == mtimes
 
 
+# Strings that are valid JSON, in a column whose other rows hold lists: datasets reads such a column
+# as its Json feature, and used to read these three back as 42, None and [1, 2].
+JSON_LIKE = ["42", "null", "[1, 2]"]
+MESSAGES = [{"role": "assistant", "content": "hello"}]
+
+
+def test_a_mixed_type_column_keeps_its_strings(tmp_path: Path) -> None:
+    rows = [{"prompt": f"q{i}", "completion": v} for i, v in enumerate(JSON_LIKE)]
+    path = write_jsonl(tmp_path / "mixed.jsonl", [*rows, {"prompt": "q3", "completion": MESSAGES}])
+    ds = load_source(entry(path, type="kto"))
+    assert ds["completion"][:] == [*JSON_LIKE, MESSAGES]
+    assert load_source(entry(path, type="kto", split="train[1:3]"))["completion"][:] == JSON_LIKE[1:]
+    # Nested: the content of messages, a string in some turns and a list of parts in others.
+    parts = [{"type": "text", "text": "hi"}]
+    chats = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": v}] for v in JSON_LIKE]
+    path = write_jsonl(
+        tmp_path / "chats.jsonl", [{"messages": c} for c in [*chats, [{"role": "user", "content": parts}]]]
+    )
+    loaded = load_source(entry(path, type="chat_template"))["messages"][:]
+    assert [c[1]["content"] for c in loaded[:3]] == JSON_LIKE and loaded[3][0]["content"] == parts
+
+
+def test_a_mixed_type_column_keeps_its_strings_in_a_damaged_file_and_a_json_array(tmp_path: Path) -> None:
+    lines = [json.dumps({"prompt": "q", "completion": v}) for v in [*JSON_LIKE, MESSAGES]]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join([lines[0], '{"prompt": "q", "completion": ', *lines[1:]]) + "\n")
+    ds = load_source(entry(path, type="kto"), on_bad_row="skip")
+    assert ds["completion"][:] == [JSON_LIKE[0], None, *JSON_LIKE[1:], MESSAGES]
+    assert marks(ds)[1] is not None and marks(ds).count(None) == 4
+    array = tmp_path / "a.json"
+    array.write_text(json.dumps([{"prompt": "q", "completion": v} for v in [*JSON_LIKE, MESSAGES]]))
+    assert load_source(entry(array, type="kto"))["completion"][:] == [*JSON_LIKE, MESSAGES]
+
+
 def test_shards(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
     parts = [load_source(entry(path, shards=3, shards_idx=i))["n"][:] for i in range(3)]
