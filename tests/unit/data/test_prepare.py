@@ -191,6 +191,13 @@ def test_same_inputs_reuse_cache_without_tokenizing(workdir: Path, monkeypatch: 
     assert load_prepared(recipe).path == first.path
 
 
+def test_val_set_size_zero_makes_no_eval_split(workdir: Path):
+    recipe = _recipe(workdir, val_set_size=0)
+    assert _fp(recipe) == _fp(_recipe(workdir))  # the same data as null
+    m = prepare(recipe, log=_quiet).manifest
+    assert "eval" not in m["splits"] and m["splits"]["train"]["examples"] == m["rows_kept"]
+
+
 def test_same_recipe_elsewhere_gives_same_fingerprint_and_rows(workdir: Path):
     a = prepare(_recipe(workdir, dataset_prepared_path=str(workdir / "a")), log=_quiet)
     b = prepare(_recipe(workdir, dataset_prepared_path=str(workdir / "b")), log=_quiet)
