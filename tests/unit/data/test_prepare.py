@@ -18,13 +18,13 @@ from filelock import FileLock
 
 from finetune.data import prepare as prepare_mod
 from finetune.data.cache import MANIFEST_NAME, PAUSE_ENV, compute_fingerprint
+from finetune.data.fingerprint import file_hash
 from finetune.data.prepare import (
     fingerprint_inputs,
     load_prepared,
     prepare,
     prepare_on_main_process,
 )
-from finetune.data.sources import file_hash
 from finetune.errors import DataError, RecipeError
 from finetune.recipe import Recipe, validate_recipe
 
