@@ -26,6 +26,7 @@ demo:            ## LoRA on a tiny random-init Llama, CPU, offline
 
 bench:           ## benchmarks (figures go to benchmarks/RESULTS.md)
 	$(PYTHON) benchmarks/bench_prepare.py
+	$(PYTHON) benchmarks/bench_prepare_cli.py
 	$(PYTHON) benchmarks/bench_loop.py
 	$(PYTHON) benchmarks/bench_diffusion.py
 	$(PYTHON) benchmarks/bench_preference_packing.py --threads 1

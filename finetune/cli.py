@@ -321,6 +321,16 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         if recipe.model.kind == "diffusion":  # images -> cached latents and text embeddings
             from finetune.diffusion.cache import prepare_images as prepare
         else:
+            from finetune.data.fingerprint import cached, reusing, summary
+
+            # A recipe already prepared is found from its fingerprint alone (file hashes), without
+            # importing datasets or transformers: a cache hit costs little more than `validate`.
+            found = None if (args.push or recipe.data.skip_prepare_dataset) else cached(recipe)
+            if found is not None:
+                path, manifest = found
+                print(reusing(path))
+                print(summary(manifest, "cache", path))
+                return 0
             from finetune.data.prepare import prepare
 
         prepare(recipe, push=args.push)

@@ -1,7 +1,8 @@
 """Keep what a run prints to what the user needs: third-party notices that say nothing actionable.
 
 Called by the entry points (`finetune/train.py`, and `finetune` subcommands that load models) before
-they import the heavy libraries, so it covers every path (LLM, diffusion, eval, chat, merge). Each
+they import the heavy libraries, so it covers every path (LLM, diffusion, eval, chat, merge). It
+imports no heavy library itself: what depends on torch is applied by the modules that import torch. Each
 line below names what it silences and why it is safe to; nothing of finetune's own is silenced, and
 real errors from these libraries still show.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 
 # transformers' image-processor fallback: without torchvision it uses the PIL processor, which is what
@@ -48,8 +50,13 @@ def quiet_third_party(cuda_available: bool | None = None) -> None:
         "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
     )
     if cuda_available is None:
-        import torch
-
+        # Never imported here: this runs first in every entry point, and a command that turns out not
+        # to need torch (a prepare-dataset cache hit) would pay seconds for it. Without torch loaded
+        # nothing can import DeepSpeed yet; the modules that import torch call this again with it
+        # (finetune.model, finetune.engine's make_accelerator).
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return
         cuda_available = torch.cuda.is_available()
     if not cuda_available:
         # DeepSpeed (imported by accelerate whenever it is installed, e.g. to unwrap a model on save)

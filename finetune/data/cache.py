@@ -29,10 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 from filelock import FileLock, Timeout
+
+if TYPE_CHECKING:
+    import datasets
 
 MANIFEST_NAME = "manifest.json"
 FINGERPRINT_CHARS = 16  # of the sha256 hex digest: folder and Hub config name
@@ -102,6 +104,8 @@ def load_complete(path: Path, source: str = "cache") -> Prepared | None:
     manifest_path = path / MANIFEST_NAME
     if not manifest_path.is_file():
         return None
+    import datasets  # here: finding a preparation (finetune.data.fingerprint.cached) does not need it
+
     manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     train = datasets.load_from_disk(str(path / "train"))
     eval_ds = datasets.load_from_disk(str(path / "eval")) if (path / "eval").is_dir() else None

@@ -211,6 +211,22 @@ def _scan_json_array(path: str) -> FileScan:
     return found
 
 
+def json_rows(path: str) -> Iterator[Any]:
+    """Each row of a JSON lines file, or of a file holding one JSON array, as datasets reads them
+    (blank lines skipped, a leading BOM dropped, an array's string elements as ``{"text": ...}``).
+
+    For a file that loaded: sources.py reads mixed-type JSON columns again with it.
+    """
+    if _first_byte(path) == b"[":
+        text = _read_all(path).removeprefix(codecs.BOM_UTF8).decode("utf-8")
+        for _, value in _array_elements(path, text):
+            yield {"text": value} if isinstance(value, str) else value
+        return
+    for _, _, raw in _lines(path):
+        if raw.strip():
+            yield json.loads(raw)
+
+
 def _array_elements(path: str, text: str) -> Iterator[tuple[int, Any]]:
     """(character offset, value) of each element of the JSON array in `text`."""
     decoder = json.JSONDecoder()

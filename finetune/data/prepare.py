@@ -2,7 +2,7 @@
 
 `prepare(recipe)` is the one function that sees the whole recipe on the data side. Its output lives
 in `data.dataset_prepared_path/<fingerprint>/` (`train/`, `eval/`, `manifest.json`); the
-fingerprint hashes everything that changes the output (see `fingerprint_inputs`), so the same
+fingerprint hashes everything that changes the output (finetune.data.fingerprint), so the same
 recipe and inputs reuse the folder without tokenizing anything, and any change that alters the
 output gets a new folder.
 
@@ -43,6 +43,7 @@ from finetune.data.cache import (
     load_complete,
     write_atomically,
 )
+from finetune.data.fingerprint import FORMAT_VERSION, fingerprint_inputs, reusing, summary
 from finetune.data.formats import FORMATS
 from finetune.data.packing import (
     build_packed_rows,
@@ -51,7 +52,7 @@ from finetune.data.packing import (
     packing_efficiency,
 )
 from finetune.data.preference import PACKED_KINDS, pack_examples
-from finetune.data.sources import file_hash, load_source, looks_local, source_fingerprint
+from finetune.data.sources import load_source
 from finetune.data.tokenize import tokenize_dataset
 from finetune.errors import DataError, RecipeError
 from finetune.notices import warn
@@ -59,40 +60,8 @@ from finetune.notices import warn
 if TYPE_CHECKING:
     from finetune.recipe import Recipe
 
-# Bump when the prepared layout or the meaning of its columns changes: old caches are then ignored.
-FORMAT_VERSION = 1
-# Files in a tokenizer folder that cannot change tokenization (model weights): not hashed.
-_WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx"}
-# Entry fields that do not change what is prepared.
-_ENTRY_FIELDS_NOT_HASHED = {"trust_remote_code"}
-# The hashed settings of an entry list, besides its own fields, every field the other formats read,
-# at its default, as when one entry class held the fields of every type (format version 1): so a
-# recipe keeps its fingerprint and its manifest now that each type has its own schema. Frozen:
-# the fields of a new format are hashed only for entries of that type. A field the entry does not
-# read cannot change its output, so its value here is a constant.
-_FORMAT_1_FIELDS = {
-    "field_text": "text",
-    "field_instruction": "instruction",
-    "field_input": "input",
-    "field_output": "output",
-    "field_prompt": "prompt",
-    "field_completion": "completion",
-    "field_chosen": "chosen",
-    "field_rejected": "rejected",
-    "field_label": "label",
-    "field_messages": "messages",
-    "message_field_role": "role",
-    "message_field_content": "content",
-    "role_map": {},
-    "train_on_inputs": False,
-    "roles_to_train": ["assistant"],
-    "train_on_eos": "turn",
-    "apply_chat_template": False,
-}
 # Per-example columns of preference pairs and kto examples, kept through merge and split.
 _EXTRA_COLUMNS = tuple(name for fmt in FORMATS.values() for name in fmt.features)
-# What one example of each kind is, for the summary.
-_UNIT_NAMES = {"sft": "examples", "preference": "pairs", "kto": "examples", "prompt": "prompts"}
 # Above this share of kto examples alone in their packed row (no mismatched completion for the KL
 # estimate), prepare warns.
 _KTO_ALONE_WARN = 0.05
@@ -138,10 +107,10 @@ def prepare(recipe: Recipe, *, push: bool = False, log: Callable[[str], None] = 
             log=log,
         )
         if prepared.source == "cache":
-            log(f"reusing prepared dataset {fingerprint} at {prepared.path} (nothing to tokenize)")
+            log(reusing(prepared.path))
     if push or (prepared.source == "built" and data.push_dataset_to_hub):
         _push(recipe, prepared, log)
-    log(summary(prepared))
+    log(summary(prepared.manifest, prepared.source, prepared.path))
     return prepared
 
 
@@ -213,104 +182,6 @@ def patient_group(days: int = 7):
     from datetime import timedelta
 
     return torch_distributed().new_group(backend="gloo", timeout=timedelta(days=days))
-
-
-# ------------------------------------------------------------------------------------- fingerprint
-
-
-def fingerprint_inputs(recipe: Recipe, *, with_files: bool = True) -> dict:
-    """Everything the prepared output depends on, as plain JSON data (hashed by compute_fingerprint).
-
-    `with_files=False` leaves out the parts that read the source and tokenizer files.
-
-    Not included, because they do not change the output: dataset_num_proc,
-    num_dataset_shards_to_save, push_dataset_to_hub, skip_prepare_dataset, dataloader_*,
-    dataset_prepared_path, and each entry's trust_remote_code.
-    """
-    data, model = recipe.data, recipe.model
-    packs = data.sample_packing or (data.eval_sample_packing and _has_eval(data))
-    settings = {
-        "sequence_len": data.sequence_len,
-        "excess_length_strategy": data.excess_length_strategy,
-        "on_bad_row": data.on_bad_row,
-        "sample_packing": data.sample_packing,
-        "val_set_size": data.val_set_size,
-        "shuffle_merged_datasets": data.shuffle_merged_datasets,
-        "shuffle_before_merging_datasets": data.shuffle_before_merging_datasets,
-    }
-    if _has_eval(data):
-        settings["eval_sample_packing"] = data.eval_sample_packing
-    if packs:
-        settings |= {
-            "sample_packing_method": data.sample_packing_method,
-            "sample_packing_sequence_len": data.packing_len,
-            "pad_to_multiple_of": data.pad_to_multiple_of,
-        }
-        if data.sample_packing_method == "multipack":
-            settings["sample_packing_group_size"] = data.sample_packing_group_size
-    return {
-        "format_version": FORMAT_VERSION,
-        "datasets": [_entry_inputs(e, with_files) for e in data.datasets],
-        "test_datasets": [_entry_inputs(e, with_files) for e in data.test_datasets],
-        "tokenizer": _tokenizer_inputs(model) if with_files else None,
-        # None: the tokenizer's own template, which the tokenizer file hashes cover.
-        "chat_template": model.resolved_chat_template,
-        "special_tokens": model.special_tokens.model_dump(mode="json"),
-        "data": settings,
-        "seed": recipe.train.seed,
-    }
-
-
-def _entry_inputs(entry: Any, with_files: bool = True) -> dict:
-    settings = _FORMAT_1_FIELDS | entry.model_dump(mode="json", exclude=_ENTRY_FIELDS_NOT_HASHED)
-    return {"settings": settings, "source": source_fingerprint(entry) if with_files else None}
-
-
-def _has_eval(data: Any) -> bool:
-    return bool(data.val_set_size) or bool(data.test_datasets)
-
-
-def _tokenizer_inputs(model: Any) -> dict:
-    """Content hashes of the tokenizer files (local folder) or the commit a Hub revision resolves to.
-
-    A GGUF model's tokenizer is hashed in its converted folder (the files load_tokenizer reads).
-    """
-    from finetune.gguf import resolve_model_source
-
-    source = resolve_model_source(model).tokenizer_source
-    local = Path(source).expanduser()
-    if not local.exists() and looks_local(source):
-        raise DataError(f"model.tokenizer_path: {source} does not exist (resolved to {local.resolve()})")
-    if local.is_dir():
-        files = {
-            p.name: file_hash(p)
-            for p in sorted(local.iterdir())
-            if p.is_file() and not p.name.startswith(".") and p.suffix not in _WEIGHT_SUFFIXES
-        }
-        return {"kind": "local", "files": files}
-    return {
-        "kind": "hub",
-        "repo": source,
-        "revision": model.revision,
-        "sha": _hub_tokenizer_sha(source, model.revision),
-    }
-
-
-def _hub_tokenizer_sha(repo: str, revision: str | None) -> str:
-    from huggingface_hub import HfApi, try_to_load_from_cache
-
-    try:
-        return HfApi().model_info(repo, revision=revision).sha
-    except Exception as exc:  # offline: the snapshot already in the cache names its commit
-        for name in ("tokenizer_config.json", "tokenizer.json"):
-            cached = try_to_load_from_cache(repo, name, revision=revision)
-            if isinstance(cached, str) and "snapshots" in Path(cached).parts:
-                parts = Path(cached).parts
-                return parts[parts.index("snapshots") + 1]
-        raise DataError(
-            f"model.tokenizer_path: cannot resolve the Hub tokenizer {repo!r} (revision {revision or 'main'}) "
-            f"to a commit: {type(exc).__name__}: {exc}. Use a local tokenizer folder or check the network."
-        ) from exc
 
 
 # ----------------------------------------------------------------------------------------- cache
@@ -584,28 +455,6 @@ def _manifest(fingerprint: str, inputs: dict, parts: list[_Part], splits: dict, 
         "timings": {k: round(v, 4) for k, v in timings.items()},
         "versions": library_versions(),
     }
-
-
-def summary(prepared: Prepared) -> str:
-    """A few lines for the end of `finetune prepare-dataset`: rows, drops, tokens, packing, location."""
-    m = prepared.manifest
-    drops = ", ".join(f"{k}={v}" for k, v in m.get("dropped", {}).items()) or "none"
-    lines = [
-        f"prepared dataset {m['fingerprint']} ({prepared.source}) at {prepared.path}",
-        f"  rows: {m['rows_in']} in, {m['rows_kept']} kept, {m['rows_dropped']} dropped ({drops}), "
-        f"{m['truncated']} truncated",
-    ]
-    unit = _UNIT_NAMES[m.get("kind", "sft")]
-    for name in ("train", "eval"):
-        if name not in m["splits"]:
-            continue
-        s = m["splits"][name]
-        lines.append(
-            f"  {name}: {s['examples']} {unit} -> {s['rows']} rows of {s['row_capacity']} "
-            f"({'packed, ' + s['packing_method'] if s['packed'] else 'unpacked'}); {s['num_tokens']:,} tokens, "
-            f"{s['num_trainable_tokens']:,} trainable; packing efficiency {s['packing_efficiency']:.4f}"
-        )
-    return "\n".join(lines)
 
 
 # -------------------------------------------------------------------------------------------- hub

@@ -1,4 +1,4 @@
-"""Load a dataset entry's raw rows, and fingerprint what identifies their content.
+"""Load a dataset entry's raw rows (what identifies them, for the fingerprint, is finetune/data/fingerprint.py).
 
 Where ``entry.path`` can point (checked in this order):
 
@@ -19,7 +19,7 @@ marked in the ``damage.BAD_ROW_COLUMN`` column, which tokenization counts as bad
 
 from __future__ import annotations
 
-import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -29,27 +29,24 @@ import datasets
 import numpy as np
 import pyarrow as pa
 from datasets.fingerprint import Hasher
+from datasets.utils.json import get_json_field_paths_from_feature
 
 from finetune.data import damage
+from finetune.data.fingerprint import (  # where sources point, and what identifies them (no datasets import)
+    COMPRESSION_EXTENSIONS,
+    EXTENSION_TO_BUILDER,
+    SAVED_DATASET_FILES,
+    builder_for,
+    extension,
+    file_hash,
+    is_url,
+    local_dir_files,
+    looks_local,
+)
 from finetune.errors import DataError
 from finetune.notices import warn
 
 logger = logging.getLogger(__name__)
-
-# File extension -> datasets builder (the ds_type values plus the common aliases).
-EXTENSION_TO_BUILDER = {
-    ".json": "json",
-    ".jsonl": "json",
-    ".ndjson": "json",
-    ".csv": "csv",
-    ".tsv": "csv",
-    ".parquet": "parquet",
-    ".arrow": "arrow",
-    ".txt": "text",
-}
-_COMPRESSION_EXTENSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
-_SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")
-_HASH_CHUNK_BYTES = 1 << 20
 
 
 def load_source(
@@ -85,45 +82,10 @@ def load_source(
     return ds
 
 
-def is_url(path: str) -> bool:
-    """True for fsspec URLs (``s3://bucket/x.jsonl``, ``https://...``, ``file:///...``).
-
-    >>> is_url("s3://bucket/train.jsonl"), is_url("data/train.jsonl"), is_url("org/name")
-    (True, False, False)
-    """
-    return "://" in path
-
-
-def looks_local(path: str) -> bool:
-    """True when a path that doesn't exist was meant as a local path, not a Hub id.
-
-    >>> looks_local("./data.jsonl"), looks_local("data/train.jsonl"), looks_local("openai/gsm8k")
-    (True, True, False)
-    """
-    # Hub ids are "name" or "org/name"; anything else with a slash or a data extension is a path.
-    return path.startswith(("/", ".", "~")) or path.count("/") > 1 or builder_for(path) is not None
-
-
-def builder_for(path: str) -> str | None:
-    """The ``datasets`` builder for a file name, from its extension (compression suffixes skipped).
-
-    >>> builder_for("a/train.jsonl.gz"), builder_for("x.parquet"), builder_for("org/name")
-    ('json', 'parquet', None)
-    """
-    return EXTENSION_TO_BUILDER.get(_extension(path))
-
-
-def _extension(path: str) -> str:
-    name = path.rstrip("/").rsplit("/", 1)[-1].lower()
-    for ext in _COMPRESSION_EXTENSIONS:
-        name = name.removesuffix(ext)
-    return os.path.splitext(name)[1]
-
-
 def _builder_kwargs(builder: str, data_files: str | list[str] | None) -> dict[str, Any]:
     """Extra builder arguments the file names imply (tab-separated .tsv files)."""
     files = [data_files] if isinstance(data_files, str) else list(data_files or [])
-    if builder == "csv" and files and all(_extension(f) == ".tsv" for f in files):
+    if builder == "csv" and files and all(extension(f) == ".tsv" for f in files):
         return {"sep": "\t"}
     return {}
 
@@ -134,7 +96,7 @@ def _builder_kwargs(builder: str, data_files: str | list[str] | None) -> dict[st
 def _load_local(
     entry: Any, path: Path, num_proc: int | None, label: str, on_bad_row: str
 ) -> datasets.Dataset:
-    if path.is_dir() and any((path / name).exists() for name in _SAVED_DATASET_FILES):
+    if path.is_dir() and any((path / name).exists() for name in SAVED_DATASET_FILES):
         if entry.data_files:
             raise DataError(
                 f"{label}: {path} is a save_to_disk directory; remove data_files (it has no files to pick)"
@@ -226,6 +188,10 @@ def _load_dataset(
                 f"{label}: {entry.path!r} holds bytes that are not UTF-8; data files must be UTF-8"
             )
         return _load_damaged(path_or_builder, entry, label, on_bad_row, kwargs, None)
+    if ds.info.builder_name == "json" and get_json_field_paths_from_feature(ds.features):
+        resolved = _resolved_files(path_or_builder, entry, kwargs)
+        files = resolved[1] if resolved else []
+        return _strings_kept(ds, files, entry, label, {k: kwargs[k] for k in ("num_proc",) if kwargs.get(k)})
     return ds
 
 
@@ -248,7 +214,7 @@ def _check_has_data_files(path: Path, entry: Any, label: str) -> None:
     """A directory with no data file (or none matching data_files) gets an error saying so: datasets
     would guess another loader for it and report something unrelated."""
     try:
-        found = _local_dir_files(path, entry)
+        found = local_dir_files(path, entry)
     except DataError as e:
         raise DataError(f"{label}: data_files not found: {e}. Check {label}.data_files.") from e
     if not found:
@@ -262,6 +228,98 @@ def _no_data_files(entry: Any, label: str) -> str:
         f"compressed). Put the data there, or name the files with {label}.data_files and their format "
         f"with {label}.ds_type."
     )
+
+
+# ------------------------------------------------------------------------ columns of mixed JSON types
+
+# Bump when the encoded copies change: they are named with it (see _encoded_copy).
+ENCODED_COPY_VERSION = 1
+
+
+def _strings_kept(
+    ds: datasets.Dataset,
+    files: list[str],
+    entry: Any,
+    label: str,
+    extra: dict[str, Any],
+    *,
+    split: str | None = None,
+) -> datasets.Dataset:
+    """``ds`` again, with every string of its mixed-type JSON columns read back as that string.
+
+    datasets' json builder stores a column that mixes types (strings in some rows, lists of
+    messages or objects in others) as its ``Json`` feature: JSON text per value, decoded on read.
+    It encodes each value with ``json_encode_field``, which keeps a string that already parses as
+    JSON as it is, so the answer ``"42"`` is read back as the number 42, ``"null"`` as None and
+    ``"[1, 2]"`` as a list: a string can't be told from the JSON it spells. datasets has no
+    option that keeps them apart (``on_mixed_types=None`` fails on such a column, and a given
+    ``features=`` goes through the same encoding), so the files are copied with every value of
+    those columns written as its JSON text (``"42"`` -> ``"\\"42\\""``), which datasets keeps as
+    it is and decodes back to the string, and the copies are loaded with the same features.
+    Only data with such a column pays for the copy (one pass in Python over its files).
+    """
+    paths = get_json_field_paths_from_feature(ds.features)
+    if not paths:
+        return ds
+    names = sorted({".".join(str(p) for p in path if p != 0) for path in paths})
+    if not files or not all(Path(f).is_file() for f in files):
+        warn(
+            f"{label}: the column(s) {names} of {entry.path!r} mix strings with lists or objects, and datasets "
+            'reads such a string that is valid JSON as what it spells ("42" as 42, "null" as null); only '
+            "local files can be read again to keep them strings: download the files and point "
+            f"{label}.path at them, or give each column one type"
+        )
+        return ds
+    logger.info("%s: reading the mixed-type JSON column(s) %s again to keep their strings", label, names)
+    copies = [str(_encoded_copy(f, paths)) for f in files]
+    split_name = split or _base_split(entry.split)
+    return datasets.load_dataset(
+        "json",
+        data_files={split_name: copies},
+        split=split or entry.split,
+        features=ds.features,
+        **extra,
+    )
+
+
+def _encoded_copy(path: str, paths: list[list[Any]]) -> Path:
+    """A JSON lines copy of ``path`` with the values at ``paths`` written as their JSON text, in the
+    datasets cache, named by the file's content and the paths (an existing copy is reused)."""
+    name = Path(path).name
+    for ext in COMPRESSION_EXTENSIONS:
+        name = name.removesuffix(ext)
+    key = Hasher.hash([file_hash(path), paths])[:16]
+    dest = Path(datasets.config.HF_DATASETS_CACHE) / "finetune-encoded-copies"
+    dest = dest / f"{key}-v{ENCODED_COPY_VERSION}-{Path(name).stem}.jsonl"
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as out:
+        for row in damage.json_rows(path):
+            for field_path in paths:
+                row = _encode_at(row, field_path)
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, dest)
+    return dest
+
+
+def _encode_at(value: Any, path: list[Any]) -> Any:
+    """``value`` with what is at ``path`` (0: each item of a list) written as its JSON text.
+
+    >>> _encode_at({"a": "42", "b": 1}, ["a"]), _encode_at({"m": [{"c": "null"}, {"c": None}]}, ["m", 0, "c"])
+    ({'a': '"42"', 'b': 1}, {'m': [{'c': '"null"'}, {'c': None}]})
+    """
+    if value is None:
+        return None  # a missing value stays null, as datasets keeps it
+    if not path:
+        return json.dumps(value, ensure_ascii=False)
+    key, *rest = path
+    if key == 0:
+        return [_encode_at(item, rest) for item in value] if isinstance(value, list) else value
+    if not isinstance(value, dict) or key not in value:
+        return value
+    return {**value, key: _encode_at(value[key], rest)}
 
 
 # ------------------------------------------------------------------------------------- damaged files
@@ -332,6 +390,10 @@ def _load_with_placeholders(
     extra = {k: kwargs[k] for k in ("sep", "num_proc") if kwargs.get(k)}
     try:
         ds = datasets.load_dataset(builder, data_files={split: files}, split=split, **extra)
+        if builder == "json":
+            ds = _strings_kept(ds, files, entry, label, extra, split=split)
+    except DataError:
+        raise
     except Exception as e:
         raise DataError(
             f"{label}: {damage.describe([b for f in scans for b in f.bad], skip_hint=False)} Even with the "
@@ -361,7 +423,7 @@ def _clean_copy(found: damage.FileScan) -> Path:
     The same damaged file reuses its copy, so datasets also reuses the Arrow cache it built from it.
     """
     name = Path(found.path).name
-    for ext in _COMPRESSION_EXTENSIONS:
+    for ext in COMPRESSION_EXTENSIONS:
         name = name.removesuffix(ext)
     if found.array:
         name = f"{Path(name).stem}.jsonl"
@@ -452,113 +514,3 @@ def _builder_of_files(data_files: str | list[str] | None) -> str | None:
     files = [data_files] if isinstance(data_files, str) else list(data_files or [])
     builders = {builder_for(f) for f in files}
     return builders.pop() if len(builders) == 1 else None
-
-
-# ---------------------------------------------------------------------------------------- fingerprint
-
-
-def source_fingerprint(entry: Any) -> dict:
-    """What identifies the content of ``entry``'s source (JSON-serializable).
-
-    Local files: each file's relative name, size and blake2b hash. save_to_disk directories: the
-    same for their arrow and json files. Hub ids: the commit sha the revision resolves to. URLs:
-    the storage's metadata (etag, size, modification time).
-    """
-    path = entry.path
-    if is_url(path):
-        return {"kind": "url", "files": _url_info(entry)}
-    local = Path(path).expanduser()
-    if local.exists():
-        if local.is_dir():
-            files = _local_dir_files(local, entry)
-            kind = "saved_dataset" if any((local / n).exists() for n in _SAVED_DATASET_FILES) else "local_dir"
-            return {"kind": kind, "files": [_file_entry(f, f.relative_to(local).as_posix()) for f in files]}
-        return {"kind": "local_file", "files": [_file_entry(local, local.name)]}
-    if looks_local(path):
-        raise DataError(f"{path!r} does not exist (resolved to {local.resolve()})")
-    return {"kind": "hub", "repo": path, "revision": entry.revision, "sha": _hub_sha(path, entry.revision)}
-
-
-def _local_dir_files(root: Path, entry: Any) -> list[Path]:
-    if any((root / n).exists() for n in _SAVED_DATASET_FILES):
-        files = [p for p in root.rglob("*") if p.is_file() and p.suffix in (".arrow", ".json")]
-    elif entry.data_files:
-        patterns = [entry.data_files] if isinstance(entry.data_files, str) else entry.data_files
-        files = [p for pattern in patterns for p in root.glob(pattern) if p.is_file()]
-        if not files:
-            raise DataError(f"no file in {root} matches data_files {patterns}")
-    else:  # what load_dataset would read: data files (any file when ds_type names the format)
-        files = [
-            p
-            for p in root.rglob("*")
-            if p.is_file()
-            and not any(part.startswith(".") for part in p.relative_to(root).parts)
-            and (entry.ds_type or builder_for(p.name))
-        ]
-    return sorted(set(files))
-
-
-def _file_entry(path: Path, name: str) -> dict:
-    return {"name": name, "size": path.stat().st_size, "blake2b": file_hash(path)}
-
-
-def file_hash(path: str | os.PathLike) -> str:
-    """blake2b (128-bit) of a file's bytes, read in 1 MiB chunks."""
-    digest = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _hub_sha(repo: str, revision: str | None) -> str:
-    from huggingface_hub import HfApi
-
-    try:
-        return HfApi().dataset_info(repo, revision=revision).sha
-    except Exception as e:
-        raise DataError(
-            f"could not resolve Hub dataset {repo!r} (revision {revision or 'main'}): the Hub is unreachable or the "
-            f"dataset doesn't exist ({type(e).__name__}: {e}). Use a local path for the data, or set "
-            "data.skip_prepare_dataset: true to train from an already prepared cache."
-        ) from e
-
-
-_URL_INFO_KEYS = (
-    "size",
-    "etag",
-    "ETag",
-    "mtime",
-    "LastModified",
-    "last_modified",
-    "md5Hash",
-    "crc32c",
-    "generation",
-)
-
-
-def _url_info(entry: Any) -> list[dict]:
-    import fsspec
-
-    url = entry.path
-    files = entry.data_files
-    urls = (
-        [url]
-        if not files
-        else [f"{url.rstrip('/')}/{f}" for f in ([files] if isinstance(files, str) else files)]
-    )
-    out = []
-    try:
-        for u in urls:
-            fs, p = fsspec.core.url_to_fs(u)
-            infos = [fs.info(p)]
-            if infos[0].get("type") == "directory":
-                infos = [fs.info(f) for f in sorted(fs.find(p))]
-            for info in infos:
-                out.append(
-                    {"name": str(info.get("name", p))}
-                    | {k: str(info[k]) for k in _URL_INFO_KEYS if k in info}
-                )
-    except Exception as e:
-        raise DataError(f"could not read the metadata of {url!r}: {type(e).__name__}: {e}") from e
-    return out

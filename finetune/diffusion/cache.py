@@ -53,7 +53,7 @@ from finetune.data.cache import (
     load_complete,
     write_atomically,
 )
-from finetune.data.sources import file_hash
+from finetune.data.fingerprint import file_hash
 from finetune.diffusion import images as img
 from finetune.diffusion.model import (
     PipelineInfo,

@@ -16,6 +16,9 @@ def make_accelerator(train, *, model_kind: str, qlora: bool, compile_model: bool
     makes before launch, for `accelerate launch` users; `compile_model` (model.enable_compile) adds
     the TorchDynamo plugin.
     """
+    from finetune.quiet import quiet_third_party
+
+    quiet_third_party(torch.cuda.is_available())  # before accelerate can import DeepSpeed (finetune/quiet.py)
     from accelerate import Accelerator
     from accelerate.utils import TorchDynamoPlugin
 

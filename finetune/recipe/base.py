@@ -8,12 +8,24 @@ validation, in one visible step (finetune.recipe.defaults).
 
 from __future__ import annotations
 
+import re
 import typing
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
+
+from finetune.recipe.overrides import _unwrap
 
 Problem = tuple[str, Any, str]  # (dotted path relative to the section, bad value, message)
 
@@ -23,6 +35,42 @@ Problem = tuple[str, Any, str]  # (dotted path relative to the section, bad valu
 # field fixed except those marked `**FREE_ON_RESUME`.
 FIXED_ON_RESUME: dict[str, Any] = {"json_schema_extra": {"fixed_on_resume": True}}
 FREE_ON_RESUME: dict[str, Any] = {"json_schema_extra": {"fixed_on_resume": False}}
+
+
+def _compiles(pattern: str) -> str:
+    """A regex field's value, compiled here so that a bad pattern is a recipe error at validate time
+    rather than a re.error traceback at the first evaluation, after the model was loaded."""
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise PydanticCustomError(
+            "regex",
+            "is not a valid regular expression ({error}). Fix the pattern: a literal ( ) [ ] { } . * + ? | "
+            "or backslash needs a backslash before it, and in YAML write the pattern in single quotes "
+            "('#### (\\d+)') so that the backslashes reach the regex as written",
+            {"error": str(e)},
+        ) from None
+    return pattern
+
+
+Regex = Annotated[str, AfterValidator(_compiles)]
+"""The type of every recipe field that holds a regular expression (Python's `re` syntax)."""
+
+
+def number_kind(annotation: Any) -> str | None:
+    """'an integer' or 'a number' when a field of type `annotation` takes numbers but no boolean.
+
+    >>> from typing import Literal
+    >>> number_kind(int | None), number_kind(float | Literal["auto"]), number_kind(bool | int), number_kind(str)
+    ('an integer', 'a number', None, None)
+    """
+    alternatives = _unwrap(annotation)
+    for alt in alternatives:
+        if alt is bool or alt is Any or any(isinstance(v, bool) for v in typing.get_args(alt)):
+            return None  # a boolean is one of its values
+    if float in alternatives:
+        return "a number"
+    return "an integer" if int in alternatives else None
 
 
 def _all_ok(*names: str) -> bool:
@@ -50,6 +98,27 @@ class _Section(BaseModel):
         field it reads. That is how a bad combination is reported together with a typo elsewhere.
         """
         return []
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """Refuse true/false for a numeric field of any section.
+
+        pydantic's lax mode takes a boolean as 1 or 0 for an int or float, so `beta: true` became
+        1.0 and `loss_chunk_size: true` chunks of one token, silently; its strict mode would also
+        refuse the strings a YAML recipe may hold ("1e-4"), and it has no setting for booleans
+        alone, hence this check.
+        """
+        if isinstance(value, bool) and info.field_name is not None:
+            kind = number_kind(cls.model_fields[info.field_name].annotation)
+            if kind is not None:
+                raise PydanticCustomError(
+                    "bool_number",
+                    "a boolean where {kind} is expected (it would count as {number}; YAML reads an unquoted "
+                    "true/false/yes/no/on/off as a boolean): write the number you mean",
+                    {"kind": kind, "number": int(value)},
+                )
+        return value
 
     @model_validator(mode="after")
     def _check_combinations(self):

@@ -41,7 +41,8 @@ class DataSection(_Section):
     )
     val_set_size: int | float | None = Field(
         None,
-        description="int = rows, float in (0, 1) = fraction, split off the merged train data with `seed`.",
+        description="int = rows, float in (0, 1) = fraction, split off the merged train data with `seed` "
+        "(0 or null = no validation split).",
         **FIXED_ON_RESUME,
     )
     dataset_prepared_path: str = Field(
@@ -118,11 +119,10 @@ class DataSection(_Section):
 
     @field_validator("val_set_size", mode="before")
     @classmethod
-    def _val_set_size_not_bool(cls, value: Any) -> Any:
-        # Checked before validation: lax int validation would turn `true` into 1 row.
-        if isinstance(value, bool):
-            raise ValueError("expected a number of rows or a fraction, not a boolean")
-        return value
+    def _zero_is_none(cls, value: Any) -> Any:
+        # Axolotl recipes write 0 for "no validation split": 0, 0.0 and null all mean none, and all
+        # resolve to null (one fingerprint). A boolean is refused by _Section (true is not 1 row).
+        return None if value == 0 and not isinstance(value, bool) else value
 
     @field_validator("val_set_size")
     @classmethod
@@ -130,7 +130,7 @@ class DataSection(_Section):
         if isinstance(value, float) and not 0.0 < value < 1.0:
             raise ValueError(f"a fraction must be in (0, 1), got {value}; use an int for a number of rows")
         if isinstance(value, int) and value < 1:
-            raise ValueError("a number of rows must be >= 1 (or null for no validation split)")
+            raise ValueError("a number of rows must be >= 1 (or 0 / null for no validation split)")
         return value
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:

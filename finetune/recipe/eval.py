@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from finetune.recipe.base import Problem, _Section
+from finetune.recipe.base import Problem, Regex, _Section
 
 # GSM8K answers end with "#### <number>" (finetune.generation.metrics.GSM8K_ANSWER_PATTERN).
 DEFAULT_ANSWER_PATTERN = r"####\s*\$?\s*(-?[\d,.]+)"
@@ -31,7 +31,7 @@ class GenerationSet(_Section):
         description="exact_match: the answer extracted with answer_pattern (else the last number) equals "
         "the expected one's; contains: the expected text occurs in the output; none: samples only.",
     )
-    answer_pattern: str | None = Field(
+    answer_pattern: Regex | None = Field(
         DEFAULT_ANSWER_PATTERN,
         description="exact_match: regex whose first group is the answer (default: GSM8K's `#### 42`); "
         "null = the last number.",

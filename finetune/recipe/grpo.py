@@ -8,13 +8,12 @@ so all are fixed on resume.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from finetune.recipe.base import Problem, _Section
+from finetune.recipe.base import Problem, Regex, _Section
 
 BUILTIN_REWARDS = ("exact_match", "math_verify", "format", "length")
 # What each built-in reward reads besides the completion: the recipe fields it needs, and those it
@@ -51,12 +50,12 @@ class RewardSpec(_Section):
     field_expected: str | None = Field(
         None, description="exact_match, math_verify: the data column holding the expected answer."
     )
-    answer_pattern: str | None = Field(
+    answer_pattern: Regex | None = Field(
         None,
         description="exact_match: regex whose first group is the answer (default: GSM8K's `#### 42`, else the "
         "last number in the text).",
     )
-    pattern: str | None = Field(None, description="format: the regex a well-formed completion matches.")
+    pattern: Regex | None = Field(None, description="format: the regex a well-formed completion matches.")
     soft_cache: int | None = Field(
         None,
         ge=1,
@@ -96,13 +95,6 @@ class RewardSpec(_Section):
                 problems.append(
                     (name, getattr(self, name), f"the {self.name} reward does not read it; remove it")
                 )
-        for name in ("answer_pattern", "pattern"):
-            value = getattr(self, name) if ok(name) else None
-            if value is not None:
-                try:
-                    re.compile(value)
-                except re.error as exc:
-                    problems.append((name, value, f"is not a valid regular expression: {exc}"))
         return problems
 
 

@@ -83,6 +83,47 @@ def test_prepare_dataset_cli_on_demo_data(tmp_path: Path, repo_root: Path):
     assert _manifest(second.stdout) == m
 
 
+# Runs the CLI's main in a fresh interpreter and lists the heavy libraries it imported.
+_HEAVY_IMPORTS = """
+import sys
+from finetune.cli import main
+code = main(["prepare-dataset", *sys.argv[1:]])
+print("imported:", sorted(m for m in ("torch", "transformers", "datasets") if m in sys.modules))
+sys.exit(code)
+"""
+
+
+def test_a_cache_hit_imports_neither_torch_transformers_nor_datasets(tmp_path: Path, repo_root: Path):
+    """A prepared recipe is found from its fingerprint alone; building one does import them."""
+    rows = [{"instruction": f"Add {i} and 1.", "input": "", "output": str(i + 1)} for i in range(20)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = _write_recipe(
+        tmp_path, repo_root / "recipes" / "demo" / "tokenizer", [{"path": str(data), "type": "alpaca"}]
+    )
+    env = {**os.environ, "PYTHONPATH": str(repo_root), "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+
+    def run() -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-c", _HEAVY_IMPORTS, str(path)]
+        return subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True, text=True, timeout=300)
+
+    built = run()
+    assert built.returncode == 0, built.stderr
+    assert "(built)" in built.stdout and "imported: ['datasets'" in built.stdout
+    hit = run()
+    assert hit.returncode == 0, hit.stderr
+    assert "reusing prepared dataset" in hit.stdout and "(cache)" in hit.stdout
+    assert "imported: []" in hit.stdout
+
+    # The same summary as the build's, from the manifest alone.
+    def summary(out: str, source: str) -> str:
+        return out.split(f"({source})", 1)[1].split("imported:")[0]
+
+    assert _manifest(hit.stdout)["rows_in"] == 20 and summary(hit.stdout, "cache") == summary(
+        built.stdout, "built"
+    )
+
+
 @pytest.mark.slow
 def test_prepare_dataset_cli_on_gsm8k_with_llama2(tmp_path: Path, repo_root: Path, shared_data: Path):
     data, tokenizer = shared_data / "gsm8k" / "train.jsonl", shared_data / "tokenizers" / "llama2-hf"

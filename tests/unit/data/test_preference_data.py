@@ -417,3 +417,37 @@ def test_objective_and_dataset_types_must_agree():
                 "train": {"output_dir": "o", "objective": "dpo", "simpo_gamma": 1.0},
             }
         )
+
+
+def test_prepare_trains_completions_that_look_like_json_as_the_strings_they_are(tmp_path, repo_root):
+    """A completion column mixing strings with lists of messages: "42", "null" and "[1, 2]" train as
+    those strings (datasets' Json column read them as 42, None and a list, refused as not text)."""
+    answers = ["42", "null", "[1, 2]"]
+    rows = [{"prompt": f"Answer {i}.", "completion": a, "label": True} for i, a in enumerate(answers)]
+    messages = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hello"}]
+    rows.append({"prompt": messages[:1], "completion": messages[1:], "label": False})
+    path = _write(tmp_path / "kto.jsonl", rows)
+    recipe = validate_recipe(
+        {
+            "model": {
+                "config_path": {"model_type": "llama"},
+                "tokenizer_path": str(repo_root / "recipes/demo/tokenizer"),
+            },
+            "data": {
+                "datasets": [{"path": str(path), "type": "kto", "apply_chat_template": True}],
+                "sequence_len": 64,
+                "dataset_num_proc": 1,
+                "dataset_prepared_path": str(tmp_path / "prepared"),
+            },
+            "train": {"output_dir": str(tmp_path / "out"), "objective": "kto"},
+        }
+    )
+    prepared = prepare(recipe, log=lambda _: None)
+    assert prepared.manifest["rows_kept"] == 4 and prepared.manifest["dropped"] == {}
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(repo_root / "recipes/demo/tokenizer")
+    trained = []
+    for labels, seq_lens in zip(prepared.train["labels"], prepared.train["seq_lens"], strict=True):
+        starts = [sum(seq_lens[:k]) for k in range(len(seq_lens))]
+        trained += [trained_text(tokenizer, labels[a : a + n]) for a, n in zip(starts, seq_lens, strict=True)]
+    # (kto's KL examples, mismatched completions, train nothing)
+    assert sorted(t for t in trained if t) == sorted(f"{a}<|im_end|>" for a in [*answers, "hello"])

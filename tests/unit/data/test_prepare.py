@@ -18,13 +18,13 @@ from filelock import FileLock
 
 from finetune.data import prepare as prepare_mod
 from finetune.data.cache import MANIFEST_NAME, PAUSE_ENV, compute_fingerprint
+from finetune.data.fingerprint import file_hash
 from finetune.data.prepare import (
     fingerprint_inputs,
     load_prepared,
     prepare,
     prepare_on_main_process,
 )
-from finetune.data.sources import file_hash
 from finetune.errors import DataError, RecipeError
 from finetune.recipe import Recipe, validate_recipe
 
@@ -189,6 +189,13 @@ def test_same_inputs_reuse_cache_without_tokenizing(workdir: Path, monkeypatch: 
     assert again.source == "cache" and again.path == first.path
     assert _rows(again.train) == _rows(first.train)
     assert load_prepared(recipe).path == first.path
+
+
+def test_val_set_size_zero_makes_no_eval_split(workdir: Path):
+    recipe = _recipe(workdir, val_set_size=0)
+    assert _fp(recipe) == _fp(_recipe(workdir))  # the same data as null
+    m = prepare(recipe, log=_quiet).manifest
+    assert "eval" not in m["splits"] and m["splits"]["train"]["examples"] == m["rows_kept"]
 
 
 def test_same_recipe_elsewhere_gives_same_fingerprint_and_rows(workdir: Path):

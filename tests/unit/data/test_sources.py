@@ -7,7 +7,6 @@ import gzip
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import datasets
 import pandas as pd
@@ -15,7 +14,7 @@ import pytest
 
 from finetune.data import sources
 from finetune.data.damage import BAD_ROW_COLUMN
-from finetune.data.sources import load_source, source_fingerprint
+from finetune.data.sources import load_source
 from finetune.errors import DataError
 from finetune.recipe import DatasetEntry, dataset_entry
 
@@ -278,6 +277,40 @@ def test_clean_copy_is_reused(tmp_path: Path) -> None:
     assert [c.stat().st_mtime_ns for c in copies] == mtimes
 
 
+# Strings that are valid JSON, in a column whose other rows hold lists: datasets reads such a column
+# as its Json feature, and used to read these three back as 42, None and [1, 2].
+JSON_LIKE = ["42", "null", "[1, 2]"]
+MESSAGES = [{"role": "assistant", "content": "hello"}]
+
+
+def test_a_mixed_type_column_keeps_its_strings(tmp_path: Path) -> None:
+    rows = [{"prompt": f"q{i}", "completion": v} for i, v in enumerate(JSON_LIKE)]
+    path = write_jsonl(tmp_path / "mixed.jsonl", [*rows, {"prompt": "q3", "completion": MESSAGES}])
+    ds = load_source(entry(path, type="kto"))
+    assert ds["completion"][:] == [*JSON_LIKE, MESSAGES]
+    assert load_source(entry(path, type="kto", split="train[1:3]"))["completion"][:] == JSON_LIKE[1:]
+    # Nested: the content of messages, a string in some turns and a list of parts in others.
+    parts = [{"type": "text", "text": "hi"}]
+    chats = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": v}] for v in JSON_LIKE]
+    path = write_jsonl(
+        tmp_path / "chats.jsonl", [{"messages": c} for c in [*chats, [{"role": "user", "content": parts}]]]
+    )
+    loaded = load_source(entry(path, type="chat_template"))["messages"][:]
+    assert [c[1]["content"] for c in loaded[:3]] == JSON_LIKE and loaded[3][0]["content"] == parts
+
+
+def test_a_mixed_type_column_keeps_its_strings_in_a_damaged_file_and_a_json_array(tmp_path: Path) -> None:
+    lines = [json.dumps({"prompt": "q", "completion": v}) for v in [*JSON_LIKE, MESSAGES]]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join([lines[0], '{"prompt": "q", "completion": ', *lines[1:]]) + "\n")
+    ds = load_source(entry(path, type="kto"), on_bad_row="skip")
+    assert ds["completion"][:] == [JSON_LIKE[0], None, *JSON_LIKE[1:], MESSAGES]
+    assert marks(ds)[1] is not None and marks(ds).count(None) == 4
+    array = tmp_path / "a.json"
+    array.write_text(json.dumps([{"prompt": "q", "completion": v} for v in [*JSON_LIKE, MESSAGES]]))
+    assert load_source(entry(array, type="kto"))["completion"][:] == [*JSON_LIKE, MESSAGES]
+
+
 def test_shards(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
     parts = [load_source(entry(path, shards=3, shards_idx=i))["n"][:] for i in range(3)]
@@ -328,99 +361,6 @@ def test_hub_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
         load_source(entry("org/name"), entry_label="data.test_datasets[0]")
     assert "data.test_datasets[0]" in str(err.value) and "'org/name'" in str(err.value)
     assert "Hub could not be reached" in str(err.value)
-
-
-# ----------------------------------------------------------------------------------------- fingerprint
-
-
-def test_fingerprint_local_file(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
-    fp = source_fingerprint(entry(path))
-    assert fp["kind"] == "local_file"
-    [f] = fp["files"]
-    assert f["name"] == "d.jsonl" and f["size"] == path.stat().st_size and len(f["blake2b"]) == 32
-    json.dumps(fp)  # serializable
-    copy = write_jsonl(tmp_path / "other" / "d.jsonl", ROWS)
-    assert source_fingerprint(entry(copy)) == fp  # same name and content, anywhere
-    write_jsonl(path, [*ROWS[:-1], {"text": "row X", "n": 9}])  # same size, other content
-    assert path.stat().st_size == f["size"]
-    assert source_fingerprint(entry(path)) != fp
-
-
-def test_fingerprint_directory_and_data_files(tmp_path: Path) -> None:
-    write_jsonl(tmp_path / "d" / "a.jsonl", ROWS[:4])
-    write_jsonl(tmp_path / "d" / "sub" / "b.jsonl", ROWS[4:])
-    (tmp_path / "d" / "README.md").write_text("not data")
-    (tmp_path / "d" / ".hidden").mkdir()
-    write_jsonl(tmp_path / "d" / ".hidden" / "c.jsonl", ROWS)
-    fp = source_fingerprint(entry(tmp_path / "d"))
-    assert fp["kind"] == "local_dir"
-    assert [f["name"] for f in fp["files"]] == ["a.jsonl", "sub/b.jsonl"]
-    (tmp_path / "d" / "sub" / "b.jsonl").write_text(json.dumps({"text": "changed", "n": 0}) + "\n")
-    assert source_fingerprint(entry(tmp_path / "d")) != fp
-    only_a = source_fingerprint(entry(tmp_path / "d", data_files="a.jsonl"))
-    assert [f["name"] for f in only_a["files"]] == ["a.jsonl"]
-    with pytest.raises(DataError, match="no file"):
-        source_fingerprint(entry(tmp_path / "d", data_files="zzz.jsonl"))
-
-
-def test_fingerprint_directory_with_ds_type_covers_unknown_extensions(tmp_path: Path) -> None:
-    write_jsonl(tmp_path / "d" / "rows.data", ROWS)
-    fp = source_fingerprint(entry(tmp_path / "d", ds_type="json"))
-    assert [f["name"] for f in fp["files"]] == ["rows.data"]
-    assert len(load_source(entry(tmp_path / "d", ds_type="json", data_files="rows.data"))) == 10
-
-
-def test_fingerprint_saved_dataset(tmp_path: Path) -> None:
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "s"))
-    fp = source_fingerprint(entry(tmp_path / "s"))
-    names = [f["name"] for f in fp["files"]]
-    assert fp["kind"] == "saved_dataset"
-    assert "dataset_dict.json" in names and "train/state.json" in names and "train/dataset_info.json" in names
-    assert any(n.startswith("train/") and n.endswith(".arrow") for n in names)
-
-
-def test_fingerprint_missing_local(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="does not exist"):
-        source_fingerprint(entry(tmp_path / "gone.jsonl"))
-
-
-def test_fingerprint_hub(monkeypatch: pytest.MonkeyPatch) -> None:
-    import huggingface_hub
-
-    seen = {}
-
-    def dataset_info(self, repo_id, revision=None, **kwargs):
-        seen.update(repo=repo_id, revision=revision)
-        return SimpleNamespace(sha="0123abcd" * 5)
-
-    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", dataset_info)
-    fp = source_fingerprint(entry("openai/gsm8k", revision="main"))
-    assert fp == {"kind": "hub", "repo": "openai/gsm8k", "revision": "main", "sha": "0123abcd" * 5}
-    assert seen == {"repo": "openai/gsm8k", "revision": "main"}
-
-
-def test_fingerprint_hub_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
-    import huggingface_hub
-
-    def unreachable(self, repo_id, revision=None, **kwargs):
-        raise OSError("network is unreachable")
-
-    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", unreachable)
-    with pytest.raises(DataError) as err:
-        source_fingerprint(entry("org/name"))
-    msg = str(err.value)
-    assert "unreachable" in msg and "local path" in msg and "skip_prepare_dataset" in msg
-
-
-def test_fingerprint_url(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
-    fp = source_fingerprint(entry(path.as_uri()))
-    assert fp["kind"] == "url"
-    [f] = fp["files"]
-    assert f["size"] == str(path.stat().st_size) and "mtime" in f
-    with pytest.raises(DataError, match="could not read the metadata"):
-        source_fingerprint(entry((tmp_path / "missing.jsonl").as_uri()))
 
 
 def test_every_row_damaged_is_an_error_in_skip_mode(tmp_path: Path) -> None:

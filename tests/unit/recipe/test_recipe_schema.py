@@ -455,8 +455,8 @@ def test_enable_qlora_implies_enable_lora_only_when_omitted(tmp_path: Path) -> N
 
 @pytest.mark.parametrize(
     ("value", "ok"),
-    [(0.1, True), (100, True), (1, True), (1.5, False), (0.0, False), (1.0, False), (0, False), (True, False),
-     (-3, False)],
+    [(0.1, True), (100, True), (1, True), (1.5, False), (1.0, False), (True, False), (False, False),
+     (-3, False), (-0.5, False)],
 )  # fmt: skip
 def test_val_set_size_is_rows_or_fraction(tmp_path: Path, value, ok: bool) -> None:
     data = recipe_with(data={"val_set_size": value})
@@ -465,6 +465,14 @@ def test_val_set_size_is_rows_or_fraction(tmp_path: Path, value, ok: bool) -> No
         assert recipe.data.val_set_size == value and type(recipe.data.val_set_size) is type(value)
     else:
         assert "data.val_set_size" in error_of(tmp_path, data)
+
+
+@pytest.mark.parametrize("zero", [0, 0.0, None])
+def test_val_set_size_zero_means_no_validation_split_as_null(tmp_path: Path, zero) -> None:
+    """Axolotl recipes write 0 for "no validation split": it resolves to null, as written there."""
+    recipe = load(tmp_path, recipe_with(data={"val_set_size": zero}))
+    assert recipe.data.val_set_size is None
+    assert recipe_to_dict(recipe)["data"]["val_set_size"] is None
 
 
 @pytest.mark.parametrize("model_id", ["name-only", "a/b/c", "/name", "org/"])

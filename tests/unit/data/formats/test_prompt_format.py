@@ -87,3 +87,33 @@ def test_the_recipe_pairs_prompt_data_with_grpo_only():
         validate_recipe({**recipe, **grpo, "data": {"datasets": [entry]}})
     message = format_validation_error(info.value, Recipe)
     assert "train_on_inputs: unknown key" in message and "the prompt is never trained" in message
+
+
+def test_prepare_keeps_answers_that_look_like_json_as_the_strings_they_are(tmp_path):
+    """GSM8K-style answers in a column where other rows hold a list of accepted answers: "42",
+    "null" and "[1, 2]" reach the rewards as those strings (datasets' Json column read them as 42,
+    None and a list)."""
+    from finetune.data.prepare import prepare
+    from finetune.recipe import validate_recipe
+
+    answers = ["42", "null", "[1, 2]", ["7", "seven"]]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        "".join(json.dumps({"question": f"Q{i}?", "answer": a}) + "\n" for i, a in enumerate(answers))
+    )
+    recipe = validate_recipe(
+        {
+            "model": {"config_path": {"model_type": "llama"}, "tokenizer_path": str(DEMO_TOKENIZER)},
+            "data": {
+                "datasets": [{"path": str(path), "type": "prompt", "field_prompt": "question"}],
+                "sequence_len": 64,
+                "dataset_num_proc": 1,
+                "dataset_prepared_path": str(tmp_path / "prepared"),
+            },
+            "train": {"output_dir": str(tmp_path / "out"), "objective": "grpo", "micro_batch_size": 8},
+            "grpo": {"rewards": [{"name": "exact_match", "field_expected": "answer"}]},
+        }
+    )
+    prepared = prepare(recipe, log=lambda _: None)
+    kept = [json.loads(row)["answer"] for row in prepared.train["row"]]  # one prompt per row
+    assert sorted(kept, key=json.dumps) == sorted(answers, key=json.dumps)
