@@ -31,6 +31,26 @@ from pathlib import Path
 
 STATUS_ENV = "FINETUNE_STATUS_FILE"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what the training loop stops on (engine.loop.StopFlag)
+
+
+class StoppedAtStartup(BaseException):
+    """A stop signal before the training loop took over its handling (loading the model, preparing data).
+
+    A BaseException, as KeyboardInterrupt is, so that no `except Exception` on the way swallows it.
+    """
+
+
+def stop_at_startup_on_signals() -> dict:
+    """Until the loop installs its own handlers (checkpoint, then stop), SIGTERM and SIGINT end startup
+    at once: nothing has trained yet, so there is nothing to save. Without this, SIGTERM's default
+    action kills the process and the launcher reports it with a traceback and exit 1. Returns the
+    handlers it replaced."""
+
+    def stop(signum, frame):
+        raise StoppedAtStartup(signal.Signals(signum).name)
+
+    return {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
 
 
 def write_status(code: int, error: str) -> None:
