@@ -15,7 +15,8 @@ def test_a_stop_before_the_launcher_started_training_is_a_clean_exit(capsys):
     """SIGTERM to `finetune train` while the launcher is still importing (no training process yet): the
     launcher is ended and `finetune train` exits 0 with one line, as a stop during startup does."""
     launcher = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"]
-    sent = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM))  # handled by run_supervised's forwarder
+    # Sent to this process, where run_supervised's forwarder handles it.
+    sent = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM))
     sent.start()
     started = time.monotonic()
     try:
