@@ -31,6 +31,26 @@ from pathlib import Path
 
 STATUS_ENV = "FINETUNE_STATUS_FILE"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what the training loop stops on (engine.loop.StopFlag)
+
+
+class StoppedAtStartup(BaseException):
+    """A stop signal before the training loop took over its handling (loading the model, preparing data).
+
+    A BaseException, as KeyboardInterrupt is, so that no `except Exception` on the way swallows it.
+    """
+
+
+def stop_at_startup_on_signals() -> dict:
+    """Until the loop installs its own handlers (checkpoint, then stop), SIGTERM and SIGINT end startup
+    at once: nothing has trained yet, so there is nothing to save. Without this, SIGTERM's default
+    action kills the process and the launcher reports it with a traceback and exit 1. Returns the
+    handlers it replaced."""
+
+    def stop(signum, frame):
+        raise StoppedAtStartup(signal.Signals(signum).name)
+
+    return {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
 
 
 def write_status(code: int, error: str) -> None:
@@ -67,6 +87,14 @@ def run_supervised(cmd: list[str], env: dict[str, str] | None = None) -> int:
             if line.encode() not in b"".join(shown):  # the relay dropped it with what followed
                 print(line, file=sys.stderr, flush=True)
             return int(report.get("exit", 2))
+        if code == -signal.SIGTERM and signals.launcher_only and signals.count == 1:
+            # Stopped before the launcher had started training: nothing trained, nothing to save.
+            print(
+                "finetune train: stopped before training started; nothing to save",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 0
         if code < 0 and signals.received is not None:  # killed by the forwarded signal's second round
             return 128 + signals.received
         return code
@@ -95,18 +123,22 @@ class _Forwarder:
 
     def __init__(self, proc: subprocess.Popen):
         self.proc, self.received, self.count = proc, None, 0
+        self.launcher_only = False  # the first signal came before the launcher had started training
         self.previous = {sig: signal.signal(sig, self._handle) for sig in FORWARDED}
 
     def _handle(self, signum, frame) -> None:
         self.received, self.count = signum, self.count + 1
         if self.count == 1:
-            targets = _descendants(self.proc.pid) or [self.proc.pid]
+            targets = _descendants(self.proc.pid)
             print(
                 f"finetune train: {signal.Signals(signum).name}: asking training to checkpoint and stop "
                 "(again to stop at once)",
                 file=sys.stderr,
                 flush=True,
             )
+            if not targets:  # the launcher is still starting: SIGTERM ends it without a traceback
+                self.launcher_only = True
+                _kill(self.proc.pid, signal.SIGTERM)
             for pid in targets:
                 _kill(pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
         else:

@@ -60,8 +60,28 @@ def _gguf_base(model: dict) -> dict | None:
     return {"text": text, "source_repo": found.get("source_repo")}
 
 
-def render_model_card(*, recipe: dict, manifest: dict, metrics: dict) -> str:
-    """Card text: base model, data (from the prepared dataset's manifest), hyperparameters, metrics.
+def history_section(extensions: list[dict]) -> list[str]:
+    """The card's "Training history" section for a run made longer on resume (train.extend_run).
+
+    >>> print(history_section([{"step": 4, "from_total_steps": 4, "to_total_steps": 8}])[0])
+    ## Training history
+    <BLANKLINE>
+    - at step 4, the run of 4 steps was extended to 8 steps (`train.extend_run`): the learning-rate schedule was rebuilt for 8 steps and continued from step 4
+    """
+    if not extensions:
+        return []
+    lines = [
+        f"- at step {e['step']}, the run of {e['from_total_steps']} steps was extended to {e['to_total_steps']} "
+        f"steps (`train.extend_run`): the learning-rate schedule was rebuilt for {e['to_total_steps']} steps "
+        f"and continued from step {e['step']}"
+        for e in extensions
+    ]
+    return ["## Training history\n\n" + "\n".join(lines)]
+
+
+def render_model_card(*, recipe: dict, manifest: dict, metrics: dict, extensions: list[dict] = ()) -> str:
+    """Card text: base model, data (from the prepared dataset's manifest), hyperparameters, metrics,
+    and the run's extensions (`history_section`).
 
     `recipe` is the resolved recipe as plain data; it never holds a token (tokens come from the
     environment only), so nothing secret can reach the card.
@@ -127,20 +147,29 @@ def render_model_card(*, recipe: dict, manifest: dict, metrics: dict) -> str:
             "## Data\n\n" + _table(data_rows),
             "## Hyperparameters\n\n" + _table(hyper),
             "## Final metrics\n\n" + _table(metric_rows),
+            *history_section(list(extensions)),
             "The full resolved recipe is in `recipe.resolved.yaml`.",
         ]
     )
     return str(ModelCard(content))
 
 
-def write_model_card(folder: Path, *, recipe: dict, manifest: dict, metrics: dict) -> Path:
+def write_model_card(
+    folder: Path, *, recipe: dict, manifest: dict, metrics: dict, extensions: list[dict] = ()
+) -> Path:
     path = Path(folder) / "README.md"
-    path.write_text(render_model_card(recipe=recipe, manifest=manifest, metrics=metrics), encoding="utf-8")
+    text = render_model_card(recipe=recipe, manifest=manifest, metrics=metrics, extensions=extensions)
+    path.write_text(text, encoding="utf-8")
     return path
 
 
 def render_diffusion_model_card(
-    *, recipe: dict, manifest: dict, metrics: dict, samples: list[tuple[str, str]]
+    *,
+    recipe: dict,
+    manifest: dict,
+    metrics: dict,
+    samples: list[tuple[str, str]],
+    extensions: list[dict] = (),
 ) -> str:
     """Card of a diffusion LoRA: base pipeline, how to load it, data (manifest), settings, samples.
 
@@ -215,15 +244,24 @@ def render_diffusion_model_card(
         "## Data\n\n" + _table(data_rows),
         "## Hyperparameters\n\n" + _table(hyper),
         "## Final metrics\n\n" + _table(metric_rows),
+        *history_section(list(extensions)),
         "The full resolved recipe is in `recipe.resolved.yaml`.",
     ]
     return str(ModelCard("\n\n".join(sections)))
 
 
 def write_diffusion_model_card(
-    folder: Path, *, recipe: dict, manifest: dict, metrics: dict, samples: list[tuple[str, str]]
+    folder: Path,
+    *,
+    recipe: dict,
+    manifest: dict,
+    metrics: dict,
+    samples: list[tuple[str, str]],
+    extensions: list[dict] = (),
 ) -> Path:
     path = Path(folder) / "README.md"
-    text = render_diffusion_model_card(recipe=recipe, manifest=manifest, metrics=metrics, samples=samples)
+    text = render_diffusion_model_card(
+        recipe=recipe, manifest=manifest, metrics=metrics, samples=samples, extensions=extensions
+    )
     path.write_text(text, encoding="utf-8")
     return path

@@ -6,6 +6,8 @@ script runs on one CPU, one GPU, DDP, FSDP2 and DeepSpeed; the accelerate config
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -18,7 +20,27 @@ from finetune.errors import FinetuneError
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one training job; 0 when done or stopped cleanly (with a checkpoint), 2 on a user error."""
+    """Run one training job; 0 when done or stopped cleanly (with a checkpoint, or during startup before
+    anything trained), 2 on a user error."""
+    from finetune.launcher import StoppedAtStartup, stop_at_startup_on_signals
+
+    previous = stop_at_startup_on_signals()  # first: imports and loading take a while
+    try:
+        return _main(argv)
+    except StoppedAtStartup as stop:
+        if os.environ.get("RANK", "0") == "0":  # once, from the main process
+            print(
+                f"stopping: received {stop} during startup, before the first step; nothing trained, nothing "
+                "to save. Run the same command again to start over",
+                flush=True,
+            )
+        return 0
+    finally:
+        for sig, handler in previous.items():  # main() may run inside another program (tests)
+            signal.signal(sig, handler)
+
+
+def _main(argv: list[str] | None) -> int:
     from finetune.quiet import quiet_third_party
 
     quiet_third_party()  # before the imports below pull in bitsandbytes, DeepSpeed and diffusers

@@ -10,9 +10,13 @@ import torch
 
 from finetune.checkpoint import find_checkpoint, load_train_state, save_checkpoint
 from finetune.engine.extra_state import load_extra, save_extra
+from finetune.engine.lifecycle import extend_schedule
 from finetune.engine.state import LoopState
 from finetune.metrics import ProgressLog
 from finetune.recipe.yaml_io import dump_yaml
+
+# The settings train.extend_run may raise on resume (the lines changed_on_resume writes for them).
+LENGTH_FIELDS = ("train.max_steps:", "train.num_train_epochs:")
 
 
 def checkpoint(run) -> Path:
@@ -38,31 +42,28 @@ def checkpoint(run) -> Path:
 def push_checkpoint(run, path: Path, *, attempts: int = 3, wait_s: float = 2.0) -> bool:
     """hub.strategy every_save: push the checkpoint, retrying; a Hub that stays unreachable is a warning
     and training goes on (the checkpoint is safe on disk; the final push happens at the end)."""
-    import time
-
+    from finetune.engine.outputs import push_with_retries
     from finetune.hub import push_folder
     from finetune.notices import warn
 
-    for attempt in range(1, attempts + 1):
-        try:
-            push_folder(
-                path,
-                run.hub.model_id,
-                private=run.hub.private,
-                commit_message=f"checkpoint step {run.state.step}",
-                path_in_repo=f"checkpoints/{path.name}",
-            )
-            return True
-        except Exception as exc:  # network, HTTP and Hub errors alike: none may stop training
-            if attempt == attempts:
-                warn(
-                    f"hub.strategy every_save: pushing {path.name} to {run.hub.model_id} failed {attempts} times "
-                    f"({type(exc).__name__}: {exc}); training goes on, the checkpoint is on disk",
-                    emit=run.accelerator.print,
-                )
-                return False
-            time.sleep(wait_s * attempt)
-    return False
+    _, error = push_with_retries(
+        lambda: push_folder(
+            path,
+            run.hub.model_id,
+            private=run.hub.private,
+            commit_message=f"checkpoint step {run.state.step}",
+            path_in_repo=f"checkpoints/{path.name}",
+        ),
+        attempts=attempts,
+        wait_s=wait_s,
+    )
+    if error is not None:
+        warn(
+            f"hub.strategy every_save: pushing {path.name} to {run.hub.model_id} failed {attempts} times "
+            f"({type(error).__name__}: {error}); training goes on, the checkpoint is on disk",
+            emit=run.accelerator.print,
+        )
+    return error is None
 
 
 def resume(run) -> None:
@@ -85,20 +86,30 @@ def resume(run) -> None:
     if choice[0] is None:
         return
     path = Path(choice[0])
-    check_resumable(path, run.recipe_dict)
+    extended_from = check_resumable(
+        path, run.recipe_dict, total_steps=run.total_steps, extend_run=run.train.extend_run
+    )
     acc.load_state(str(path))
     load_extra(run.extra_state, path)
     run.state = LoopState.from_dict(load_train_state(path)["state"])
     run.resumed_at = run.state.step
     acc.print(f"resumed from {path} at step {run.state.step}")
+    if extended_from is not None:
+        extend_schedule(run, extended_from)
+    elif run.train.extend_run:
+        acc.print(f"train.extend_run: {path} is from a run of this length already; nothing to extend")
 
 
-def check_resumable(path: Path, recipe_dict: dict) -> None:
+def check_resumable(
+    path: Path, recipe_dict: dict, *, total_steps: int | None = None, extend_run: bool = False
+) -> int | None:
     """Refuse a resume whose recipe changes what the checkpoint's run was doing, naming each change.
 
     A resumed run continues the checkpoint's optimizer state, LR schedule and data order: a new lr or
     max_steps would be ignored or make the schedule jump, so the change is refused rather than
-    recorded in recipe.resolved.yaml without taking effect.
+    recorded in recipe.resolved.yaml without taking effect. The one exception is asked for by name:
+    with `extend_run`, a larger max_steps or num_train_epochs that lengthens the run past the
+    checkpoint's total is accepted; then the checkpoint run's total steps are returned (else None).
     """
     from finetune.errors import FinetuneError
     from finetune.recipe.resume import changed_on_resume
@@ -106,17 +117,35 @@ def check_resumable(path: Path, recipe_dict: dict) -> None:
 
     saved_file = path / "recipe.resolved.yaml"
     if not saved_file.is_file():
-        return
+        return None
     # Which settings count is marked in the recipe schema (finetune.recipe.resume), not here.
     changes = changed_on_resume(read_yaml(saved_file), recipe_dict)
+    length = [line for line in changes if line.startswith(LENGTH_FIELDS)]
+    saved_total = load_train_state(path).get("total_steps") if length else None
+    hint = ""
+    if length and not extend_run:
+        hint = (
+            "\nTo train longer than the checkpoint's run, keep the other settings and add "
+            "--train.extend_run true (the LR schedule is then rebuilt for the new length)."
+        )
+    elif length and total_steps is not None and saved_total is not None and total_steps > saved_total:
+        changes = [line for line in changes if line not in length]
+        if not changes:
+            return saved_total
+    elif length:
+        hint = (
+            f"\ntrain.extend_run only lengthens a run: the checkpoint's run has {saved_total} steps, this "
+            f"recipe gives {total_steps}."
+        )
     if changes:
         raise FinetuneError(
             f"cannot resume from {path} with a changed recipe: a resumed run continues the checkpoint's "
             "optimizer, schedule and data order, so these changes would not take effect as written:\n  - "
             + "\n  - ".join(changes)
             + "\nRestore them to resume, or start a new run (another train.output_dir, or "
-            "--train.load_checkpoint_path null)"
+            "--train.load_checkpoint_path null)" + hint
         )
+    return None
 
 
 def checkpoint_if_stopped(run, log: ProgressLog) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 import signal
 import time
 from itertools import islice
@@ -20,6 +19,15 @@ from finetune.engine.checkpoints import (
     schedule_length,
     should_save,
 )
+from finetune.engine.lifecycle import (
+    FINISHED,
+    agree,
+    check_output_dir,
+    finished_message,
+    hold_output_dir,
+    mark_finished,
+    startup_pause,
+)
 from finetune.engine.outputs import flat, log_step, push_final, start_profiler, stop_profiler
 from finetune.engine.state import Run
 from finetune.engine.step import count_outcome, train_step
@@ -29,8 +37,22 @@ from finetune.recipe.yaml_io import dump_yaml
 
 def train(objective, accelerator, *, train, hub, recipe_dict: dict) -> int:
     """Train `objective` with `accelerator` under the recipe's train and hub sections; 0 when done or
-    stopped cleanly (with a checkpoint). `recipe_dict` is the resolved recipe, written next to the
-    outputs, into every checkpoint and to the trackers."""
+    stopped cleanly (with a checkpoint), or when resuming a run that is already finished. `recipe_dict`
+    is the resolved recipe, written next to the outputs, into every checkpoint and to the trackers.
+    The run holds output_dir's lock throughout (finetune.engine.lifecycle)."""
+    output_dir = Path(train.output_dir)
+    with hold_output_dir(accelerator, output_dir):
+        finished = None
+        if accelerator.is_main_process:
+            finished = finished_message(output_dir, train.load_checkpoint_path, recipe_dict)
+        if agree(accelerator, finished) is not None:
+            accelerator.print(finished)
+            return 0
+        return run_to_the_end(objective, accelerator, train=train, hub=hub, recipe_dict=recipe_dict)
+
+
+def run_to_the_end(objective, accelerator, *, train, hub, recipe_dict: dict) -> int:
+    """setup -> loop -> final evaluation -> save (and push) -> the finished record."""
     run = setup(objective, accelerator, train=train, hub=hub, recipe_dict=recipe_dict)
     if accelerator.is_main_process:
         start_progress_log(
@@ -44,6 +66,8 @@ def train(objective, accelerator, *, train, hub, recipe_dict: dict) -> int:
         initial_step=run.state.step,
     )
     try:
+        if run.extension is not None:
+            log.log(run.extension)
         train_loop(run, log)
         if run.stop_reason is not None:
             return 0
@@ -63,6 +87,8 @@ def train(objective, accelerator, *, train, hub, recipe_dict: dict) -> int:
             f"micro-batches, {counts}",
             flush=True,
         )
+    if accelerator.is_main_process:
+        mark_finished(run.output_dir, run.state.step)
     accelerator.print(f"done: {run.state.step} steps, outputs in {run.output_dir}")
     return 0
 
@@ -79,7 +105,7 @@ def setup(objective, accelerator, *, train, hub, recipe_dict: dict) -> Run:
     set_seed(train.seed, deterministic=train.enable_full_determinism)
     if accelerator.is_main_process:
         check_output_dir(output_dir)
-        (output_dir / "recipe.resolved.yaml").write_text(dump_yaml(recipe_dict))
+    startup_pause(output_dir)
     parts = objective.build(accelerator)
     engine = setup_from_env()
     optimizer = optimizer_for(
@@ -124,24 +150,9 @@ def setup(objective, accelerator, *, train, hub, recipe_dict: dict) -> Run:
         extra_state=extra_state,
     )
     resume(run)
+    if accelerator.is_main_process:  # after resume's checks: a refused resume leaves the old one in place
+        (output_dir / "recipe.resolved.yaml").write_text(dump_yaml(recipe_dict))
     return run
-
-
-def check_output_dir(output_dir: Path) -> None:
-    """Create train.output_dir, or say clearly why it cannot be written (a file, read-only, no space)."""
-    from finetune.errors import FinetuneError
-
-    if output_dir.exists() and not output_dir.is_dir():
-        raise FinetuneError(f"train.output_dir: {output_dir} is a file, not a folder; choose another path")
-    probe = output_dir / f".write-test-{os.getpid()}"
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as exc:
-        raise FinetuneError(
-            f"train.output_dir: cannot write to {output_dir}: {exc.strerror or exc}; choose a writable folder"
-        ) from None
 
 
 def start_progress_log(path: Path, *, resumed_at: int | None, say) -> None:
@@ -170,6 +181,8 @@ def start_progress_log(path: Path, *, resumed_at: int | None, say) -> None:
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > resumed_at:
             dropped += 1
+        elif isinstance(record, dict) and record.get("event") == FINISHED:
+            pass  # an extended run (train.extend_run) goes on: it is finished again at its new end
         else:
             kept.append(line)
     kept.append(json.dumps({"step": resumed_at, "event": "resumed"}))
@@ -338,7 +351,10 @@ def save_final(run: Run, metrics: dict) -> None:
     acc = run.accelerator
     acc.wait_for_everyone()
     check_finite_weights(run, "the final model")
-    extra_files = run.objective.save(run.model, {**metrics, **run.state.totals, "units": run.state.num_units})
+    extra_files = run.objective.save(
+        run.model,
+        {**metrics, **run.state.totals, "units": run.state.num_units, "extensions": run.state.extensions},
+    )
     if acc.is_main_process and run.hub.model_id:
         push_final(run, extra_files=extra_files)
     acc.wait_for_everyone()

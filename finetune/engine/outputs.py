@@ -72,15 +72,18 @@ def stop_profiler(profiler, run) -> None:
     run.accelerator.print(f"profiler trace written to {path}")
 
 
-def push_final(run, extra_files: list[Path] = ()) -> str:
+def push_final(run, extra_files: list[Path] = (), *, attempts: int = 3, wait_s: float = 2.0) -> str | None:
     """Upload the final outputs: the top-level files of output_dir (adapter or model, tokenizer, card,
     resolved recipe, progress log) plus `extra_files` under output_dir (the diffusion samples the card
-    shows); not checkpoints/, base_model/, the trace or tracker folders.
+    shows); not checkpoints/, base_model/, the trace or tracker folders. Returns the commit sha.
 
     They are hard-linked (copied where links fail) into a staging folder beside them, so nothing
-    large is copied and push_folder uploads exactly that set.
+    large is copied and push_folder uploads exactly that set. A Hub that stays unreachable is a
+    warning, not a failure of the finished run (returns None): the staging folder is kept as
+    output_dir/hub-upload and the warning gives the command that pushes it later.
     """
     from finetune.hub import push_folder
+    from finetune.notices import warn
 
     hub = run.hub
     files = [
@@ -88,16 +91,56 @@ def push_final(run, extra_files: list[Path] = ()) -> str:
         for path in sorted(run.output_dir.iterdir())
         if path.is_file() and not path.name.startswith(".") and not path.name.endswith(".lock")
     ]
-    with tempfile.TemporaryDirectory(dir=run.output_dir, prefix=".hub-upload-") as staging:
+    staging = Path(tempfile.mkdtemp(dir=run.output_dir, prefix=".hub-upload-"))
+    try:
         for path in [*files, *extra_files]:
-            target = Path(staging) / Path(path).relative_to(run.output_dir)
+            target = staging / Path(path).relative_to(run.output_dir)
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.link(path, target)
             except OSError:
                 shutil.copy2(path, target)
-        sha = push_folder(
-            staging, hub.model_id, private=hub.private, commit_message=f"finetune: step {run.state.step}"
+        sha, error = push_with_retries(
+            lambda: push_folder(
+                staging, hub.model_id, private=hub.private, commit_message=f"finetune: step {run.state.step}"
+            ),
+            attempts=attempts,
+            wait_s=wait_s,
         )
+        if error is not None:
+            kept = run.output_dir / "hub-upload"
+            shutil.rmtree(kept, ignore_errors=True)  # an earlier failed push's copy of older files
+            os.replace(staging, kept)
+            warn(
+                f"hub: pushing the final outputs to {hub.model_id} failed {attempts} times ({type(error).__name__}: "
+                f"{error}); the run is complete and its outputs are in {run.output_dir}. Push them later "
+                f"with: {push_later_command(hub.model_id, kept, private=hub.private)}",
+                emit=run.accelerator.print,
+            )
+            return None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     run.accelerator.print(f"pushed {run.output_dir} to {hub.model_id} (commit {sha})")
     return sha
+
+
+def push_with_retries(push, *, attempts: int, wait_s: float):
+    """(push(), None), retrying `attempts` times with a growing wait; (None, the last error) when every
+    attempt failed. Network, HTTP and Hub errors alike: a push never stops or fails a run."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return push(), None
+        except Exception as exc:
+            if attempt == attempts:
+                return None, exc
+            time.sleep(wait_s * attempt)
+    return None, None
+
+
+def push_later_command(repo_id: str, folder: Path, *, private: bool) -> str:
+    """The huggingface_hub CLI command that uploads `folder` as the repository's top level.
+
+    >>> push_later_command("me/run", Path("out/hub-upload"), private=True)
+    'hf upload me/run out/hub-upload . --private'
+    """
+    return f"hf upload {repo_id} {folder} ." + (" --private" if private else "")

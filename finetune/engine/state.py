@@ -15,7 +15,8 @@ class LoopState:
     `step` counts optimizer steps (what the schedule, logging and checkpoints use);
     `micro_step_in_epoch` counts micro-batches consumed in the current epoch (what resume skips).
     `num_units` counts the normalisation units of the applied steps (trainable tokens, pairs, ...),
-    `totals` the objective's running throughput totals (tokens, images ...).
+    `totals` the objective's running throughput totals (tokens, images ...). `extensions` records
+    each time the run was made longer (train.extend_run): the step and the old and new totals.
     """
 
     step: int = 0
@@ -28,6 +29,7 @@ class LoopState:
     train_seconds: float = 0.0
     num_units: float = 0.0
     totals: dict[str, float] = field(default_factory=dict)
+    extensions: list[dict[str, int]] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LoopState:
@@ -59,6 +61,7 @@ class Run:
     last_eval: tuple[int, dict] | None = None  # (step, fields) of the latest evaluation
     extra_state: dict = field(default_factory=dict)  # name -> object with state_dict, checkpointed
     resumed_at: int | None = None  # the checkpoint's step when this run resumed
+    extension: dict | None = None  # the progress record of this run's extension (train.extend_run)
     # This process, this run (not resumed): the per-process summary of a multi-process run.
     steps_here: int = 0
     micro_batches_here: int = 0

@@ -338,6 +338,7 @@ class DiffusionObjective:
             recipe=recipe_to_dict(self.recipe),
             manifest=self.manifest,
             metrics={"step": metrics["step"], "images_seen": metrics.get("num_images", 0)},
+            extensions=metrics.get("extensions") or [],
             samples=[(prompt, path.relative_to(output_dir).as_posix()) for prompt, path in self.samples],
         )
         return [path for _, path in self.samples]

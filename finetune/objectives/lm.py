@@ -147,7 +147,8 @@ def make_loader(
 
 def save_final_lm(objective, model, metrics: dict[str, Any], card_fields: dict[str, Any]) -> None:
     """save_lm for a causal-LM objective (SFT, preference) at the end of its run: the model card shows
-    the step, `card_fields` and the final eval_ metrics, beside the recipe and the data manifest."""
+    the step, `card_fields` and the final eval_ metrics, beside the recipe, the data manifest and the
+    run's extensions (train.extend_run)."""
     from finetune.recipe import recipe_to_dict
 
     card_metrics = {"step": metrics["step"], **card_fields}
@@ -164,6 +165,7 @@ def save_final_lm(objective, model, metrics: dict[str, Any], card_fields: dict[s
             "recipe": recipe_to_dict(objective.recipe),
             "manifest": objective.manifest,
             "metrics": card_metrics,
+            "extensions": metrics.get("extensions") or [],
         },
     )
 

@@ -87,6 +87,13 @@ class TrainSection(_Section):
     load_checkpoint_path: str | None = Field(
         None, description="A checkpoint to resume from, or `auto` for the latest in output_dir."
     )
+    extend_run: bool = Field(
+        False,
+        description="Resume (train.load_checkpoint_path) with a larger max_steps or num_train_epochs than the "
+        "checkpoint's run, which a resume otherwise refuses: the LR schedule is rebuilt for the new total "
+        "(warmup and decay placed as for a run started with it) and continues from the checkpoint's step. "
+        "Only lengthens; every other setting fixed on resume must stay.",
+    )
     eval_steps: int | None = Field(
         None,
         ge=1,
@@ -156,6 +163,15 @@ class TrainSection(_Section):
                     "eval_steps",
                     self.eval_steps,
                     f"is larger than max_steps ({self.max_steps}): only the final evaluation runs",
+                )
+            )
+        if self.extend_run and self.load_checkpoint_path is None:
+            found.append(
+                (
+                    "extend_run",
+                    True,
+                    "does nothing without train.load_checkpoint_path: it lengthens a resumed run "
+                    "(set load_checkpoint_path: auto)",
                 )
             )
         if self.lr_min > self.lr:

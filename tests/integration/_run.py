@@ -57,12 +57,17 @@ def assert_quiet(output: str) -> None:
 
 
 def run(
-    cmd: list[str], timeout: int = 600, *, unset: tuple[str, ...] = (), quiet: bool = True
+    cmd: list[str],
+    timeout: int = 600,
+    *,
+    unset: tuple[str, ...] = (),
+    quiet: bool = True,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run in the repository root with env(), minus the variables named in `unset`; the output of a
-    finetune command must be free of the third-party notices it silences (assert_quiet; `quiet=False`
-    for a test's own script, which is not a finetune entry point)."""
-    variables = {k: v for k, v in env().items() if k not in unset}
+    """Run in the repository root with env(), minus the variables named in `unset`, plus `extra_env`;
+    the output of a finetune command must be free of the third-party notices it silences
+    (assert_quiet; `quiet=False` for a test's own script, which is not a finetune entry point)."""
+    variables = {k: v for k, v in env().items() if k not in unset} | (extra_env or {})
     result = subprocess.run(cmd, cwd=REPO, env=variables, capture_output=True, text=True, timeout=timeout)
     if quiet:
         assert_quiet(result.stdout + result.stderr)

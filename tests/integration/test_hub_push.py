@@ -98,3 +98,35 @@ def test_push_at_the_end_and_every_save_without_leaking_the_token(tmp_path, hub_
         assert (out / name).is_file()
     assert _files_containing(out, needles) == []
     assert _files_containing(snapshot, needles) == []
+
+
+@pytest.mark.slow
+def test_a_hub_outage_at_the_final_push_is_a_warning_and_the_outputs_stay(tmp_path, hub_server, hub_repo_id):
+    """The Hub unreachable at the end: the finished run exits 0, its outputs intact, with the command that
+    pushes them later; that command works once the Hub is back."""
+    import socket
+    import sys
+
+    with socket.socket() as probe:  # a port nobody listens on: connections are refused at once
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    args = _split("--train.max_steps 2 --train.save_steps 0 --train.save_epochs 0 --train.eval_steps null")
+    result = run(
+        accelerate_cmd(DEMO, *demo_overrides(tmp_path, *args, "--hub.model_id", hub_repo_id)),
+        extra_env={"HF_ENDPOINT": dead},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "Traceback" not in output, output[-4000:]
+    out, kept = tmp_path / "out", tmp_path / "out" / "hub-upload"
+    assert f"warning: hub: pushing the final outputs to {hub_repo_id} failed 3 times" in result.stdout
+    command = f"hf upload {hub_repo_id} {kept} . --private"
+    assert f"Push them later with: {command}" in result.stdout
+    for name in ("adapter_model.safetensors", "README.md", "recipe.resolved.yaml"):
+        assert (out / name).is_file() and (kept / name).is_file(), name
+    assert progress(out)[-1] == {"step": 2, "event": "finished"}
+
+    hf = Path(sys.executable).parent / "hf"  # huggingface_hub's CLI, beside this Python
+    pushed = run([str(hf), *command.split()[1:]], quiet=False)
+    assert pushed.returncode == 0, pushed.stderr[-3000:]
+    files = set(HfApi().list_repo_files(hub_repo_id))
+    assert {"adapter_model.safetensors", "README.md", "recipe.resolved.yaml"} <= files

@@ -185,6 +185,7 @@ def test_resume_with_a_changed_learning_rate_is_refused(tmp_path):
     assert "cannot resume from" in changed.stderr
     assert "train.lr: 0.003 in the checkpoint, 0.0001 now" in changed.stderr
     assert "train.max_steps: 4 in the checkpoint, 8 now" in changed.stderr
+    assert "add --train.extend_run true" in changed.stderr  # how to ask for a longer run
 
 
 def test_finetune_train_forwards_sigterm_and_waits_for_the_checkpoint(tmp_path):

@@ -91,7 +91,7 @@ LAYERS: list[tuple[str, ...]] = [
         "launcher", "losses",
     ),
     ("recipe",),
-    ("gguf", "errors", "notices", "quiet", "constants", "trackers"),
+    ("gguf", "errors", "notices", "quiet", "constants", "trackers", "locks"),
 ]  # fmt: skip
 
 

@@ -501,6 +501,7 @@ WARNINGS = [
      "train.profile_end_step", "profile_start_step (5)"),
     ("skip-step-zero", {"train": {"iterations_to_skip": [0, 3]}}, "train.iterations_to_skip", "from 1"),
     ("sgd-betas", {"train": {"optimizer": "sgd", "adam_beta1": 0.8}}, "train.optimizer", "sgd ignores"),
+    ("extend-without-resume", {"train": {"extend_run": True}}, "train.extend_run", "load_checkpoint_path: auto"),
 ]  # fmt: skip
 
 
