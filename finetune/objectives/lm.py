@@ -300,19 +300,22 @@ def _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir: Pa
     from finetune.model import merge_lora
 
     adapter_dir = output_dir / ".adapter-to-merge"
-    unwrapped.save_pretrained(
-        adapter_dir,
-        state_dict=state_dict,
-        is_main_process=accelerator.is_main_process,
-        safe_serialization=True,
-    )
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(adapter_dir)  # its length sizes the embeddings
-        if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            # Otherwise transformers would load the base for merging partitioned (ZeRO-3 init);
-            # training is over, nothing else is built under ZeRO-3 after this.
-            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    try:
+        unwrapped.save_pretrained(
+            adapter_dir,
+            state_dict=state_dict,
+            is_main_process=accelerator.is_main_process,
+            safe_serialization=True,
+        )
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(adapter_dir)  # its length sizes the embeddings
+            if accelerator.distributed_type == DistributedType.DEEPSPEED:
+                # Otherwise transformers would load the base for merging partitioned (ZeRO-3 init);
+                # training is over, nothing else is built under ZeRO-3 after this.
+                from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-            unset_hf_deepspeed_config()
-        merge_lora(str(adapter_dir), str(output_dir))
-        shutil.rmtree(adapter_dir)
+                unset_hf_deepspeed_config()
+            merge_lora(str(adapter_dir), str(output_dir))
+    finally:  # also when the disk fills: the temporary adapter must not stay behind
+        if accelerator.is_main_process:
+            shutil.rmtree(adapter_dir, ignore_errors=True)
