@@ -28,7 +28,7 @@ from finetune.notices import warn
 
 STATE_FILE = "train_state.json"
 CHECKSUMS_FILE = "checksums.json"
-PAUSE_ENV = "FINETUNE_CHECKPOINT_PAUSE_S"
+PAUSE_ENV = "FINETUNE_CHECKPOINT_PAUSE_STEP"
 _STEP_NAME = re.compile(r"step-(\d+)")
 _CHUNK = 8 * 2**20
 
@@ -77,7 +77,7 @@ def save_checkpoint(
             (tmp / "recipe.resolved.yaml").write_text(recipe_yaml)
             if write_extra is not None:
                 write_extra(tmp)
-            _test_pause(tmp)
+            _test_pause(tmp, step)
             write_checksums(tmp)
             if final.exists():
                 shutil.rmtree(final)
@@ -104,16 +104,16 @@ def save_checkpoint(
     return final
 
 
-def _test_pause(folder: Path) -> None:
-    """Tests only (FINETUNE_CHECKPOINT_PAUSE_S=seconds): hold a checkpoint write open, its files
-    written but not yet renamed into place, so that a test can kill the run at that very moment."""
+def _test_pause(folder: Path, step: int) -> None:
+    """Tests only (FINETUNE_CHECKPOINT_PAUSE_STEP=N): hold the write of checkpoint step-N open for up
+    to a minute, its files written but not yet recorded or renamed into place, so that a test can kill
+    the run at that very moment."""
     import sys
     import time
 
-    seconds = float(os.environ.get(PAUSE_ENV) or 0)
-    if seconds > 0:
+    if os.environ.get(PAUSE_ENV) == str(step):
         print(f"finetune-checkpoint: paused writing {folder}", file=sys.stderr, flush=True)
-        time.sleep(seconds)
+        time.sleep(60)
 
 
 # ------------------------------------------------------------------------------------- checksums

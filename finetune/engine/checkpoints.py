@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -133,7 +134,8 @@ def tensors_only_loads(checkpoint: Path) -> Iterator[None]:
     before = os.environ.get(FORCE_WEIGHTS_ONLY)
     os.environ[FORCE_WEIGHTS_ONLY] = "1"
     try:
-        yield
+        with torch.serialization.safe_globals(_deepspeed_state_classes()):
+            yield
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FinetuneError(
@@ -146,6 +148,19 @@ def tensors_only_loads(checkpoint: Path) -> Iterator[None]:
             os.environ.pop(FORCE_WEIGHTS_ONLY, None)
         else:
             os.environ[FORCE_WEIGHTS_ONLY] = before
+
+
+def _deepspeed_state_classes() -> list:
+    """The plain-data classes DeepSpeed pickles into its ZeRO optimizer state (the stage enum, the
+    loss scaler, whose attributes are numbers and a dtype, and fragment addresses): allowed by name, so
+    that its checkpoints load tensors-only too. None when DeepSpeed is not in use."""
+    if "deepspeed" not in sys.modules:
+        return []
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
 def check_resumable(path: Path, recipe_dict: dict) -> None:
