@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from finetune.checkpoint import write_checksums
 from finetune.data.loader import make_dataloader
 from finetune.errors import FinetuneError
 from finetune.metrics import device_peak_flops, forward_flops_per_token, model_flops_per_token
@@ -102,6 +103,7 @@ def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, 
             save_base_model(model, base_dir, is_main_process=accelerator.is_main_process)
             if accelerator.is_main_process:  # so the base alone loads for eval and chat
                 tokenizer.save_pretrained(base_dir)
+                write_checksums(base_dir)  # verified when eval, chat or merge-lora load the adapter's base
         base = (
             str(base_dir.resolve())
             if base_dir is not None
