@@ -15,7 +15,6 @@ a missing RNG file is caught before anything loads.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -24,11 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, write_error, write_failure_reason
 from finetune.notices import warn
 
 STATE_FILE = "train_state.json"
 CHECKSUMS_FILE = "checksums.json"
+PAUSE_ENV = "FINETUNE_CHECKPOINT_PAUSE_STEP"
 _STEP_NAME = re.compile(r"step-(\d+)")
 _CHUNK = 8 * 2**20
 
@@ -77,32 +77,43 @@ def save_checkpoint(
             (tmp / "recipe.resolved.yaml").write_text(recipe_yaml)
             if write_extra is not None:
                 write_extra(tmp)
-            (tmp / CHECKSUMS_FILE).write_text(json.dumps(checksums(tmp), indent=1, sort_keys=True))
+            _test_pause(tmp, step)
+            write_checksums(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _write_atomic(root / "latest", final.name + "\n")
             if total_limit:
                 rotate(root, keep=total_limit, protect=keep)
-    except OSError as exc:
+    except BaseException as exc:
+        # Whatever stopped the save, the half-written folder goes (it would fill the disk, and the
+        # next save of this step would have to remove it); the complete checkpoints are untouched.
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise FinetuneError(_os_error_message(exc, f"writing checkpoint {final}", root)) from None
+        if write_failure_reason(exc) is None:
+            raise
+        raise write_error(
+            exc,
+            f"writing checkpoint {final}",
+            root,
+            f"The checkpoints already in {root} are intact and the partial one was removed; free space "
+            "(or fix the folder's permissions), or choose another train.output_dir, then resume with "
+            "--train.load_checkpoint_path auto",
+        ) from None
     accelerator.wait_for_everyone()
     return final
 
 
-def _os_error_message(exc: OSError, doing: str, root: Path) -> str:
-    reason = {
-        errno.ENOSPC: "no space left on the device",
-        errno.EDQUOT: "disk quota exceeded",
-        errno.EACCES: "permission denied",
-        errno.EROFS: "the filesystem is read-only",
-    }.get(exc.errno, exc.strerror or str(exc))
-    return (
-        f"{doing}: {reason} ({exc.filename or root}). The checkpoints already in {root} are intact; free "
-        "space or fix the folder's permissions, then resume with --train.load_checkpoint_path auto"
-    )
+def _test_pause(folder: Path, step: int) -> None:
+    """Tests only (FINETUNE_CHECKPOINT_PAUSE_STEP=N): hold the write of checkpoint step-N open for up
+    to a minute, its files written but not yet recorded or renamed into place, so that a test can kill
+    the run at that very moment."""
+    import sys
+    import time
+
+    if os.environ.get(PAUSE_ENV) == str(step):
+        print(f"finetune-checkpoint: paused writing {folder}", file=sys.stderr, flush=True)
+        time.sleep(60)
 
 
 # ------------------------------------------------------------------------------------- checksums
@@ -119,14 +130,23 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def checksums(folder: Path) -> dict[str, dict[str, Any]]:
-    """{relative path: {size, xxh3_128}} for every file under `folder` except checksums.json."""
+def checksums(folder: Path, files: list[Path] | None = None) -> dict[str, dict[str, Any]]:
+    """{relative path: {size, xxh3_128}} for `files` (default: every file under `folder` except
+    checksums.json)."""
+    if files is None:
+        files = sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / CHECKSUMS_FILE)
     out = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        rel = path.relative_to(folder).as_posix()
-        if rel != CHECKSUMS_FILE:
-            out[rel] = {"size": path.stat().st_size, "xxh3_128": file_digest(path)}
+    for path in files:
+        out[path.relative_to(folder).as_posix()] = {
+            "size": path.stat().st_size,
+            "xxh3_128": file_digest(path),
+        }
     return out
+
+
+def write_checksums(folder: Path, files: list[Path] | None = None) -> None:
+    """folder/checksums.json for `files` (default: every file in the folder), written atomically."""
+    _write_atomic(folder / CHECKSUMS_FILE, json.dumps(checksums(folder, files), indent=1, sort_keys=True))
 
 
 def verify(folder: Path) -> str | None:
@@ -136,13 +156,28 @@ def verify(folder: Path) -> str | None:
         return f"{folder} does not exist"
     if not (folder / STATE_FILE).is_file():
         return f"{folder / STATE_FILE} is missing (the checkpoint was not finished)"
+    if not (folder / CHECKSUMS_FILE).is_file():
+        return (
+            f"{folder / CHECKSUMS_FILE} is missing (written by an older finetune, or not finished): it "
+            "cannot be verified"
+        )
+    return verify_checksums(folder)
+
+
+def verify_checksums(folder: Path) -> str | None:
+    """None when `folder` has no checksums.json or every file it records matches; else why not (one
+    line, naming the file)."""
     record = folder / CHECKSUMS_FILE
     if not record.is_file():
-        return f"{record} is missing (written by an older finetune, or not finished): it cannot be verified"
+        return None
     try:
         expected = json.loads(record.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         return f"{record} is damaged ({exc})"
+    if not isinstance(expected, dict) or not all(
+        isinstance(w, dict) and {"size", "xxh3_128"} <= w.keys() for w in expected.values()
+    ):
+        return f"{record} is damaged (not a record of file sizes and digests)"
     for rel, want in expected.items():
         path = folder / rel
         if not path.is_file():
@@ -153,6 +188,36 @@ def verify(folder: Path) -> str | None:
         if file_digest(path) != want["xxh3_128"]:
             return f"{path} does not match its checksum (its bytes changed after it was written)"
     return None
+
+
+# ----------------------------------------------------------------------------------- final outputs
+
+
+def file_stamps(folder: Path) -> dict[str, tuple[int, int, int]]:
+    """{name: (mtime_ns, size, inode)} of the files directly in `folder` (none when it is absent)."""
+    if not folder.is_dir():
+        return {}
+    return {
+        p.name: (st.st_mtime_ns, st.st_size, st.st_ino)
+        for p in folder.iterdir()
+        if p.is_file() and (st := p.stat())
+    }
+
+
+def record_written(folder: Path, before: dict[str, tuple[int, int, int]]) -> list[str]:
+    """Write folder/checksums.json over the files written into `folder` since `before` (its
+    `file_stamps` then): a final model, adapter or merged model and its tokenizer, as checkpoints are
+    recorded. The model card (README.md) is left out: people edit it and nothing loads it. Returns the
+    names recorded; loading the folder verifies them (finetune.model)."""
+    written = [
+        folder / name
+        for name, stamp in sorted(file_stamps(folder).items())
+        if before.get(name) != stamp
+        and name not in (CHECKSUMS_FILE, "README.md")
+        and not name.startswith(".")
+    ]
+    write_checksums(folder, written)
+    return [p.name for p in written]
 
 
 # ------------------------------------------------------------------------------------- listing

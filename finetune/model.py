@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, write_error, write_failure_reason
 from finetune.gguf import is_gguf_name, portable_base, resolve_model_source, resolve_path
 from finetune.notices import warn
 from finetune.quiet import quiet_third_party
@@ -390,15 +390,29 @@ def adapter_save_kwargs(net) -> dict[str, Any]:
 
 def merge_lora(adapter_dir: str, output: str, *, base: str | None = None, dtype: str = "auto") -> None:
     """Merge a LoRA adapter into its base model and save full safetensors weights + tokenizer."""
+    from finetune.checkpoint import file_stamps, record_written
+
     adapter = Path(adapter_dir)
     net, tokenizer = load_adapter(adapter, base=base, dtype=dtype)
     merged = net.merge_and_unload()
     out = Path(output)
-    merged.save_pretrained(out, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    else:
-        warn("no tokenizer found next to the adapter or base model; merged weights saved without one")
+    before = file_stamps(out)
+    try:
+        merged.save_pretrained(out, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        else:
+            warn("no tokenizer found next to the adapter or base model; merged weights saved without one")
+    except BaseException as exc:
+        if write_failure_reason(exc) is None:
+            raise
+        raise write_error(
+            exc,
+            f"saving the merged model in {out}",
+            out,
+            "The files written there are incomplete; free space or choose another output folder, then merge again",
+        ) from None
+    record_written(out, before)  # verified when finetune loads the merged model
     for extra in ("recipe.resolved.yaml",):
         if (adapter / extra).is_file():
             shutil.copy(adapter / extra, out / extra)
@@ -415,6 +429,7 @@ def load_adapter(adapter: Path, *, base: str | None = None, dtype: str = "auto")
 
     if not (adapter / "adapter_config.json").is_file():
         raise FinetuneError(f"{adapter}: no adapter_config.json here; point at the saved adapter folder")
+    check_saved_files(adapter)
     peft_config = PeftConfig.from_pretrained(adapter)
     base_path = base or peft_config.base_model_name_or_path
     if not base_path:
@@ -495,10 +510,27 @@ def _load_causal_lm(location: str, dtype: str, failure: str, fix: str):
         source = resolve_path(location)  # a GGUF base is converted (again, on a new machine) here
     except FinetuneError as exc:
         raise FinetuneError(f"{failure.format(repr(location))}: {exc}. {fix}") from None
+    if Path(source).is_dir():
+        check_saved_files(Path(source))
     try:
         return AutoModelForCausalLM.from_pretrained(source, dtype=_load_dtype(dtype)), source
     except OSError as exc:
         raise FinetuneError(f"{failure.format(repr(source))}: {exc}. {fix}") from None
+
+
+def check_saved_files(folder: Path) -> None:
+    """Refuse a model or adapter folder whose files do not match the checksums.json finetune wrote
+    with them (training's final save, merge-lora); a folder without one (an older run, another tool)
+    loads as it is."""
+    from finetune.checkpoint import verify_checksums
+
+    problem = verify_checksums(folder)
+    if problem is not None:
+        raise FinetuneError(
+            f"{folder} does not load: {problem}. The file was damaged or changed after finetune wrote it: "
+            "copy the folder again from where it came from, or write it again (resume the training run "
+            "with --train.load_checkpoint_path auto, or run merge-lora again)"
+        )
 
 
 def _load_dtype(dtype: str):

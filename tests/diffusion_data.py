@@ -158,8 +158,11 @@ def assert_lora_changes_generation(pipe, out: Path, **call) -> None:
 
 def assert_resumes_exactly(trained: dict, from_step: int, *extra: str) -> None:
     """A run resumed from checkpoints/step-`from_step` of trained["tmp"]/out (validation off) logs the
-    same losses for the later steps as the uninterrupted run, to 1e-6."""
+    same losses for the later steps as the uninterrupted run, to 1e-6, and saves the same final LoRA
+    weights (with use_ema, the EMA's: restored from the checkpoint's extra state)."""
     import pytest
+    import torch
+    from safetensors.torch import load_file
 
     from tests.integration._run import accelerate_cmd, progress, run, step_losses
 
@@ -176,6 +179,11 @@ def assert_resumes_exactly(trained: dict, from_step: int, *extra: str) -> None:
     assert later and sorted(after) == later
     for step in later:
         assert after[step] == pytest.approx(reference[step], abs=1e-6), step
+    want = load_file(tmp / "out" / "pytorch_lora_weights.safetensors")
+    got = load_file(tmp / "resumed" / "pytorch_lora_weights.safetensors")
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
 def prepare_and_train(

@@ -35,6 +35,7 @@ from filelock import FileLock, Timeout
 
 if TYPE_CHECKING:
     import datasets
+from finetune.errors import write_error, write_failure_reason
 
 MANIFEST_NAME = "manifest.json"
 FINGERPRINT_CHARS = 16  # of the sha256 hex digest: folder and Hub config name
@@ -162,21 +163,36 @@ def write_atomically(
     """
     start = time.perf_counter()
     tmp = root / f".tmp-{fingerprint}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name, ds in splits.items():
-        shards = min(num_shards, len(ds)) if num_shards else None
-        # Worker processes cost ~1 s to start: only worth it for large splits.
-        procs = min(num_proc, shards or num_proc) if ds.data.nbytes > _PARALLEL_SAVE_BYTES else 1
-        ds.save_to_disk(str(tmp / name), num_shards=shards, num_proc=procs if procs > 1 else None)
-        if name == "train":
-            _test_pause(tmp)
-    now = time.perf_counter()
-    manifest["timings"]["save"] = round(now - start, 4)
-    if started is not None:
-        manifest["timings"]["total"] = round(now - started, 4)
-    (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.rename(tmp, root / fingerprint)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name, ds in splits.items():
+            shards = min(num_shards, len(ds)) if num_shards else None
+            # Worker processes cost ~1 s to start: only worth it for large splits.
+            procs = min(num_proc, shards or num_proc) if ds.data.nbytes > _PARALLEL_SAVE_BYTES else 1
+            ds.save_to_disk(str(tmp / name), num_shards=shards, num_proc=procs if procs > 1 else None)
+            if name == "train":
+                _test_pause(tmp)
+        now = time.perf_counter()
+        manifest["timings"]["save"] = round(now - start, 4)
+        if started is not None:
+            manifest["timings"]["total"] = round(now - started, 4)
+        text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+        (tmp / MANIFEST_NAME).write_text(text, encoding="utf-8")
+        os.rename(tmp, root / fingerprint)
+    except BaseException as exc:
+        # A half-written preparation would keep its disk space until the next prepare of this
+        # fingerprint; it goes now, whatever stopped the write.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if write_failure_reason(exc) is None:
+            raise
+        raise write_error(
+            exc,
+            f"writing the prepared dataset {fingerprint} in {root}",
+            root,
+            "The partial folder was removed and nothing else changed; free space, or choose another "
+            "data.dataset_prepared_path, then prepare again",
+        ) from None
 
 
 def _test_pause(tmp: Path) -> None:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -17,6 +21,7 @@ from finetune.recipe.yaml_io import dump_yaml
 
 # The settings train.extend_run may raise on resume (the lines changed_on_resume writes for them).
 LENGTH_FIELDS = ("train.max_steps:", "train.num_train_epochs:")
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 
 
 def checkpoint(run) -> Path:
@@ -89,7 +94,9 @@ def resume(run) -> None:
     extended_from = check_resumable(
         path, run.recipe_dict, total_steps=run.total_steps, extend_run=run.train.extend_run
     )
-    acc.load_state(str(path))
+    check_no_pickled_objects(path)
+    with tensors_only_loads(path):
+        acc.load_state(str(path))
     load_extra(run.extra_state, path)
     run.state = LoopState.from_dict(load_train_state(path)["state"])
     run.resumed_at = run.state.step
@@ -98,6 +105,68 @@ def resume(run) -> None:
         extend_schedule(run, extended_from)
     elif run.train.extend_run:
         acc.print(f"train.extend_run: {path} is from a run of this length already; nothing to extend")
+
+
+def check_no_pickled_objects(path: Path) -> None:
+    """Refuse a checkpoint holding custom_checkpoint_N.pkl: accelerate unpickles such a file with
+    weights_only=False for an object given to register_for_checkpointing. finetune registers none
+    (extra state goes to finetune.engine.extra_state), so the file is an EMA pickled by an older
+    finetune, or planted."""
+    from finetune.errors import FinetuneError
+
+    found = sorted(p.name for p in path.glob("custom_checkpoint_*.pkl"))
+    if found:
+        raise FinetuneError(
+            f"{path} holds {', '.join(found)}: pickled state, which this finetune never writes nor loads "
+            "(unpickling it could run code). It is a diffusion EMA saved by an older finetune, or a "
+            "planted file: resume from a checkpoint this version wrote, or start the run again"
+        )
+
+
+@contextmanager
+def tensors_only_loads(checkpoint: Path) -> Iterator[None]:
+    """Within the block every torch.load unpickles tensors and plain values only, whatever its caller
+    asked for; a file holding anything else is a FinetuneError naming `checkpoint`.
+
+    A checkpoint folder is input: whoever can write it (or the Hub repo that hub.strategy every_save
+    pushes to) can plant a file, and rewrite checksums.json to match. accelerate loads objects given
+    to register_for_checkpointing with weights_only=False and DeepSpeed its own files too; torch's
+    TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides every such call (it is read at each torch.load).
+    """
+    import pickle
+
+    from finetune.errors import FinetuneError
+
+    before = os.environ.get(FORCE_WEIGHTS_ONLY)
+    os.environ[FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(_deepspeed_state_classes()):
+            yield
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FinetuneError(
+            f"{checkpoint}: a file in it holds objects other than tensors and plain values ({first}); "
+            "it was not loaded, since unpickling it could run code. A checkpoint finetune wrote never "
+            "holds one: resume from another checkpoint (`finetune checkpoints OUTPUT_DIR` lists them)"
+        ) from None
+    finally:
+        if before is None:
+            os.environ.pop(FORCE_WEIGHTS_ONLY, None)
+        else:
+            os.environ[FORCE_WEIGHTS_ONLY] = before
+
+
+def _deepspeed_state_classes() -> list:
+    """The plain-data classes DeepSpeed pickles into its ZeRO optimizer state (the stage enum, the
+    loss scaler, whose attributes are numbers and a dtype, and fragment addresses): allowed by name, so
+    that its checkpoints load tensors-only too. None when DeepSpeed is not in use."""
+    if "deepspeed" not in sys.modules:
+        return []
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
 def check_resumable(

@@ -81,6 +81,12 @@ def load_extra(objects: dict[str, Any], folder: Path) -> None:
             "finetune version or setup; resume from a checkpoint this setup wrote"
         )
     plain = json.loads((folder / JSON_FILE).read_text())
+    missing = [name for name in objects if name not in plain]
+    if missing:
+        raise FinetuneError(
+            f"{folder / JSON_FILE} holds no state for {', '.join(missing)}: the checkpoint was written by "
+            "another finetune version or setup; resume from a checkpoint this setup wrote"
+        )
     tensors = load_file(str(folder / TENSORS_FILE))
     for name, obj in objects.items():
         obj.load_state_dict(unflatten(plain[name], tensors))

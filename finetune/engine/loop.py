@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from finetune import trackers
+from finetune.checkpoint import file_stamps, record_written
 from finetune.engine.checkpoints import (
     check_finite_weights,
     checkpoint,
@@ -31,6 +32,7 @@ from finetune.engine.lifecycle import (
 from finetune.engine.outputs import flat, log_step, push_final, start_profiler, stop_profiler
 from finetune.engine.state import Run
 from finetune.engine.step import count_outcome, train_step
+from finetune.errors import write_error, write_failure_reason
 from finetune.metrics import ProgressLog
 from finetune.recipe.yaml_io import dump_yaml
 
@@ -351,10 +353,25 @@ def save_final(run: Run, metrics: dict) -> None:
     acc = run.accelerator
     acc.wait_for_everyone()
     check_finite_weights(run, "the final model")
-    extra_files = run.objective.save(
-        run.model,
-        {**metrics, **run.state.totals, "units": run.state.num_units, "extensions": run.state.extensions},
-    )
+    before = file_stamps(run.output_dir)
+    try:
+        extra_files = run.objective.save(
+            run.model,
+            {**metrics, **run.state.totals, "units": run.state.num_units, "extensions": run.state.extensions},
+        )
+    except BaseException as exc:
+        if write_failure_reason(exc) is None:
+            raise
+        raise write_error(
+            exc,
+            f"saving the final model in {run.output_dir}",
+            run.output_dir,
+            f"The files it wrote there are incomplete; the checkpoints in {run.output_dir / 'checkpoints'} "
+            "are intact. Free space, or choose another train.output_dir (move checkpoints/ there), then "
+            "resume with --train.load_checkpoint_path auto",
+        ) from None
+    if acc.is_main_process:
+        record_written(run.output_dir, before)  # verified when finetune loads the model
     if acc.is_main_process and run.hub.model_id:
         push_final(run, extra_files=extra_files)
     acc.wait_for_everyone()

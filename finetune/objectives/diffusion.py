@@ -24,8 +24,9 @@ from finetune.notices import warn
 
 
 class _DeviceEMA:
-    """diffusers' EMAModel, registered for checkpointing, put back on the device after a load (its
-    restored shadow weights arrive on the CPU)."""
+    """diffusers' EMAModel as checkpointed extra state (finetune.engine.extra_state: safetensors and
+    JSON, never pickle), put back on the device after a load (its restored shadow weights arrive on
+    the CPU)."""
 
     def __init__(self, ema, device):
         self.ema, self.device = ema, device
@@ -186,9 +187,10 @@ class DiffusionObjective:
         acc.register_save_state_pre_hook(save_hook)
         acc.register_load_state_pre_hook(load_hook)
 
-    def on_prepared(self, accelerator, model) -> None:
+    def on_prepared(self, accelerator, model) -> dict[str, Any]:
         from accelerate.utils import set_seed
 
+        extra_state = {}
         if self.settings.use_ema:
             from diffusers.training_utils import EMAModel
 
@@ -196,12 +198,14 @@ class DiffusionObjective:
                 [p for p in model.parameters() if p.requires_grad], decay=self.settings.ema_decay
             )
             self.ema.to(accelerator.device)
-            # Saved and restored with every checkpoint.
-            accelerator.register_for_checkpointing(_DeviceEMA(self.ema, accelerator.device))
+            # Saved and restored with every checkpoint by the engine, not by accelerate's
+            # register_for_checkpointing, which pickles and loads with weights_only=False.
+            extra_state["ema"] = _DeviceEMA(self.ema, accelerator.device)
         # From here on each process draws its own noise, timesteps and flips: their images differ, and the
         # same draws on every rank would waste the batch's diversity. Everything above (LoRA init
         # included) used the same seed on every rank; one process keeps exactly the seed it had.
         set_seed(self.train.seed, device_specific=True, deterministic=self.train.enable_full_determinism)
+        return extra_state
 
     # ------------------------------------------------------------------------------------ step
 

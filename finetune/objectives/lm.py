@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from finetune.checkpoint import write_checksums
 from finetune.data.loader import make_dataloader
 from finetune.errors import FinetuneError
 from finetune.metrics import device_peak_flops, forward_flops_per_token, model_flops_per_token
@@ -102,6 +103,7 @@ def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, 
             save_base_model(model, base_dir, is_main_process=accelerator.is_main_process)
             if accelerator.is_main_process:  # so the base alone loads for eval and chat
                 tokenizer.save_pretrained(base_dir)
+                write_checksums(base_dir)  # verified when eval, chat or merge-lora load the adapter's base
         base = (
             str(base_dir.resolve())
             if base_dir is not None
@@ -305,20 +307,23 @@ def _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir: Pa
     from finetune.model import adapter_save_kwargs, merge_lora
 
     adapter_dir = output_dir / ".adapter-to-merge"
-    unwrapped.save_pretrained(
-        adapter_dir,
-        state_dict=state_dict,
-        is_main_process=accelerator.is_main_process,
-        safe_serialization=True,
-        **adapter_save_kwargs(unwrapped),
-    )
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(adapter_dir)  # its length sizes the embeddings
-        if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            # Otherwise transformers would load the base for merging partitioned (ZeRO-3 init);
-            # training is over, nothing else is built under ZeRO-3 after this.
-            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    try:
+        unwrapped.save_pretrained(
+            adapter_dir,
+            state_dict=state_dict,
+            is_main_process=accelerator.is_main_process,
+            safe_serialization=True,
+            **adapter_save_kwargs(unwrapped),
+        )
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(adapter_dir)  # its length sizes the embeddings
+            if accelerator.distributed_type == DistributedType.DEEPSPEED:
+                # Otherwise transformers would load the base for merging partitioned (ZeRO-3 init);
+                # training is over, nothing else is built under ZeRO-3 after this.
+                from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-            unset_hf_deepspeed_config()
-        merge_lora(str(adapter_dir), str(output_dir))
-        shutil.rmtree(adapter_dir)
+                unset_hf_deepspeed_config()
+            merge_lora(str(adapter_dir), str(output_dir))
+    finally:  # also when the disk fills: the temporary adapter must not stay behind
+        if accelerator.is_main_process:
+            shutil.rmtree(adapter_dir, ignore_errors=True)

@@ -38,6 +38,11 @@ def test_demo_trains_and_writes_outputs(tmp_path):
         assert (out / name).is_file(), name
     config = PeftConfig.from_pretrained(out)
     assert (out / "base_model" / "config.json").is_file()
+    # The final files and the random-init base are recorded: eval, chat and merge-lora verify them.
+    record = json.loads((out / "checksums.json").read_text())
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= set(record)
+    assert "README.md" not in record and "progress.jsonl" not in record
+    assert "model.safetensors" in json.loads((out / "base_model" / "checksums.json").read_text())
     assert config.base_model_name_or_path == str((out / "base_model").resolve())
     manifest = json.loads(next((tmp_path / "prepared").glob("*/manifest.json")).read_text())
     assert manifest["rows_out"]["train"] > 0

@@ -229,3 +229,65 @@ def test_an_output_dir_that_is_a_file_is_a_clear_error(tmp_path):
     result = run([sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *demo_overrides(tmp_path)])
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"train.output_dir: {tmp_path / 'out'} is a file, not a folder" in result.stderr
+
+
+def test_sigkill_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path):
+    """Killed with the files of step-8 written but not yet renamed into place (the write held open by
+    the FINETUNE_CHECKPOINT_PAUSE_STEP hook, so the kill lands there every time): `latest` still names
+    step-4, `auto` resumes from it, the replayed steps log the losses the killed run logged, and the
+    run ends with every step and no temporary folder."""
+    out = tmp_path / "out"
+    cmd = accelerate_cmd(DEMO, *demo_overrides(tmp_path, *COMMON, "--train.max_steps", "10"))
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**env(), "FINETUNE_CHECKPOINT_PAUSE_STEP": "8"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    partial = out / "checkpoints" / ".tmp-step-8"
+    reached = _wait_for(lambda: (partial / "train_state.json").is_file(), proc, timeout=120)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert reached, "the run ended before it wrote step-8"
+    root = out / "checkpoints"
+    assert (root / "latest").read_text() == "step-4\n" and not (root / "step-8").exists()
+    killed = step_losses(progress(out))
+    assert sorted(killed) == list(range(1, 9))
+
+    resumed = run([*cmd, "--train.load_checkpoint_path", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resumed from {root / 'step-4'} at step 4" in resumed.stdout + resumed.stderr
+    after = step_losses(progress(out))
+    assert sorted(after) == list(range(1, 11))
+    for step in range(5, 9):
+        assert after[step] == pytest.approx(killed[step], abs=1e-6), step
+    assert (root / "latest").read_text() == "step-8\n" and (root / "step-8" / "checksums.json").is_file()
+    assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []  # the partial step-8 went
+
+
+# torch.save's own report of a full disk (taken from a 1 MiB tmpfs), raised for the files of step-2.
+DISK_FULL_AT_STEP_2 = """
+import sys, torch
+real = torch.save
+def save(obj, f, *args, **kwargs):
+    if ".tmp-step-2" in str(f):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    return real(obj, f, *args, **kwargs)
+torch.save = save
+from finetune.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_full_disk_while_checkpointing_is_exit_2_and_keeps_the_last_checkpoint(tmp_path):
+    args = [*demo_overrides(tmp_path, *COMMON), "--train.max_steps", "3", "--train.save_steps", "1"]
+    result = run([sys.executable, "-c", DISK_FULL_AT_STEP_2, str(DEMO), *args], quiet=False)
+    root = tmp_path / "out" / "checkpoints"
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert f"error: writing checkpoint {root / 'step-2'}: the write failed ([enforce fail" in result.stderr
+    assert "MiB free on that disk" in result.stderr and "choose another train.output_dir" in result.stderr
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-1"]  # no .tmp-step-2 left
+    assert (root / "latest").read_text() == "step-1\n"

@@ -3,11 +3,15 @@ load_checkpoint_path."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
 from accelerate import Accelerator
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from finetune.checkpoint import (
@@ -18,10 +22,13 @@ from finetune.checkpoint import (
     find_checkpoint,
     list_checkpoints,
     load_train_state,
+    read_latest,
     rotate,
     save_checkpoint,
+    verify,
 )
-from finetune.errors import FinetuneError
+from finetune.engine.extra_state import save_extra
+from finetune.errors import FinetuneError, WriteError
 
 
 @pytest.fixture
@@ -134,12 +141,113 @@ def test_find_checkpoint(tmp_path):
 
 
 def test_saved_checkpoints_record_every_file_and_verify(tmp_path, trained):
+    """checksums.json records exactly the files in the folder (accelerate's, ours, the extra state)."""
     acc, _, _ = trained
-    path = _save(acc, tmp_path, 5)
+    extra = {"ema": torch.nn.Linear(2, 2)}
+    path = save_checkpoint(
+        acc,
+        tmp_path,
+        5,
+        {"state": {}},
+        "train: {}\n",
+        total_limit=None,
+        write_extra=lambda f: save_extra(extra, f),
+    )
     record = json.loads((path / CHECKSUMS_FILE).read_text())
-    assert {"model.safetensors", "optimizer.bin", STATE_FILE, "recipe.resolved.yaml"} <= set(record)
+    on_disk = {
+        (Path(folder) / name).relative_to(path).as_posix()
+        for folder, _, names in os.walk(path)
+        for name in names
+    }
+    assert set(record) == on_disk - {CHECKSUMS_FILE}
+    assert {
+        "model.safetensors",
+        "optimizer.bin",
+        STATE_FILE,
+        "recipe.resolved.yaml",
+        "extra_state.json",
+    } <= on_disk
     assert all(entry["size"] == (path / name).stat().st_size for name, entry in record.items())
     assert find_checkpoint(str(path), tmp_path) == path
+
+
+# The exceptions the writers raise on a full disk (taken from a 1 MiB tmpfs): torch.save's carries no
+# errno, safetensors' is not an OSError.
+TORCH_DISK_FULL = "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"
+SAFETENSORS_DISK_FULL = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+
+def _torch_save_fails(monkeypatch):
+    def full(*args, **kwargs):
+        raise RuntimeError(TORCH_DISK_FULL)
+
+    monkeypatch.setattr(torch, "save", full)
+
+
+def _safetensors_save_fails(monkeypatch):
+    import safetensors.torch
+
+    def full(*args, **kwargs):
+        raise SafetensorError(SAFETENSORS_DISK_FULL)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+
+
+def _open_fails(monkeypatch):
+    real = Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.name == STATE_FILE:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+
+
+@pytest.mark.parametrize(
+    "fail, reason",
+    [
+        (_torch_save_fails, "the write failed ([enforce fail at inline_container.cc"),
+        (_safetensors_save_fails, "no space left on the device"),
+        (_open_fails, "no space left on the device"),
+    ],
+    ids=["torch.save", "safetensors", "OSError"],
+)
+def test_a_full_disk_is_a_clear_error_that_keeps_the_last_checkpoint(
+    tmp_path, trained, monkeypatch, fail, reason
+):
+    acc, _, _ = trained
+    extra = {"ema": torch.nn.Linear(2, 2)}
+    _save(acc, tmp_path, 1)
+    root = tmp_path / "checkpoints"
+    fail(monkeypatch)
+    with pytest.raises(WriteError) as caught:
+        save_checkpoint(
+            acc,
+            tmp_path,
+            2,
+            {"state": {}},
+            "x: 1\n",
+            total_limit=None,
+            write_extra=lambda f: save_extra(extra, f),
+        )
+    message = str(caught.value)
+    assert f"writing checkpoint {root / 'step-2'}: {reason}" in message
+    assert "MiB free on that disk" in message and "choose another train.output_dir" in message
+    assert f"checkpoints already in {root} are intact" in message
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-1"]  # no .tmp-step-2 left
+    assert read_latest(root) == "step-1" and verify(root / "step-1") is None
+
+
+def test_another_failure_while_saving_is_raised_as_it_is_and_leaves_no_partial_folder(tmp_path, trained):
+    acc, _, _ = trained
+
+    def broken(folder):
+        raise RuntimeError("a bug in the extra state")
+
+    with pytest.raises(RuntimeError, match="a bug in the extra state"):
+        save_checkpoint(acc, tmp_path, 3, {"state": {}}, "x: 1\n", total_limit=None, write_extra=broken)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from peft.utils import ModulesToSaveWrapper
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from finetune.checkpoint import file_stamps, record_written
 from finetune.errors import FinetuneError
 from finetune.model import (
     apply_lora,
@@ -355,6 +356,35 @@ def test_load_for_inference_takes_an_adapter_or_a_full_model(tmp_path, base_dir)
         load_for_inference(str(base_dir), base=str(base_dir))
     with pytest.raises(FinetuneError, match="no model loads from it"):
         load_for_inference(str(tmp_path / "missing"))
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_a_recorded_adapter_or_merged_model_is_verified_when_loaded(tmp_path, base_dir):
+    """Outputs finetune wrote with a checksums.json (training's final save, merge-lora) are checked
+    on load: a changed byte is an error naming the file; without the record (older runs) they load."""
+    adapter = tmp_path / "adapter"
+    before = file_stamps(adapter)
+    _adapter(base_dir, adapter, LoraSection(enable_lora=True, lora_rank=4))
+    assert record_written(adapter, before) == ["adapter_config.json", "adapter_model.safetensors"]
+    merge_lora(str(adapter), str(tmp_path / "merged"))
+    merged = tmp_path / "merged"
+    record = json.loads((merged / "checksums.json").read_text())
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(record)
+    load_for_inference(str(adapter))
+    load_for_inference(str(merged))
+    for folder, name in ((adapter, "adapter_model.safetensors"), (merged, "model.safetensors")):
+        _flip_a_byte(folder / name)
+        with pytest.raises(
+            FinetuneError, match=rf"{folder} does not load: {folder / name} does not match its checksum"
+        ):
+            load_for_inference(str(folder))
+        (folder / "checksums.json").unlink()  # an output written before finetune recorded checksums
+        load_for_inference(str(folder))  # loads as before: nothing to check against
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ from finetune.data.prepare import (
     prepare,
     prepare_on_main_process,
 )
-from finetune.errors import DataError, RecipeError
+from finetune.errors import DataError, RecipeError, WriteError
 from finetune.recipe import Recipe, validate_recipe
 
 PAD_ID = 3  # <pad> in the demo tokenizer
@@ -453,6 +454,32 @@ def test_stale_temporary_folders_are_removed_unless_being_written(workdir: Path)
         prepare(_recipe(workdir), log=_quiet)
         assert not stale.exists()
         assert live.exists()
+
+
+def test_a_full_disk_while_saving_is_a_clear_error_and_removes_the_partial_folder(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """datasets' save_to_disk fails midway (Arrow reports ENOSPC as an OSError): the error says where,
+    how much is free and what to do, and the .tmp-* folder does not stay to fill the disk."""
+    import datasets
+
+    real = datasets.Dataset.save_to_disk
+
+    def full(self, path, **kwargs):
+        real(self, path, **kwargs)  # some bytes are on disk when the disk fills
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", full)
+    root = workdir / "prepared"
+    with pytest.raises(WriteError) as caught:
+        prepare(_recipe(workdir), log=_quiet)
+    message = str(caught.value)
+    assert (
+        f"writing the prepared dataset {_fp(_recipe(workdir))} in {root}: no space left on the device"
+        in message
+    )
+    assert "MiB free on that disk" in message and "another data.dataset_prepared_path" in message
+    assert [p.name for p in root.iterdir() if not p.name.endswith(".lock")] == []
 
 
 def test_push_needs_a_repo(workdir: Path):
