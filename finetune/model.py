@@ -705,9 +705,9 @@ def check_fits_recipe(target: str, model: ModelSection, tokenizer, *, flag: str)
         problems.append("the run was trained from another base model")
     elif trained is None and recorded and model.model_path is not None and not _same_base(recorded, model):
         problems.append("the adapter names another base model")
-    problems += _architecture_problems(
-        _load_config(model), resolve_path(recorded) if recorded else str(folder)
-    )
+    if recorded or not is_adapter:  # an adapter naming no base is refused when it loads
+        location = resolve_path(recorded) if recorded else str(folder)
+        problems += _architecture_problems(_load_config(model), location, f"{flag} {target}")
     mine = _load_tokenizer_or_none(
         str(folder) if (folder / "tokenizer_config.json").is_file() else (recorded or str(folder))
     )
@@ -766,16 +766,17 @@ def _same_base(trained: dict | str, model: ModelSection) -> bool:
     return _same_location(theirs) == _same_location(ours)
 
 
-def _architecture_problems(ours, location: str) -> list[str]:
-    """How the config at `location` differs from `ours` in the fields of _ARCHITECTURE."""
+def _architecture_problems(ours, location: str, what: str) -> list[str]:
+    """How the config at `location` (`what`'s base or `what` itself) differs from `ours` in the fields
+    of _ARCHITECTURE."""
     from transformers import AutoConfig
 
     try:
         theirs = AutoConfig.from_pretrained(location)
     except (OSError, ValueError) as exc:
         raise FinetuneError(
-            f"the base model {location} does not load its config ({_brief(exc)}): it moved or was deleted "
-            "since training; evaluate with the recipe's base where it is now"
+            f"{what}: no model config loads from {location} ({_brief(exc)}); point at a model or adapter "
+            "whose base is where it was trained from"
         ) from None
     differ = [
         f"{name} {getattr(theirs, name)} (the recipe's: {getattr(ours, name)})"

@@ -278,3 +278,15 @@ def test_every_model_loads_before_any_is_evaluated():
             models, eval_batches=lambda tok: evaluated.append(tok) or [], sets=[], batch_size=1, say=print
         )
     assert evaluated == []  # the base was not evaluated before the tuned model failed to load
+
+
+def test_eval_refuses_an_adapter_whose_base_is_gone(runs, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    adapter = Path(shutil.copytree(runs["demo"], tmp_path / "adapter"))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    gone = tmp_path / "gone"  # where the base was when the adapter was trained
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(gone)}))
+    assert main(_eval_with_split("--adapter", str(adapter), tmp=tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert f"--adapter {adapter}: no model config loads from {gone}" in err
+    assert not (tmp_path / "prepared").exists()
