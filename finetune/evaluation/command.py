@@ -129,10 +129,10 @@ def run_eval(recipe, args) -> int:
     scored side by side with the base, each in its own column. Every adapter or model is checked
     against the recipe's base before anything runs, and every model loads before any is evaluated."""
     adapters, model, no_base = args.adapter, args.model, args.no_base
+    from finetune.evaluation.fit import check_fits_recipe
     from finetune.evaluation.report import evaluate_models, format_table, write_report
     from finetune.model import (
         base_model_source,
-        check_fits_recipe,
         check_model_location,
         inference_device,
         load_for_inference,
