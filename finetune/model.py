@@ -627,9 +627,10 @@ def _check_adapter_weights(folder: Path, again: str) -> None:
 def _refuse_checkpoint(folder: Path, where: str) -> None:
     """A training checkpoint (checkpoints/step-N) holds what resuming needs, not a loadable model:
     say so, with the run's output folder when it holds the final adapter or model."""
-    from finetune.checkpoint import STATE_FILE
+    from finetune.checkpoint import STATE_FILE, step_of
 
-    if not ((folder / STATE_FILE).is_file() or folder.resolve().parent.name == "checkpoints"):
+    folder_is_step = step_of(folder.resolve()) is not None and folder.resolve().parent.name == "checkpoints"
+    if not ((folder / STATE_FILE).is_file() or folder_is_step):
         return
     run = folder.resolve().parent.parent
     if (run / ADAPTER_CONFIG).is_file() or (run / "config.json").is_file():

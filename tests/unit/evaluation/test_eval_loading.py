@@ -291,3 +291,10 @@ def test_eval_refuses_an_adapter_whose_base_is_gone(runs, tmp_path, capsys, monk
     err = capsys.readouterr().err
     assert f"--adapter {adapter}: no model config loads from {gone}" in err
     assert not (tmp_path / "prepared").exists()
+
+
+def test_a_model_folder_under_a_folder_named_checkpoints_is_no_checkpoint(runs, tmp_path, capsys):
+    """Only checkpoints/step-N (or a folder with train_state.json) is a training checkpoint."""
+    kept = Path(shutil.copytree(runs["demo"], tmp_path / "checkpoints" / "my-adapter"))
+    assert main(["chat", str(kept), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().out.strip()
