@@ -23,7 +23,7 @@ from finetune.cli import main
 from finetune.errors import FinetuneError
 from finetune.evaluation.fit import check_fits_recipe
 from finetune.evaluation.report import evaluate_models
-from finetune.model import load_tokenizer
+from finetune.model import load_tokenizer, merge_lora
 from finetune.recipe import load_recipe
 from tests.tiny import save_tiny_base, save_tiny_lora_run, tiny_model
 
@@ -237,10 +237,12 @@ def test_eval_refuses_a_random_init_adapter_on_a_pretrained_recipe(runs, tmp_pat
     assert not (runs["demo"] / "eval.json").exists() and not (tmp_path / "prepared").exists()
 
 
-def test_an_adapter_of_the_recipes_base_fits(runs, monkeypatch):
+def test_an_adapter_of_the_recipes_base_fits(runs, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     demo = load_recipe(str(DEMO), [])
     check_fits_recipe(str(runs["demo"]), demo.model, load_tokenizer(demo.model), flag="--adapter")
+    merge_lora(str(runs["demo"]), str(tmp_path / "merged"))  # a full model, with the run's recipe
+    check_fits_recipe(str(tmp_path / "merged"), demo.model, load_tokenizer(demo.model), flag="--model")
     pretrained = load_recipe(
         str(DEMO),
         [
@@ -298,3 +300,12 @@ def test_a_model_folder_under_a_folder_named_checkpoints_is_no_checkpoint(runs, 
     kept = Path(shutil.copytree(runs["demo"], tmp_path / "checkpoints" / "my-adapter"))
     assert main(["chat", str(kept), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_eval_refuses_a_full_model_of_another_base(runs, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    model = str(runs["foreign_base"])
+    assert main(_eval_with_split("--model", model, "--no-base", tmp=tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert f"--model {model} is not of this recipe's base model: its architecture differs" in err
+    assert f"the model's is {model} (its config.json)" in err and not (tmp_path / "prepared").exists()
