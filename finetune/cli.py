@@ -24,6 +24,21 @@ OVERRIDES_HELP = (
 )
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number above 0 (argparse prints the error with the usage, exit 2).
+
+    >>> positive_int("8")
+    8
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give one above 0") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not above 0; give a whole number above 0, e.g. 256")
+    return value
+
+
 def _recipe_parser(sub, name: str, help_text: str, *, optional: bool = False) -> argparse.ArgumentParser:
     parser = sub.add_parser(name, help=help_text, description=f"{help_text} {OVERRIDES_HELP}")
     parser.add_argument("recipe", nargs="?" if optional else None, help="path to the recipe YAML")
@@ -120,7 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     talk.add_argument("model_dir", help="adapter folder, model folder, .gguf file or package://pkg/file.gguf")
     talk.add_argument("--prompt", help="answer this one message and exit (scriptable)")
     talk.add_argument("--system", help="a system prompt (default: the chat template's own)")
-    talk.add_argument("--max-new-tokens", type=int, default=512, metavar="N")
+    talk.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=512,
+        metavar="N",
+        help="most tokens an answer has (512)",
+    )
     talk.add_argument("--base", help="the adapter's base model, when it moved since training")
 
     checkpoints = sub.add_parser(

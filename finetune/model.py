@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from finetune.errors import FinetuneError, write_error, write_failure_reason
-from finetune.gguf import is_gguf_name, portable_base, resolve_model_source, resolve_path
+from finetune.gguf import is_gguf_name, is_package_ref, portable_base, resolve_model_source, resolve_path
 from finetune.notices import warn
 from finetune.quiet import quiet_third_party
 from finetune.recipe import LoraSection, ModelSection
@@ -425,12 +425,10 @@ def load_adapter(adapter: Path, *, base: str | None = None, dtype: str = "auto")
     `package://` reference) as base is used through its converted folder. The tokenizer is the
     adapter's own when saved with it (training saves it: its length sizes the embeddings), else the base's.
     """
-    from peft import PeftConfig, PeftModel
+    from peft import PeftModel
 
-    if not (adapter / "adapter_config.json").is_file():
-        raise FinetuneError(f"{adapter}: no adapter_config.json here; point at the saved adapter folder")
+    peft_config = check_adapter_folder(adapter)
     check_saved_files(adapter)
-    peft_config = PeftConfig.from_pretrained(adapter)
     base_path = base or peft_config.base_model_name_or_path
     if not base_path:
         raise FinetuneError(f"{adapter}: the adapter names no base model; pass --base PATH")
@@ -438,15 +436,23 @@ def load_adapter(adapter: Path, *, base: str | None = None, dtype: str = "auto")
     net, base_path = _load_causal_lm(
         base_path, dtype, f"could not load the base model {{}} of {adapter}", fix
     )
-    tokenizer = _load_tokenizer_or_none(
-        str(adapter) if (adapter / "tokenizer_config.json").is_file() else base_path
-    )
+    own = (adapter / "tokenizer_config.json").is_file()
+    tokenizer = _load_tokenizer_or_none(str(adapter) if own else base_path)
+    if base is not None and own and tokenizer is not None:  # a base given by hand: is it the adapter's?
+        _check_base_tokenizer(adapter, tokenizer, base_path)
     if tokenizer is not None and len(tokenizer) > net.get_input_embeddings().weight.shape[0]:
         # Training added special tokens and grew the embeddings (trained through modules_to_save, which
         # the adapter holds at the new size): the base must have that size before the adapter loads.
         logger.info("resizing the base embeddings to the adapter's tokenizer (%d tokens)", len(tokenizer))
         net.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    return PeftModel.from_pretrained(net, adapter), tokenizer
+    try:
+        return PeftModel.from_pretrained(net, adapter), tokenizer
+    except (OSError, RuntimeError, ValueError, KeyError) as exc:  # shapes or modules the base lacks
+        raise FinetuneError(
+            f"{adapter}: PEFT cannot load the adapter onto the base model {base_path}: {_brief(exc)}. Check "
+            "its adapter_config.json (as training wrote it) and that the base is the model it was trained "
+            "on. " + fix
+        ) from None
 
 
 def load_for_inference(
@@ -462,7 +468,8 @@ def load_for_inference(
     given = tokenizer
 
     local = Path(path).expanduser()
-    if (local / "adapter_config.json").is_file():
+    check_model_location(path)
+    if (local / ADAPTER_CONFIG).is_file():
         net, tokenizer = load_adapter(local, base=base, dtype=dtype)
         if merge:
             net = net.merge_and_unload()
@@ -514,7 +521,7 @@ def _load_causal_lm(location: str, dtype: str, failure: str, fix: str):
         check_saved_files(Path(source))
     try:
         return AutoModelForCausalLM.from_pretrained(source, dtype=_load_dtype(dtype)), source
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # no such folder or Hub id; a config without a model_type
         raise FinetuneError(f"{failure.format(repr(source))}: {exc}. {fix}") from None
 
 
@@ -544,3 +551,183 @@ def _load_tokenizer_or_none(source: str):
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError):
         return None
+
+
+# ------------------------------------------------------------------ checking a location before loading
+
+ADAPTER_CONFIG = "adapter_config.json"
+# PEFT's weight file names (peft.utils.constants SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME).
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+_RUN_FOLDER = "a run's train.output_dir"
+
+
+def check_model_location(path: str, *, flag: str = "", local: bool = False) -> None:
+    """Refuse, before anything loads, a location no model loads from: a path that does not exist, a
+    file, an empty folder or one with neither a model nor an adapter, a training checkpoint, an adapter
+    folder whose files are damaged (check_adapter_folder). `flag` names the option that gave it
+    (`--adapter`); `local` refuses what could only be a Hub id. A GGUF file or `package://` reference
+    is checked where it is resolved (finetune.gguf)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if is_package_ref(path) or is_gguf_name(path):
+        return
+    folder = Path(path).expanduser()
+    where = f"{flag} {path}".strip()
+    if not folder.exists():
+        try:
+            validate_repo_id(path)
+        except HFValidationError:
+            local = True
+        if local:
+            raise FinetuneError(f"{where} does not exist: point at {_RUN_FOLDER} or another model folder")
+        return  # a Hub id: _load_causal_lm says why it does not load, if it does not
+    if not folder.is_dir():
+        raise FinetuneError(
+            f"{where} is a file: point at the folder that holds the model or adapter ({_RUN_FOLDER}), "
+            "or at a .gguf file"
+        )
+    _refuse_checkpoint(folder, where)
+    if (folder / ADAPTER_CONFIG).is_file():
+        check_adapter_folder(folder, flag=flag)
+    elif not (folder / "config.json").is_file():
+        what = "is an empty folder" if not any(folder.iterdir()) else "holds no model"
+        raise FinetuneError(
+            f"{where} {what}: neither an adapter ({ADAPTER_CONFIG}) nor a model (config.json). Point at "
+            f"{_RUN_FOLDER}, a model folder, a Hub id or a .gguf file"
+        )
+
+
+def check_adapter_folder(folder: Path, *, flag: str = ""):
+    """The adapter's PEFT config, after checking what loading it needs: the folder exists and is no
+    training checkpoint, adapter_config.json parses and PEFT accepts its fields, and a weights file is
+    there with a readable header (a truncated or overwritten safetensors file fails here, not after
+    the base model has loaded)."""
+    from peft import PeftConfig
+
+    where = f"{flag} {folder}".strip()
+    if not folder.is_dir():
+        raise FinetuneError(
+            f"{where} does not exist: point at a trained adapter folder (a LoRA run's train.output_dir)"
+        )
+    _refuse_checkpoint(folder, where)
+    config_file = folder / ADAPTER_CONFIG
+    if not config_file.is_file():
+        raise FinetuneError(
+            f"{where} holds no {ADAPTER_CONFIG}, so it is no adapter: point at a trained adapter folder "
+            "(a LoRA run's train.output_dir)"
+        )
+    again = "copy the adapter folder again from where it was trained, or train it again"
+    try:
+        saved = json.loads(config_file.read_text())
+        config = PeftConfig.from_pretrained(str(folder))
+    except json.JSONDecodeError as exc:
+        raise FinetuneError(
+            f"{config_file}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); {again}"
+        ) from None
+    except KeyError:  # PEFT's table of config classes, by peft_type
+        raise FinetuneError(
+            f"{config_file}: peft_type {saved.get('peft_type')!r} is no adapter type PEFT knows; {again}"
+        ) from None
+    except (TypeError, ValueError, AttributeError) as exc:  # PEFT's config classes on bad fields
+        raise FinetuneError(f"{config_file}: PEFT rejects it ({_brief(exc)}); {again}") from None
+    wrong = _mistyped_fields(saved, type(config))
+    if wrong:
+        raise FinetuneError(f"{config_file}: {'; '.join(wrong)}; {again}")
+    _check_adapter_weights(folder, again)
+    return config
+
+
+def _mistyped_fields(saved: dict, config_class) -> list[str]:
+    """The fields of a saved PEFT config whose values do not have the type its config class declares.
+
+    PEFT's config dataclasses do not check types (a rank of "sixteen" fails deep inside building the
+    layers, after the base model has loaded), so the declared types are checked here with pydantic, in
+    its lax mode (an int saved as 32.0 passes, as PEFT takes it).
+    """
+    import typing
+
+    from pydantic import PydanticUserError, TypeAdapter, ValidationError
+
+    hints = typing.get_type_hints(config_class)
+    wrong = []
+    for name, value in saved.items():
+        if name not in hints:  # PEFT warns about fields it does not know, and ignores them
+            continue
+        try:
+            check = TypeAdapter(hints[name])
+        except PydanticUserError:  # a type pydantic cannot describe (a class of PEFT's): left to PEFT
+            continue
+        try:
+            check.validate_python(value)
+        except ValidationError as exc:
+            wrong.append(f"{name} is {value!r}, not {_type_name(hints[name])} ({exc.errors()[0]['msg']})")
+    return wrong
+
+
+def _type_name(hint) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
+def _check_adapter_weights(folder: Path, again: str) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    found = [folder / name for name in ADAPTER_WEIGHTS if (folder / name).is_file()]
+    if not found:
+        raise FinetuneError(
+            f"{folder} holds {ADAPTER_CONFIG} but no adapter weights ({' or '.join(ADAPTER_WEIGHTS)}); {again}"
+        )
+    if found[0].suffix != ".safetensors":
+        return  # a pickled .bin (older PEFT): torch reads it when PEFT loads it
+    try:  # reads the header and checks that it covers the file: nothing is loaded
+        with safe_open(str(found[0]), framework="pt") as weights:
+            weights.keys()
+    except (SafetensorError, OSError) as exc:
+        raise FinetuneError(
+            f"{found[0]}: not a readable safetensors file ({exc}): it is truncated or damaged; {again}"
+        ) from None
+
+
+def _refuse_checkpoint(folder: Path, where: str) -> None:
+    """A training checkpoint (checkpoints/step-N) holds what resuming needs, not a loadable model:
+    say so, with the run's output folder when it holds the final adapter or model."""
+    from finetune.checkpoint import STATE_FILE, step_of
+
+    folder_is_step = step_of(folder.resolve()) is not None and folder.resolve().parent.name == "checkpoints"
+    if not ((folder / STATE_FILE).is_file() or folder_is_step):
+        return
+    run = folder.resolve().parent.parent
+    if (run / ADAPTER_CONFIG).is_file() or (run / "config.json").is_file():
+        fix = f"point at the run's output folder {run}, which holds its final adapter or model"
+    else:
+        fix = (
+            f"the run writes its final adapter or model to {run} when training ends; finish the run with "
+            f"`finetune train RECIPE --train.load_checkpoint_path {folder}` (the recipe it was trained with)"
+        )
+    raise FinetuneError(
+        f"{where} is a training checkpoint (the trained weights with optimizer, scheduler and RNG state, "
+        f"for resuming), not a model that loads for inference: {fix}"
+    )
+
+
+def _check_base_tokenizer(adapter: Path, tokenizer, base_path: str) -> None:
+    """A base given by hand must have the adapter's vocabulary: every token of its tokenizer with the
+    same id in the adapter's (which may add special tokens)."""
+    base_tokenizer = _load_tokenizer_or_none(base_path)
+    if base_tokenizer is None:
+        return
+    adapter_vocab = tokenizer.get_vocab()
+    differ = [t for t, i in base_tokenizer.get_vocab().items() if adapter_vocab.get(t) != i]
+    if differ:
+        raise FinetuneError(
+            f"--base {base_path} is not the base of {adapter}: its tokenizer ({len(base_tokenizer)} tokens) "
+            f"is not the adapter's ({len(tokenizer)} tokens; {len(differ)} differ, e.g. {differ[0]!r}). "
+            "Pass the model the adapter was trained on (its adapter_config.json base_model_name_or_path)"
+        )
+
+
+def _brief(exc: BaseException) -> str:
+    """An exception in one line: its first two lines (torch's load_state_dict puts the cause on the
+    second), at most 300 characters."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = " ".join(lines[:2]) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."

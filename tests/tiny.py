@@ -114,3 +114,41 @@ def tiny_gguf(path, *, metadata: dict[str, str] | None = None, seed: int = 0):
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def save_tiny_base(folder, tokenizer, **config) -> None:
+    """A tiny random Llama (TINY_LLAMA with `config`, its vocabulary the tokenizer's) saved with the
+    tokenizer: a pretrained base model folder, as `model.model_path` names one."""
+    tiny_model(**{"vocab_size": len(tokenizer), **config}).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def save_tiny_lora_run(folder, tokenizer, *, base=None, config: dict | None = None, record: bool = True):
+    """A folder as a LoRA run's train.output_dir holds it, for `finetune eval`, `chat` and `merge-lora`:
+    the adapter (rank 2 on every linear layer, non-zero weights) and the tokenizer; its base is the
+    pretrained folder `base`, else a random-init model built from `config` (LlamaConfig fields) saved
+    in folder/base_model as training saves it; recipe.resolved.yaml's model section when `record`."""
+    from pathlib import Path
+
+    import yaml
+    from peft import LoraConfig, get_peft_model
+
+    folder = Path(folder)
+    if base is None:
+        base = folder / "base_model"
+        save_tiny_base(base, tokenizer, **(config or {}))
+    net = AutoModelForCausalLM.from_pretrained(Path(base).resolve())
+    net = get_peft_model(net, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in net.named_parameters():
+            if "lora_B" in name:
+                param.add_(torch.randn_like(param) * 0.05)
+    net.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if record:
+        model = {"model_path": None, "config_path": {"model_type": "llama", **TINY_LLAMA, **(config or {})}}
+        if base != folder / "base_model":
+            model = {"model_path": str(base), "config_path": None}
+        (folder / "recipe.resolved.yaml").write_text(yaml.safe_dump({"model": model}))
+    return folder

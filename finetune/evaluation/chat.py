@@ -18,7 +18,7 @@ def chat(
     system: str | None = None,
     max_new_tokens: int = 512,
     read: Callable[[str], str] = input,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
 ) -> int:
     """One answer to `prompt`, or a conversation read line by line from `read` until /exit or EOF.
 
@@ -26,6 +26,8 @@ def chat(
     `system` as the system turn when given, else the template's default).
     """
     from finetune.generation.sampling import stream_chat
+
+    out = out or sys.stdout  # looked up now: a default bound at import would keep a replaced stream
 
     def answer(messages: list[dict[str, Any]]) -> str:
         pieces = []

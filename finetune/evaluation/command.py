@@ -126,32 +126,41 @@ def run_eval(recipe, args) -> int:
     the held-out split, the generation sets -> table.
 
     Several adapters (`--adapter A --adapter B`, e.g. an SFT run and a GRPO run on top of it) are
-    scored side by side with the base, each in its own column."""
+    scored side by side with the base, each in its own column. Every adapter or model is checked
+    against the recipe's base before anything runs, and every model loads before any is evaluated."""
     adapters, model, no_base = args.adapter, args.model, args.no_base
+    from finetune.evaluation.fit import check_fits_recipe
     from finetune.evaluation.report import evaluate_models, format_table, write_report
-    from finetune.model import base_model_source, inference_device, load_for_inference, load_tokenizer
+    from finetune.model import (
+        base_model_source,
+        check_model_location,
+        inference_device,
+        load_for_inference,
+        load_tokenizer,
+    )
 
+    has_split = bool(recipe.data.val_set_size or recipe.data.test_datasets)
+    if not has_split and not recipe.eval.generation_sets:
+        raise _nothing_to_evaluate()
+    targets = list(adapters or []) or ([model] if model else [])
+    flag = "--adapter" if adapters else "--model"
+    tokenizer = load_tokenizer(recipe.model)
+    for target in targets:  # in seconds, before the data is prepared and any model loads
+        check_model_location(target, flag=flag, local=bool(adapters))
+        check_fits_recipe(target, recipe.model, tokenizer, flag=flag)
     held_out = _held_out(recipe)
     if not held_out and not recipe.eval.generation_sets:
-        raise FinetuneError(
-            "nothing to evaluate: the recipe has no eval split (data.val_set_size or data.test_datasets) and "
-            "no eval.generation_sets"
-        )
+        raise _nothing_to_evaluate()
     needs_reference = held_out.get("needs_reference", False)
-    targets = list(adapters or []) or ([model] if model else [])
     models = {}
     if no_base and needs_reference and targets:
         _say(f"the base model is scored too: it is train.objective {recipe.train.objective}'s reference")
     if not targets or not no_base or needs_reference:
         base = base_model_source(recipe.model, adapter=adapters[0] if adapters else None)
-        models["base"] = lambda: _on_device(
-            load_for_inference(base, tokenizer=load_tokenizer(recipe.model)), inference_device()
-        )
+        models["base"] = lambda: load_for_inference(base, tokenizer=tokenizer)
     for label, target in zip(model_labels(targets), targets, strict=True):
         # Merged into the base for generation (faster); the weights are the same function.
-        models[label] = lambda target=target: _on_device(
-            load_for_inference(target, merge=True), inference_device()
-        )
+        models[label] = lambda target=target: load_for_inference(target, merge=True)
     results = evaluate_models(
         models,
         eval_batches=held_out.get("eval_batches"),
@@ -160,6 +169,7 @@ def run_eval(recipe, args) -> int:
         progress=not args.no_progress,
         say=_say,
         score=held_out.get("score"),
+        device=inference_device(),
     )
     default = Path(targets[-1] if targets else recipe.train.output_dir) / "eval.json"
     path = Path(args.output) if args.output else default
@@ -170,6 +180,8 @@ def run_eval(recipe, args) -> int:
     return 0
 
 
-def _on_device(loaded, device):
-    model, tokenizer = loaded
-    return model.to(device), tokenizer
+def _nothing_to_evaluate() -> FinetuneError:
+    return FinetuneError(
+        "nothing to evaluate: the recipe has no eval split (data.val_set_size or data.test_datasets) and "
+        "no eval.generation_sets"
+    )

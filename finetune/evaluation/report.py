@@ -39,17 +39,29 @@ def evaluate_models(
     progress: bool = True,
     say: Callable[[str], None] = print,
     score: Callable[[str, Any, Any], dict[str, Any]] | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Evaluate each model (loaded one at a time by its loader, then freed): eval loss on the eval
-    split when `eval_batches(tokenizer)` gives batches, `score(name, model, tokenizer)`'s results
-    (preference recipes: the held-out pairs), and every generation set."""
+    """Evaluate each model: eval loss on the eval split when `eval_batches(tokenizer)` gives batches,
+    `score(name, model, tokenizer)`'s results (preference recipes: the held-out pairs), and every
+    generation set.
+
+    Every model loads (by its loader) before the first is evaluated, so a model that does not load
+    fails in seconds rather than after the others' evaluation; each moves to `device` for its turn and
+    is freed after it. The models are held in memory (where their loaders put them) together until then.
+    """
     from finetune.generation.sets import load_generation_rows, score_generation_sets
 
     rows = {s.name: load_generation_rows(s) for s in sets}
-    results: dict[str, dict[str, Any]] = {}
+    loaded = {}
     for name, load in models.items():
+        say(f"loading {name}")
+        loaded[name] = load()
+    results: dict[str, dict[str, Any]] = {}
+    for name in list(loaded):
         say(f"evaluating {name}")
-        model, tokenizer = load()
+        model, tokenizer = loaded.pop(name)
+        if device is not None:
+            model = model.to(device)
         result: dict[str, Any] = {}
         if eval_batches is not None:
             result.update(token_loss(model, eval_batches(tokenizer)))

@@ -141,3 +141,36 @@ def test_the_chunked_loss_trains_the_same_run(tmp_path):
     assert sorted(curves["37"]) == [1, 2, 3, 4]
     for step, loss in curves["0"].items():
         assert curves["37"][step] == pytest.approx(loss, rel=1e-5), (step, curves)
+
+
+@pytest.mark.parametrize(
+    "case", ["chat-empty-folder", "chat-max-new-tokens-0", "eval-missing-adapter", "eval-truncated"]
+)
+def test_broken_inputs_exit_2_without_a_traceback(tmp_path, case):
+    """A few of tests/unit/evaluation/test_eval_loading.py's cases through the real CLI process."""
+    import yaml
+    from transformers import AutoTokenizer
+
+    from tests.tiny import save_tiny_lora_run
+
+    if case == "chat-empty-folder":
+        (tmp_path / "empty").mkdir()
+        args, said = ["chat", str(tmp_path / "empty"), "--prompt", "hi"], "is an empty folder"
+    elif case == "chat-max-new-tokens-0":
+        args, said = ["chat", str(tmp_path), "--max-new-tokens", "0"], "--max-new-tokens: 0 is not above 0"
+    else:
+        adapter = tmp_path / "nowhere"
+        said = f"--adapter {adapter} does not exist"
+        if case == "eval-truncated":
+            config = yaml.safe_load(DEMO.read_text())["model"]["config_path"]
+            tokenizer = AutoTokenizer.from_pretrained(REPO / "recipes" / "demo" / "tokenizer")
+            adapter = save_tiny_lora_run(
+                tmp_path / "run", tokenizer, config={k: v for k, v in config.items() if k != "model_type"}
+            )
+            weights = adapter / "adapter_model.safetensors"
+            weights.write_bytes(weights.read_bytes()[:100])
+            said = f"{weights}: not a readable safetensors file"
+        args = ["eval", str(DEMO), "--adapter", str(adapter), *demo_overrides(tmp_path)]
+    result = cli(*args)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert said in result.stderr and "Traceback" not in result.stderr

@@ -354,7 +354,7 @@ def test_load_for_inference_takes_an_adapter_or_a_full_model(tmp_path, base_dir)
         assert full.dtype == torch.bfloat16 and not full.training
     with pytest.raises(FinetuneError, match="not an adapter folder"):
         load_for_inference(str(base_dir), base=str(base_dir))
-    with pytest.raises(FinetuneError, match="no model loads from it"):
+    with pytest.raises(FinetuneError, match="missing does not exist"):
         load_for_inference(str(tmp_path / "missing"))
 
 

@@ -53,7 +53,7 @@ def _ema_objective(accelerator, model) -> tuple[DiffusionObjective, dict]:
 
 def _run(accelerator, model, out: Path, extra_state: dict) -> SimpleNamespace:
     """The engine's run with what checkpoint() and resume() read."""
-    train = SimpleNamespace(load_checkpoint_path="auto", save_total_limit=None)
+    train = SimpleNamespace(load_checkpoint_path="auto", save_total_limit=None, extend_run=False)
     return SimpleNamespace(
         accelerator=accelerator,
         model=model,
