@@ -12,7 +12,12 @@ high-water mark (`ru_maxrss`, read in the child), also minus the RSS after the m
 were built; with --gpu `torch.cuda.max_memory_allocated`, and Liger's LigerFusedLinearCrossEntropyLoss
 as a third variant when liger_kernel is importable.
 
-    python benchmarks/bench_chunked_ce.py [--tokens 4096] [--vocab 128256] [--steps 3]
+With --repeats N the variants run in turn (A B, B A, ...), N times each, with --threads CPU threads per
+child (default 1 on CPU; benchmarks/_common.py says why); the table gives each variant's medians and
+every run's s / step.
+
+    python benchmarks/bench_chunked_ce.py [--tokens 4096] [--vocab 128256] [--steps 3] [--repeats 2]
+    python benchmarks/bench_chunked_ce.py --tokens 512 --vocab 32000 --hidden 64 --steps 2   # smoke test
     python benchmarks/bench_chunked_ce.py --gpu [--tokens 8192]
     python benchmarks/bench_chunked_ce.py --head [--tokens 2048 --vocab 32000 --hidden 512]
 """
@@ -30,7 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _common import REPO, child_env, every_run, interleaved, medians
+
 sys.path.insert(0, str(REPO))
 MIB = 1 << 20
 
@@ -207,7 +213,7 @@ def _times(seconds: list[float], cpu_seconds: list[float]) -> dict:
 def run_child(cfg: dict) -> dict:
     """Run one variant in a fresh Python process; returns its JSON report."""
     cmd = [sys.executable, __file__, "--child", json.dumps(cfg)]
-    env = dict(os.environ)
+    env = child_env(cfg["threads"])
     if cfg["mode"] == "head":
         # glibc serves allocations under its (adaptive, up to 32 MiB) mmap threshold from the heap, whose
         # fragmentation then shows in RSS: small chunks would look worse than the tensors they make.
@@ -239,14 +245,16 @@ def machine(device: str) -> str:
 def table(rows: list[dict], *, gpu: bool) -> str:
     memory = "max_memory_allocated" if gpu else "peak RSS"
     lines = [
-        f"| variant | chunk | {memory} MiB | baseline MiB | delta MiB | s / step | CPU s / step | loss |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| variant | chunk | {memory} MiB | baseline MiB | delta MiB | s / step | every run's s / step "
+        "| CPU s / step | loss |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         chunk = r["chunk_size"] if r["variant"] not in ("unchunked", "liger") else "-"
         lines.append(
             f"| {r['variant']} | {chunk} | {r['peak_mib']:,.0f} | {r['baseline_mib']:,.0f} | "
-            f"{r['delta_mib']:,.0f} | {r['s_per_step']:.2f} | {'-' if gpu else format(r['cpu_s_per_step'], '.2f')} | {r['losses'][0]:.6f} |"
+            f"{r['delta_mib']:,.0f} | {r['s_per_step']:.2f} | {every_run(r['runs'], 's_per_step')} | "
+            f"{'-' if gpu else format(r['cpu_s_per_step'], '.2f')} | {r['losses'][0]:.6f} |"
         )
     ref = rows[0]
     lines.append(f"\nRatios to {ref['variant']}:\n")
@@ -279,8 +287,14 @@ def main() -> None:
     parser.add_argument(
         "--limit-gib", type=float, help="address-space limit per CPU child (default: 80%% of MemAvailable)"
     )
+    parser.add_argument(
+        "--repeats", type=int, help="runs of each variant, interleaved (default: 2 on CPU, 1 on GPU)"
+    )
+    parser.add_argument("--threads", type=int, help="CPU threads per child (default: 1 on CPU; 0 = all)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.repeats = args.repeats or (1 if args.gpu else 2)
+    args.threads = args.threads if args.threads is not None else (0 if args.gpu else 1)
     if args.child:
         cfg = json.loads(args.child)
         _limit_address_space(cfg.get("limit_gib"))
@@ -303,7 +317,7 @@ def main() -> None:
     common = {
         "mode": "head" if args.head else "step", "device": device, "tokens": args.tokens, "vocab": args.vocab,
         "hidden": args.hidden, "layers": args.layers, "steps": args.steps, "bf16": args.bf16,
-        "autocast": args.autocast, "chunk_size": chunks[0],
+        "autocast": args.autocast, "chunk_size": chunks[0], "threads": args.threads,
         "limit_gib": None if args.gpu else args.limit_gib or 0.8 * (_available_gib() or 0) or None,
     }  # fmt: skip
     variants = [] if args.skip_unchunked else [("unchunked", chunks[0])]
@@ -313,10 +327,14 @@ def main() -> None:
         variants += [("chunked", c) for c in chunks]
         if args.gpu and _liger_available():
             variants.append(("liger", chunks[0]))
-    rows = []
-    for variant, chunk in variants:
-        rows.append(run_child({**common, "variant": variant, "chunk_size": chunk}))
-        print(json.dumps(rows[-1]), file=sys.stderr)
+    by_name = {f"{variant} {chunk}": (variant, chunk) for variant, chunk in variants}
+
+    def run(name: str, _repeat: int) -> dict:
+        variant, chunk = by_name[name]
+        return run_child({**common, "variant": variant, "chunk_size": chunk})
+
+    runs = interleaved(list(by_name), args.repeats, run, json.dumps)
+    rows = [medians(done) | {"runs": done} for done in runs.values()]
     what = "head alone (forward + backward)" if args.head else "training step (forward, backward, AdamW)"
     layers = "" if args.head else f", {args.layers} layers"
     print(
@@ -326,7 +344,8 @@ def main() -> None:
     print(table(rows, gpu=args.gpu))
     if not args.head:
         print(planner_lines(common, rows))
-    print(f"\nMachine: {machine(device)}.")
+    threads = f", {args.threads} thread(s) per run" if args.threads and not args.gpu else ""
+    print(f"\nMedians of {args.repeats} interleaved run(s) per variant. Machine: {machine(device)}{threads}.")
 
 
 def planner_lines(cfg: dict, rows: list[dict]) -> str:
@@ -343,7 +362,7 @@ def planner_lines(cfg: dict, rows: list[dict]) -> str:
     for chunk in (0, cfg["chunk_size"]):
         acts = activation_bytes(
             inv, micro_batch_size=1, seq_len=cfg["tokens"], attn_implementation="sdpa", residual_bytes=r,
-            compute_bytes=c, autocast=cfg["autocast"], logits_bytes=c, loss_chunk=chunk,
+            compute_bytes=c, autocast=cfg["autocast"], loss_chunk=chunk,
         )  # fmt: skip
         terms[chunk] = acts.logits_and_loss / 2**20
     by_variant = {row["variant"]: row for row in rows}

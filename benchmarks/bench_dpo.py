@@ -18,10 +18,10 @@ Throughput is pairs/s: the median over the steps after --warmup of pairs / step 
 `pairs_per_sec` in progress.jsonl; TRL: its pairs per step over the wall clock between step ends).
 tokens/s = pairs/s x the mean real tokens of a pair (prompt counted in both sequences, no padding),
 the same factor for every run, so the tokens/s ratios are the pairs/s ratios. With --repeats N the
-runs are interleaved (every layout once, then again) and each layout keeps its best run: on a shared
-machine the slower runs measure the neighbours (the table shows every run's median too). On CPU
-the runs use one thread (--threads): with two threads on two shared cores a step took anywhere from
-1x to 10x its time, as each kernel waits for the thread whose core was taken.
+runs are interleaved (every layout once, then again in reverse order, ...); the table gives each
+layout's median over its runs and every run's figure. On CPU the runs use one thread (--threads):
+with two threads on two shared cores a step took anywhere from 1x to 10x its time, as each kernel
+waits for the thread whose core was taken (benchmarks/_common.py).
 
     # CPU (what RESULTS.md reports): a small Llama (hidden 256, 4 layers) with the Llama-2 vocabulary
     python benchmarks/bench_dpo.py
@@ -37,7 +37,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -45,11 +44,12 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("FINETUNE_SHARED_DATA") or REPO.parent / "shared" / "data")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_sft import PRESETS as SFT_PRESETS  # noqa: E402
+from _common import REPO, check, every_run, interleaved, machine, medians, run_kwargs
+from bench_sft import PRESETS as SFT_PRESETS
+
+SHARED = Path(os.environ.get("FINETUNE_SHARED_DATA") or REPO.parent / "shared" / "data")
 
 PRESETS = {
     **SFT_PRESETS,
@@ -169,13 +169,10 @@ def run_finetune(args, layout: str, work: Path, data: Path) -> dict:
     path = work / f"finetune-{layout}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     # Prepare first, so the timed run only trains (its data time is not what is compared).
-    _check(
-        subprocess.run(
-            [sys.executable, "-m", "finetune.cli", "prepare-dataset", str(path)], **_sub(args.threads)
-        )
-    )
+    sub = run_kwargs(args.threads)
+    check(subprocess.run([sys.executable, "-m", "finetune.cli", "prepare-dataset", str(path)], **sub))
     started = time.perf_counter()
-    _check(subprocess.run([sys.executable, "-m", "finetune.cli", "train", str(path)], **_sub(args.threads)))
+    check(subprocess.run([sys.executable, "-m", "finetune.cli", "train", str(path)], **sub))
     wall = time.perf_counter() - started
     out = work / f"finetune-{layout}" / "progress.jsonl"
     steps = [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
@@ -199,7 +196,7 @@ def run_trl(args, work: Path, data: Path) -> dict:
     cmd = [sys.executable, __file__, "--trl-child", "--child-out", str(out), "--child-data", str(data)]
     cmd += _forwarded(args)
     started = time.perf_counter()
-    _check(subprocess.run(cmd, **_sub(args.threads)))
+    check(subprocess.run(cmd, **run_kwargs(args.threads)))
     result = json.loads(out.read_text())
     result["wall_s"] = time.perf_counter() - started
     return result
@@ -296,20 +293,6 @@ def trl_child(args) -> None:
 # ---------------------------------------------------------------------------------------- report
 
 
-def _sub(threads: int = 0) -> dict:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(threads or os.cpu_count() or 1)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["PYTHONUNBUFFERED"] = "1"
-    return {"cwd": REPO, "env": env, "capture_output": True, "text": True}
-
-
-def _check(result: subprocess.CompletedProcess) -> None:
-    if result.returncode != 0:
-        sys.stderr.write(result.stdout[-3000:] + result.stderr[-6000:])
-        raise SystemExit(f"benchmark run failed (exit {result.returncode})")
-
-
 def _forwarded(args) -> list[str]:
     out = ["--preset", args.preset, "--tokenizer", str(args.tokenizer), "--precision", args.precision]
     out += ["--pairs-per-batch", str(args.pairs_per_batch), "--steps", str(args.steps)]
@@ -319,14 +302,6 @@ def _forwarded(args) -> list[str]:
     if args.gradient_checkpointing:
         out += ["--gradient-checkpointing"]
     return out
-
-
-def machine() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    return f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), torch {torch.__version__}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -347,7 +322,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rows-per-batch", type=int, help="packed rows per micro-batch")
     parser.add_argument("--max-length", type=int, default=512, help="longest sequence (prompt + completion)")
     parser.add_argument("--steps", type=int)
-    parser.add_argument("--repeats", type=int, help="runs of each layout, interleaved; the best is kept")
+    parser.add_argument("--repeats", type=int, help="runs of each layout, interleaved; the median is shown")
     parser.add_argument("--threads", type=int, help="CPU threads per run (OMP_NUM_THREADS); 0 = all cores")
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--precision", choices=["bf16", "no"])
@@ -371,34 +346,33 @@ def main() -> None:
         return
     names = {"padded": "finetune, 1 pair per row", "packed": f"finetune, packed rows of {args.row_tokens}"}
     names["trl"] = "TRL DPOTrainer"
-    runs: dict[str, list[dict]] = {layout: [] for layout in args.layouts}
     with tempfile.TemporaryDirectory(prefix="bench-dpo-") as tmp:
         work = Path(tmp)
         data = work / "gsm8k_pairs.jsonl"
         pairs = write_pairs(Path(args.data), data, args.pairs)
         per_pair = tokens_per_pair(args, data)
-        for _ in range(args.repeats):
-            for layout in args.layouts:
-                result = (
-                    run_trl(args, work, data) if layout == "trl" else run_finetune(args, layout, work, data)
-                )
-                runs[layout].append(result)
-                print(f"{names[layout]}: {result['pairs_per_sec']:.2f} pairs/s", file=sys.stderr, flush=True)
+
+        def run(layout: str, _repeat: int) -> dict:
+            return run_trl(args, work, data) if layout == "trl" else run_finetune(args, layout, work, data)
+
+        runs = interleaved(args.layouts, args.repeats, run, lambda r: f"{r['pairs_per_sec']:.2f} pairs/s")
     results = []
     for layout, done in runs.items():
-        best = max(done, key=lambda r: r["pairs_per_sec"])
-        best |= {"layout": layout, "tokens_per_sec": best["pairs_per_sec"] * per_pair}
-        best["all_pairs_per_sec"] = [r["pairs_per_sec"] for r in done]
-        results.append(best)
+        row = medians(done) | {"layout": layout}
+        row |= {
+            "tokens_per_sec": row["pairs_per_sec"] * per_pair,
+            "all_pairs_per_sec": [r["pairs_per_sec"] for r in done],
+        }
+        results.append(row)
     model = args.model_path or f"{args.preset} (random init)"
     print(
         f"\nmodel: {model}, LoRA r16 all-linear, DPO beta {BETA}; {pairs} GSM8K pairs ({per_pair:.0f} tokens per "
-        f"pair); {args.steps} steps ({args.warmup} warm-up), best of {args.repeats} run(s), {args.precision}, "
+        f"pair); {args.steps} steps ({args.warmup} warm-up), median of {args.repeats} run(s), {args.precision}, "
         f"{args.attn}, gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}; {machine()}"
         f"{f', {args.threads} thread(s) per run' if args.threads else ''}\n"
     )
     print(
-        "| run | pairs / micro-batch | pairs/s | tokens/s | vs TRL | every run's pairs/s | peak GPU GiB "
+        "| run | pairs / micro-batch | pairs/s (median) | tokens/s | vs TRL | every run's pairs/s | peak GPU GiB "
         "| host RSS GiB | wall s |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
@@ -406,7 +380,7 @@ def main() -> None:
     for r in results:
         ratio = f"{r['pairs_per_sec'] / trl['pairs_per_sec']:.2f}x" if trl else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] else "-"
-        spread = ", ".join(f"{x:.2f}" for x in r["all_pairs_per_sec"])
+        spread = every_run(runs[r["layout"]], "pairs_per_sec")
         print(
             f"| {names[r['layout']]} | {r['pairs_per_step']:.1f} | {r['pairs_per_sec']:.2f} | "
             f"{r['tokens_per_sec']:,.0f} | {ratio} | {spread} | {mem} | {r['host_rss_gib']:.1f} | {r['wall_s']:.0f} |"

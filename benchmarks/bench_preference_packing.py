@@ -14,9 +14,12 @@ sequence_sums -> dpo_loss, reference log-probs fixed):
   block-diagonal mask from the position_ids).
 
 Model: Llama, hidden 256, 4 layers, 4 heads (2 KV), intermediate 688, vocab 32000, fp32, sdpa.
-Configurations are interleaved (one pass of each, then again) so machine load hits all of them.
+Configurations are interleaved (one pass of each, then again in reverse order, ...) so machine load
+hits all of them, on --threads CPU threads (default 1: on shared cores two threads stall whenever one
+core is taken; benchmarks/_common.py); the table gives the median pass and every pass.
 
     python benchmarks/bench_preference_packing.py [--pairs 32] [--repeats 5] [--threads 1]
+    python benchmarks/bench_preference_packing.py --pairs 4 --repeats 2      # smoke test
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = next((p / "shared" / "data" for p in REPO.parents if (p / "shared" / "data").is_dir()), REPO.parent)
 sys.path.insert(0, str(REPO))
 
+from _common import every_run, interleaved  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from finetune.data.collate import collate_rows  # noqa: E402
@@ -165,7 +169,7 @@ def main() -> None:
     )
     parser.add_argument("--pairs", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads; 0 = torch's choice")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -175,29 +179,30 @@ def main() -> None:
     configs |= {f"packed, rows of {c}": (packed_batches(pairs, c), True) for c in (1024, 2048)}
     model = tiny_llama()
     run_pass(model, configs[next(iter(configs))][0][:1], False, args.pairs)  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in configs}
-    losses: dict[str, torch.Tensor] = {}
-    for _ in range(args.repeats):
-        for name, (batches, packed) in configs.items():
-            seconds, losses[name] = run_pass(model, batches, packed, args.pairs)
-            times[name].append(seconds)
-    # On a shared machine the slowest passes measure the neighbours: the best pass is the estimate,
-    # the median is shown to judge the noise.
-    baseline = min(times[next(iter(configs))])
+
+    def one_pass(name: str, _repeat: int) -> dict:
+        seconds, loss = run_pass(model, configs[name][0], configs[name][1], args.pairs)
+        return {"ms_per_pair": 1000 * seconds / args.pairs, "loss": loss}
+
+    runs = interleaved(list(configs), args.repeats, one_pass, lambda r: "")
+    times = {name: [r["ms_per_pair"] / 1000 * args.pairs for r in done] for name, done in runs.items()}
+    losses = {name: done[-1]["loss"] for name, done in runs.items()}
+    baseline = statistics.median(times[next(iter(configs))])
     reference_losses = losses[next(iter(configs))]
     print(
         f"{args.pairs} pairs ({source}), {real_tokens} real tokens, torch threads {torch.get_num_threads()}"
     )
     print(
-        "| layout | micro-batches | tokens processed / real | ms per pair (best) | ms per pair (median) | speed vs 1 pair padded (best) |"
+        "| layout | micro-batches | tokens processed / real | ms per pair (median) | every pass (ms per pair) "
+        "| speed vs 1 pair padded (medians) |"
     )
     print("|---|---|---|---|---|---|")
     for name, (batches, _) in configs.items():
         stats = layout_stats(batches)
-        best, median = (1000 * f(times[name]) / args.pairs for f in (min, statistics.median))
+        median = 1000 * statistics.median(times[name]) / args.pairs
         print(
-            f"| {name} | {stats['micro_batches']} | {stats['tokens_processed'] / real_tokens:.2f} | {best:.0f} | "
-            f"{median:.0f} | {baseline / min(times[name]):.2f}x |"
+            f"| {name} | {stats['micro_batches']} | {stats['tokens_processed'] / real_tokens:.2f} | {median:.0f} | "
+            f"{every_run(runs[name], 'ms_per_pair', '.0f')} | {baseline / statistics.median(times[name]):.2f}x |"
         )
     drift = max(float((losses[n] - reference_losses).abs().max()) for n in configs)
     print(f"largest per-pair loss difference between layouts: {drift:.2e}")

@@ -3,15 +3,23 @@
 Both train the same architecture on GSM8K (question as prompt, answer as completion, prompt masked),
 packed into rows of --seq-len tokens (finetune: multipack with position_ids; TRL: its BFD packing,
 padding-free), the same micro batch, accumulation, optimizer (AdamW, fused on CUDA), precision and
-gradient-checkpointing setting. Each run is a fresh subprocess; throughput is the median of the
-per-step tokens/s after --warmup steps (finetune: progress.jsonl; TRL: its cumulative `num_tokens`
-over the wall clock between its per-step logs). MFU uses the same FLOPs-per-token formula for both
-(finetune.metrics.model_flops_per_token, attention counted over the packed sequences' lengths).
+gradient-checkpointing setting. Each run is a fresh subprocess; a run's throughput is the median of
+the per-step tokens/s after --warmup steps (finetune: progress.jsonl; TRL: its cumulative
+`num_tokens` over the wall clock between its per-step logs). MFU uses the same FLOPs-per-token
+formula for both (finetune.metrics.model_flops_per_token, attention counted over the packed
+sequences' lengths).
+
+With --repeats N the tools run in turn (finetune, TRL, TRL, finetune, ...), N times each; the table
+gives the median of a tool's runs and every run's figure. On CPU each run uses --threads threads
+(default 1: on two shared cores, two threads per run made the same comparison read 10.2x, then
+0.67x; benchmarks/_common.py says why).
 
     # GPU: a TinyLlama-1.1B-shaped model (random init) with the Llama-2 tokenizer, full and LoRA
     python benchmarks/bench_sft.py --preset tinyllama-1.1b --modes full lora --micro-batch 4 --seq-len 2048
-    # CPU: the real SmolLM2-135M-Instruct (a Hugging Face folder), LoRA, rows of 512
-    python benchmarks/bench_sft.py --model-path PATH --modes lora --micro-batch 1 --seq-len 512 --steps 12
+    # CPU: the real SmolLM2-135M-Instruct (a Hugging Face folder), LoRA, rows of 512, 3 runs per tool
+    python benchmarks/bench_sft.py --model-path PATH --modes lora --micro-batch 1 --seq-len 512 --steps 12 --repeats 3
+    # smoke test (a minute on CPU): the tiny preset, 3 steps, 2 runs per tool
+    python benchmarks/bench_sft.py --preset tiny --modes lora --rows 200 --seq-len 256 --micro-batch 1 --steps 3 --warmup 1
 
 Prints a markdown table; --json FILE also writes the numbers.
 """
@@ -20,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -29,7 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _common import REPO, check, every_run, interleaved, machine, medians, run_kwargs
+
 SHARED = REPO.parent / "shared" / "data"
 
 PRESETS = {
@@ -100,7 +107,7 @@ def write_data(source: Path, out: Path, limit: int) -> int:
 # ------------------------------------------------------------------------------------- finetune
 
 
-def run_finetune(args, mode: str, work: Path, data: Path) -> dict:
+def run_finetune(args, mode: str, work: Path, data: Path, repeat: int = 1) -> dict:
     import yaml
 
     model: dict = {"attn_implementation": args.attn, "torch_dtype": "auto"}
@@ -128,7 +135,7 @@ def run_finetune(args, mode: str, work: Path, data: Path) -> dict:
             "dataloader_prefetch_factor": None,
         },
         "train": {
-            "output_dir": str(work / f"finetune-{mode}"),
+            "output_dir": str(work / f"finetune-{mode}-{repeat}"),
             "micro_batch_size": args.micro_batch,
             "gradient_accumulation_steps": args.grad_accum,
             "max_steps": args.steps,
@@ -145,16 +152,17 @@ def run_finetune(args, mode: str, work: Path, data: Path) -> dict:
         },
         "lora": _lora(mode),
     }
-    path = work / f"finetune-{mode}.yaml"
+    path = work / f"finetune-{mode}-{repeat}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    sub = run_kwargs(args.threads)
     # Prepare first, so the timed run only trains (its data time is not what is compared).
-    _check(subprocess.run([sys.executable, "-m", "finetune.cli", "prepare-dataset", str(path)], **_sub()))
+    check(subprocess.run([sys.executable, "-m", "finetune.cli", "prepare-dataset", str(path)], **sub))
     started = time.perf_counter()
-    _check(subprocess.run([sys.executable, "-m", "finetune.cli", "train", str(path)], **_sub()))
+    check(subprocess.run([sys.executable, "-m", "finetune.cli", "train", str(path)], **sub))
     wall = time.perf_counter() - started
     records = [
         json.loads(line)
-        for line in (work / f"finetune-{mode}" / "progress.jsonl").read_text().splitlines()
+        for line in (work / f"finetune-{mode}-{repeat}" / "progress.jsonl").read_text().splitlines()
         if line.strip()
     ]
     steps = [r for r in records if r.get("event") is None and r.get("tokens_per_sec")]
@@ -186,12 +194,12 @@ def _lora(mode: str) -> dict:
 # ----------------------------------------------------------------------------------------- TRL
 
 
-def run_trl(args, mode: str, work: Path, data: Path) -> dict:
-    out = work / f"trl-{mode}.json"
+def run_trl(args, mode: str, work: Path, data: Path, repeat: int = 1) -> dict:
+    out = work / f"trl-{mode}-{repeat}.json"
     cmd = [sys.executable, __file__, "--trl-child", mode, "--child-out", str(out), "--child-data", str(data)]
     cmd += _forwarded(args)
     started = time.perf_counter()
-    _check(subprocess.run(cmd, **_sub()))
+    check(subprocess.run(cmd, **run_kwargs(args.threads)))
     result = json.loads(out.read_text())
     result["wall_s"] = time.perf_counter() - started
     return result
@@ -240,7 +248,7 @@ def trl_child(args) -> None:
 
     clock = Clock()
     config = SFTConfig(
-        output_dir=str(Path(args.child_out).parent / f"trl-{mode}"),
+        output_dir=str(Path(args.child_out).with_suffix("")),
         per_device_train_batch_size=args.micro_batch,
         gradient_accumulation_steps=args.grad_accum,
         max_steps=args.steps,
@@ -332,20 +340,6 @@ def _lora_params(config) -> int:
     return layers * sum(16 * (a + b) for a, b in shapes)
 
 
-def _sub() -> dict:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["PYTHONUNBUFFERED"] = "1"
-    return {"cwd": REPO, "env": env, "capture_output": True, "text": True}
-
-
-def _check(result: subprocess.CompletedProcess) -> None:
-    if result.returncode != 0:
-        sys.stderr.write(result.stdout[-3000:] + result.stderr[-6000:])
-        raise SystemExit(f"benchmark run failed (exit {result.returncode})")
-
-
 def _forwarded(args) -> list[str]:
     out = ["--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch)]
     out += ["--grad-accum", str(args.grad_accum), "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -358,12 +352,43 @@ def _forwarded(args) -> list[str]:
     return out
 
 
-def machine() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    return f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), torch {torch.__version__}"
+def print_report(args, results: list[dict], runs: dict[str, dict[str, list[dict]]], rows: int) -> None:
+    """The markdown table: each tool's median over its runs, and every run's tokens/s."""
+    model = args.model_path or f"{args.preset} (random init)"
+    threads = f", {args.threads} thread(s) per run" if args.threads else ""
+    print(
+        f"\nmodel: {model}; {rows} GSM8K rows packed into rows of {args.seq_len}; micro batch {args.micro_batch}, "
+        f"accumulation {args.grad_accum}, {args.steps} steps ({args.warmup} warm-up), {args.precision}, "
+        f"{args.attn}, gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}; median of "
+        f"{args.repeats} interleaved run(s) per tool; {machine()}{threads}\n"
+    )
+    print(
+        "| mode | tool | tokens/s (median) | every run's tokens/s | MFU | peak GPU GiB | host RSS GiB "
+        "| final loss | mean loss | wall s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "-"
+        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] else "-"
+        loss = f"{r['final_loss']:.3f}" if r.get("final_loss") is not None else "-"
+        mean_loss = f"{r['mean_loss']:.3f}" if r.get("mean_loss") is not None else "-"
+        every = every_run(runs[r["mode"]][r["tool"]], "tokens_per_sec", ",.1f")
+        print(
+            f"| {r['mode']} | {r['tool']} | {r['tokens_per_sec']:,.1f} | {every} | {mfu} | {mem} | "
+            f"{r['host_rss_gib']:.1f} | {loss} | {mean_loss} | {r['wall_s']:.0f} |"
+        )
+    for mode, by_tool in runs.items():
+        if len(by_tool) == 2:
+            ft, trl = (by_tool[tool] for tool in ("finetune", "trl"))
+            ratio = statistics.median(r["tokens_per_sec"] for r in ft) / statistics.median(
+                r["tokens_per_sec"] for r in trl
+            )
+            # each repeat's pair of runs ran back to back, under about the same load
+            pairs = ", ".join(
+                f"{a['tokens_per_sec'] / b['tokens_per_sec']:.2f}x" for a, b in zip(ft, trl, strict=True)
+            )
+            print(f"{mode}: finetune / TRL tokens/s = **{ratio:.2f}x** (medians; run by run: {pairs})")
+    print(f"\ncommand: python benchmarks/bench_sft.py {' '.join(sys.argv[1:])}")
 
 
 def main() -> None:
@@ -387,60 +412,57 @@ def main() -> None:
     )
     parser.add_argument("--attn", default="sdpa")
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument(
+        "--repeats", type=int, help="runs of each tool, interleaved (default: 2 on CPU, 1 on CUDA)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads per run (OMP_NUM_THREADS; default: 1 on CPU, 0 = all on CUDA)",
+    )
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--trl-child", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     parser.add_argument("--child-data", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.precision is None:
-        import torch
+    import torch
 
-        args.precision = "bf16" if torch.cuda.is_available() else "no"
+    cuda = torch.cuda.is_available()
+    args.precision = args.precision or ("bf16" if cuda else "no")
+    args.repeats = args.repeats or (1 if cuda else 2)
+    args.threads = args.threads if args.threads is not None else (0 if cuda else 1)
     if args.trl_child:
         trl_child(args)
         return
     sys.path.insert(0, str(REPO))
-    import torch
-
     from finetune.metrics import device_peak_flops
 
-    peak = device_peak_flops(torch.device("cuda")) if torch.cuda.is_available() else None
-    results = []
+    peak = device_peak_flops(torch.device("cuda")) if cuda else None
+    results, runs = [], {}
     with tempfile.TemporaryDirectory(prefix="bench-sft-") as tmp:
         work = Path(tmp)
         data = work / "gsm8k.jsonl"
         rows = write_data(Path(args.data), data, args.rows)
         for mode in args.modes:
             fpt, params = flops_per_token(args, mode, data)
-            for tool in args.tools:
-                result = (run_finetune if tool == "finetune" else run_trl)(args, mode, work, data)
-                result.update(tool=tool, mode=mode, params=params, flops_per_token=fpt)
+
+            def run(tool: str, repeat: int, mode: str = mode) -> dict:
+                return (run_finetune if tool == "finetune" else run_trl)(args, mode, work, data, repeat)
+
+            runs[mode] = interleaved(
+                args.tools, args.repeats, run, lambda r: f"{r['tokens_per_sec']:.1f} tokens/s"
+            )
+            for tool, done in runs[mode].items():
+                result = medians(done) | {
+                    "tool": tool,
+                    "mode": mode,
+                    "params": params,
+                    "flops_per_token": fpt,
+                }
+                result["all_tokens_per_sec"] = [r["tokens_per_sec"] for r in done]
                 result["mfu"] = result["tokens_per_sec"] * fpt / peak if peak else None
                 results.append(result)
-                print(f"{tool} {mode}: {result['tokens_per_sec']:.0f} tokens/s", file=sys.stderr, flush=True)
-    model = args.model_path or f"{args.preset} (random init)"
-    print(
-        f"\nmodel: {model}; {rows} GSM8K rows packed into rows of {args.seq_len}; micro batch {args.micro_batch}, "
-        f"accumulation {args.grad_accum}, {args.steps} steps ({args.warmup} warm-up), {args.precision}, "
-        f"{args.attn}, gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}; {machine()}\n"
-    )
-    print("| mode | tool | tokens/s | MFU | peak GPU GiB | host RSS GiB | final loss | mean loss | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "-"
-        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] else "-"
-        loss = f"{r['final_loss']:.3f}" if r.get("final_loss") is not None else "-"
-        mean_loss = f"{r['mean_loss']:.3f}" if r.get("mean_loss") is not None else "-"
-        print(
-            f"| {r['mode']} | {r['tool']} | {r['tokens_per_sec']:,.0f} | {mfu} | {mem} | {r['host_rss_gib']:.1f} "
-            f"| {loss} | {mean_loss} | {r['wall_s']:.0f} |"
-        )
-    for mode in args.modes:
-        by_tool = {r["tool"]: r for r in results if r["mode"] == mode}
-        if len(by_tool) == 2:
-            ratio = by_tool["finetune"]["tokens_per_sec"] / by_tool["trl"]["tokens_per_sec"]
-            print(f"{mode}: finetune / TRL tokens/s = **{ratio:.2f}x**")
-    print(f"\ncommand: python benchmarks/bench_sft.py {' '.join(sys.argv[1:])}")
+    print_report(args, results, runs, rows)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine(), "results": results}, indent=1))
 

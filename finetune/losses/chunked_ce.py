@@ -44,7 +44,7 @@ from finetune.errors import FinetuneError
 # One chunk's fp32 logits are kept under this many elements (256 MiB): see default_chunk_size.
 CHUNK_LOGITS_BUDGET = 1 << 26
 # auto (train.loss_chunk_size: null) chunks when a micro batch's fp32 logits reach this many elements (1 GB;
-# the unchunked loss then peaks at about 4 GB for logits, softmax and their gradients).
+# the unchunked loss then peaks at 3 GB: the fp32 log-softmax and two gradients of its size).
 AUTO_CHUNK_MIN_LOGITS = 250_000_000
 
 # Config fields of models whose forward changes the logits after the head, with the value that means
@@ -188,6 +188,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 loss += chunk_loss
                 if d_logits is not None:
                     _accumulate(grads, d_logits, h, w, start)
+                # memory: freed now, not when the next chunk's result replaces it (one chunk buffer less)
+                del d_logits
         ctx.grads = grads
         return loss
 
@@ -410,7 +412,7 @@ def resolve_loss_chunk_size(
     """train.loss_chunk_size as the loop uses it: 0 computes the full logits, n > 0 chunks n tokens.
 
     A set value is kept. null (auto) chunks, with `default_chunk_size`, when one micro batch's fp32
-    logits would reach AUTO_CHUNK_MIN_LOGITS elements (1 GB; the unchunked loss holds about four such
+    logits would reach AUTO_CHUNK_MIN_LOGITS elements (1 GB; the unchunked loss holds three such
     tensors at its peak). Below that the saving is small next to weights and optimizer state, and a
     head that is not a plain Linear (LoRA on lm_head) would pay for its recompute.
 

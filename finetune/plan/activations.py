@@ -19,9 +19,9 @@ class Activations:
     layer_input: float  # one layer's input: all a checkpointed layer keeps
     head: float  # final norm, lm_head input, ids/labels, rotary tables
     mask: float  # transformers' mask (bool for sdpa, float for eager), alive through the forward
-    loss_saved: float  # fp32 log-softmax the cross entropy saves
-    logits: float  # logits the model output holds through backward
-    loss_transient: float  # two fp32 b*s*V gradient buffers at the cross-entropy backward
+    loss_saved: float  # the fp32 log-softmax the cross entropy saves for backward
+    loss_held: float  # what the chunked loss holds outside autograd from forward to backward
+    loss_transient: float  # alive only at the loss's own peak (gradient buffers, one chunk's logits)
 
     @property
     def saved(self) -> float:
@@ -30,15 +30,15 @@ class Activations:
 
     @property
     def logits_and_loss(self) -> float:
-        return self.logits + self.loss_saved + self.loss_transient
+        return self.loss_held + self.loss_saved + self.loss_transient
 
     def peak(self, checkpointing: bool) -> float:
-        """Peak bytes: the end of the forward / start of the backward, or with checkpointing the
-        larger of the loss backward and one layer's recomputation."""
+        """Peak bytes: the start of the backward (the loss's backward, every activation still saved),
+        or with checkpointing the larger of the loss backward and one layer's recomputation."""
         if not checkpointing:
-            return self.saved + self.mask + self.logits + self.loss_transient
+            return self.saved + self.mask + self.loss_held + self.loss_transient
         loss_step = self.head + self.loss_saved + self.loss_transient
-        kept = self.num_layers * self.layer_input + self.mask + self.logits
+        kept = self.num_layers * self.layer_input + self.mask + self.loss_held
         return kept + max(loss_step, self.per_layer)
 
 
@@ -51,7 +51,6 @@ def activation_bytes(
     residual_bytes: int,
     compute_bytes: int,
     autocast: bool,
-    logits_bytes: int,
     adapter: Adapter | None = None,
     lora_dropout: float = 0.0,
     lora_bytes: int = 4,
@@ -82,16 +81,26 @@ def activation_bytes(
     saves lora_A's input (its own c copy under autocast, else PEFT's cast to the LoRA dtype, shared
     by q/k/v and gate/up when no cast is needed; dropout: its output + a bool mask) and lora_A's
     output (bs*rank).
-    Head: final norm, lm_head input (c*bs*h if trained), fp32 log-softmax 4*bs*V, ids and labels,
-    rotary cos/sin; minus the first norm when the embeddings are frozen (its input needs no grad). The model output holds logits_bytes*bs*V logits through backward, and the
-    cross-entropy backward adds two fp32 bs*V gradients. Transformers' mask (bool b*s^2 for sdpa,
-    r*b*s^2 float for eager) is shared by all layers.
+    Head: final norm, lm_head input (c*bs*h if trained), ids and labels, rotary cos/sin; minus the
+    first norm when the embeddings are frozen (its input needs no grad). Transformers' mask (bool
+    b*s^2 for sdpa, r*b*s^2 float for eager) is shared by all layers.
     Gradient checkpointing keeps r*bs*h per layer and recomputes one layer at a time.
+    Loss, full logits (model(...).loss; V vocabulary; measured on CPU, tests/unit/test_plan.py):
+    the cross entropy saves its fp32 log-softmax (4*bs*V). The logits themselves are not kept: the
+    log-softmax does not save its input, and the model output that holds them (and Accelerate's
+    fp32 copy under autocast) is dropped once the loss is taken. The peak is the log-softmax's
+    backward: the saved log-softmax, NLL's gradient and the log-softmax's gradient, three fp32
+    buffers (12*bs*V), whatever the logits' dtype (the forward holds at most 10*bs*V: 16-bit logits,
+    their fp32 copy and the log-softmax).
     Chunked loss (train.loss_chunk_size, `loss_chunk` tokens per chunk; finetune.losses.chunked_ce):
     no logits are held. A plain Linear head (`lm_head_plain`) computes its gradients in the forward:
-    it holds d_hidden (c*bs*h) and, when the head trains, an fp32 d_weight (4*V*h) until backward,
-    and a chunk's fp32 logits plus their c copy ((4 + c)*chunk*V) at a time. Any other head (LoRA
-    on lm_head) is recomputed per chunk in backward: one chunk's logits, log-softmax and gradient.
+    it holds d_hidden (r*bs*h) and, when the head trains, an fp32 d_weight (4*V*h) until backward;
+    at a time, one chunk's fp32 logits and logsumexp's temporary (8*chunk*V), or, for a 16-bit
+    matmul into a trained head, the chunk's 16-bit gradient and its [V x h] product for d_weight
+    (c*chunk*V + c*V*h). Any other head (LoRA on lm_head, modules_to_save) is recomputed chunk by
+    chunk in backward, where one chunk has the three fp32 buffers of the full-logits peak
+    (12*chunk*V) while autograd sums the head's trainable weights' gradients over the chunks (in the
+    compute dtype, before they become .grad).
     """
     b, s = micro_batch_size, seq_len
     bs = b * s
@@ -120,15 +129,20 @@ def activation_bytes(
         head -= norm
     if loss_chunk:
         chunk = min(loss_chunk, bs)
-        held = c * bs * h + (4 * vocab * h if lm_head_trainable and lm_head_plain else 0)
-        per_chunk = (4 + c) * chunk * vocab if lm_head_plain else (8 + logits_bytes) * chunk * vocab
-        loss = {"loss_saved": 0, "logits": held, "loss_transient": per_chunk}
+        if lm_head_plain:
+            held = r * bs * h + (4 * vocab * h if lm_head_trainable else 0)
+            per_chunk = 8 * chunk * vocab
+            if lm_head_trainable and c != 4:
+                per_chunk = max(per_chunk, c * chunk * vocab + c * vocab * h)
+        else:  # autograd sums the head's weight gradients over the chunks before they become .grad
+            head_lora = sum(
+                adapter.rank * (m.in_features + m.out_features) for m in _head_targets(inv, adapter)
+            )
+            summed = (c if autocast else lora_bytes) * head_lora + (c * vocab * h if lm_head_trainable else 0)
+            held, per_chunk = 0, 12 * chunk * vocab + summed
+        loss = {"loss_saved": 0, "loss_held": held, "loss_transient": per_chunk}
     else:
-        loss = {
-            "loss_saved": 4 * bs * vocab,
-            "logits": logits_bytes * bs * vocab,
-            "loss_transient": 8 * bs * vocab,
-        }
+        loss = {"loss_saved": 4 * bs * vocab, "loss_held": 0, "loss_transient": 8 * bs * vocab}
     return Activations(
         num_layers=inv.num_layers,
         per_layer=2 * norm + attention + 3 * (linear_out_bytes or c) * bs * i + inputs,
@@ -159,6 +173,10 @@ def _lora_inputs(
             shared.add(group)
             saved += 0 if group == "attn_out" and not eager else x_bytes * bs * m.in_features
     return saved
+
+
+def _head_targets(inv: ModelInventory, adapter: Adapter | None) -> list:
+    return [m for m in (adapter.targets if adapter else ()) if m.name == inv.output_name]
 
 
 def _input_group(name: str) -> str:

@@ -86,7 +86,6 @@ def estimate(
         residual_bytes=layout.residual_bytes,
         compute_bytes=layout.compute_bytes,
         autocast=layout.autocast,
-        logits_bytes=layout.logits_bytes,
         adapter=adapter,
         lora_dropout=recipe.lora.lora_dropout,
         lora_bytes=layout.lora_bytes,
@@ -101,7 +100,7 @@ def estimate(
     note = (
         f"chunked loss ({chunk} tokens per chunk): no logits held"
         if chunk
-        else "held logits, fp32 log-softmax and grads (full logits)"
+        else "full logits: fp32 log-softmax and its two gradients at its backward"
     )
     parts.append(Part("logits + loss", acts.logits_and_loss, note=note))
     parts.append(Part("CUDA context + fragmentation", CUDA_ALLOWANCE_BYTES, note="fixed allowance"))

@@ -34,7 +34,6 @@ class Layout:
     residual_bytes: int  # hidden states between layers (fp32 when the embedding is fp32)
     compute_bytes: int  # matmul outputs: 2 under bf16/fp16 autocast
     autocast: bool  # accelerate wraps the forward in autocast (not under DeepSpeed)
-    logits_bytes: int  # logits held by the model output through backward
     gather_bytes: int  # params all-gathered by ZeRO-3 / FSDP
     autocast_copies: float  # bf16 weight copies autocast keeps until the end of the forward
     notes: tuple[str, ...] = ()
@@ -80,7 +79,7 @@ def model_states(
         # ZeRO's optimizer keeps an fp32 copy of its partition, the master weights under mixed precision.
         master = 4 * trainable if mixed or engine.zero_stage > 0 else 0.0
         opt_format = ("fp32 master + " if master else "") + opt_format.replace("the weights' dtype", "fp32")
-        layout_bytes = (w, w, False, w, w)
+        layout_bytes = (w, w, False, w)
         dtype_name = train.mixed_precision if mixed else "fp32"
         weight_format = f"{dtype_name} weights" if full else f"{dtype_name} base and LoRA"
         weight_format = f"4-bit base (rest {dtype_name}), {dtype_name} LoRA" if quant else weight_format
@@ -117,13 +116,10 @@ def model_states(
     copies = 0.0 if fsdp_mixed or not mixed else _autocast_copies(inv, adapter, recipe, w, checkpointing)
     if copies:
         notes.append("autocast keeps a bf16 copy of every fp32 weight a matmul uses until the forward ends")
-    logits = 4 if mixed else w  # accelerate's convert_outputs_to_fp32 upcasts autocast outputs
     gather = 2 if fsdp_mixed else w
     # bitsandbytes' Linear4bit returns its input's dtype: the fp32 residual under QLoRA.
     linear_out = residual if quant else compute
-    return Layout(
-        states, residual, compute, mixed, logits, gather, copies, tuple(notes), 4, linear_out, quant or 0.0
-    )
+    return Layout(states, residual, compute, mixed, gather, copies, tuple(notes), 4, linear_out, quant or 0.0)
 
 
 def _autocast_copies(

@@ -27,6 +27,7 @@ from finetune.losses.chunked_ce import (
     resolve_loss_chunk_size,
 )
 from finetune.losses.preference import token_logps
+from tests.memory import peak_allocated_bytes
 from tests.tiny import sequences, tiny_model
 
 VOCAB = 97
@@ -479,6 +480,20 @@ def test_no_tensor_of_tokens_x_vocab_is_made(path):
     assert made <= chunk_size * vocab < num_tokens * vocab
     assert saved <= chunk_size * vocab
     assert head.weight.grad is not None and hidden.grad is not None
+
+
+def test_the_fused_path_holds_one_chunk_at_a_time():
+    """fp32: one chunk's logits (their buffer becomes their gradient) plus logsumexp's temporary, and
+    the gradients of hidden and weight. The previous chunk's gradient was kept alive while the next
+    chunk's logits were made: a third chunk-sized buffer."""
+    num_tokens, hidden_size, vocab, chunk_size = 1024, 16, 32768, 256
+    torch.manual_seed(0)
+    hidden = torch.randn(num_tokens, hidden_size, requires_grad=True)
+    head = nn.Linear(hidden_size, vocab, bias=False)
+    labels = torch.randint(0, vocab, (num_tokens,))
+    peak = peak_allocated_bytes(lambda: chunked_cross_entropy(hidden, head, labels, chunk_size).backward())
+    held = 4 * (num_tokens * hidden_size + vocab * hidden_size)  # d_hidden, d_weight
+    assert peak == pytest.approx(2 * 4 * chunk_size * vocab + held, rel=0.01)
 
 
 def test_causal_lm_loss_never_makes_the_logits():
