@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -109,9 +110,10 @@ def classify_cli(trial: Trial, proc: subprocess.CompletedProcess) -> tuple[str, 
     output = proc.stdout + proc.stderr
     if "Traceback" in output:
         return "traceback", _last_line(proc.stderr)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    # finetune's own errors, and argparse's ("finetune chat: error: ...") for a bad argument.
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ") or ": error: " in line]
     if proc.returncode == 2 and len(errors) == 1:
-        note = errors[0].removeprefix("error: ")
+        note = errors[0].removeprefix("error: ").split(": error: ")[-1]
         if trial.names and trial.names not in note:
             return "unexpected", f"the error does not name {trial.names}: {note}"
         return ("clear error" if trial.expect == "clear error" else "unexpected"), note
@@ -529,7 +531,6 @@ def sigkill_child(folder: Path, at: float, delay: float, recipe: str = "sft") ->
     """Start the run, SIGKILL its process group `delay` (a fraction of the mean step time so far) after
     `at` of the steps are logged (any moment: mid-step, mid-checkpoint), then resume it to the end; the
     parent compares the losses."""
-    import signal
 
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     target = max(1, int(at * TRAIN_STEPS))
@@ -778,7 +779,7 @@ def _damage_adapter(adapter: Path, how: str) -> Path:
         return weights
     if how == "weights missing":
         weights.unlink()
-        return weights
+        return adapter
     if how == "adapter_config.json not JSON":
         config.write_text('{"r": 16, "lora_alpha": ')
         return config
@@ -852,6 +853,14 @@ def eval_trials(root: Path) -> list[Trial]:
          chat_command(adapter, "--base", str(_other_base(root / "eval"))), str(adapter)),
     ]  # fmt: skip
     trials += [Trial("eval", name, cmd, folder, "clear error", names=names) for name, cmd, names in more]
+    # And the adapter with the recipe it was trained with: evaluated, not refused.
+    valid = root / "eval" / "valid"
+    shutil.copytree(adapter, valid / "adapter")
+    command = eval_command(valid, valid / "adapter")
+    trials.append(
+        Trial("eval", "the adapter with its own recipe (valid) [eval]", command, valid, "clean load",
+              classify=_classify_accepted)
+    )  # fmt: skip
     return trials
 
 
@@ -1087,11 +1096,15 @@ def concurrent_trials(root: Path) -> list[Trial]:
 
 
 def concurrent_child(folder: Path, extra: list[str]) -> int:
-    """Start run A; once it logged a step start run B into the same folder; print B's output, then
-    wait for A and write A's losses for the parent to compare."""
+    """Start run A (long enough to be alive throughout); once it logged a step, run B into the same
+    folder; then stop A with SIGTERM (a clean stop) and record how it ended for the parent."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     first = subprocess.Popen(
-        _train_command(folder), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        _train_command(folder, "--train.max_steps", "100000"),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline and first.poll() is None and not _losses(folder / "out"):
@@ -1099,26 +1112,36 @@ def concurrent_child(folder: Path, extra: list[str]) -> int:
     second = subprocess.run(
         _train_command(folder, *extra), env=env, capture_output=True, text=True, timeout=TIMEOUT_S
     )
+    alive = first.poll() is None
+    first.send_signal(signal.SIGTERM)
     _, first_err = first.communicate(timeout=TIMEOUT_S)
-    (folder / "first.json").write_text(json.dumps({"exit": first.returncode, "stderr": first_err[-2000:],
-                                                   "alive_when_second_ended": None}))  # fmt: skip
+    record = {"exit": first.returncode, "stderr": first_err[-2000:], "alive_when_second_ended": alive}
+    (folder / "first.json").write_text(json.dumps(record))
     sys.stdout.write(second.stdout)
     sys.stderr.write(second.stderr)
     return second.returncode
 
 
 def _classify_concurrent(reference: dict[int, float]) -> Callable:
+    """B: a clear error. A: alive until B ended, stopped cleanly, its log each step once in order with
+    the uninterrupted run's losses."""
+
     def classify(trial: Trial, proc: subprocess.CompletedProcess) -> tuple[str, str]:
         outcome, note = classify_cli(trial, proc)
         if outcome != "clear error":
             return outcome, note
         first = json.loads((trial.cwd / "first.json").read_text())
+        if not first["alive_when_second_ended"]:
+            return "unexpected", f"the first run had ended before the second one did; {note}"
         if first["exit"] != 0:
             return "unexpected", f"the live run failed (exit {first['exit']}): {_last_line(first['stderr'])}"
-        losses = _losses(trial.cwd / "out")
-        wrong = [s for s, v in reference.items() if abs(losses.get(s, float("nan")) - v) > 1e-6]
-        if wrong or sorted(_logged_steps(trial.cwd / "out")) != sorted(reference):
-            return "unexpected", f"the live run's log was disturbed (steps {wrong[:5]}); {note}"
+        losses, logged = _losses(trial.cwd / "out"), _logged_steps(trial.cwd / "out")
+        wrong = [s for s, v in reference.items() if s in losses and abs(losses[s] - v) > 1e-6]
+        if wrong or logged != list(range(1, len(logged) + 1)):
+            return (
+                "unexpected",
+                f"the live run's log was disturbed (steps {wrong[:5] or logged[:12]}); {note}",
+            )
         return outcome, note
 
     return classify

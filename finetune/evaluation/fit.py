@@ -47,7 +47,12 @@ def check_fits_recipe(target: str, model: ModelSection, tokenizer, *, flag: str)
         where = f"{theirs} (its {ADAPTER_CONFIG})" if recorded else f"{theirs} (its config.json)"
     problems = []
     if trained is not None and not _same_base(trained, model):
-        problems.append("the run was trained from another base model")
+        changed = _config_changes(trained.get("config_path"), model.config_path)
+        problems.append(
+            f"the run's random-init model had another model.config_path ({changed})"
+            if changed
+            else "the run was trained from another base model"
+        )
     elif trained is None and recorded and model.model_path is not None and not _same_base(recorded, model):
         problems.append("the adapter names another base model")
     if recorded or not is_adapter:  # an adapter naming no base is refused when it loads
@@ -100,7 +105,12 @@ def _same_base(trained: dict | str, model: ModelSection) -> bool:
         trained = {"model_path": trained}
     path, gguf_file = trained.get("model_path"), trained.get("gguf_file")
     if path is None or model.model_path is None:
-        return path is None and model.model_path is None
+        if path is None and model.model_path is None:  # both random-init: of one inline config?
+            config = trained.get("config_path")
+            if isinstance(config, dict) and isinstance(model.config_path, dict):
+                return config == model.config_path
+            return True
+        return False
     if (path, gguf_file) == (model.model_path, model.gguf_file):
         return True
     try:
@@ -109,6 +119,19 @@ def _same_base(trained: dict | str, model: ModelSection) -> bool:
     except (FinetuneError, ValueError):  # theirs no longer resolves here (not installed, moved)
         return _same_location(path) == _same_location(model.model_path)
     return _same_location(theirs) == _same_location(ours)
+
+
+def _config_changes(trained, ours) -> str:
+    """How two inline random-init configs differ ("vocab_size 704 (the recipe's: 800)"), or "" when
+    either is not an inline config or the model is not random-init."""
+    if not (isinstance(trained, dict) and isinstance(ours, dict)) or trained == ours:
+        return ""
+    keys = sorted(set(trained) | set(ours))
+    return ", ".join(
+        f"{k} {trained.get(k, 'unset')} (the recipe's: {ours.get(k, 'unset')})"
+        for k in keys
+        if trained.get(k) != ours.get(k)
+    )
 
 
 def _architecture_problems(ours, location: str, what: str) -> list[str]:

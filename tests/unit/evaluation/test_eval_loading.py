@@ -237,6 +237,21 @@ def test_eval_refuses_a_random_init_adapter_on_a_pretrained_recipe(runs, tmp_pat
     assert not (runs["demo"] / "eval.json").exists() and not (tmp_path / "prepared").exists()
 
 
+def test_eval_refuses_a_random_init_adapter_of_another_inline_config(runs, tmp_path, capsys, monkeypatch):
+    """Both random-init, one tokenizer, but the recipe's config is not the run's: another model."""
+    monkeypatch.chdir(REPO)
+    args = _eval_with_split(
+        "--adapter", str(runs["demo"]), "--model.config_path.vocab_size", "800", tmp=tmp_path
+    )
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert (
+        "the run's random-init model had another model.config_path (vocab_size 704 (the recipe's: 800))"
+        in err
+    )
+    assert not (runs["demo"] / "eval.json").exists() and not (tmp_path / "prepared").exists()
+
+
 def test_an_adapter_of_the_recipes_base_fits(runs, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     demo = load_recipe(str(DEMO), [])
