@@ -81,9 +81,13 @@ def build_optimizer(
         raise FinetuneError(
             f"train.optimizer {name} needs the {PACKAGES[name].module} package, which is not installed: {install}"
         )
+    from accelerate.state import PartialState
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
+        # Without use_configured_state, TrainingArguments' device setup resets Accelerate's state and
+        # the run's Accelerator with it; it needs one to exist (finetune's tests build optimizers alone).
+        accelerator_config={"use_configured_state": bool(PartialState._shared_state)},
         output_dir="unused",  # required by TrainingArguments; nothing is written there
         optim=name,
         optim_args=",".join(f"{k}={v}" for k, v in (optim_args or {}).items()) or None,
