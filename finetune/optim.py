@@ -10,7 +10,12 @@ from __future__ import annotations
 import torch
 
 from finetune.errors import FinetuneError
-from finetune.recipe.optimizers import PACKAGES, SCHEDULE_FREE_OPTIMIZERS, missing_package
+from finetune.recipe.optimizers import (
+    LOW_RANK_OPTIMIZERS,
+    PACKAGES,
+    SCHEDULE_FREE_OPTIMIZERS,
+    missing_package,
+)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, no_decay_params: list[str]) -> list[dict]:
@@ -45,6 +50,7 @@ def build_optimizer(
     optim_target_modules: list[str] | str | None = None,
     warmup_steps: int = 0,
     gradient_accumulation_steps: int = 1,
+    loraplus_lr_ratio: float | None = None,
 ) -> torch.optim.Optimizer:
     """adamw (fused kernels with `fused`, for CUDA), muon, or one of transformers' optimizers by name.
 
@@ -57,6 +63,10 @@ def build_optimizer(
 
     `optim_args`, `optim_target_modules`, `warmup_steps` (schedule-free) and
     `gradient_accumulation_steps` go to transformers as its TrainingArguments fields of those names.
+
+    `loraplus_lr_ratio` (LoRA+): PEFT's create_loraplus_optimizer builds the chosen optimizer class
+    with its settings on PEFT's groups (A matrices at lr, B matrices at lr x ratio, decay on B only as
+    PEFT does it with `weight_decay`).
     """
     groups = param_groups(model, weight_decay, no_decay_params)
     if not groups:
@@ -69,7 +79,15 @@ def build_optimizer(
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, eps=eps, adamw_mode=True)
+    if loraplus_lr_ratio is not None and name in ("muon", *LOW_RANK_OPTIMIZERS):
+        raise FinetuneError(
+            f"lora.loraplus_lr_ratio sets per-matrix learning rates, which train.optimizer {name} (its own "
+            "parameter grouping) cannot take: use adamw or another optimizer, or drop loraplus_lr_ratio"
+        )
     if name == "adamw":
+        if loraplus_lr_ratio is not None:
+            return _loraplus(model, torch.optim.AdamW, {"betas": betas, "eps": eps, "fused": fused or None},
+                             lr=lr, ratio=loraplus_lr_ratio, weight_decay=weight_decay)  # fmt: skip
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
     if name == "muon":
         return muon_optimizer(
@@ -108,7 +126,25 @@ def build_optimizer(
     # As Trainer.create_optimizer does: GaLore and APOLLO return their own groups (projected targets
     # and the rest) in kwargs["params"]; every other optimizer gets finetune's weight-decay groups.
     params = kwargs.pop("params", groups)
+    if loraplus_lr_ratio is not None:
+        kwargs.pop("lr", None)
+        return _loraplus(
+            model, optimizer_cls, kwargs, lr=lr, ratio=loraplus_lr_ratio, weight_decay=weight_decay
+        )
     return optimizer_cls(params, **kwargs)
+
+
+def _loraplus(model, optimizer_cls, kwargs: dict, *, lr: float, ratio: float, weight_decay: float):
+    """LoRA+ through PEFT's create_loraplus_optimizer (its groups: A at lr, B at lr x ratio, embeddings'
+    LoRA at its default 1e-6)."""
+    from peft import PeftModel
+    from peft.optimizers import create_loraplus_optimizer
+
+    if not isinstance(model, PeftModel):
+        raise FinetuneError("lora.loraplus_lr_ratio needs LoRA adapters: set lora.enable_lora: true")
+    return create_loraplus_optimizer(
+        model, optimizer_cls, lr=lr, loraplus_lr_ratio=ratio, loraplus_weight_decay=weight_decay, **kwargs
+    )
 
 
 def muon_optimizer(
@@ -233,6 +269,7 @@ def optimizer_for(
     cpu_offload: bool = False,
     device: torch.device | None = None,
     total_steps: int = 0,
+    loraplus_lr_ratio: float | None = None,
 ) -> torch.optim.Optimizer:
     """`build_optimizer` with the recipe's train section (optimizer, lr, decay, Adam settings, optim_args);
     fused AdamW when `device` (where training runs) is a CUDA device. A schedule-free optimizer warms up
@@ -251,6 +288,7 @@ def optimizer_for(
         optim_target_modules=train.optim_target_modules,
         warmup_steps=int(train.lr_warmup_ratio * total_steps),
         gradient_accumulation_steps=train.gradient_accumulation_steps,
+        loraplus_lr_ratio=loraplus_lr_ratio,
     )
 
 

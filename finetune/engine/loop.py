@@ -123,6 +123,7 @@ def setup(objective, accelerator, *, train, hub, recipe_dict: dict) -> Run:
         cpu_offload=engine.kind == "deepspeed" and engine.offload_optimizer != "none",
         device=accelerator.device,
         total_steps=total_steps,
+        loraplus_lr_ratio=parts.loraplus_lr_ratio,
     )
     scheduler = scheduler_for(optimizer, train, total_steps)
     extra_state = {}
