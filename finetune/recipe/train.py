@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from finetune.recipe import optimizers
+import finetune.recipe.optimizers as optimizers
 from finetune.recipe.base import FIXED_ON_RESUME, Problem, _Section
 from finetune.recipe.objectives import ObjectiveName
 from finetune.trackers import TRACKERS

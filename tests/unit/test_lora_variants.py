@@ -81,7 +81,7 @@ def test_loraplus_with_muon_is_refused():
     from finetune.errors import FinetuneError
 
     net = apply_lora(tiny_model(), _lora(), gradient_checkpointing=False)
-    with pytest.raises(FinetuneError, match="loraplus_lr_ratio.*muon"):
+    with pytest.raises(FinetuneError, match=r"loraplus_lr_ratio.*muon"):
         build_optimizer(
             net, name="muon", lr=1e-3, weight_decay=0.0, no_decay_params=[], loraplus_lr_ratio=4, **ADAM
         )
@@ -102,5 +102,5 @@ def test_unsupported_inits_are_recipe_errors(settings, expected):
 
 
 def test_loraplus_without_lora_is_a_recipe_error():
-    with pytest.raises(ValueError, match="loraplus_lr_ratio.*set enable_lora: true"):
+    with pytest.raises(ValueError, match=r"loraplus_lr_ratio.*set enable_lora: true"):
         LoraSection(loraplus_lr_ratio=16)
