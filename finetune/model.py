@@ -221,12 +221,56 @@ def apply_lora(net, lora: LoraSection, *, gradient_checkpointing: bool, base: st
         modules_to_save=lora.modules_to_save or None,
         use_rslora=lora.use_rslora,
         use_dora=lora.use_dora,
+        init_lora_weights=lora.init_lora_weights,
         task_type="CAUSAL_LM",
     )
     try:
         return get_peft_model(net, config)
     except ValueError as exc:
-        raise FinetuneError(f"lora.lora_target_modules: {exc}") from None
+        field = "init_lora_weights" if lora.init_lora_weights is not True else "lora_target_modules"
+        raise FinetuneError(f"lora.{field}: {exc}") from None
+
+
+def init_modifies_base(net) -> bool:
+    """Whether `net` (a PEFT model) was initialised by PiSSA or OLoRA, which subtract the adapter's start
+    from the base weights: its adapter must be saved converted (see `save_initial_adapter`)."""
+    config = getattr(net, "peft_config", {}).get("default")
+    init = getattr(config, "init_lora_weights", True)
+    return isinstance(init, str) and init.startswith(("pissa", "olora"))
+
+
+def save_initial_adapter(net, folder: Path, *, is_main_process: bool) -> None:
+    """Save a PiSSA/OLoRA adapter as initialised, before any update, as PEFT's docs prescribe (with
+    init_lora_weights recorded as true): the final save converts the trained adapter against it
+    (`path_initial_model_for_weight_conversion`) into plain LoRA of twice the rank, which applies to the
+    original base instead of the residual one the run trained on."""
+    config = net.peft_config["default"]
+    init = config.init_lora_weights
+    config.init_lora_weights = True
+    try:
+        net.save_pretrained(folder, is_main_process=is_main_process, safe_serialization=True)
+    finally:
+        config.init_lora_weights = init
+
+
+def enable_neftune(net, noise_alpha: float):
+    """NEFTune: transformers' neftune_post_forward_hook on the input embeddings, with noise of magnitude
+    noise_alpha / sqrt(L * d) in training forwards. Returns the hook's handle.
+
+    transformers' hook adds noise whenever the module is in train mode; finetune also runs forwards in
+    train mode without gradient (the reference's and the sampling policy's log-probs), which must see the
+    model as it is, so the hook here applies it only to forwards that build a graph for backward.
+    Evaluation and generation run in eval mode: no noise either.
+    """
+    from transformers.integrations.neftune import neftune_post_forward_hook
+
+    embeddings = net.get_input_embeddings()
+    embeddings.neftune_noise_alpha = noise_alpha
+
+    def hook(module, args, output):
+        return neftune_post_forward_hook(module, args, output) if torch.is_grad_enabled() else output
+
+    return embeddings.register_forward_hook(hook)
 
 
 # The LoRA settings an adapter folder records (adapter_config.json) and the recipe field of each.

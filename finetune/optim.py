@@ -1,12 +1,21 @@
-"""Parameter groups, optimizer and LR schedule (torch optimizers, transformers schedules)."""
+"""Parameter groups, optimizer and LR schedule (torch and transformers optimizers, transformers schedules).
+
+`train.optimizer` names come from finetune.recipe.optimizers: `adamw` and `muon` are built here, every
+other name by transformers' own table (`Trainer.get_optimizer_cls_and_kwargs`), so its defaults and
+optim_args are exactly what a transformers Trainer run with `optim=<name>` gets.
+"""
 
 from __future__ import annotations
-
-import importlib.util
 
 import torch
 
 from finetune.errors import FinetuneError
+from finetune.recipe.optimizers import (
+    LOW_RANK_OPTIMIZERS,
+    PACKAGES,
+    SCHEDULE_FREE_OPTIMIZERS,
+    missing_package,
+)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, no_decay_params: list[str]) -> list[dict]:
@@ -37,15 +46,27 @@ def build_optimizer(
     eps: float,
     cpu_offload: bool = False,
     fused: bool = False,
+    optim_args: dict | None = None,
+    optim_target_modules: list[str] | str | None = None,
+    warmup_steps: int = 0,
+    gradient_accumulation_steps: int = 1,
+    loraplus_lr_ratio: float | None = None,
 ) -> torch.optim.Optimizer:
-    """adamw (fused kernels with `fused`, for CUDA), adamw_8bit (bitsandbytes) or sgd.
+    """adamw (fused kernels with `fused`, for CUDA), muon, or one of transformers' optimizers by name.
 
     `fused` is decided by the caller from the device the model will train on: the optimizer is built
-    before `accelerator.prepare` moves the parameters there, so they are still on the CPU here.
+    before `accelerate.prepare` moves the parameters there, so they are still on the CPU here.
 
     `cpu_offload` (DeepSpeed with offload_optimizer): DeepSpeed's CPU AdamW, which updates the
     offloaded fp32 states on the CPU with vectorised kernels (DeepSpeed refuses a plain torch
     optimizer there). It is compiled on first use (about a minute; cached afterwards).
+
+    `optim_args`, `optim_target_modules`, `warmup_steps` (schedule-free) and
+    `gradient_accumulation_steps` go to transformers as its TrainingArguments fields of those names.
+
+    `loraplus_lr_ratio` (LoRA+): PEFT's create_loraplus_optimizer builds the chosen optimizer class
+    with its settings on PEFT's groups (A matrices at lr, B matrices at lr x ratio, decay on B only as
+    PEFT does it with `weight_decay`).
     """
     groups = param_groups(model, weight_decay, no_decay_params)
     if not groups:
@@ -58,17 +79,156 @@ def build_optimizer(
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, eps=eps, adamw_mode=True)
+    if loraplus_lr_ratio is not None and name in ("muon", *LOW_RANK_OPTIMIZERS):
+        raise FinetuneError(
+            f"lora.loraplus_lr_ratio sets per-matrix learning rates, which train.optimizer {name} (its own "
+            "parameter grouping) cannot take: use adamw or another optimizer, or drop loraplus_lr_ratio"
+        )
     if name == "adamw":
+        if loraplus_lr_ratio is not None:
+            return _loraplus(model, torch.optim.AdamW, {"betas": betas, "eps": eps, "fused": fused or None},
+                             lr=lr, ratio=loraplus_lr_ratio, weight_decay=weight_decay)  # fmt: skip
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
-    if name == "adamw_8bit":
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise FinetuneError("train.optimizer adamw_8bit needs bitsandbytes: pip install -e '.[qlora]'")
-        import bitsandbytes as bnb
+    if name == "muon":
+        return muon_optimizer(
+            model, lr=lr, weight_decay=weight_decay, no_decay_params=no_decay_params, betas=betas, eps=eps,
+            muon_args=optim_args or {},
+        )  # fmt: skip
+    install = missing_package(name)
+    if install is not None:
+        raise FinetuneError(
+            f"train.optimizer {name} needs the {PACKAGES[name].module} package, which is not installed: {install}"
+        )
+    from accelerate.state import PartialState
+    from transformers import Trainer, TrainingArguments
 
-        return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas, eps=eps)
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr)
-    raise FinetuneError(f"train.optimizer: unknown optimizer {name!r}")
+    args = TrainingArguments(
+        # Without use_configured_state, TrainingArguments' device setup resets Accelerate's state and
+        # the run's Accelerator with it; it needs one to exist (finetune's tests build optimizers alone).
+        accelerator_config={"use_configured_state": bool(PartialState._shared_state)},
+        output_dir="unused",  # required by TrainingArguments; nothing is written there
+        optim=name,
+        optim_args=",".join(f"{k}={v}" for k, v in (optim_args or {}).items()) or None,
+        optim_target_modules=optim_target_modules,
+        learning_rate=lr,
+        adam_beta1=betas[0],
+        adam_beta2=betas[1],
+        adam_epsilon=eps,
+        weight_decay=weight_decay,
+        warmup_steps=warmup_steps,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        report_to="none",
+    )
+    try:
+        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    except (ImportError, ValueError, TypeError, NotImplementedError) as exc:
+        raise FinetuneError(f"train.optimizer {name}: {exc}") from None
+    # As Trainer.create_optimizer does: GaLore and APOLLO return their own groups (projected targets
+    # and the rest) in kwargs["params"]; every other optimizer gets finetune's weight-decay groups.
+    params = kwargs.pop("params", groups)
+    if loraplus_lr_ratio is not None:
+        kwargs.pop("lr", None)
+        return _loraplus(
+            model, optimizer_cls, kwargs, lr=lr, ratio=loraplus_lr_ratio, weight_decay=weight_decay
+        )
+    return optimizer_cls(params, **kwargs)
+
+
+def _loraplus(model, optimizer_cls, kwargs: dict, *, lr: float, ratio: float, weight_decay: float):
+    """LoRA+ through PEFT's create_loraplus_optimizer (its groups: A at lr, B at lr x ratio, embeddings'
+    LoRA at its default 1e-6)."""
+    from peft import PeftModel
+    from peft.optimizers import create_loraplus_optimizer
+
+    if not isinstance(model, PeftModel):
+        raise FinetuneError("lora.loraplus_lr_ratio needs LoRA adapters: set lora.enable_lora: true")
+    return create_loraplus_optimizer(
+        model, optimizer_cls, lr=lr, loraplus_lr_ratio=ratio, loraplus_weight_decay=weight_decay, **kwargs
+    )
+
+
+def muon_optimizer(
+    model: torch.nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    no_decay_params: list[str],
+    betas: tuple[float, float],
+    eps: float,
+    muon_args: dict,
+) -> MuonWithAdamW:
+    """torch's Muon on the trainable 2-D hidden weight matrices (attention and MLP projections, LoRA's
+    A and B), torch's AdamW on embeddings, the output head, norms and biases, as Muon's authors use it.
+
+    Muon's `adjust_lr_fn` defaults to `match_rms_adamw` (Moonshot's scaling, 0.2 * sqrt(max(A, B))),
+    which gives its updates AdamW's RMS, so `train.lr` and `train.weight_decay` serve both halves.
+    """
+    edges = {
+        id(p)
+        for module in (model.get_input_embeddings(), model.get_output_embeddings())
+        if module is not None
+        for p in module.parameters()
+    }
+    patterns = [p.lower() for p in no_decay_params]
+    buckets: dict[tuple[bool, bool], list] = {}
+    for pname, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        use_muon = param.ndim == 2 and id(param) not in edges
+        decayed = param.ndim >= 2 and not any(p in pname.lower() for p in patterns)
+        buckets.setdefault((use_muon, decayed), []).append(param)
+    groups = [
+        {"params": params, "use_muon": use_muon, "weight_decay": weight_decay if decayed else 0.0}
+        for (use_muon, decayed), params in sorted(buckets.items(), reverse=True)
+    ]
+    muon_kwargs = {"adjust_lr_fn": "match_rms_adamw", **muon_args}
+    return MuonWithAdamW(groups, lr=lr, muon_kwargs=muon_kwargs, adamw_kwargs={"betas": betas, "eps": eps})
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon for the param groups marked `use_muon`, AdamW for the others, as one optimizer.
+
+    Written by hand because torch has no composite optimizer, and the loop, `accelerate.prepare`, the LR
+    scheduler and checkpoints each take one. The groups and the state live here and the two inner
+    optimizers share them (the same dicts), so the scheduler's LR changes reach both and
+    `state_dict` / `load_state_dict` are torch's own; after a load the inner optimizers are re-linked.
+    """
+
+    def __init__(self, groups: list[dict], *, lr: float, muon_kwargs: dict, adamw_kwargs: dict):
+        self._kwargs = {True: muon_kwargs, False: adamw_kwargs}
+        super().__init__(groups, {"lr": lr})
+        self._link()
+
+    def _link(self) -> None:
+        self._parts = []
+        for use_muon, cls in ((True, torch.optim.Muon), (False, torch.optim.AdamW)):
+            mine = [g for g in self.param_groups if g["use_muon"] is use_muon]
+            if not mine:
+                continue
+            part = cls(
+                [{"params": g["params"], "lr": g["lr"], "weight_decay": g["weight_decay"]} for g in mine],
+                **self._kwargs[use_muon],
+            )
+            for theirs, group in zip(part.param_groups, mine, strict=True):
+                for key, value in theirs.items():
+                    group.setdefault(key, value)  # the inner optimizer's defaults (betas, momentum, ...)
+            part.param_groups = mine
+            part.state = self.state
+            self._parts.append(part)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._link()  # torch's load replaced the groups and the state: share the new ones
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for part in self._parts:
+            part.step()
+        return loss
 
 
 def build_scheduler(
@@ -103,10 +263,17 @@ def build_scheduler(
 
 
 def optimizer_for(
-    model: torch.nn.Module, train, *, cpu_offload: bool = False, device: torch.device | None = None
+    model: torch.nn.Module,
+    train,
+    *,
+    cpu_offload: bool = False,
+    device: torch.device | None = None,
+    total_steps: int = 0,
+    loraplus_lr_ratio: float | None = None,
 ) -> torch.optim.Optimizer:
-    """`build_optimizer` with the recipe's train section (optimizer, lr, decay, Adam settings);
-    fused AdamW when `device` (where training runs) is a CUDA device."""
+    """`build_optimizer` with the recipe's train section (optimizer, lr, decay, Adam settings, optim_args);
+    fused AdamW when `device` (where training runs) is a CUDA device. A schedule-free optimizer warms up
+    itself over lr_warmup_ratio of `total_steps` (and `scheduler_for` then keeps the LR constant)."""
     return build_optimizer(
         model,
         name=train.optimizer,
@@ -117,15 +284,22 @@ def optimizer_for(
         eps=train.adam_eps,
         cpu_offload=cpu_offload,
         fused=device is not None and device.type == "cuda",
+        optim_args=train.optim_args,
+        optim_target_modules=train.optim_target_modules,
+        warmup_steps=int(train.lr_warmup_ratio * total_steps),
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        loraplus_lr_ratio=loraplus_lr_ratio,
     )
 
 
 def scheduler_for(optimizer: torch.optim.Optimizer, train, total_steps: int):
-    """`build_scheduler` with the recipe's train section over `total_steps` optimizer steps."""
+    """`build_scheduler` with the recipe's train section over `total_steps` optimizer steps; constant
+    for a schedule-free optimizer, which warms up itself (see `optimizer_for`)."""
+    schedule_free = train.optimizer in SCHEDULE_FREE_OPTIMIZERS
     return build_scheduler(
         optimizer,
         style=train.lr_decay_style,
-        num_warmup_steps=int(train.lr_warmup_ratio * total_steps),
+        num_warmup_steps=0 if schedule_free else int(train.lr_warmup_ratio * total_steps),
         num_training_steps=total_steps,
         lr=train.lr,
         lr_min=train.lr_min,

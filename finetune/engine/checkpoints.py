@@ -140,7 +140,7 @@ def tensors_only_loads(checkpoint: Path) -> Iterator[None]:
     before = os.environ.get(FORCE_WEIGHTS_ONLY)
     os.environ[FORCE_WEIGHTS_ONLY] = "1"
     try:
-        with torch.serialization.safe_globals(_deepspeed_state_classes()):
+        with torch.serialization.safe_globals(_deepspeed_state_classes() + _optimizer_state_classes()):
             yield
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -167,6 +167,17 @@ def _deepspeed_state_classes() -> list:
     from deepspeed.utils.tensor_fragment import fragment_address
 
     return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def _optimizer_state_classes() -> list:
+    """Plain-data classes an optimizer keeps in its state: GaLore's projector (rank, gap, scale, type and
+    its projection matrix, restored attribute by attribute, no code of its own runs). Allowed by name
+    when galore_torch is in use."""
+    if "galore_torch" not in sys.modules:
+        return []
+    from galore_torch.galore_projector import GaLoreProjector
+
+    return [GaLoreProjector]
 
 
 def check_resumable(

@@ -110,18 +110,20 @@ def setup(objective, accelerator, *, train, hub, recipe_dict: dict) -> Run:
     startup_pause(output_dir)
     parts = objective.build(accelerator)
     engine = setup_from_env()
-    optimizer = optimizer_for(
-        parts.model,
-        train,
-        cpu_offload=engine.kind == "deepspeed" and engine.offload_optimizer != "none",
-        device=accelerator.device,
-    )
     # The schedule length comes from the real number of optimizer steps in the (packed) data.
     steps_per_epoch, total_steps = schedule_length(
         len(parts.train_loader),
         gradient_accumulation_steps=batches_per_window(objective, train),
         num_train_epochs=train.num_train_epochs,
         max_steps=train.max_steps,
+    )
+    optimizer = optimizer_for(
+        parts.model,
+        train,
+        cpu_offload=engine.kind == "deepspeed" and engine.offload_optimizer != "none",
+        device=accelerator.device,
+        total_steps=total_steps,
+        loraplus_lr_ratio=parts.loraplus_lr_ratio,
     )
     scheduler = scheduler_for(optimizer, train, total_steps)
     extra_state = {}
@@ -247,6 +249,7 @@ def train_loop(run: Run, log: ProgressLog) -> None:
         evaluate(run, log)  # the baseline: the model before any update
         interval["t0"] = time.perf_counter()  # its time is not the first steps'
     run.model.train()
+    optimizer_mode(run, "train")
     while st.step < run.total_steps and run.stop_reason is None:
         # The order of an epoch depends only on (seed, epoch): resume needs no sampler state.
         run.train_loader.batch_sampler.set_epoch(st.epoch)
@@ -305,9 +308,20 @@ def train_loop(run: Run, log: ProgressLog) -> None:
     checkpoint_if_stopped(run, log)
 
 
+def optimizer_mode(run: Run, mode: str) -> None:
+    """Switch the optimizer to "train" or "eval" mode (accelerate's AcceleratedOptimizer.train/eval,
+    which do nothing for optimizers without modes). A schedule-free optimizer trains on one weight
+    sequence and evaluates and saves another: its eval() swaps the model's weights to the latter."""
+    getattr(run.optimizer, mode, lambda: None)()
+
+
 def evaluate(run: Run, log: ProgressLog) -> None:
-    """The objective's evaluation at the current step, written to progress.jsonl."""
-    fields = run.objective.evaluate(run.model, run.state.step)
+    """The objective's evaluation at the current step (optimizer in eval mode), written to progress.jsonl."""
+    optimizer_mode(run, "eval")
+    try:
+        fields = run.objective.evaluate(run.model, run.state.step)
+    finally:
+        optimizer_mode(run, "train")
     run.last_eval = (run.state.step, fields)
     log.log({"step": run.state.step, "event": "eval", **fields})
 
@@ -351,6 +365,7 @@ def stop_reason(run: Run, stop: StopFlag, started: float) -> str | None:
 def save_final(run: Run, metrics: dict) -> None:
     """The objective's final artifacts (every process takes part), then the Hub push."""
     acc = run.accelerator
+    optimizer_mode(run, "eval")  # a schedule-free optimizer's evaluation weights are the ones to keep
     acc.wait_for_everyone()
     check_finite_weights(run, "the final model")
     before = file_stamps(run.output_dir)

@@ -22,6 +22,9 @@ class Parts:
     model: torch.nn.Module
     train_loader: Any
     manifest: dict = field(default_factory=dict)
+    loraplus_lr_ratio: float | None = (
+        None  # LoRA+: LoRA's B matrices train at lr x this (lora.loraplus_lr_ratio)
+    )
 
 
 class Objective(Protocol):

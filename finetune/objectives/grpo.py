@@ -118,7 +118,12 @@ class GRPOObjective:
         if prepared.eval is not None and len(prepared.eval) > 0:
             self.eval_rows = list(prepared.eval)
         lm.finish_build(self, accelerator, held_out=bool(self.eval_rows))
-        return Parts(model=model, train_loader=train_loader, manifest=self.manifest)
+        return Parts(
+            model=model,
+            train_loader=train_loader,
+            manifest=self.manifest,
+            loraplus_lr_ratio=self.lora.loraplus_lr_ratio,
+        )
 
     def on_prepared(self, accelerator, model) -> dict[str, Any] | None:
         self.flops["config"] = accelerator.unwrap_model(model).config

@@ -84,7 +84,10 @@ def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, 
         apply_lora,
         build_model,
         count_parameters,
+        enable_neftune,
+        init_modifies_base,
         save_base_model,
+        save_initial_adapter,
         upcast_trainable_to_fp32,
     )
 
@@ -113,6 +116,12 @@ def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, 
         model = apply_lora(model, lora, gradient_checkpointing=train.gradient_checkpointing, base=base)
         if base_dir is not None:
             model.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
+        if init_modifies_base(model):  # PiSSA / OLoRA (also on resume: the init is seeded, the same again)
+            save_initial_adapter(
+                model, output_dir / INITIAL_ADAPTER, is_main_process=accelerator.is_main_process
+            )
+    if train.neftune_noise_alpha is not None:
+        enable_neftune(model, train.neftune_noise_alpha)
     if train.mixed_precision == "fp16":
         upcast_trainable_to_fp32(model)
     trainable, total = count_parameters(model)
@@ -265,13 +274,17 @@ def throughput_fields(
     }
 
 
+INITIAL_ADAPTER = "initial_adapter"
+"""output_dir's folder for a PiSSA/OLoRA adapter as initialised (finetune.model.save_initial_adapter)."""
+
+
 def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict) -> None:
     """The adapter (or full model, or the merged model with lora.save_lora_only false) in Hugging Face
     format with the tokenizer and a model card (`card`: recipe, manifest, metrics); every process calls
     it."""
     from accelerate.utils import DistributedType
 
-    from finetune.model import adapter_save_kwargs
+    from finetune.model import adapter_save_kwargs, init_modifies_base
     from finetune.model_card import write_model_card
 
     unwrapped = accelerator.unwrap_model(model)
@@ -284,8 +297,12 @@ def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict
     if merge and sharded:
         _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir)
     else:
+        conversion = {}
         if merge:
             unwrapped = unwrapped.merge_and_unload()
+        elif init_modifies_base(unwrapped):
+            # PiSSA / OLoRA trained against a residual base: saved as plain LoRA for the original one.
+            conversion = {"path_initial_model_for_weight_conversion": str(output_dir / INITIAL_ADAPTER)}
         unwrapped.save_pretrained(
             output_dir,
             state_dict=state_dict,
@@ -293,6 +310,7 @@ def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict
             save_function=accelerator.save,
             safe_serialization=True,
             **adapter_save_kwargs(unwrapped),
+            **conversion,
         )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
@@ -304,9 +322,12 @@ def _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir: Pa
     weights on the main process (the same code as `finetune merge-lora`)."""
     from accelerate.utils import DistributedType
 
-    from finetune.model import adapter_save_kwargs, merge_lora
+    from finetune.model import adapter_save_kwargs, init_modifies_base, merge_lora
 
     adapter_dir = output_dir / ".adapter-to-merge"
+    conversion = {}
+    if init_modifies_base(unwrapped):  # merged below into the original base: plain LoRA for it
+        conversion = {"path_initial_model_for_weight_conversion": str(output_dir / INITIAL_ADAPTER)}
     try:
         unwrapped.save_pretrained(
             adapter_dir,
@@ -314,6 +335,7 @@ def _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir: Pa
             is_main_process=accelerator.is_main_process,
             safe_serialization=True,
             **adapter_save_kwargs(unwrapped),
+            **conversion,
         )
         if accelerator.is_main_process:
             tokenizer.save_pretrained(adapter_dir)  # its length sizes the embeddings

@@ -106,7 +106,12 @@ class PreferenceObjective:
         if self.prepared.eval is not None and len(self.prepared.eval) > 0:
             self.eval_loader = self._loader(lm.with_row_index(self.prepared.eval), training=False)
         lm.finish_build(self, accelerator, held_out=self.eval_loader is not None)
-        return Parts(model=model, train_loader=train_loader, manifest=self.manifest)
+        return Parts(
+            model=model,
+            train_loader=train_loader,
+            manifest=self.manifest,
+            loraplus_lr_ratio=self.lora.loraplus_lr_ratio,
+        )
 
     def _check_prepared_kind(self) -> None:
         wanted = self.spec.data_type

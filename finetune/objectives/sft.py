@@ -57,7 +57,12 @@ class SFTObjective:
                 self.data, self.train, prepared.eval, self.tokenizer, training=False, accelerator=accelerator
             )
         lm.finish_build(self, accelerator, held_out=self.eval_loader is not None)
-        return Parts(model=model, train_loader=train_loader, manifest=prepared.manifest)
+        return Parts(
+            model=model,
+            train_loader=train_loader,
+            manifest=prepared.manifest,
+            loraplus_lr_ratio=self.lora.loraplus_lr_ratio,
+        )
 
     def _chunk_size(self, model, accelerator) -> int:
         """train.loss_chunk_size resolved for this model (auto: on for large vocab x tokens)."""

@@ -46,9 +46,20 @@ def _optimizer_bytes(name: str, params: float, weight_bytes: float) -> tuple[flo
     """Optimizer state bytes for `params` trainable parameters stored in `weight_bytes` (total)."""
     if name == "adamw":  # torch AdamW: exp_avg and exp_avg_sq in the param's dtype
         return 2 * weight_bytes, "AdamW m+v in the weights' dtype"
-    if name == "adamw_8bit":  # bitsandbytes: two uint8 states (block constants ignored)
+    if name in ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit"):  # bitsandbytes: two uint8 states
         return 2 * params, "8-bit AdamW m+v, 2 B/param"
-    return 0.0, "SGD without momentum: no state"  # finetune/optim.py builds SGD(lr) only
+    if name == "sgd":
+        return 0.0, "SGD without momentum: no state"  # unless optim_args sets momentum
+    if name in ("lion_8bit", "paged_lion_8bit"):
+        return params, "8-bit Lion momentum, 1 B/param"
+    if name in ("lion_32bit", "paged_lion_32bit", "muon", "adagrad", "rmsprop", "schedule_free_sgd"):
+        # One state per parameter (muon: Muon's momentum; AdamW's two on the few other weights ignored).
+        return weight_bytes, f"{name}: one state in the weights' dtype"
+    if name == "adafactor" or name.startswith(("galore_", "apollo_")):
+        # Factored or low-rank states: far below AdamW's; counted as one state to stay on the safe side.
+        return weight_bytes, f"{name}: factored/low-rank states, at most one state (estimate)"
+    # AdamW-like (two moments) for the others: adamw_torch, ademamix (three: counted as two), ...
+    return 2 * weight_bytes, f"{name}: two states in the weights' dtype (estimate)"
 
 
 def model_states(

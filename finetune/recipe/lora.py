@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from finetune.recipe.base import Problem, _Section
+
+# PEFT's LoraConfig.init_lora_weights values finetune passes through, and those it refuses, with why.
+INIT_LORA_WEIGHTS = ("gaussian", "pissa", "olora")
+INIT_REFUSED = {
+    "eva": "needs a pass over the training data with PEFT's initialize_lora_eva_weights before training, "
+    "which finetune does not run",
+    "corda": "needs PEFT's CorDA preprocessing (covariance of every adapted layer over the training data) "
+    "before training, which finetune does not run",
+    "loftq": "replaces the base weights by their quantized approximation, so the adapter only fits a base "
+    "that finetune does not save; use pissa, or enable_qlora with the default init",
+    "orthogonal": "is not passed through by finetune yet",
+    "mica": "is not passed through by finetune yet",
+}
+MODIFIES_BASE = ("pissa", "olora")
+"""Inits that move part of each base weight into the adapter: finetune saves the initial adapter
+(output_dir/initial_adapter) and converts the trained one to plain LoRA against the original base."""
 
 
 class LoraSection(_Section):
@@ -33,6 +51,21 @@ class LoraSection(_Section):
     )
     quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit format.")
     double_quant: bool = Field(True, description="Quantize the quantization constants too.")
+    init_lora_weights: bool | str = Field(
+        True,
+        description="How PEFT initialises the adapter (LoraConfig.init_lora_weights): true (B = 0, A Kaiming: "
+        "the adapter starts as a no-op), false (random, for tests), gaussian, pissa, pissa_niter_N (PiSSA "
+        "with N randomized-SVD iterations), or olora. pissa and olora start from the base weights' principal "
+        "directions and subtract them from the base; the saved adapter is converted to plain LoRA against "
+        "the original base (PEFT's path_initial_model_for_weight_conversion, 2 x lora_rank). Not "
+        "accepted: " + ", ".join(INIT_REFUSED) + " (the error says why).",
+    )
+    loraplus_lr_ratio: float | None = Field(
+        None,
+        gt=0,
+        description="LoRA+: the B matrices train at lr x this ratio, the A matrices at lr (PEFT's "
+        "create_loraplus_optimizer; the paper suggests 16); null = off.",
+    )
     init_adapter: str | None = Field(
         None,
         description="A trained adapter folder to start from (e.g. an SFT run's output_dir, then DPO or GRPO on "
@@ -40,8 +73,52 @@ class LoraSection(_Section):
         "(rank, alpha, targets, modules_to_save, DoRA, rsLoRA) this section's: both are checked at start.",
     )
 
+    @field_validator("init_lora_weights", mode="before")
+    @classmethod
+    def _known_init(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            return value
+        if value in INIT_REFUSED:
+            raise PydanticCustomError(
+                "refused_init",
+                "{name} is not supported: it {reason}",
+                {"name": value, "reason": INIT_REFUSED[value]},
+            )
+        if not isinstance(value, str) or not (
+            value in INIT_LORA_WEIGHTS or re.fullmatch(r"pissa_niter_[1-9]\d*", value)
+        ):
+            raise PydanticCustomError(
+                "init_lora_weights",
+                "is not one of true, false, gaussian, pissa, pissa_niter_N (N a positive number of iterations), olora",
+            )
+        return value
+
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
         problems: list[Problem] = []
+        if (
+            ok("init_lora_weights", "init_adapter")
+            and self.init_adapter
+            and self.init_lora_weights is not True
+        ):
+            problems.append(
+                (
+                    "init_lora_weights",
+                    self.init_lora_weights,
+                    "does nothing with init_adapter, whose trained weights are loaded: drop one of them",
+                )
+            )
+        if (
+            ok("loraplus_lr_ratio", "enable_lora")
+            and self.loraplus_lr_ratio is not None
+            and not self.enable_lora
+        ):
+            problems.append(
+                (
+                    "loraplus_lr_ratio",
+                    self.loraplus_lr_ratio,
+                    "sets the LoRA B learning rate: set enable_lora: true",
+                )
+            )
         # enable_qlora implies enable_lora (filled in by finetune.recipe.defaults when it is not set):
         # what is left here is an explicit contradiction.
         if ok("enable_qlora", "enable_lora") and self.enable_qlora and not self.enable_lora:

@@ -6,7 +6,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 
+import finetune.recipe.optimizers as optimizers
 from finetune.recipe.base import FIXED_ON_RESUME, Problem, _Section
 from finetune.recipe.objectives import ObjectiveName
 from finetune.trackers import TRACKERS
@@ -47,8 +49,31 @@ class TrainSection(_Section):
         "a chunk whose fp32 logits fit in 256 MiB) once a micro batch's fp32 logits would reach 1 GB.",
         **FIXED_ON_RESUME,
     )
-    optimizer: Literal["adamw", "adamw_8bit", "sgd"] = Field(
-        "adamw", description="Optimizer.", **FIXED_ON_RESUME
+    optimizer: Literal[optimizers.OPTIMIZERS] = Field(  # type: ignore[valid-type]
+        "adamw", description=optimizers.describe(), **FIXED_ON_RESUME
+    )
+    optim_args: dict[str, float | int | bool | str] = Field(
+        default_factory=dict,
+        description="The optimizer's own settings, passed to transformers as its `optim_args` (e.g. GaLore's "
+        "and APOLLO's rank, update_proj_gap, scale, proj_type; AdEMAMix's alpha, beta3; sgd's momentum); "
+        f"for muon: {', '.join(optimizers.MUON_ARGS)}. Names the optimizer does not read are refused for "
+        "muon, and left to transformers (which ignores them) otherwise.",
+        **FIXED_ON_RESUME,
+    )
+    optim_target_modules: list[str] | Literal["all-linear"] | None = Field(
+        None,
+        description="GaLore and APOLLO optimizers: the linear modules whose gradients are projected to low "
+        "rank (names, a regex, or all-linear); transformers' `optim_target_modules`. Required by them, "
+        "unused by the others.",
+        **FIXED_ON_RESUME,
+    )
+    neftune_noise_alpha: float | None = Field(
+        None,
+        gt=0,
+        description="NEFTune: uniform noise of magnitude alpha/sqrt(L*d) added to the input embeddings in "
+        "training forwards only (not evaluation, generation or GRPO rollouts), through transformers' "
+        "neftune_post_forward_hook; the paper uses 5; null = off.",
+        **FIXED_ON_RESUME,
     )
     lr: float = Field(5e-5, gt=0, description="Peak learning rate.", **FIXED_ON_RESUME)
     lr_min: float = Field(
@@ -141,6 +166,69 @@ class TrainSection(_Section):
         # One way to say "off" for every cadence: 0 and null both mean never.
         return 0 if value is None else value
 
+    @field_validator("optimizer", mode="before")
+    @classmethod
+    def _refused_optimizer(cls, value: Any) -> Any:
+        # transformers knows these names, but finetune's loop cannot run them as meant: say why.
+        if isinstance(value, str) and value in optimizers.REFUSED:
+            raise PydanticCustomError(
+                "refused_optimizer",
+                "{name} is not supported: it {reason}",
+                {"name": value, "reason": optimizers.REFUSED[value]},
+            )
+        return value
+
+    def _problems(self, ok) -> list[Problem]:
+        problems: list[Problem] = []
+        name = self.optimizer if ok("optimizer") else None
+        if (
+            name in optimizers.LOW_RANK_OPTIMIZERS
+            and ok("optim_target_modules")
+            and not self.optim_target_modules
+        ):
+            problems.append(
+                (
+                    "optim_target_modules",
+                    None,
+                    f"{name} projects the gradients of the modules it names: set optim_target_modules "
+                    "(all-linear, or names such as [q_proj, v_proj])",
+                )
+            )
+        if (
+            name in optimizers.SCHEDULE_FREE_OPTIMIZERS
+            and ok("lr_decay_style")
+            and self.lr_decay_style != "constant"
+        ):
+            problems.append(
+                (
+                    "lr_decay_style",
+                    self.lr_decay_style,
+                    f"{name} replaces the LR schedule (its warmup is lr_warmup_ratio): set lr_decay_style: constant",
+                )
+            )
+        if name == "muon" and ok("optim_args"):
+            unknown = sorted(set(self.optim_args) - set(optimizers.MUON_ARGS))
+            if unknown:
+                problems.append(
+                    (
+                        "optim_args",
+                        self.optim_args,
+                        f"muon reads {', '.join(optimizers.MUON_ARGS)}, not {', '.join(unknown)}",
+                    )
+                )
+        if ok("optim_args"):
+            for key, value in self.optim_args.items():
+                if any(c in f"{key}{value}" for c in ",= "):
+                    problems.append(
+                        (
+                            f"optim_args.{key}",
+                            value,
+                            "names and values cannot hold a comma, `=` or a space (transformers reads "
+                            "optim_args as `name=value,...`)",
+                        )
+                    )
+        return problems
+
     @field_validator("eval_steps", mode="before")
     @classmethod
     def _zero_is_off(cls, value: Any) -> Any:
@@ -189,6 +277,27 @@ class TrainSection(_Section):
         if any(step < 1 for step in self.iterations_to_skip):
             found.append(
                 ("iterations_to_skip", self.iterations_to_skip, "steps count from 1: step 0 is never skipped")
+            )
+        if self.optim_target_modules is not None and self.optimizer not in optimizers.LOW_RANK_OPTIMIZERS:
+            found.append(
+                (
+                    "optim_target_modules",
+                    self.optim_target_modules,
+                    f"is read by the GaLore and APOLLO optimizers only; {self.optimizer} ignores it",
+                )
+            )
+        if self.optim_args and self.optimizer == "adamw":
+            found.append(
+                ("optim_args", self.optim_args, "adamw reads none of them (they are for other optimizers)")
+            )
+        install = optimizers.missing_package(self.optimizer)
+        if install is not None:
+            found.append(
+                (
+                    "optimizer",
+                    self.optimizer,
+                    f"needs a package that is not installed here ({install}); training will refuse to start without it",
+                )
             )
         if self.optimizer == "sgd" and (self.adam_beta1, self.adam_beta2) != (0.9, 0.999):
             found.append(("optimizer", "sgd", "adam_beta1/adam_beta2 are set but sgd ignores them"))

@@ -1,4 +1,5 @@
-"""finetune.optim: weight-decay groups, optimizers (torch and bitsandbytes 8-bit on CPU), LR schedules."""
+"""finetune.optim: weight-decay groups, optimizers (torch, transformers' table, bitsandbytes 8-bit on CPU,
+muon), LR schedules."""
 
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ def test_adamw_8bit_runs_on_cpu_with_8bit_state():
     optimizer = build_optimizer(
         model, name="adamw_8bit", lr=1e-2, weight_decay=0.1, no_decay_params=["norm"], **ADAM
     )
-    assert isinstance(optimizer, bnb.optim.AdamW8bit)
+    # transformers' table builds bitsandbytes' AdamW with 8-bit states (what bnb.optim.AdamW8bit is).
+    assert isinstance(optimizer, bnb.optim.AdamW) and optimizer.args.optim_bits == 8
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
     ids = torch.randint(0, 128, (2, 16))
     losses = []
@@ -106,8 +108,138 @@ def test_adamw_8bit_runs_on_cpu_with_8bit_state():
 
 
 def test_adamw_8bit_without_bitsandbytes_says_how_to_install(without_bitsandbytes):
-    with pytest.raises(FinetuneError, match=r"adamw_8bit needs bitsandbytes.*\[qlora\]"):
+    with pytest.raises(FinetuneError, match=r"adamw_8bit needs the bitsandbytes package.*\[qlora\]"):
         build_optimizer(_model(), name="adamw_8bit", lr=1e-3, weight_decay=0, no_decay_params=[], **ADAM)
+
+
+def _built_by_transformers(name: str, model, **settings):
+    """What a transformers Trainer run with optim=`name` builds: its class and keyword arguments."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir="unused", optim=name, learning_rate=1e-3, report_to="none", **settings
+    )
+    return Trainer.get_optimizer_cls_and_kwargs(args, model)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["adafactor", "paged_adamw_8bit", "lion_32bit", "ademamix_8bit", "rmsprop", "adagrad", "adamw_torch"],
+)
+def test_transformers_optimizers_are_built_by_transformers_table(name):
+    """The class and settings are exactly transformers' (passed through, not rewritten), on finetune's
+    weight-decay groups, and a step on CPU lowers the loss."""
+    model = _model(bias=False)
+    optimizer = build_optimizer(model, name=name, lr=1e-3, weight_decay=0.1, no_decay_params=["norm"], **ADAM)
+    cls, kwargs = _built_by_transformers(name, model, weight_decay=0.1)
+    assert type(optimizer) is cls
+    for key, value in kwargs.items():
+        if key in ("optim_bits", "is_paged"):  # bitsandbytes keeps these in optimizer.args
+            assert getattr(optimizer.args, key, value) == value, key
+        else:
+            assert optimizer.param_groups[0][key] == value, key
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    ids = torch.randint(0, 128, (2, 16))
+    losses = []
+    for _ in range(4):
+        loss = model(input_ids=ids, labels=ids).loss
+        losses.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert losses[-1] < losses[0]
+
+
+def test_optim_args_reach_transformers():
+    model = _model(bias=False)
+    optimizer = build_optimizer(
+        model, name="sgd", lr=0.1, weight_decay=0.0, no_decay_params=[], optim_args={"momentum": 0.5}, **ADAM
+    )
+    assert all(g["momentum"] == 0.5 for g in optimizer.param_groups)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("galore_torch") is None, reason="needs galore-torch")
+def test_galore_projects_the_target_modules_only():
+    from galore_torch import GaLoreAdamW
+
+    model = _model(bias=False)
+    optimizer = build_optimizer(
+        model, name="galore_adamw", lr=1e-3, weight_decay=0.0, no_decay_params=[], **ADAM,
+        optim_args={"rank": 4, "update_proj_gap": 2}, optim_target_modules=["q_proj", "v_proj"],
+    )  # fmt: skip
+    assert isinstance(optimizer, GaLoreAdamW)
+    projected = [g for g in optimizer.param_groups if "rank" in g]
+    assert len(projected) == 1 and projected[0]["rank"] == 4 and projected[0]["update_proj_gap"] == 2
+    targets = {id(p) for n, p in model.named_parameters() if n.endswith(("q_proj.weight", "v_proj.weight"))}
+    assert {id(p) for p in projected[0]["params"]} == targets
+
+
+def test_a_missing_optimizer_package_names_the_pip_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "schedulefree" else real(n, *a)
+    )
+    with pytest.raises(
+        FinetuneError, match=r"schedule_free_adamw needs the schedulefree package.*pip install schedulefree"
+    ):
+        build_optimizer(
+            _model(), name="schedule_free_adamw", lr=1e-3, weight_decay=0, no_decay_params=[], **ADAM
+        )
+
+
+def test_muon_takes_hidden_matrices_and_adamw_the_rest():
+    model = _model(bias=True)
+    optimizer = build_optimizer(
+        model, name="muon", lr=1e-2, weight_decay=0.1, no_decay_params=["bias", "norm"], **ADAM
+    )
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_kind = {
+        (g["use_muon"], g["weight_decay"]): {names[id(p)] for p in g["params"]}
+        for g in optimizer.param_groups
+    }
+    muon = by_kind[(True, 0.1)]
+    assert muon == {
+        n for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n and "lm_head" not in n
+    }
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= by_kind[(False, 0.1)]
+    assert all("bias" in n or "norm" in n for n in by_kind[(False, 0.0)])
+    muon_group = next(g for g in optimizer.param_groups if g["use_muon"])
+    assert muon_group["adjust_lr_fn"] == "match_rms_adamw" and muon_group["momentum"] == 0.95
+    # One step equals torch's Muon and AdamW each stepped on their own parameters.
+    reference = _model(bias=True)
+    ref_params = dict(reference.named_parameters())
+    ref_muon = torch.optim.Muon(
+        [ref_params[n] for n in sorted(muon)], lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"
+    )
+    rest = [n for n in ref_params if n not in muon]
+    ref_adam = torch.optim.AdamW(
+        [{"params": [ref_params[n] for n in rest if not ("bias" in n or "norm" in n)], "weight_decay": 0.1},
+         {"params": [ref_params[n] for n in rest if "bias" in n or "norm" in n], "weight_decay": 0.0}],
+        lr=1e-2, **ADAM,
+    )  # fmt: skip
+    ids = torch.randint(0, 128, (2, 16))
+    for net, steps in ((model, [optimizer]), (reference, [ref_muon, ref_adam])):
+        net(input_ids=ids, labels=ids).loss.backward()
+        for opt in steps:
+            opt.step()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param, ref_params[name], msg=name)
+
+
+def test_muon_state_dict_round_trips_into_a_new_optimizer():
+    model = _model(bias=False)
+    kwargs = dict(name="muon", lr=1e-2, weight_decay=0.0, no_decay_params=["norm"], **ADAM)
+    optimizer = build_optimizer(model, **kwargs)
+    ids = torch.randint(0, 128, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    fresh = build_optimizer(model, **kwargs)
+    fresh.load_state_dict(optimizer.state_dict())
+    for part in fresh._parts:  # the inner optimizers see the loaded state and groups
+        assert part.state is fresh.state and all(g in fresh.param_groups for g in part.param_groups)
+    assert torch.equal(
+        fresh.state[model.lm_head.weight]["exp_avg"], optimizer.state[model.lm_head.weight]["exp_avg"]
+    )
 
 
 def test_no_trainable_parameters_is_an_error():

@@ -34,10 +34,24 @@ class _Objective:
         return []
 
 
+class _ModeRecorder:
+    """An optimizer's train()/eval() (schedule-free ones have them), recorded."""
+
+    def __init__(self):
+        self.modes: list[str] = []
+
+    def train(self):
+        self.modes.append("train")
+
+    def eval(self):
+        self.modes.append("eval")
+
+
 def _run(out: Path, objective) -> SimpleNamespace:
     return SimpleNamespace(
         accelerator=Accelerator(cpu=True),
         model=torch.nn.Linear(3, 2),
+        optimizer=_ModeRecorder(),
         objective=objective,
         output_dir=out,
         state=LoopState(step=4),
@@ -48,7 +62,9 @@ def _run(out: Path, objective) -> SimpleNamespace:
 def test_the_final_save_records_the_files_it_wrote(tmp_path, fresh_accelerator_state):
     (tmp_path / "progress.jsonl").write_text("{}\n")  # written by the loop, appended to by a resume
     (tmp_path / "eval.json").write_text("{}\n")  # an earlier `finetune eval`, rewritten by the next
-    save_final(_run(tmp_path, _Objective(tmp_path)), {"step": 4})
+    run = _run(tmp_path, _Objective(tmp_path))
+    save_final(run, {"step": 4})
+    assert run.optimizer.modes == ["eval"]  # a schedule-free optimizer saves its evaluation weights
     record = json.loads((tmp_path / "checksums.json").read_text())
     # The model card is left out (people edit it; nothing loads it), as is what the save did not write.
     assert sorted(record) == ["adapter_config.json", "adapter_model.safetensors"]
