@@ -104,7 +104,11 @@ class TrainSection(_Section):
         "progress_bar", description="progress_bar (tqdm) or structured (key=value lines)."
     )
     report_to: list[Literal[tuple(TRACKERS)]] = Field(  # type: ignore[valid-type]
-        default_factory=list, description=f"Trackers (through Accelerate): {', '.join(TRACKERS)}."
+        default_factory=list,
+        description=f"Trackers (through Accelerate): {', '.join(TRACKERS)}. Each needs its package "
+        "installed (checked at start); tables and images a tracker does not take stay in "
+        "progress.jsonl and output_dir/samples (said once at start). Configure them through their "
+        "own environment variables (MLFLOW_TRACKING_URI, WANDB_MODE, TRACKIO_DIR, ...).",
     )
     accelerate_config: str | None = Field(
         None, description="Name in accelerate_configs/ or a path, used by `finetune train`."
