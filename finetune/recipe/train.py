@@ -44,7 +44,8 @@ class TrainSection(_Section):
         ge=0,
         description="Tokens per chunk of the output head and cross-entropy, which then never materialise "
         "the whole [tokens x vocab] logits or their gradient; 0 = off (full logits); null = auto: on (with "
-        "a chunk whose fp32 logits fit in 256 MiB) once a micro batch's fp32 logits would reach 1 GB.",
+        "a chunk whose fp32 logits fit in 256 MiB) once a micro batch's fp32 logits would reach 1 GB. On CUDA "
+        "with liger-kernel installed a plain linear head's chunked loss is Liger's fused linear cross-entropy.",
         **FIXED_ON_RESUME,
     )
     optimizer: Literal["adamw", "adamw_8bit", "sgd"] = Field(
