@@ -6,10 +6,12 @@ module owns what finetune sends them, so objectives and the engine never ask whi
 
 * `log_scalars`: numbers, to every tracker.
 * `log_table`: rows of text (generation samples), as the tracker's own table where it has one
-  (wandb), as markdown text where it takes text (tensorboard), and not at all where it takes only
-  numbers: progress.jsonl always holds the same rows, and `check_available` says so once at start.
+  (wandb, mlflow, trackio), as markdown text where it takes text (tensorboard), and not at all where
+  it is wired for numbers only (comet_ml, aim, clearml, dvclive, swanlab): progress.jsonl always
+  holds the same rows, and `check_available` says so once at start.
 * `log_images`: images with captions (diffusion validation samples), through the tracker's own
-  image API where it has one; the images are always saved under output_dir/samples as well.
+  image API where it is wired (tensorboard, wandb, mlflow, trackio); the images are always saved
+  under output_dir/samples as well.
 
 Adding a tracker is one `TrackerSpec` entry in TRACKERS (the recipe's `train.report_to` choices
 come from this table). The table is plain data with lazy imports: the recipe layer reads it
@@ -75,11 +77,58 @@ def _wandb_images(tracker, name: str, images: list[list[Any]], captions: list[st
     tracker.log({name: pictures}, step=step)
 
 
+def _mlflow_table(tracker, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+    import mlflow
+
+    # MLflow's own table: a JSON artifact per name that each call appends to; the step is a column.
+    data = {"step": [step] * len(rows)} | {c: [str(row[i]) for row in rows] for i, c in enumerate(columns)}
+    mlflow.log_table(data, artifact_file=f"{name}.json", run_id=tracker.tracker.info.run_id)
+
+
+def _mlflow_images(tracker, name: str, images: list[list[Any]], captions: list[str], step: int) -> None:
+    import mlflow
+
+    # Step-keyed images (MLflow's image history); one key per prompt as for TensorBoard.
+    for p, row in enumerate(images):
+        for i, image in enumerate(row):
+            mlflow.log_image(image, key=f"{name}/{p:02d}_{i}", step=step)
+
+
+def _trackio_table(tracker, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+    import trackio
+
+    tracker.log(
+        {name: trackio.Table(columns=columns, data=[[str(c) for c in row] for row in rows])}, step=step
+    )
+
+
+def _trackio_images(tracker, name: str, images: list[list[Any]], captions: list[str], step: int) -> None:
+    import trackio
+
+    pictures = {
+        f"{name}/{p:02d}_{i}": trackio.Image(image, caption=caption)
+        for p, (caption, row) in enumerate(zip(captions, images, strict=True))
+        for i, image in enumerate(row)
+    }
+    tracker.log(pictures, step=step)
+
+
+# Every tracker Accelerate 1.15 ships (accelerate.tracking.LOGGER_TYPE_TO_CLASS). The last five are
+# passed through for numbers only: their table and image calls are not wired here (no way to run
+# them offline in the suite), so the run says once that tables and images stay in progress.jsonl.
 TRACKERS: dict[str, TrackerSpec] = {
     spec.name: spec
     for spec in (
         TrackerSpec("tensorboard", "tensorboard", table=_text_table, images=_tensorboard_images),
         TrackerSpec("wandb", "wandb", table=_wandb_table, images=_wandb_images),
+        TrackerSpec("mlflow", "mlflow", table=_mlflow_table, images=_mlflow_images),
+        TrackerSpec("trackio", "trackio", table=_trackio_table, images=_trackio_images),
+        TrackerSpec("comet_ml", "comet_ml", table=None, images=None),
+        # Accelerate's AimTracker speaks the aim 3 API (is_aim_available is False for aim 4).
+        TrackerSpec("aim", "'aim<4'", table=None, images=None),
+        TrackerSpec("clearml", "clearml", table=None, images=None),
+        TrackerSpec("dvclive", "dvclive", table=None, images=None),
+        TrackerSpec("swanlab", "swanlab", table=None, images=None),
     )
 }
 

@@ -5,16 +5,23 @@ Metrics (the `metric` argument of `score`):
   text. Extraction takes the last match of a regex's first group (default: GSM8K's ``#### 42``),
   else the last number in the text; numbers are normalised (``$1,234.50`` -> ``1234.5``). An
   expected text that holds no answer is compared whole (stripped, whitespace collapsed).
+* ``math_verify``: Hugging Face's math-verify finds the answer in the output and in the expected
+  text (LaTeX, ``\\boxed{}``, fractions, plain numbers) and compares them as mathematics
+  (``\\frac{1}{2}`` equals ``0.5``; ``x = 2`` equals ``2``). The online-RL reward of the same name
+  calls the same function.
 * ``contains``: the expected text occurs in the output (case-insensitive unless asked otherwise).
 * ``none``: no score; the samples are the result.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from decimal import Decimal, InvalidOperation
 
-METRICS = ("exact_match", "contains", "none")
+from finetune.errors import FinetuneError
+
+METRICS = ("exact_match", "math_verify", "contains", "none")
 # GSM8K answers end with "#### <number>"; a model trained on them writes the same.
 GSM8K_ANSWER_PATTERN = r"####\s*\$?\s*(-?[\d,.]+)"
 # A number: optionally signed and with a currency sign, thousands commas, decimals (-3, $1,234.50, .5).
@@ -117,6 +124,29 @@ def contains(output: str, expected: str, *, case_sensitive: bool = False) -> boo
     return bool(needle) and needle in normalize_text(output, case_sensitive=case_sensitive)
 
 
+def require_math_verify(where: str) -> None:
+    """Refuse math_verify at start when the math-verify package is missing (`where` names the
+    recipe field that asked for it)."""
+    if importlib.util.find_spec("math_verify") is None:
+        raise FinetuneError(
+            f"{where}: math_verify needs Hugging Face's math-verify package: pip install math-verify"
+        )
+
+
+def math_equal(output: str, expected: str) -> bool:
+    """Whether math-verify finds the answer in `output` mathematically equal to `expected`'s.
+
+    parse() extracts the answer from free text (LaTeX, ``\\boxed{}``, plain numbers); verify()
+    compares symbolically and numerically. Order matters: the expected answer goes first.
+
+    >>> math_equal("so x = \\\\frac{1}{2}", "0.5"), math_equal("$\\\\boxed{3}$", "$x=3$"), math_equal("1/3", "0.5")
+    (True, True, False)
+    """
+    from math_verify import parse, verify
+
+    return bool(verify(parse(expected), parse(output)))
+
+
 def score(
     metric: str,
     output: str,
@@ -125,7 +155,8 @@ def score(
     pattern: str | None = GSM8K_ANSWER_PATTERN,
     case_sensitive: bool = False,
 ) -> bool | None:
-    """One output scored by `metric` (exact_match, contains, none); None for none or no expected text.
+    """One output scored by `metric` (exact_match, math_verify, contains, none); None for none or no
+    expected text.
 
     >>> score("exact_match", "#### 4", "4"), score("contains", "Yes!", "yes"), score("none", "a", "b")
     (True, True, None)
@@ -136,4 +167,6 @@ def score(
         return None
     if metric == "exact_match":
         return exact_match(output, expected, pattern=pattern)
+    if metric == "math_verify":
+        return math_equal(output, expected)
     return contains(output, expected, case_sensitive=case_sensitive)

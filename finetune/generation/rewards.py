@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from finetune.errors import FinetuneError
-from finetune.generation.metrics import GSM8K_ANSWER_PATTERN, score
+from finetune.generation.metrics import GSM8K_ANSWER_PATTERN, math_equal, require_math_verify, score
 
 RewardFn = Callable[[list[str], list[dict[str, Any]]], Sequence[float]]
 
@@ -84,20 +84,11 @@ def builtin_reward(
 
 
 def _math_verify(field_expected: str) -> RewardFn:
-    try:
-        from math_verify import parse, verify
-    except ImportError:
-        raise FinetuneError(
-            "grpo.rewards: math_verify needs Hugging Face's math-verify package: pip install math-verify"
-        ) from None
+    require_math_verify("grpo.rewards")
 
     def math_verify(completions, rows):
-        # parse() finds the answer in free text (LaTeX, \\boxed{}, plain numbers); verify() compares
-        # mathematically (2/4 == 0.5). The expected answer is parsed the same way.
-        return [
-            1.0 if verify(parse(str(r[field_expected])), parse(c)) else 0.0
-            for c, r in zip(completions, rows, strict=True)
-        ]
+        # The eval metric's comparison (finetune.generation.metrics.math_equal), as 1.0 or 0.0.
+        return [float(math_equal(c, str(r[field_expected]))) for c, r in zip(completions, rows, strict=True)]
 
     return math_verify
 

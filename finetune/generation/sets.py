@@ -12,7 +12,7 @@ from typing import Any
 
 from finetune import trackers
 from finetune.errors import FinetuneError
-from finetune.generation.metrics import GSM8K_ANSWER_PATTERN, METRICS, score
+from finetune.generation.metrics import GSM8K_ANSWER_PATTERN, METRICS, require_math_verify, score
 from finetune.generation.sampling import generate
 
 
@@ -93,6 +93,8 @@ def load_generation_rows(gen_set) -> list[dict[str, Any]]:
     from finetune.recipe import dataset_entry
 
     label = f"eval.generation_sets[{gen_set.name}]"
+    if gen_set.metric == "math_verify":
+        require_math_verify(f"{label}.metric")
     entry = dataset_entry(path=gen_set.path, type="input_output", split=gen_set.split)
     ds = load_source(entry, entry_label=label)
     columns = [c for c in (gen_set.field_prompt, gen_set.field_expected) if c is not None]

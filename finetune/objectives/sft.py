@@ -66,7 +66,7 @@ class SFTObjective:
 
     def _chunk_size(self, model, accelerator) -> int:
         """train.loss_chunk_size resolved for this model (auto: on for large vocab x tokens)."""
-        from finetune.losses.chunked_ce import resolve_loss_chunk_size
+        from finetune.losses.chunked_ce import fused_linear_backend, resolve_loss_chunk_size
 
         setting = self.train.loss_chunk_size
         if self.model_settings.enable_liger_kernel:
@@ -84,6 +84,10 @@ class SFTObjective:
         )
         if size and setting is None:
             accelerator.print(f"train.loss_chunk_size auto: the loss is computed {size} tokens at a time")
+        if size and fused_linear_backend(model.get_output_embeddings(), accelerator.device) == "liger":
+            accelerator.print(
+                "the chunked loss runs as Liger's fused linear cross-entropy (liger-kernel, CUDA)"
+            )
         return size
 
     def on_prepared(self, accelerator, model) -> None:

@@ -26,10 +26,12 @@ class GenerationSet(_Section):
     field_expected: str | None = Field(
         "expected", description="Column with the expected answer; null with metric none."
     )
-    metric: Literal["exact_match", "contains", "none"] = Field(
+    metric: Literal["exact_match", "math_verify", "contains", "none"] = Field(
         "exact_match",
         description="exact_match: the answer extracted with answer_pattern (else the last number) equals "
-        "the expected one's; contains: the expected text occurs in the output; none: samples only.",
+        "the expected one's; math_verify: Hugging Face's math-verify finds the answers mathematically "
+        "equal (\\frac{1}{2} = 0.5, x=2 = 2; needs pip install math-verify); contains: the expected text "
+        "occurs in the output; none: samples only.",
     )
     answer_pattern: Regex | None = Field(
         DEFAULT_ANSWER_PATTERN,

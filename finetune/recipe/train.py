@@ -46,7 +46,8 @@ class TrainSection(_Section):
         ge=0,
         description="Tokens per chunk of the output head and cross-entropy, which then never materialise "
         "the whole [tokens x vocab] logits or their gradient; 0 = off (full logits); null = auto: on (with "
-        "a chunk whose fp32 logits fit in 256 MiB) once a micro batch's fp32 logits would reach 1 GB.",
+        "a chunk whose fp32 logits fit in 256 MiB) once a micro batch's fp32 logits would reach 1 GB. On CUDA "
+        "with liger-kernel installed a plain linear head's chunked loss is Liger's fused linear cross-entropy.",
         **FIXED_ON_RESUME,
     )
     optimizer: Literal[optimizers.OPTIMIZERS] = Field(  # type: ignore[valid-type]
@@ -129,7 +130,11 @@ class TrainSection(_Section):
         "progress_bar", description="progress_bar (tqdm) or structured (key=value lines)."
     )
     report_to: list[Literal[tuple(TRACKERS)]] = Field(  # type: ignore[valid-type]
-        default_factory=list, description=f"Trackers (through Accelerate): {', '.join(TRACKERS)}."
+        default_factory=list,
+        description=f"Trackers (through Accelerate): {', '.join(TRACKERS)}. Each needs its package "
+        "installed (checked at start); tables and images a tracker does not take stay in "
+        "progress.jsonl and output_dir/samples (said once at start). Configure them through their "
+        "own environment variables (MLFLOW_TRACKING_URI, WANDB_MODE, TRACKIO_DIR, ...).",
     )
     accelerate_config: str | None = Field(
         None, description="Name in accelerate_configs/ or a path, used by `finetune train`."

@@ -91,3 +91,31 @@ def test_end_of_input_ends_the_conversation(echo):
         raise EOFError
 
     assert chat(None, None, read=read, out=io.StringIO()) == 0
+
+
+def test_math_verify_set_is_scored_in_the_eval_table(tmp_path, monkeypatch):
+    """A generation set with metric math_verify, through finetune eval's evaluate_models and table:
+    answers equal in math but not as text score as correct (generation replaced by fixed answers)."""
+    pytest.importorskip("math_verify", reason="math-verify is in the test extra")
+    import finetune.generation.sets as sets_mod
+    from finetune.evaluation.report import evaluate_models
+
+    path = tmp_path / "math.jsonl"
+    rows = [{"q": "Half of 1?", "a": "0.5"}, {"q": "Solve x+1=3.", "a": "$2$"}, {"q": "1/3?", "a": "0.5"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    answers = {"base": ["1", "x = 5", "0.3"], "tuned": ["\\frac{1}{2}", "so $x = 2$", "1/3"]}
+    monkeypatch.setattr(sets_mod, "generate", lambda model, tok, prompts, **kw: answers[model])
+    gen_set = GenerationSet(
+        name="math", path=str(path), field_prompt="q", field_expected="a", metric="math_verify"
+    )
+    results = evaluate_models(
+        {name: (lambda name=name: (name, "tokenizer")) for name in answers},
+        eval_batches=None,
+        sets=[gen_set],
+        batch_size=2,
+        progress=False,
+        say=lambda text: None,
+    )
+    assert [s["correct"] for s in results["tuned"]["generation"]["math"]["samples"]] == [True, True, False]
+    row = next(line for line in format_table(results).splitlines() if line.startswith("math math_verify"))
+    assert row.split()[-2:] == ["0.0%", "66.7%"]

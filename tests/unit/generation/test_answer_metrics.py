@@ -147,3 +147,36 @@ def test_score_dispatches_and_rejects_unknown_metrics() -> None:
     assert score("exact_match", "x", None) is None
     with pytest.raises(ValueError, match="unknown metric 'bleu'"):
         score("bleu", "x", "y")
+
+
+@pytest.mark.parametrize(
+    ("output", "expected", "equal"),
+    [
+        ("\\frac{1}{2}", "0.5", True),  # equal in math, not as strings or numbers exact_match reads
+        ("The answer is $\\frac{1}{2}$", "0.5", True),
+        ("$\\boxed{\\frac{2}{4}}$", "$\\frac{1}{2}$", True),
+        ("$\\sqrt{4}$", "2", True),
+        ("so $x = 2$", "$2$", True),
+        ("1/3", "0.5", False),
+        ("$x=3$", "2", False),
+        ("I do not know", "0.5", False),
+    ],
+)
+def test_math_verify_compares_answers_as_mathematics(output: str, expected: str, equal: bool) -> None:
+    pytest.importorskip("math_verify", reason="math-verify is in the test extra")
+    assert score("math_verify", output, expected) is equal
+    if equal and "=" not in output:  # where exact_match already agrees ("x = 2" vs "2") it is no test
+        assert score("exact_match", output, expected) is False
+
+
+def test_math_verify_without_the_package_is_refused_naming_the_install(monkeypatch) -> None:
+    from finetune.errors import FinetuneError
+
+    real = metrics.importlib.util.find_spec
+    monkeypatch.setattr(
+        metrics.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "math_verify" else real(name, *a),
+    )
+    with pytest.raises(FinetuneError, match=r"eval.generation_sets\[m\].metric: .*pip install math-verify"):
+        metrics.require_math_verify("eval.generation_sets[m].metric")

@@ -540,3 +540,98 @@ def test_chunking_a_copy_leaves_the_original_alone():
     causal_lm_loss(model, padded_batch(), num_items=1, chunk_size=4)
     clone = copy.deepcopy(model)
     assert "forward" not in clone.lm_head.__dict__
+
+
+# ---------------------------------------------------------------------- Liger on CUDA, chosen here
+
+
+@pytest.mark.parametrize(
+    ("device", "installed", "head", "expected"),
+    [
+        ("cuda", True, "linear", "liger"),  # CUDA + liger-kernel: Liger, no recipe flag
+        ("cuda", False, "linear", "fused"),  # not installed: ours
+        ("cpu", True, "linear", "fused"),  # CPU never picks Liger, installed or not
+        ("cpu", False, "linear", "fused"),
+        ("cuda", True, "lora", "checkpointed"),  # heads Liger cannot fuse keep the checkpointed path
+        ("cpu", True, "lora", "checkpointed"),
+    ],
+)
+def test_the_fused_linear_backend_is_liger_only_on_cuda_when_installed(
+    monkeypatch, device, installed, head, expected
+):
+    from finetune.losses import chunked_ce
+
+    monkeypatch.setattr(chunked_ce, "liger_available", lambda: installed)
+    module = nn.Linear(8, VOCAB, bias=False)
+    if head == "lora":
+        wrapped = get_peft_model(nn.Sequential(module), LoraConfig(r=2, target_modules=["0"]))
+        module = wrapped.base_model.model[0]  # PEFT's LoRA Linear, not an nn.Linear
+    assert chunked_ce.fused_linear_backend(module, torch.device(device)) == expected
+
+
+def test_a_cpu_run_never_calls_liger_even_when_installed(monkeypatch):
+    from finetune.losses import chunked_ce
+
+    monkeypatch.setattr(chunked_ce, "liger_available", lambda: True)
+    monkeypatch.setattr(chunked_ce, "_liger_cross_entropy", lambda *a: pytest.fail("Liger on CPU"))
+    head, hidden = nn.Linear(8, VOCAB), torch.randn(2, 5, 8)
+    labels = torch.randint(0, VOCAB, (2, 5))
+    expected = F.cross_entropy(head(hidden).flatten(0, 1), labels.flatten(), reduction="sum")
+    torch.testing.assert_close(chunked_cross_entropy(hidden, head, labels, 4), expected, **TOL)
+
+
+def test_where_liger_is_chosen_its_function_gets_the_flat_tokens_and_sums(monkeypatch):
+    """Liger itself needs CUDA and Triton (the gpu test below); here its functional is a stand-in
+    with the same signature, and the backend is pinned to liger as on CUDA."""
+    import sys
+    import types
+
+    from finetune.losses import chunked_ce
+
+    calls = []
+
+    def liger_fused_linear_cross_entropy(
+        input, weight, target, bias=None, ignore_index=-100, reduction="mean"
+    ):
+        calls.append((tuple(input.shape), tuple(target.shape), ignore_index, reduction))
+        logits = F.linear(input, weight, bias).float()
+        return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_fused_linear_cross_entropy = liger_fused_linear_cross_entropy
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", functional)
+    monkeypatch.setattr(chunked_ce, "fused_linear_backend", lambda head, device: "liger")
+    head, hidden = nn.Linear(8, VOCAB), torch.randn(2, 5, 8, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (2, 5))
+    labels[0, :2] = -100
+    loss = chunked_cross_entropy(hidden, head, labels, 4)
+    expected = F.cross_entropy(head(hidden).flatten(0, 1), labels.flatten(), reduction="sum")
+    torch.testing.assert_close(loss, expected, **TOL)
+    assert calls == [((10, 8), (10,), -100, "sum")]
+    loss.backward()  # gradients flow back through the casts to the head and the hidden states
+    assert head.weight.grad is not None and hidden.grad is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_liger_on_cuda_matches_the_unchunked_loss_and_gradients():
+    pytest.importorskip("liger_kernel", reason="liger-kernel is the liger extra")
+    from finetune.losses import chunked_ce
+
+    torch.manual_seed(0)
+    head = nn.Linear(64, 1000, bias=False).cuda()
+    hidden = torch.randn(2, 128, 64, device="cuda", requires_grad=True)
+    labels = torch.randint(0, 1000, (2, 128), device="cuda")
+    labels[:, :7] = -100
+    assert chunked_ce.fused_linear_backend(head, hidden.device) == "liger"
+    loss = chunked_cross_entropy(hidden, head, labels, 64)
+    loss.backward()
+    grads = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+    expected = F.cross_entropy(head(hidden).float().flatten(0, 1), labels.flatten(), reduction="sum")
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(grads[0], hidden.grad, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(grads[1], head.weight.grad, rtol=1e-3, atol=1e-4)
