@@ -298,7 +298,9 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         for name, line in list_configs():
             print(f"{name:16s} {line}")
         return 0
-    if args.command in ("chat", "merge-lora", "prepare-dataset", "eval"):  # they import the heavy libraries
+    # They import the heavy libraries; so does `train`'s launcher (accelerate launch imports DeepSpeed
+    # when a config uses it, before train.py can quiet it): its environment gets the same settings.
+    if args.command in ("chat", "merge-lora", "prepare-dataset", "eval", "train"):
         from finetune.quiet import quiet_third_party
 
         quiet_third_party()

@@ -172,7 +172,7 @@ def build_model(
         # PEFT records the model's name_or_path as the adapter's base: the GGUF file's portable name,
         # not the conversion cache's folder, which exists on this machine only (finetune.gguf).
         net.name_or_path = portable
-    if vocab_size > net.get_input_embeddings().weight.shape[0]:
+    if vocab_size > full_shape(net.get_input_embeddings().weight)[0]:
         logger.info("resizing embeddings to %d tokens for the added special tokens", vocab_size)
         net.resize_token_embeddings(vocab_size, mean_resizing=True)
     if gradient_checkpointing:
@@ -376,6 +376,18 @@ def apply_liger(net) -> None:
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
     _apply_liger_kernel_to_instance(model=net)
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's whole shape, also under DeepSpeed ZeRO-3, whose partitioned parameters are empty
+    on each process and keep their shape in `ds_shape` (reading `.shape` there gave 0 rows: the
+    embeddings were "resized" to their own size, which drew from the RNG and shifted every later
+    dropout mask and LoRA init away from the same run without ZeRO-3).
+
+    >>> full_shape(torch.nn.Embedding(704, 8).weight)
+    torch.Size([704, 8])
+    """
+    return getattr(param, "ds_shape", param.shape)
 
 
 def count_parameters(net) -> tuple[int, int]:

@@ -67,6 +67,7 @@ class SFTObjective:
     def _chunk_size(self, model, accelerator) -> int:
         """train.loss_chunk_size resolved for this model (auto: on for large vocab x tokens)."""
         from finetune.losses.chunked_ce import fused_linear_backend, resolve_loss_chunk_size
+        from finetune.model import full_shape
 
         setting = self.train.loss_chunk_size
         if self.model_settings.enable_liger_kernel:
@@ -79,7 +80,7 @@ class SFTObjective:
             return 0
         size = resolve_loss_chunk_size(
             setting,
-            vocab_size=model.get_output_embeddings().weight.shape[0],
+            vocab_size=full_shape(model.get_output_embeddings().weight)[0],  # also under ZeRO-3
             tokens_per_micro_batch=self.train.micro_batch_size * self.data.packing_len,
         )
         if size and setting is None:

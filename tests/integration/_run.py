@@ -86,6 +86,13 @@ def step_losses(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r.get("event") is None and r.get("loss") is not None}
 
 
+def step_grad_norms(records: list[dict]) -> dict[int, float]:
+    """Gradient norm (before clipping) per optimizer step (the last record wins: a resumed run appends)."""
+    return {
+        r["step"]: r["grad_norm"] for r in records if r.get("event") is None and r.get("loss") is not None
+    }
+
+
 def short_run(*extra: str) -> list[str]:
     """Overrides for short test runs of the demo: a log line every step, evaluation only at the end,
     checkpoints only at save_steps and all kept, no LoRA dropout; `extra` overrides come last."""

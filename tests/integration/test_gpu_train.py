@@ -1,5 +1,6 @@
 """The LLM loop on one CUDA GPU (skipped without one): fp16 with dynamic loss scaling (trains, logs
-the scale, skips and counts overflowing steps, resumes exactly with the scaler's state), bf16, and
+the scale, skips and counts overflowing steps, resumes with the scaler's state to the same losses within
+1e-3 relative), bf16, and
 Liger kernels against the plain loss.
 
 Run on a GPU machine with `pytest -m gpu tests/integration/test_gpu_train.py`.
@@ -37,9 +38,11 @@ def train_records(out: Path) -> list[dict]:
     return [r for r in progress(out) if r.get("event") is None and r.get("loss") is not None]
 
 
-def test_fp16_loss_scaling_trains_logs_the_scale_and_resumes_exactly(tmp_path):
+def test_fp16_loss_scaling_trains_logs_the_scale_and_resumes_within_1e3(tmp_path):
     """LoRA on an fp16 base (torch_dtype auto) with the demo's modules_to_save, which must train in fp32
-    for the scaler; the scale and the skipped-step count are logged; a resume restores the scaler."""
+    for the scaler; the scale and the skipped-step count are logged; a resume restores the scaler (the
+    loss scales equal) and gives the later losses to 1e-3 relative, not exactly: fp16 carries about
+    3 significant digits (its epsilon is 9.8e-4) and CUDA kernels are not bitwise reproducible."""
     prepared, out = tmp_path / "prepared", tmp_path / "run"
     args = ["--train.mixed_precision", "fp16", "--model.torch_dtype", "auto"]
     train(out, prepared, *args)

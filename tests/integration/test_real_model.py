@@ -93,7 +93,8 @@ def test_a_sigkilled_run_resumes_to_the_same_losses(tmp_path):
     )
     assert sorted(after) == list(range(1, 7))
     for step in range(1, 7):
-        assert after[step] == pytest.approx(before[step], abs=1e-5), (step, before, after)
+        # The claim (docs/checkpoints.md) is 1e-6; measured here: equal to the last bit.
+        assert after[step] == pytest.approx(before[step], rel=1e-6, abs=0), (step, before, after)
 
 
 def test_qlora_trains_the_real_model(tmp_path):

@@ -23,6 +23,7 @@ from finetune.model import (
     build_model,
     check_attention_backend,
     count_parameters,
+    full_shape,
     load_for_inference,
     load_tokenizer,
     merge_lora,
@@ -133,6 +134,29 @@ def test_special_tokens_add_pad_and_resize_embeddings():
     assert net.get_output_embeddings().weight.shape[0] == len(tokenizer)
     ids = torch.tensor([[5, 6, tokenizer.pad_token_id, len(plain) + 1]])
     assert net(input_ids=ids).logits.shape == (1, 4, len(tokenizer))
+
+
+def test_zero3_partitioned_embeddings_are_not_resized(monkeypatch):
+    """Under DeepSpeed ZeRO-3 a parameter is empty on each process and keeps its whole shape in
+    `ds_shape`: build_model read the empty shape, "resized" the embeddings to their own size and so
+    drew from the RNG (mean resizing), which moved every later dropout mask away from the run
+    without ZeRO-3. The partition is made here as DeepSpeed makes it (data emptied, ds_shape kept)."""
+    build = AutoModelForCausalLM.from_config
+
+    def partitioned(*args, **kwargs):
+        net = build(*args, **kwargs)
+        weight = net.get_input_embeddings().weight
+        weight.ds_shape = weight.shape
+        weight.data = torch.empty(0)
+        net.resize_token_embeddings = lambda *a, **k: pytest.fail(f"resized to {a} under ZeRO-3")
+        return net
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", partitioned)
+    torch.manual_seed(0)
+    net = build_model(
+        _model_section(), LoraSection(), mixed_precision="no", vocab_size=704, gradient_checkpointing=False
+    )
+    assert full_shape(net.get_input_embeddings().weight) == (704, 64)
 
 
 def test_chat_template_by_name():

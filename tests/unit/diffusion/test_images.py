@@ -55,15 +55,27 @@ def test_buckets_keep_the_pixel_budget_and_multiple() -> None:
 
 
 @pytest.mark.parametrize(
-    ("height", "width", "shape"), [(100, 100, "square"), (100, 300, "wide"), (300, 100, "tall")]
+    ("height", "width", "shape"),
+    [
+        (100, 100, "square"),
+        (100, 300, "wide"),
+        (300, 100, "tall"),
+        (400, 500, "wide"),
+        (500, 400, "tall"),
+        (600, 400, "tall"),
+        (700, 1000, "wide"),
+        (1080, 1920, "wide"),
+        (999, 1000, "square"),
+    ],
 )
 def test_images_go_to_the_bucket_of_their_shape(height: int, width: int, shape: str) -> None:
     buckets = img.make_buckets(512, 64, enabled=True)
-    h, w = buckets[img.nearest_bucket(height, width, buckets)]
+    index = img.nearest_bucket(height, width, buckets)
+    h, w = buckets[index]
     assert {"square": h == w, "wide": w > h, "tall": h > w}[shape]
-    # The closest aspect ratio of all buckets.
-    best = min(abs(np.log((bh / bw) / (height / width))) for bh, bw in buckets)
-    assert abs(np.log((h / w) / (height / width))) == pytest.approx(best, abs=0.2)
+    # Exactly the bucket of the closest aspect ratio (|log ratio| apart), and that bucket is unique.
+    gaps = [abs(np.log((bh / bw) / (height / width))) for bh, bw in buckets]
+    assert gaps[index] == min(gaps) and sorted(gaps)[1] > min(gaps)
 
 
 def test_resize_and_crop_covers_the_bucket() -> None:

@@ -96,10 +96,27 @@ def test_nonfinite_loss_skips_the_update():
         assert p.grad is None
 
 
-def test_clipping_reports_grad_norm():
-    run = _run(tiny_model("sdpa"), ga=1, max_grad_norm=1e-3)
-    out = train_step(run, [collate_rows(_rows(), pad_token_id=0, packed=False)])
-    assert out["grad_norm"] is not None and out["grad_norm"] > 1e-3
+def test_clipping_reports_grad_norm_and_scales_the_update():
+    """With max_grad_norm below the gradient's norm, the reported norm is the unclipped one and the SGD
+    update is the unclipped update times max_grad_norm / norm (torch's clip_grad_norm_, whose
+    coefficient is max_norm / (norm + 1e-6))."""
+    model = tiny_model("sdpa")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = collate_rows(_rows(), pad_token_id=0, packed=False)
+    free = _run(copy.deepcopy(model), ga=1)
+    norm = train_step(free, [batch])["grad_norm"]
+    clipped = _run(copy.deepcopy(model), ga=1, max_grad_norm=norm / 4)
+    out = train_step(clipped, [batch])
+    assert out["applied"] and out["grad_norm"] == pytest.approx(norm, rel=1e-6)
+    coefficient = (norm / 4) / (norm + 1e-6)
+    free_params = dict(free.model.named_parameters())
+    moved = 0
+    for name, p in clipped.model.named_parameters():
+        update, free_update = p.detach() - before[name], free_params[name].detach() - before[name]
+        # atol: the rounding of (weight after - weight before), measured up to 6e-8 here.
+        torch.testing.assert_close(update, free_update * coefficient, rtol=1e-4, atol=2e-7, msg=name)
+        moved += int(free_update.abs().max() > 1e-4)
+    assert moved > 0  # the comparison is not of unmoved weights
 
 
 def test_a_finite_loss_with_nonfinite_gradients_does_not_update():

@@ -221,7 +221,11 @@ def kto_dataset(examples) -> datasets.Dataset:
     )
 
 
-def test_kto_loss_and_reference_point_are_trls():
+def test_kto_objective_loss_equals_the_kto_loss_functions():
+    """The objective's KTO loss on packed rows (the KL reference point from completions rotated within
+    each packed row) equals finetune's pure KTO functions on TRL's padded layout. Those functions are
+    compared with TRL's own KTOTrainer.compute_loss in
+    tests/unit/losses/test_preference_losses.py::test_kto_matches_trl_kto_trainer."""
     obj = objective("kto", kind="kto", kto_undesirable_weight=1.5, beta=0.5)
     policy = with_lora(tiny_llama())
     reference = _unloaded(policy)
