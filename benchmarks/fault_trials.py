@@ -423,6 +423,15 @@ def _classify_resume(reference: dict[int, float], *, skipped: str = "") -> Calla
     return classify
 
 
+def _unfinish(out: Path) -> None:
+    """Make the finished reference run one killed after its last checkpoint, before its final save
+    (its progress.jsonl without the closing "finished" record): a finished run resumed only says it is
+    finished, and these trials are about resuming an interrupted one."""
+    path = out / "progress.jsonl"
+    lines = [ln for ln in path.read_text().splitlines() if json.loads(ln).get("event") != "finished"]
+    path.write_text("".join(ln + "\n" for ln in lines))
+
+
 def _damage(out: Path, how: str) -> tuple[str, str]:
     """Damage the newest checkpoint (step-12); return (what a clear message must name, checkpoint)."""
     ckpt = out / "checkpoints" / f"step-{TRAIN_STEPS}"
@@ -467,6 +476,7 @@ def checkpoint_trials(root: Path) -> list[Trial]:
         for mode in ("auto", "explicit"):
             folder = root / "checkpoint" / f"{_slug(case)}-{mode}"
             shutil.copytree(source, folder / "out")
+            _unfinish(folder / "out")
             names, ckpt = _damage(folder / "out", case)
             if mode == "auto":
                 # The log ends at step 12: a resume from step 10 must rewrite 11 and 12 identically.

@@ -11,6 +11,10 @@ Three things a bare `exec` of the launcher gets wrong, each found by fault injec
 * Ctrl-C in a terminal reaches the whole foreground process group: the launcher would exit at once
   (130/143) while training is still writing its checkpoint. The launcher's own session keeps the
   terminal's signals away from it.
+* Its own session also keeps a SIGKILL of `finetune train`'s process group (a scheduler's hard kill,
+  `kill -9 -PGID`) away from the launcher and training, which would then train on as orphans, into the
+  output_dir the next run resumes. Each training process watches the supervisor
+  (FINETUNE_SUPERVISOR_PID, `watch_supervisor`) and kills its session once the supervisor is gone.
 * A user error inside training (exit code 2 and one `error:` line) comes back from the launcher as
   exit 1 with its own traceback. The training process records its error in a status file
   (FINETUNE_STATUS_FILE); once it has, what the launcher prints is dropped and `finetune train`
@@ -27,9 +31,12 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 STATUS_ENV = "FINETUNE_STATUS_FILE"
+SUPERVISOR_ENV = "FINETUNE_SUPERVISOR_PID"
+SUPERVISOR_POLL_S = 0.2
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what the training loop stops on (engine.loop.StopFlag)
 
@@ -53,6 +60,36 @@ def stop_at_startup_on_signals() -> dict:
     return {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
 
 
+def watch_supervisor() -> threading.Thread | None:
+    """In a training process started by `finetune train`: once the supervisor (FINETUNE_SUPERVISOR_PID)
+    is gone, SIGKILL the launcher's session (the launcher and every training process on this machine),
+    as the supervisor's own death would have done without the session that shields them from terminal
+    signals. Only a SIGKILL ends the supervisor before training (it outlives training otherwise: it
+    waits for the launcher), so stopping at once is what was asked. A daemon thread polling every
+    SUPERVISOR_POLL_S; None when not supervised. (Linux's PR_SET_PDEATHSIG would reach only the
+    launcher, one level down; the training processes are its children or grandchildren.)"""
+    pid = os.environ.get(SUPERVISOR_ENV)
+    if not pid or not pid.isdigit():
+        return None
+
+    def watch() -> None:
+        while True:
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:  # alive, owned by another user (a reused pid would be too)
+                pass
+            time.sleep(SUPERVISOR_POLL_S)
+        with contextlib.suppress(OSError):
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        os._exit(137)  # not in the launcher's group (started otherwise): end this process at least
+
+    thread = threading.Thread(target=watch, name="finetune-supervisor-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def write_status(code: int, error: str) -> None:
     """Called by the training process on a user error: the supervisor reads it (first writer wins)."""
     path = os.environ.get(STATUS_ENV)
@@ -70,7 +107,11 @@ def run_supervised(cmd: list[str], env: dict[str, str] | None = None) -> int:
     2 when training stopped on a user error (its message already printed, the launcher's traceback not)."""
     with tempfile.TemporaryDirectory(prefix="finetune-train-") as tmp:
         status = Path(tmp) / "status.json"
-        env = {**(env if env is not None else os.environ), STATUS_ENV: str(status)}
+        env = {
+            **(env if env is not None else os.environ),
+            STATUS_ENV: str(status),
+            SUPERVISOR_ENV: str(os.getpid()),
+        }
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True)
         signals = _Forwarder(proc)
         shown: list[bytes] = []

@@ -22,9 +22,10 @@ from finetune.errors import FinetuneError
 def main(argv: list[str] | None = None) -> int:
     """Run one training job; 0 when done or stopped cleanly (with a checkpoint, or during startup before
     anything trained), 2 on a user error."""
-    from finetune.launcher import StoppedAtStartup, stop_at_startup_on_signals
+    from finetune.launcher import StoppedAtStartup, stop_at_startup_on_signals, watch_supervisor
 
     previous = stop_at_startup_on_signals()  # first: imports and loading take a while
+    watch_supervisor()  # under `finetune train`: end with it, never train on as an orphan
     try:
         return _main(argv)
     except StoppedAtStartup as stop:

@@ -27,3 +27,42 @@ def test_a_stop_before_the_launcher_started_training_is_a_clean_exit(capsys):
     err = capsys.readouterr().err
     assert "finetune train: SIGTERM: asking training to checkpoint and stop" in err
     assert err.rstrip().endswith("finetune train: stopped before training started; nothing to save")
+
+
+def test_training_processes_end_with_their_supervisor():
+    """`finetune train` runs the launcher in a session of its own (terminal signals stay away from it),
+    so a SIGKILL of `finetune train`'s process group would leave training running as an orphan, into
+    the output_dir the next run resumes (found by the GRPO SIGKILL test once output_dirs were locked).
+    A process under watch_supervisor ends its session once the supervisor is gone."""
+    import subprocess
+
+    from finetune.launcher import SUPERVISOR_ENV
+
+    supervisor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    code = (
+        "import time\nfrom finetune.launcher import watch_supervisor\n"
+        "assert watch_supervisor() is not None\nprint('watching', flush=True)\ntime.sleep(60)\n"
+    )
+    env = {**os.environ, SUPERVISOR_ENV: str(supervisor.pid)}
+    # Its own session, as the launcher's: the kill it sends reaches its group only.
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "watching"
+        time.sleep(0.5)
+        assert child.poll() is None  # the supervisor lives: so does training
+        supervisor.kill()
+        supervisor.wait()
+        assert child.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        for proc in (supervisor, child):
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_a_process_not_under_finetune_train_watches_nothing(monkeypatch):
+    from finetune.launcher import SUPERVISOR_ENV, watch_supervisor
+
+    monkeypatch.delenv(SUPERVISOR_ENV, raising=False)
+    assert watch_supervisor() is None
