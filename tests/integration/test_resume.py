@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -136,6 +137,15 @@ def test_resume_after_sigkill_logs_each_step_once_and_marks_the_resume(tmp_path)
     assert mark["step"] % 4 == 0 and records.index(mark) == steps.index(mark["step"]) + 1
 
 
+def _unfinish(out: Path) -> None:
+    """The finished run as one killed after its last checkpoint, before its final save: its
+    progress.jsonl without the closing "finished" record (a finished run resumed only says so)."""
+    path = out / "progress.jsonl"
+    lines = [ln for ln in path.read_text().splitlines() if json.loads(ln).get("event") != "finished"]
+    assert len(lines) < len(path.read_text().splitlines()), "the run did not record that it finished"
+    path.write_text("".join(ln + "\n" for ln in lines))
+
+
 def test_a_damaged_newest_checkpoint_is_skipped_with_the_reason(tmp_path):
     out = tmp_path / "out"
     args = [*demo_overrides(tmp_path, *COMMON), "--train.max_steps", "8", "--train.save_total_limit", "null"]
@@ -144,6 +154,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_the_reason(tmp_path):
     newest = out / "checkpoints" / "step-8"
     weights = newest / "trainable_0.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # an interrupted copy
+    _unfinish(out)
     again = run(
         [
             sys.executable,
@@ -159,6 +170,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_the_reason(tmp_path):
     assert f"warning: resume: skipping {newest}: {weights} has 100 bytes" in output
     assert f"resumed from {out / 'checkpoints' / 'step-4'} at step 4" in output
     weights.write_bytes(weights.read_bytes()[:100])  # the resumed run wrote step-8 again: damage it again
+    _unfinish(out)
     explicit = run(
         [
             sys.executable,
