@@ -27,7 +27,7 @@ def test_auto_loss_chunk_size_sees_the_whole_vocabulary_under_zero3():
         model_settings=SimpleNamespace(enable_liger_kernel=False),
         data=SimpleNamespace(packing_len=2048),
     )
-    accelerator = SimpleNamespace(print=lambda *a, **k: None)
+    accelerator = SimpleNamespace(print=lambda *a, **k: None, device=torch.device("cpu"))
     sizes = [
         SFTObjective._chunk_size(settings, _head(128256, zero3=zero3), accelerator) for zero3 in (False, True)
     ]
