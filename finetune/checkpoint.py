@@ -108,12 +108,10 @@ def _test_pause(folder: Path, step: int) -> None:
     """Tests only (FINETUNE_CHECKPOINT_PAUSE_STEP=N): hold the write of checkpoint step-N open for up
     to a minute, its files written but not yet recorded or renamed into place, so that a test can kill
     the run at that very moment."""
-    import sys
-    import time
+    from finetune.notices import hold_for_test
 
     if os.environ.get(PAUSE_ENV) == str(step):
-        print(f"finetune-checkpoint: paused writing {folder}", file=sys.stderr, flush=True)
-        time.sleep(60)
+        hold_for_test("checkpoint", 60, detail=f"writing {folder}")
 
 
 # ------------------------------------------------------------------------------------- checksums

@@ -26,6 +26,7 @@ class WriteError(FinetuneError):
 # space left on device (os error 28)"). Matched on the text because that is all they carry.
 _WRITE_FAILURE_TEXT = (
     "no space left",
+    "storagefull",
     "os error",
     "i/o error",
     "file write failed",
@@ -65,6 +66,24 @@ def write_failure_reason(exc: BaseException) -> str | None:
     if "no space left" in lowered or "os error 28" in lowered:
         return "no space left on the device"
     return f"the write failed ({text})"
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc` reports a full disk or an exhausted quota (rather than another refused write).
+
+    >>> is_disk_full(OSError(28, "No space left on device"))
+    True
+    >>> is_disk_full(RuntimeError("Error while serializing: I/O error: StorageFull"))
+    True
+    >>> is_disk_full(PermissionError(13, "Permission denied"))
+    False
+    """
+    if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc).lower()
+    return any(
+        s in text for s in ("no space left on device", "os error 28", "storagefull", "disk quota exceeded")
+    )
 
 
 def write_error(exc: BaseException, doing: str, folder, fix: str) -> WriteError:

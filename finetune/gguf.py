@@ -37,7 +37,6 @@ Why convert rather than load the GGUF each time:
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import importlib.util
 import json
@@ -52,7 +51,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, is_disk_full, write_failure_reason
 from finetune.notices import warn
 
 if TYPE_CHECKING:
@@ -423,12 +422,13 @@ def _writing(out: Path, *, what: str, need_bytes: int | None = None):
     try:
         yield
     except Exception as exc:
-        text = str(exc)
-        full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
-            s in text
-            for s in ("No space left on device", "os error 28", "StorageFull", "Disk quota exceeded")
-        )
-        if not (full or isinstance(exc, OSError) or type(exc).__name__ == "SafetensorError"):
+        full = is_disk_full(exc)
+        if not (
+            full
+            or isinstance(exc, OSError)
+            or write_failure_reason(exc)
+            or type(exc).__name__ == "SafetensorError"
+        ):
             raise
         root = out.parent
         fix = f"Free space there, or set {CACHE_ENV} to a folder on a disk with room"

@@ -10,7 +10,9 @@ passes its log.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def warn(message: str, *, emit: Callable[[str], None] | None = None) -> str:
@@ -26,3 +28,15 @@ def warn(message: str, *, emit: Callable[[str], None] | None = None) -> str:
     else:
         emit(line)
     return line
+
+
+def hold_for_test(label: str, seconds: float, *, release: Path | None = None, detail: str = "") -> None:
+    """Tests only: say `finetune-<label>: paused` on standard error and wait up to `seconds` (or until
+    the file `release` exists), so that a test can act at that very moment (kill the run, start a
+    second one). Each caller reads its own environment variable; unset, nothing happens."""
+    if seconds <= 0:
+        return
+    print(f"finetune-{label}: paused{' ' + detail if detail else ''}", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not (release is not None and release.exists()):
+        time.sleep(0.05)

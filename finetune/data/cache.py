@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from filelock import FileLock, Timeout
 if TYPE_CHECKING:
     import datasets
 from finetune.errors import write_error, write_failure_reason
+from finetune.notices import hold_for_test
 
 MANIFEST_NAME = "manifest.json"
 FINGERPRINT_CHARS = 16  # of the sha256 hex digest: folder and Hub config name
@@ -196,12 +196,7 @@ def write_atomically(
 
 
 def _test_pause(tmp: Path) -> None:
-    seconds = float(os.environ.get(PAUSE_ENV) or 0)
-    if seconds > 0:
-        print("finetune-prepare: paused", file=sys.stderr, flush=True)
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not (tmp / "resume").exists():
-            time.sleep(0.05)
+    hold_for_test("prepare", float(os.environ.get(PAUSE_ENV) or 0), release=tmp / "resume")
 
 
 def library_versions(*extra: str) -> dict:

@@ -24,15 +24,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from finetune.engine.outputs import push_later_command
 from finetune.errors import FinetuneError
 from finetune.locks import LockHeld, OwnedLock, describe_owner
-from finetune.notices import warn
+from finetune.notices import hold_for_test, warn
 
 PAUSE_ENV = "FINETUNE_TRAIN_PAUSE_S"
 LOCK_NAME = ".train"  # output_dir/.train.lock and .train.owner.json: hidden, never pushed
@@ -103,12 +101,7 @@ def agree(accelerator, value):
 
 def startup_pause(output_dir: Path) -> None:
     """The FINETUNE_TRAIN_PAUSE_S test hook (module docstring)."""
-    seconds = float(os.environ.get(PAUSE_ENV) or 0)
-    if seconds > 0:
-        print("finetune-train: paused", file=sys.stderr, flush=True)
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not (output_dir / ".resume-startup").exists():
-            time.sleep(0.05)
+    hold_for_test("train", float(os.environ.get(PAUSE_ENV) or 0), release=output_dir / ".resume-startup")
 
 
 # ------------------------------------------------------------------------------------ finished runs
