@@ -229,7 +229,8 @@ def chat_spans(
         if span:
             spans.append(span)
     for i in calls:
-        spans.append(_calls_span(messages, i, full, render, content[i]))
+        span = _calls_span(messages, i, full, render, content[i])
+        spans.append(span if i in eos_turns else _without_end(full, span, render))
     return full, sorted(spans)
 
 
@@ -287,6 +288,27 @@ def _calls_span(
             "template that renders an assistant turn's tool_calls (set model.chat_template)",
         )
     return span
+
+
+def _without_end(full: str, span: tuple[int, int], render: Callable) -> tuple[int, int]:
+    """A calls span without its end-of-turn text (`train_on_eos` leaves that turn's end untrained).
+
+    The end of a turn with calls can't be told from its markup by itself: it is the template's end of
+    an assistant turn, read from a probe conversation (the text after a plain assistant reply). A
+    template whose calls turn ends otherwise keeps its end trained (docs/data.md says so).
+    """
+    mark = _MARK.format(0)
+    try:
+        probe = render_messages(
+            render, [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}]
+        )
+    except ChatTemplateError:
+        return span
+    at = probe.find(mark)
+    end_text = probe[at + len(mark) :].strip() if at >= 0 else ""
+    if not end_text or not full[span[0] : span[1]].endswith(end_text):
+        return span
+    return _stripped(full, span[0], span[1] - len(end_text)) or span
 
 
 def _calls_start(messages: list[dict[str, Any]], i: int, full: str, render: Callable) -> int:

@@ -174,6 +174,19 @@ def test_text_before_the_calls_is_trained_with_them(tok) -> None:
     ]
 
 
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_train_on_eos_applies_to_turns_with_calls(tok, setup: str) -> None:
+    file, eot = SETUPS[setup]
+    conv = CONVERSATIONS["call_then_answer"]
+    rows = [{"messages": conv, "tools": [WEATHER]}]
+    call_turn, reply = expected(setup, conv, eot)
+    template = (TEMPLATES / file).read_text()
+    last = tokenize(rows, tok, template, train_on_eos="last").dataset[0]
+    assert trained_texts(last, tok) == [call_turn.removesuffix(eot), reply]
+    none = tokenize(rows, tok, template, train_on_eos="none").dataset[0]
+    assert trained_texts(none, tok) == [call_turn.removesuffix(eot), reply.removesuffix(eot)]
+
+
 def test_parallel_calls(tok) -> None:
     calls = [
         call("get_weather", {"city": "Paris"}, "call00001"),
