@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
 
 from finetune.constants import IGNORE_INDEX
-from finetune.data import chat, completions, damage, encode, formats, preference, rows
+from finetune.data import chat, completions, damage, encode, formats, preference, rows, tool_calls
 from finetune.data.chat import check_roles_to_train
 from finetune.data.encode import Encoder, make_encoder
 from finetune.data.formats import Format, format_of
@@ -65,7 +65,7 @@ _FEATURES = datasets.Features(
     }
 )
 # The modules whose code decides the tokenized rows (see _map_fingerprint).
-_CODE = (chat, completions, encode, preference, rows)
+_CODE = (chat, completions, encode, preference, rows, tool_calls)
 
 
 def _features(fmt: Format) -> datasets.Features:
