@@ -76,6 +76,17 @@ CONVERSATIONS = {
         result("15", "call00002"),
         {"role": "assistant", "content": "The result is 15."},
     ],
+    # a chat before the tool use: Mistral puts the tools and the system prompt into the last user
+    # turn, Llama 3.1 the tools into the first, so earlier turns render differently in a prefix
+    "chat_then_call": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        USER,
+        calling(call("get_weather", {"city": "Paris"}, "call00004")),
+        result("22 C", "call00004"),
+        {"role": "assistant", "content": "22 C."},
+    ],
     # the conversation ends with the call (the model's next move is to call)
     "ends_with_call": [USER, calling(call("get_weather", {"city": "Paris"}, "call00003"))],
 }
