@@ -20,12 +20,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.data import tool_calls
 from finetune.data.rows import (
     EMPTY_COMPLETION,
     EMPTY_CONVERSATION,
     MISSING_FIELD,
     ROLE_REJECTED,
     TEMPLATE_MISMATCH,
+    TEMPLATE_WITHOUT_TOOLS,
     UNKNOWN_ROLE,
     WRONG_TYPE,
     BadRow,
@@ -92,15 +94,23 @@ def conversation(
         role = text(msg.get(keys.role), f"{where}.{keys.role}")
         if isinstance(role, BadRow):
             return role
-        content = text(msg.get(keys.content), f"{where}.{keys.content}")
+        extra = {k: v for k, v in msg.items() if k not in (keys.role, keys.content) and v is not None}
+        if extra.get("tool_calls") == []:
+            del extra["tool_calls"]  # no calls: a plain turn (templates test the key, not its length)
+        if "tool_calls" in extra:
+            extra["tool_calls"] = tool_calls.calls(extra["tool_calls"], where)
+            if isinstance(extra["tool_calls"], BadRow):
+                return extra["tool_calls"]
+        # A turn that only calls tools has content null (OpenAI) or "": templates expect a string.
+        raw = msg.get(keys.content)
+        content = "" if raw is None and "tool_calls" in extra else text(raw, f"{where}.{keys.content}")
         if isinstance(content, BadRow):
             return content
         role = keys.role_map.get(role, role)
         if role not in known:  # role_map targets are known: only a role the map left alone gets here
             return BadRow(f"{where}.{keys.role}", UNKNOWN_ROLE, _unknown_role_detail(j, role, known))
-        extra = {k: v for k, v in msg.items() if k not in (keys.role, keys.content) and v is not None}
         turns.append({**extra, "role": role, "content": content})
-    return turns
+    return tool_calls.orphan_result(turns, field) or turns
 
 
 def _unknown_role_detail(j: int, role: str, known: set[str]) -> str:
@@ -139,8 +149,9 @@ def check_roles_to_train(roles_to_train: list[str], role_map: Mapping[str, str],
 
 def empty_turns(conv: list[dict[str, Any]], roles_to_train: list[str], field: str) -> BadRow | None:
     """A drop when every turn to train is empty or whitespace (the row would train only end tokens)."""
-    trained = [m["content"] for m in conv if m["role"] in roles_to_train]
-    if trained and not any(c.strip() for c in trained):
+    trained = [m["content"] for m in conv if m["role"] in roles_to_train and not tool_calls.has_calls(m)]
+    calls = any(tool_calls.has_calls(m) for m in conv if m["role"] in roles_to_train)
+    if trained and not calls and not any(c.strip() for c in trained):
         roles = "/".join(roles_to_train)
         detail = f"every {roles} turn is empty or whitespace: the row would train nothing"
         return BadRow(field, EMPTY_COMPLETION, detail, malformed=False)
@@ -209,26 +220,121 @@ def chat_spans(
         return full, []
     content = _content_spans(messages, full, render, needed=sorted({*trained, *eos_turns}))
     spans = [content[i] for i in trained if content[i] and content[i][1] > content[i][0]]
+    calls = [i for i in trained if tool_calls.has_calls(messages[i])]
     for i in eos_turns:
-        if content[i] is None:
-            continue
+        if content[i] is None or i in calls:
+            continue  # a turn with tool calls trains its end with its calls (below)
         start = content[i][1]
-        if i == len(messages) - 1:
-            end = len(full)
-        else:
-            end = _common_prefix_len(full, render_messages(render, messages[: i + 1]))
-        segment = full[start:end]
-        stripped = segment.strip()
-        if stripped:
-            s = start + len(segment) - len(segment.lstrip())
-            spans.append((s, s + len(stripped)))
+        span = _stripped(full, start, _turn_end(messages, i, full, render))
+        if span:
+            spans.append(span)
+    for i in calls:
+        span = _calls_span(messages, i, full, render, content[i])
+        spans.append(span if i in eos_turns else _without_end(full, span, render))
     return full, sorted(spans)
 
 
-def render_messages(render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]]) -> str:
-    """`render(messages)`, a template's failure raised as a ChatTemplateError (reason role_rejected)."""
+def _turn_end(messages: list[dict[str, Any]], i: int, full: str, render: Callable) -> int:
+    """Where message i's turn ends in `full`: where the rendering of ``messages[:i+1]`` ends in it."""
+    if i == len(messages) - 1:
+        return len(full)
+    return _end_in(full, render_messages(render, messages[: i + 1]))
+
+
+def _end_in(full: str, part: str) -> int:
+    """Where the rendering of a conversation's first turns, `part`, ends in `full`.
+
+    Usually `part` is a prefix of `full`. Some templates render the last message of a conversation
+    differently: Qwen3 gives a last assistant turn an empty ``<think>`` block, Mistral's puts the
+    system prompt into the last user turn. Then `part` is `full`'s prefix with a piece inserted
+    where they part, and its end is where its longest tail that continues `full` there ends.
+
+    >>> _end_in("<a>x<e><u>y", "<a><t>x<e>")
+    7
+    """
+    start = _common_prefix_len(full, part)
+    if start == len(part):
+        return start
+    for k in range(min(len(part), len(full)) - start, 0, -1):
+        if part.endswith(full[start : start + k]):
+            return start + k
+    return start
+
+
+def _stripped(full: str, start: int, end: int) -> tuple[int, int] | None:
+    """The span [start, end) of `full` without its surrounding whitespace (None when nothing is left)."""
+    segment = full[start:end]
+    stripped = segment.strip()
+    if not stripped:
+        return None
+    s = start + len(segment) - len(segment.lstrip())
+    return s, s + len(stripped)
+
+
+def _calls_span(
+    messages: list[dict[str, Any]], i: int, full: str, render: Callable, content: tuple[int, int] | None
+) -> tuple[int, int]:
+    """The span of message i's tool calls and its end of turn: what the model writes after its text
+    (or, with no text rendered, after the generation prompt) up to the end of the turn. Templates
+    write calls in their own markup (``<tool_call>`` JSON, ``[TOOL_CALLS]``, a bare JSON object):
+    that markup is what the model must learn to emit, so all of it is trained."""
+    start = content[0] if content else _calls_start(messages, i, full, render)
+    span = _stripped(full, start, _turn_end(messages, i, full, render))
+    names = tool_calls.called_names(messages[i])
+    if span is None or not all(name in full[span[0] : span[1]] for name in names):
+        raise ChatTemplateError(
+            TEMPLATE_WITHOUT_TOOLS,
+            f"the chat template does not render the tool calls of message {i} (functions {names}): use a "
+            "template that renders an assistant turn's tool_calls (set model.chat_template)",
+        )
+    return span
+
+
+def _without_end(full: str, span: tuple[int, int], render: Callable) -> tuple[int, int]:
+    """A calls span without its end-of-turn text (`train_on_eos` leaves that turn's end untrained).
+
+    The end of a turn with calls can't be told from its markup by itself: it is the template's end of
+    an assistant turn, read from a probe conversation (the text after a plain assistant reply). A
+    template whose calls turn ends otherwise keeps its end trained (docs/data.md says so).
+    """
+    mark = _MARK.format(0)
     try:
-        return render(messages)
+        probe = render_messages(
+            render, [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}]
+        )
+    except ChatTemplateError:
+        return span
+    at = probe.find(mark)
+    end_text = probe[at + len(mark) :].strip() if at >= 0 else ""
+    if not end_text or not full[span[0] : span[1]].endswith(end_text):
+        return span
+    return _stripped(full, span[0], span[1] - len(end_text)) or span
+
+
+def _calls_start(messages: list[dict[str, Any]], i: int, full: str, render: Callable) -> int:
+    """Where message i's calls start when it has no text: where the template puts its content (found
+    with a marker, the text before it unchanged), else right after the generation prompt."""
+    mark = _MARK.format(i)
+    marked = render_messages(render, [*messages[:i], {**messages[i], "content": mark}, *messages[i + 1 :]])
+    at = marked.find(mark)
+    if at >= 0 and full.startswith(marked[:at]):
+        return at
+    prompt = render_messages(render, messages[:i], add_generation_prompt=True)
+    at = _end_in(full, prompt)
+    if at > _common_prefix_len(full, prompt) or full.startswith(prompt):
+        return at
+    raise ChatTemplateError(
+        TEMPLATE_MISMATCH,
+        f"could not locate where message {i}'s tool calls start in the rendered template (neither its "
+        "content nor the generation prompt before it is where the conversation renders them)",
+    )
+
+
+def render_messages(render: Callable[..., str], messages: list[dict[str, Any]], **kwargs: Any) -> str:
+    """`render(messages, **kwargs)`, a template's failure raised as a ChatTemplateError (reason
+    role_rejected)."""
+    try:
+        return render(messages, **kwargs)
     except Exception as e:  # the template's own raise_exception, or a Jinja error on odd input
         roles = [m.get("role") for m in messages]
         raise ChatTemplateError(
@@ -239,13 +345,17 @@ def render_messages(render: Callable[[list[dict[str, Any]]], str], messages: lis
 def _content_spans(
     messages: list[dict[str, Any]], full: str, render: Callable, *, needed: list[int]
 ) -> list[tuple[int, int] | None]:
-    marked = [{**m, "content": _MARK.format(i)} for i, m in enumerate(messages)]
+    # A turn with only tool calls keeps its empty content: templates write it differently once it
+    # has text (Qwen's newline before the calls), which would throw the walk off; _calls_start
+    # finds where its calls start.
+    bare = {i for i, m in enumerate(messages) if tool_calls.has_calls(m) and not m["content"]}
+    marked = [m if i in bare else {**m, "content": _MARK.format(i)} for i, m in enumerate(messages)]
     spans = _walk(full, render_messages(render, marked), messages)
     if spans is not None:
         return spans
     spans = [None] * len(messages)
     for i in needed:
-        spans[i] = _exact_span(full, messages, i, render)
+        spans[i] = None if i in bare else _exact_span(full, messages, i, render)
     return spans
 
 

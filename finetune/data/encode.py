@@ -20,6 +20,7 @@ start with it already. Labels here may still train the first token: tokenize.py 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,9 +59,34 @@ class Encoder:
             return backend.encode_batch(texts, add_special_tokens=False)
         return backend.encode_batch_fast(texts, add_special_tokens=False)
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """A conversation rendered by the chat template (the override, else the tokenizer's own)."""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.chat_template)
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+    ) -> str:
+        """A conversation rendered by the chat template (the override, else the tokenizer's own),
+        with the row's tool definitions when it has any."""
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            tokenize=False,
+            chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    def template(self) -> str:
+        """The chat template that renders the rows (the override, else the tokenizer's own)."""
+        return self.chat_template or self.tokenizer.chat_template
+
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads a ``tools`` variable (the definitions a row passes)."""
+        # transformers' own parse of the template (its Jinja environment knows the {% generation %}
+        # tag that a plain jinja2 parse would reject); cached per template.
+        from transformers.utils.chat_template_utils import _get_template_variables
+
+        return "tools" in _get_template_variables(self.template())
 
     def labelled(self, encoding: Any, spans: list[tuple[int, int]] | None) -> tuple[list[int], list[int]]:
         """(ids, labels) of a rendered text: tokens overlapping a trained span get labels (every token
@@ -146,27 +172,27 @@ def prompt_completion_examples(
 
 
 def chat_examples(
-    convs: list[list[dict[str, Any]] | BadRow], enc: Encoder, entry: Any, *, field: str
+    convs: list[list[dict[str, Any]] | BadRow],
+    enc: Encoder,
+    entry: Any,
+    *,
+    field: str,
+    tools: list[list[dict[str, Any]] | None] | None = None,
 ) -> list[Example | BadRow]:
-    """Each conversation rendered with the chat template; the turns of the entry's `roles_to_train`
-    (and their end-of-turn text, per its `train_on_eos`) trained, or every token with its
-    `train_on_inputs`. `field` names the column in the problems of a row (an empty trained turn, a
-    template that rejects it)."""
-    train_on_inputs = entry.train_on_inputs
+    """Each conversation rendered with the chat template (with its row's tool definitions, `tools`,
+    when given); the turns of the entry's `roles_to_train` (and their end-of-turn text, per its
+    `train_on_eos`) trained, or every token with its `train_on_inputs`. `field` names the column in
+    the problems of a row (an empty trained turn, a template that rejects it)."""
     texts: list[str] = []
     found: list[list[tuple[int, int]] | BadRow] = []
-    for conv in convs:
+    for conv, row_tools in zip(convs, tools or [None] * len(convs), strict=True):
         text, spans = "", conv if isinstance(conv, BadRow) else None
-        if spans is None and not train_on_inputs:
+        if spans is None and not entry.train_on_inputs:
             spans = empty_turns(conv, entry.roles_to_train, field)
         if spans is None:
+            render = functools.partial(enc.render, tools=row_tools) if row_tools else enc.render
             try:
-                if train_on_inputs:
-                    text, spans = render_messages(enc.render, conv), []
-                else:
-                    text, spans = chat_spans(
-                        conv, enc.render, roles_to_train=entry.roles_to_train, train_on_eos=entry.train_on_eos
-                    )
+                text, spans = _chat_text(conv, render, entry)
             except ChatTemplateError as e:
                 spans = BadRow(field, e.reason, str(e))
         texts.append(text)
@@ -176,8 +202,15 @@ def chat_examples(
         if isinstance(spans, BadRow):
             rows.append(spans)
         else:
-            rows.append(enc.labelled(encoding, None if train_on_inputs else spans))
+            rows.append(enc.labelled(encoding, None if entry.train_on_inputs else spans))
     return rows
+
+
+def _chat_text(conv: list[dict[str, Any]], render: Any, entry: Any) -> tuple[str, list[tuple[int, int]]]:
+    """(rendered text, trained spans) of one conversation; every token trains with train_on_inputs."""
+    if entry.train_on_inputs:
+        return render_messages(render, conv), []
+    return chat_spans(conv, render, roles_to_train=entry.roles_to_train, train_on_eos=entry.train_on_eos)
 
 
 def pair_examples(

@@ -39,7 +39,8 @@ COMPRESSION_EXTENSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
 SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")
 _HASH_CHUNK_BYTES = 1 << 20
 # Bump when the prepared layout or the meaning of its columns changes: old caches are then ignored.
-FORMAT_VERSION = 1
+# 2: chats with tool calls are trained (they were bad rows) and rendered with their row's tools.
+FORMAT_VERSION = 2
 # Files in a tokenizer folder that cannot change tokenization (model weights): not hashed.
 _WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx"}
 # Entry fields that do not change what is prepared.

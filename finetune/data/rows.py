@@ -30,6 +30,9 @@ OUT_OF_VOCAB = "out_of_vocab"
 LENGTH_MISMATCH = "length_mismatch"
 TEMPLATE_MISMATCH = "template_mismatch"
 PREFIX_MISMATCH = "prefix_mismatch"
+# A row with tools or tool calls that the chat template can't render: an error whatever
+# data.on_bad_row says (every such row would lose them: the template is at fault, not the row).
+TEMPLATE_WITHOUT_TOOLS = "template_without_tools"
 # Drop reasons (not bad rows): the output / completion / trained turns are empty; a preference pair
 # whose chosen and rejected completions are the same (it would train nothing).
 EMPTY_COMPLETION = "empty_completion"

@@ -33,11 +33,11 @@ import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
 
 from finetune.constants import IGNORE_INDEX
-from finetune.data import chat, completions, damage, encode, formats, preference, rows
+from finetune.data import chat, completions, damage, encode, formats, preference, rows, tool_calls
 from finetune.data.chat import check_roles_to_train
 from finetune.data.encode import Encoder, make_encoder
 from finetune.data.formats import Format, format_of
-from finetune.data.rows import BadRow, Example
+from finetune.data.rows import TEMPLATE_WITHOUT_TOOLS, BadRow, Example
 from finetune.errors import DataError
 
 BATCH_SIZE = 1000
@@ -65,7 +65,7 @@ _FEATURES = datasets.Features(
     }
 )
 # The modules whose code decides the tokenized rows (see _map_fingerprint).
-_CODE = (chat, completions, encode, preference, rows)
+_CODE = (chat, completions, encode, preference, rows, tool_calls)
 
 
 def _features(fmt: Format) -> datasets.Features:
@@ -353,18 +353,22 @@ def _account(
     rows_in = len(out)
     dropped = dict(sorted(Counter(drop[~keep].tolist()).items()))
     is_bad = np.char.startswith(drop.astype(str), "bad_row:")
-    first_bad = int(np.argmax(is_bad)) if is_bad.any() and on_bad_row == "raise" else None
+    if on_bad_row == "skip":  # the template is at fault for these, not the rows: skipping can't help
+        is_bad = drop == f"bad_row:{TEMPLATE_WITHOUT_TOOLS}"
+    first_bad = int(np.argmax(is_bad)) if is_bad.any() else None
     too_long = drop == TOO_LONG
     first_long = int(np.argmax(too_long)) if too_long.any() and strategy == "raise" else None
     source = table.column("source_row")
     if first_bad is not None and (first_long is None or first_bad < first_long):
         row = out[first_bad]
         where = f"field {row['_field']!r}: " if row["_field"] else ""
-        raise DataError(
-            f"{label} ({entry.path}): row {row['source_row']}: {where}{row['_detail']}. "
+        fix = (
             "Fix the data (or the field mappings of this entry), or set data.on_bad_row: skip to drop "
             "such rows (they are counted in the manifest)."
         )
+        if drop[first_bad] == f"bad_row:{TEMPLATE_WITHOUT_TOOLS}":
+            fix = "Every row with tools would lose them: use a chat template that renders tools."
+        raise DataError(f"{label} ({entry.path}): row {row['source_row']}: {where}{row['_detail']}. {fix}")
     if first_long is not None:
         num_tokens = table.column("_num_tokens")[first_long].as_py()
         where = f"{label}.max_seq_len" if entry.max_seq_len else "data.sequence_len"

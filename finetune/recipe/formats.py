@@ -180,6 +180,13 @@ class ChatTemplateEntry(_Entry):
 
     type: Annotated[Literal["chat_template"], Field(description=_TYPE_DESCRIPTION)]
     field_messages: str = Field("messages", description="Column holding the list of messages.")
+    field_tools: str = Field(
+        "tools",
+        description="Column holding a row's tool definitions (a list of function JSON schemas, or a JSON "
+        "string of one), passed to the chat template as `tools`; read when the data has it or it is set. "
+        "Assistant messages may carry `tool_calls` (OpenAI or Hugging Face form): they are trained with "
+        "the turn; `tool` results are not (see docs/data.md, Tool calls).",
+    )
     message_field_role: MessageRole
     message_field_content: MessageContent
     role_map: RoleMap

@@ -21,17 +21,18 @@ from typing import Any
 
 import datasets
 
-from finetune.data import encode
+from finetune.data import encode, tool_calls
 from finetune.data.chat import conversation as _conversation
 from finetune.data.chat import known_roles, message_keys
 from finetune.data.encode import Encoder
-from finetune.data.rows import BadRow, Example, missing_name_message
+from finetune.data.rows import TEMPLATE_WITHOUT_TOOLS, BadRow, Example, missing_name_message, optional_column
 from finetune.errors import DataError
+from finetune.recipe import KNOWN_CHAT_TEMPLATES
 
 
 def columns(entry: Any, column_names: Sequence[str]) -> dict[str, str]:
-    """{entry field: column} of the columns read."""
-    return {"field_messages": entry.field_messages}
+    """{entry field: column} of the columns read (the tools column when the data or recipe has one)."""
+    return {"field_messages": entry.field_messages} | optional_column(entry, "field_tools", column_names)
 
 
 def check(entry: Any, features: datasets.Features, entry_label: str) -> None:
@@ -68,5 +69,34 @@ def renders_chat(entry: Any, features: datasets.Features) -> bool:
 
 
 def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example | BadRow]:
-    """Each conversation rendered and masked (encode.chat_examples)."""
-    return encode.chat_examples(conversations(batch, entry), enc, entry, field=entry.field_messages)
+    """Each conversation rendered with its row's tools and masked (encode.chat_examples)."""
+    convs = conversations(batch, entry)
+    if entry.field_tools not in batch:
+        return encode.chat_examples(convs, enc, entry, field=entry.field_messages)
+    tools = [row_tools(value, entry.field_tools, enc) for value in batch[entry.field_tools]]
+    convs = [t if isinstance(t, BadRow) else c for c, t in zip(convs, tools, strict=True)]
+    tools = [None if isinstance(t, BadRow) else t for t in tools]
+    return encode.chat_examples(convs, enc, entry, field=entry.field_messages, tools=tools)
+
+
+def row_tools(value: Any, field: str, enc: Encoder) -> list[dict[str, Any]] | BadRow | None:
+    """One row's tool definitions for ``apply_chat_template(tools=...)``, or why they can't be used
+    (not a list of schemas; a chat template with no ``tools`` variable, which would drop them)."""
+    tools = tool_calls.tools(value, field)
+    if tools and not isinstance(tools, BadRow) and not enc.renders_tools():
+        return BadRow(
+            field,
+            TEMPLATE_WITHOUT_TOOLS,
+            f"the row has tool definitions in {field!r}, but the chat template ({template_name(enc)}) has no "
+            "`tools` variable, so they would be dropped; set model.chat_template to a template that "
+            "renders tools (the model's own tool-calling template)",
+        )
+    return tools
+
+
+def template_name(enc: Encoder) -> str:
+    """How to name the chat template in an error: its known name, else where it comes from."""
+    names = {text: name for name, text in KNOWN_CHAT_TEMPLATES.items()}
+    if enc.chat_template:
+        return f"model.chat_template {names.get(enc.chat_template, enc.chat_template[:60] + '...')!r}"
+    return f"the tokenizer's own template, {enc.template()[:60]!r}..."
