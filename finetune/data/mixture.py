@@ -56,6 +56,18 @@ def draw_count(weight: float, num_rows: int) -> int:
     return whole * num_rows + math.floor((exact - whole) * num_rows + Fraction(1, 2))
 
 
+def smallest_weight(num_rows: int) -> float:
+    """The smallest weight of 3 significant digits that draws a row from `num_rows` rows (half a
+    row rounds up), for the error about a weight that draws none.
+
+    >>> smallest_weight(7), draw_count(smallest_weight(7), 7), smallest_weight(100)
+    (0.0715, 1, 0.005)
+    """
+    exact = 1 / (2 * num_rows)
+    scale = 10 ** (2 - math.floor(math.log10(exact)))
+    return math.ceil(exact * scale) / scale
+
+
 def draw(num_rows: int, weight: float, *, seed: int, index: int) -> tuple[np.ndarray, np.ndarray]:
     """(rows, passes): the rows (0..num_rows-1) that `weight` draws from a dataset and the pass each
     copy belongs to (0..k-1 for the whole passes, k for the fractional draw, rows ascending within a

@@ -45,7 +45,14 @@ from finetune.data.cache import (
 )
 from finetune.data.fingerprint import FORMAT_VERSION, fingerprint_inputs, reusing, summary
 from finetune.data.formats import FORMATS
-from finetune.data.mixture import EFFECTIVE_WEIGHT_WARN, draw_count, mix, per_example_tokens, shares
+from finetune.data.mixture import (
+    EFFECTIVE_WEIGHT_WARN,
+    draw_count,
+    mix,
+    per_example_tokens,
+    shares,
+    smallest_weight,
+)
 from finetune.data.packing import (
     build_packed_rows,
     pack_multipack,
@@ -385,19 +392,24 @@ def _merge_and_split(recipe: Recipe, parts: list[_Part]) -> _Split:
     if data.shuffle_merged_datasets:
         order = order[np.random.default_rng(seed).permutation(len(order))]
     train_idx, val_idx = _validation_split(order, data.val_set_size, seed)
+    # The entry of a row index: the last entry starting at or before it (empty entries start where the
+    # next one does).
     sources = np.searchsorted(offsets, train_idx, side="right") - 1
-    weights = [p.weight for p in parts]
     positions = mix(
-        train_idx - offsets[sources], sources, weights, seed=seed, shuffle=data.shuffle_merged_datasets
+        train_idx - offsets[sources],
+        sources,
+        [p.weight for p in parts],
+        seed=seed,
+        shuffle=data.shuffle_merged_datasets,
     )
-    val_sources = np.searchsorted(offsets, val_idx, side="right") - 1 if val_idx is not None else None
+    rows_eval = np.zeros_like(sizes)
+    if val_idx is not None:
+        rows_eval = np.bincount(np.searchsorted(offsets, val_idx, side="right") - 1, minlength=len(parts))
     return _Split(
         train=merged.select(train_idx[positions]),
         val=merged.select(val_idx) if val_idx is not None else None,
         train_sources=sources[positions],
-        rows_eval=np.bincount(val_sources, minlength=len(parts))
-        if val_idx is not None
-        else np.zeros_like(sizes),
+        rows_eval=rows_eval,
         rows_train=np.bincount(sources, minlength=len(parts)),
     )
 
@@ -439,7 +451,7 @@ def _check_draws(parts: list[_Part], split: _Split, log: Callable[[str], None]) 
         if n and not drawn:
             raise DataError(
                 f"{where} draws 0 of the dataset's {n} training rows, so none of it would be trained: raise the "
-                f"weight to at least {1 / (2 * n):.3g} (half a row rounds up to one) or remove the entry"
+                f"weight to at least {smallest_weight(n):g} (half a row rounds up to one) or remove the entry"
             )
         if n and abs(drawn / n - part.weight) > EFFECTIVE_WEIGHT_WARN * part.weight:
             warn(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from collections import Counter
 from decimal import ROUND_HALF_UP, Decimal
@@ -17,7 +18,7 @@ import pytest
 from finetune.data import prepare as prepare_mod
 from finetune.data.cache import compute_fingerprint
 from finetune.data.fingerprint import fingerprint_inputs
-from finetune.data.mixture import draw, draw_count, mix
+from finetune.data.mixture import draw, draw_count, mix, smallest_weight
 from finetune.data.prepare import prepare
 from finetune.errors import DataError
 from finetune.recipe import validate_recipe
@@ -57,6 +58,8 @@ def test_draw_rounds_half_up_on_the_decimal_weight():
     assert draw_count(1.15, 10) == 12  # 1.5 -> 2, though 1.15 - 1 is 0.1499... in binary
     assert draw_count(2.5, 3) == 8
     assert draw_count(0.3, 10) == 3 and draw_count(0.001, 499) == 0 and draw_count(0.001, 500) == 1
+    for n in (1, 3, 7, 25, 99, 1000, 12345):  # the weight the zero-draw error suggests draws a row
+        assert draw_count(smallest_weight(n), n) == 1
 
 
 def test_draw_is_deterministic_seeded_and_nested():
@@ -261,10 +264,13 @@ def test_fingerprint_records_the_weight_and_weight_one_changes_nothing(workdir: 
 
 
 def test_a_weight_that_draws_nothing_is_an_error_and_a_poor_fit_a_warning(workdir: Path):
-    with pytest.raises(
-        DataError, match=r"data\.datasets\[1\]\.weight \(0\.01, .*texts\.jsonl\) draws 0 of the "
-    ):
-        prepare(_recipe(workdir, (1.0, 0.01), name="zero"), log=_quiet)
+    with pytest.raises(DataError) as error:
+        prepare(_recipe(workdir, (1.0, 0.01), name="zero"), log=_quiet)  # 0.25 rows -> 0
+    assert re.match(
+        r"data\.datasets\[1\]\.weight \(0\.01, .*texts\.jsonl\) draws 0 of the dataset's 25 ",
+        str(error.value),
+    )
+    assert "raise the weight to at least 0.02 " in str(error.value)
     assert not list((workdir / "zero").rglob("manifest.json"))  # nothing written
     logs: list[str] = []
     prepare(_recipe(workdir, (1.0, 0.05), name="poor"), log=logs.append)  # 1.25 rows -> 1: 0.04
