@@ -79,6 +79,16 @@ def history_section(extensions: list[dict]) -> list[str]:
     return ["## Training history\n\n" + "\n".join(lines)]
 
 
+def _dataset_text(entry: dict) -> str:
+    """A training dataset in the card: its path and type, and its mixture weight unless 1.
+
+    >>> _dataset_text({"path": "a.jsonl", "type": "alpaca", "weight": 0.5})
+    '`a.jsonl` (alpaca, weight 0.5)'
+    """
+    weight = entry.get("weight", 1)
+    return f"`{entry['path']}` ({entry['type']}{f', weight {weight:g}' if weight != 1 else ''})"
+
+
 def render_model_card(*, recipe: dict, manifest: dict, metrics: dict, extensions: list[dict] = ()) -> str:
     """Card text: base model, data (from the prepared dataset's manifest), hyperparameters, metrics,
     and the run's extensions (`history_section`).
@@ -104,7 +114,7 @@ def render_model_card(*, recipe: dict, manifest: dict, metrics: dict, extensions
         ],
         pipeline_tag="text-generation",
     )
-    datasets = ", ".join(f"`{d['path']}` ({d['type']})" for d in data["datasets"])
+    datasets = ", ".join(_dataset_text(d) for d in data["datasets"])
     hyper = [
         (
             "learning rate",

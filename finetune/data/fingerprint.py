@@ -268,6 +268,10 @@ def fingerprint_inputs(recipe: Recipe, *, with_files: bool = True) -> dict:
 
 def _entry_inputs(entry: Any, with_files: bool = True) -> dict:
     settings = _FORMAT_1_FIELDS | entry.model_dump(mode="json", exclude=_ENTRY_FIELDS_NOT_HASHED)
+    if settings.get("weight") == 1:
+        # The default draws each row once, as before weights existed: left out, so the fingerprints
+        # (and the caches) of recipes without weights stay what they were.
+        del settings["weight"]
     return {"settings": settings, "source": source_fingerprint(entry) if with_files else None}
 
 
@@ -354,4 +358,27 @@ def summary(manifest: dict, source: str, path: Path) -> str:
             f"({'packed, ' + s['packing_method'] if s['packed'] else 'unpacked'}); {s['num_tokens']:,} tokens, "
             f"{s['num_trainable_tokens']:,} trainable; packing efficiency {s['packing_efficiency']:.4f}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + mixture_lines(m.get("mixture", [])))
+
+
+def mixture_lines(mixture: list[dict]) -> list[str]:
+    """One summary line per training dataset when there are several or any is weighted: its weight,
+    rows for training and drawn, and its shares of the training rows and trained tokens.
+
+    >>> row = {"dataset": "data.datasets[0]", "path": "a.jsonl", "weight": 0.5, "rows_train": 9,
+    ...        "rows_drawn": 5, "share_of_rows": 0.25, "share_of_trained_tokens": 0.3}
+    >>> mixture_lines([row])
+    ['  data.datasets[0] (a.jsonl): weight 0.5, 9 training rows -> 5 drawn; 25.0% of the rows, 30.0% of the trained tokens']
+    """
+    if len(mixture) < 2 and all(d["weight"] == 1 for d in mixture):
+        return []
+
+    def percent(share: float | None) -> str:
+        return "n/a" if share is None else f"{share:.1%}"
+
+    return [
+        f"  {d['dataset']} ({Path(d['path']).name}): weight {d['weight']:g}, {d['rows_train']} training rows -> "
+        f"{d['rows_drawn']} drawn; {percent(d['share_of_rows'])} of the rows, "
+        f"{percent(d['share_of_trained_tokens'])} of the trained tokens"
+        for d in mixture
+    ]

@@ -156,6 +156,16 @@ class DataSection(_Section):
                     "must be null when dataloader_num_workers is 0 (torch rejects it)",
                 )
             )
+        for i, entry in enumerate(self.test_datasets if ok("test_datasets") else []):
+            if entry is not None and entry.weight != 1:
+                problems.append(
+                    (
+                        f"test_datasets.{i}.weight",
+                        entry.weight,
+                        "evaluation data is not weighted (a weight draws a training mixture): remove it, or "
+                        "list the dataset in data.datasets",
+                    )
+                )
         if (
             ok("skip_prepare_dataset", "push_dataset_to_hub")
             and self.skip_prepare_dataset

@@ -244,6 +244,14 @@ def diffusion_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
             problems.append(
                 (f"data.datasets.{i}.type", entry.type, "image sources need model.kind: diffusion")
             )
+        if entry.type in IMAGE_DATASET_TYPES and entry.weight != 1:
+            problems.append(
+                (
+                    f"data.datasets.{i}.weight",
+                    entry.weight,
+                    "image sources are not weighted yet (weights draw mixtures of text datasets): remove it",
+                )
+            )
     if not diffusion:
         if ok("diffusion") and recipe.diffusion is not None:
             problems.append(
