@@ -15,7 +15,7 @@ from html import escape
 
 MAX_POINTS = 600
 WIDTH, HEIGHT = 520, 250
-LEFT, RIGHT, TOP, BOTTOM = 64, 14, 12, 34
+LEFT, RIGHT, TOP, BOTTOM = 64, 26, 12, 34
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
 
 
@@ -37,6 +37,17 @@ def fmt(value: float) -> str:
     ('0.0003', '1.235e+06', '2', '-0.5')
     """
     return f"{value:.4g}"
+
+
+def tick_text(value: float) -> str:
+    """A tick label: whole numbers in full with thousands separators, others as `fmt`.
+
+    >>> tick_text(20000), tick_text(0.25), tick_text(3e-05)
+    ('20,000', '0.25', '3e-05')
+    """
+    if float(value).is_integer() and abs(value) < 1e12:
+        return f"{int(value):,}"
+    return fmt(value)
 
 
 def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
@@ -121,7 +132,7 @@ def line_chart(key: str, title: str, series: list[Series], *, source: str) -> st
         )
         line = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
         parts.append(f'<polyline fill="none" stroke-width="1.6" points="{line}"/>')
-        radius = 2.6 if len(pts) <= 60 else 1.4
+        radius = 2.6 if len(pts) <= 60 else 0.9  # dense series: the line shows the shape
         for x, y in pts:
             step = (
                 int(x) if x.is_integer() else x
@@ -145,11 +156,15 @@ def _axes(x_ticks, y_ticks, px, py) -> list[str]:
     for t in y_ticks:
         y = py(t)
         out.append(f'<line x1="{LEFT}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}" stroke="#eee"/>')
-        out.append(f'<text x="{LEFT - 5}" y="{y + 3:.1f}" text-anchor="end" stroke="none">{fmt(t)}</text>')
+        out.append(
+            f'<text x="{LEFT - 5}" y="{y + 3:.1f}" text-anchor="end" stroke="none">{tick_text(t)}</text>'
+        )
     for t in x_ticks:
         x = px(t)
         out.append(f'<line x1="{x:.1f}" y1="{bottom}" x2="{x:.1f}" y2="{bottom + 4}"/>')
-        out.append(f'<text x="{x:.1f}" y="{bottom + 15}" text-anchor="middle" stroke="none">{fmt(t)}</text>')
+        out.append(
+            f'<text x="{x:.1f}" y="{bottom + 15}" text-anchor="middle" stroke="none">{tick_text(t)}</text>'
+        )
     out.append(f'<line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{bottom}"/>')
     out.append(f'<line x1="{LEFT}" y1="{bottom}" x2="{right}" y2="{bottom}"/>')
     out.append(

@@ -38,7 +38,7 @@ h1{font-size:22px;margin:0 0 4px}h2{font-size:18px;margin:28px 0 8px;border-bott
 h3{font-size:15px;margin:16px 0 6px}.muted{color:#666}.missing{color:#8a4b00;background:#fff6e5;padding:6px 10px}
 table{border-collapse:collapse;margin:6px 0 12px}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;
 vertical-align:top}th{background:#f5f5f5}td.num{text-align:right;font-variant-numeric:tabular-nums}
-.charts{display:flex;flex-wrap:wrap;gap:12px}figure.chart{margin:0;border:1px solid #e5e5e5;padding:6px}
+.charts{display:flex;flex-wrap:wrap;gap:12px}figure.chart{margin:0;border:1px solid #e5e5e5;padding:6px;max-width:520px}
 figcaption{font-weight:600;margin-bottom:2px}.legend{list-style:none;padding:0;margin:2px 0 0;font-size:12px}
 .legend li{display:inline-block;margin-right:12px}.swatch{display:inline-block;width:10px;height:10px;
 margin-right:4px;border-radius:2px}pre{white-space:pre-wrap;margin:0;font:12px/1.35 ui-monospace,monospace}
