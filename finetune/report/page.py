@@ -204,21 +204,29 @@ def eval_section(runs: list[RunData]) -> str:
             parts.append(f'<p class="missing" data-missing="eval">{escape(run.eval_missing or "")}</p>')
             parts.append(_training_samples(run))
             continue
-        results = run.eval_report["results"]
-        names = list(results)
-        models = run.eval_report.get("models") or {}
-        caption = ", ".join(f"{n}: {models.get(n) or 'the recipe base'}" for n in names)
-        parts.append(f'<p class="muted">{escape(caption)}</p>')
-        parts.append(
-            table(
-                ["metric", *names],
-                [[label, *values] for label, values in comparison_rows(results)],
-                cls="eval",
+        try:  # eval.json is a file on disk: one not in the form finetune eval writes is said, not raised
+            parts.append(_eval_tables(run.eval_report, comparison_rows))
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            parts.append(
+                f'<p class="missing" data-missing="eval">{escape(str(run.path / "eval.json"))} is not in the form '
+                f"`finetune eval` writes ({escape(type(exc).__name__)}: {escape(str(exc))}): run finetune eval "
+                "again</p>"
             )
-        )
-        parts.append(_eval_samples(results))
         parts.append(_training_samples(run))
     parts.append("</section>")
+    return "".join(parts)
+
+
+def _eval_tables(report: dict, comparison_rows) -> str:
+    """eval.json's table (models as columns) and its samples."""
+    results = report["results"]
+    names = list(results)
+    models = report.get("models") or {}
+    caption = ", ".join(f"{n}: {models.get(n) or 'the recipe base'}" for n in names)
+    parts = [f'<p class="muted">{escape(caption)}</p>']
+    rows = [[label, *values] for label, values in comparison_rows(results)]
+    parts.append(table(["metric", *names], rows, cls="eval"))
+    parts.append(_eval_samples(results))
     return "".join(parts)
 
 
@@ -299,7 +307,8 @@ def data_section(runs: list[RunData]) -> str:
         rows.insert(2, ["rows dropped", m.get("rows_dropped")])
         rows.insert(3, ["rows truncated", m.get("truncated")])
         parts.append(table(["figure", "value"], rows, cls="manifest"))
-        splits = m.get("splits") or {}
+        splits = m.get("splits") if isinstance(m.get("splits"), dict) else {}
+        splits = {name: sp for name, sp in splits.items() if isinstance(sp, dict)}
         if splits:
             keys = (
                 "examples",

@@ -109,6 +109,13 @@ def test_text_is_escaped(tmp_path):
     assert "x &amp; y" in page and "a&lt;b&gt;" in page and "s&lt;1&gt; contains (n=1)" in page
 
 
+def test_an_eval_json_not_in_finetune_evals_form_is_said_not_raised(tmp_path):
+    run = write_run(tmp_path / "odd", sft_records(2))
+    (run / "eval.json").write_text(json.dumps({"results": {"base": {"eval_loss": 1.0}}}))  # no "generation"
+    page = render(tmp_path, run)
+    assert "eval.json is not in the form `finetune eval` writes (KeyError: &#x27;generation&#x27;)" in page
+
+
 def test_missing_eval_manifest_and_plan_say_how_to_get_them(tmp_path):
     old = write_run(tmp_path / "old", [{"step": 1, "loss": 1.0}])  # no started record: an older run
     page = render(tmp_path, old)
