@@ -150,6 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     checkpoints.add_argument("output_dir", help="the run's train.output_dir")
 
+    report = sub.add_parser(
+        "report",
+        help="One self-contained HTML page about training runs: curves overlaid across runs, finetune eval's "
+        "table and samples, the data manifest, the planner's memory prediction vs the measured peak.",
+    )
+    report.add_argument("output_dirs", nargs="+", metavar="OUTPUT_DIR", help="a run's train.output_dir")
+    report.add_argument(
+        "--output", default="report.html", metavar="FILE", help="the HTML file to write (report.html)"
+    )
+
     merge = sub.add_parser(
         "merge-lora", help="Merge a LoRA adapter into its base model and save full weights."
     )
@@ -320,6 +330,14 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         if overrides:
             raise FinetuneError(f"checkpoints takes no recipe overrides, got {' '.join(overrides)}")
         return print_checkpoints(args.output_dir)
+    if args.command == "report":
+        if overrides:
+            raise FinetuneError(f"report takes no recipe overrides, got {' '.join(overrides)}")
+        from finetune.report import build_report
+
+        path = build_report(args.output_dirs, args.output)
+        print(f"report of {len(args.output_dirs)} run(s) written to {path}")
+        return 0
     if args.command == "merge-lora":
         if overrides:
             raise FinetuneError(f"merge-lora takes no recipe overrides, got {' '.join(overrides)}")
