@@ -327,9 +327,20 @@ def _add_tokenizer(writer, tokenizer, net) -> None:
             special = gguf.SpecialVocab(folder, load_merges=kind == "gpt2", n_vocab=len(tokens))
         finally:
             vocab_logger.setLevel(level)
+        special.add_special_token.update(added_specials(tokenizer))
         special.add_to_gguf(writer, quiet=True)
     if kind == "gpt2" and not special.merges:
         raise FinetuneError("export-gguf: the byte-level BPE tokenizer has no merges; llama.cpp needs them")
+
+
+def added_specials(tokenizer) -> dict[str, bool]:
+    """Whether the tokenizer puts its bos / eos token around a text, as it does it (its post-processor),
+    not as its config says: a file without the flag gets BOS from llama.cpp and transformers alike."""
+    ids = tokenizer("a").input_ids
+    return {
+        "bos": tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id],
+        "eos": tokenizer.eos_token_id is not None and len(ids) > 1 and ids[-1] == tokenizer.eos_token_id,
+    }
 
 
 def tokenizer_model(spec: dict[str, Any]) -> str:
