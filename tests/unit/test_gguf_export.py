@@ -210,6 +210,17 @@ def test_unsupported_architecture_is_refused_listing_the_supported(tmp_path) -> 
         export_gguf(str(folder), outtype="q4_k")
 
 
+def test_the_command_says_errors_without_a_traceback(tmp_path, capsys) -> None:
+    from finetune.cli import main
+
+    assert main(["export-gguf", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'nowhere'} does not exist") and "Traceback" not in err
+    with pytest.raises(SystemExit):  # argparse: exit 2 with the choices
+        main(["export-gguf", str(tmp_path), "--outtype", "q4_0"])
+    assert "invalid choice: 'q4_0' (choose from 'f16', 'bf16', 'q8_0')" in capsys.readouterr().err
+
+
 def test_a_full_disk_is_a_write_error_and_leaves_nothing(tmp_path, demo_tokenizer) -> None:
     net = tiny("llama", len(demo_tokenizer))
     full = OSError(errno.ENOSPC, "No space left on device")
