@@ -1,7 +1,7 @@
 """`finetune export-gguf`: a trained model as one GGUF file for llama.cpp, Ollama and LM Studio.
 
 What training wrote (an adapter, merged into its base first; a fully fine-tuned model; a merged
-folder) is loaded in float32, and written with the `gguf` package's GGUFWriter the way llama.cpp's
+folder) is loaded in its saved dtype, and written with the `gguf` package's GGUFWriter the way llama.cpp's
 own converter (convert_hf_to_gguf.py) lays out a Llama-family model:
 
 * tensors renamed by gguf's TensorNameMap for the architecture; `output.weight` left out when the
@@ -81,7 +81,9 @@ def export_gguf(
 
     if outtype not in OUTTYPES:
         raise FinetuneError(f"export-gguf: --outtype {outtype!r} is not one of {', '.join(OUTTYPES)}")
-    net, tokenizer = load_for_inference(output_dir, base=base, dtype="fp32", merge=True)
+    # The checkpoint's own dtype (as merge-lora loads it): a bf16 model is not doubled in memory, and
+    # PEFT computes the merge's delta in float32 on CPU whatever the weights' dtype.
+    net, tokenizer = load_for_inference(output_dir, base=base, dtype="auto", merge=True)
     gguf_architecture(net.config.model_type)  # before anything is written
     target = Path(output) if output else default_output(output_dir, outtype)
     if target.is_dir():
@@ -318,6 +320,7 @@ def _add_tokenizer(writer, tokenizer, net) -> None:
         writer.add_token_types(types)
         if kind == "llama":
             writer.add_token_scores(merge_scores(tokens, spec["model"].get("merges") or []))
+            writer.add_add_space_prefix(adds_space_prefix(spec))
         # SpecialVocab logs a warning for each template shape it only half reads (a pair template's
         # separator, which a causal LM never uses): quiet, the values it sets are checked on load back.
         vocab_logger = logging.getLogger("gguf.vocab")
@@ -389,6 +392,25 @@ def vocabulary(tokenizer, rows: int, kind: str) -> tuple[list[str], list[int]]:
         if index == tokenizer.unk_token_id and kind == "llama":
             types[-1] = kinds.UNKNOWN
     return tokens, [int(t) for t in types]
+
+
+def adds_space_prefix(spec: dict[str, Any]) -> bool:
+    """Whether a SentencePiece-style tokenizer.json puts "▁" before the text (llama.cpp's
+    `add_space_prefix`, which it assumes when the key is missing): a Metaspace pre-tokenizer that
+    prepends, or a normalizer that does (older Llama tokenizer.json files).
+
+    >>> adds_space_prefix({"pre_tokenizer": {"type": "Metaspace", "prepend_scheme": "never"}})
+    False
+    """
+    pre = spec.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    if any(p.get("type") == "Metaspace" for p in parts):
+        return any(
+            p.get("prepend_scheme", "always") != "never" for p in parts if p.get("type") == "Metaspace"
+        )
+    norm = spec.get("normalizer") or {}
+    steps = norm.get("normalizers", [norm]) if norm.get("type") == "Sequence" else [norm]
+    return any(step.get("type") == "Prepend" for step in steps)
 
 
 def merge_scores(tokens: list[str], merges: list) -> list[float]:

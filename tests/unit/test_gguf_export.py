@@ -169,6 +169,7 @@ def test_llama2_sentencepiece_tokenizer_round_trips(tmp_path, shared_data) -> No
     write_gguf(net, llama2, path, outtype="f16", name="spm")
     fields = gguf.GGUFReader(path).fields
     assert fields["tokenizer.ggml.model"].contents() == "llama"
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() is True  # Metaspace, prepend "first"
     assert fields["tokenizer.ggml.token_type"].contents()[3] == gguf.TokenType.BYTE  # <0x00>
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     for text in ["Hello world", "naïve café 123 ☃ 日本語", "line\nbreak\ttab", "<s>[INST] hi [/INST]"]:
