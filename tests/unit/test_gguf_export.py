@@ -132,6 +132,22 @@ def test_file_layout_is_what_llama_cpp_reads(tmp_path, demo_tokenizer) -> None:
     assert not list(tmp_path.glob(".*tmp"))
 
 
+def test_what_llama_cpp_runs_differently_is_said(tmp_path, demo_tokenizer, capsys) -> None:
+    """Rows that are not whole Q8_0 blocks stay F16 (counted); a sliding window llama.cpp ignores and
+    a pre-tokenizer it has no name for are warned about. The file still loads back."""
+    net = tiny("mistral", len(demo_tokenizer), hidden_size=48, intermediate_size=96, sliding_window=16)
+    counts = write_gguf(net, demo_tokenizer, tmp_path / "m.gguf", outtype="q8_0", name="m")
+    err = capsys.readouterr().err
+    # q/k/v/o, gate/up, the embeddings and the output read 48 values a row (F16); down 96, 3 blocks.
+    assert counts == {"F16": 14, "Q8_0": 2, "F32": 5}
+    assert "warning: 14 matrices have rows that are not a multiple of Q8_0's 32-value block" in err
+    assert "sliding window of 16 tokens, which llama.cpp's llama architecture does not apply" in err
+    assert load_back(tmp_path / "m.gguf")[0].config.hidden_size == 48
+    spec = {"pre_tokenizer": {"type": "Whitespace"}}
+    assert finetune.gguf_export.pre_tokenizer_name(spec) == "default"
+    assert "pre-tokenizer (Whitespace) has no name in llama.cpp" in capsys.readouterr().err
+
+
 def test_rope_scaling_is_written_as_llama_cpp_reads_it(tmp_path, demo_tokenizer) -> None:
     llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0}
     llama3 |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
