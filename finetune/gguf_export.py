@@ -26,6 +26,7 @@ Qwen3 as `qwen3`. The file is written to a temporary name beside the target and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -81,6 +82,7 @@ def export_gguf(
 
     if outtype not in OUTTYPES:
         raise FinetuneError(f"export-gguf: --outtype {outtype!r} is not one of {', '.join(OUTTYPES)}")
+    _refuse_unsupported_early(output_dir, base)
     # The checkpoint's own dtype (as merge-lora loads it): a bf16 model is not doubled in memory, and
     # PEFT computes the merge's delta in float32 on CPU whatever the weights' dtype.
     net, tokenizer = load_for_inference(output_dir, base=base, dtype="auto", merge=True)
@@ -90,6 +92,30 @@ def export_gguf(
         raise FinetuneError(f"export-gguf: --output {target} is a folder; name the .gguf file to write")
     write_gguf(net, tokenizer, target, outtype=outtype, name=Path(output_dir).resolve().name)
     return target
+
+
+def _refuse_unsupported_early(output_dir: str, base: str | None) -> None:
+    """Refuse an unsupported architecture from the config alone, before the weights load and merge.
+    A location whose config does not load here (a GGUF base, a Hub id offline) is left to the load,
+    which says what is wrong, and the architecture is checked after it."""
+    from transformers import AutoConfig
+
+    from finetune.gguf import is_gguf_name, is_package_ref
+
+    folder = Path(output_dir)
+    source: str | None = output_dir
+    if (folder / "adapter_config.json").is_file():
+        with contextlib.suppress(OSError, ValueError):
+            source = base or json.loads((folder / "adapter_config.json").read_text()).get(
+                "base_model_name_or_path"
+            )
+    if not source or is_gguf_name(source) or is_package_ref(source):
+        return
+    try:
+        model_type = AutoConfig.from_pretrained(source).model_type
+    except (OSError, ValueError):
+        return
+    gguf_architecture(model_type)
 
 
 def write_gguf(net, tokenizer, path: Path, *, outtype: str, name: str) -> dict[str, int]:
