@@ -337,6 +337,11 @@ def _add_tokenizer(writer, tokenizer, net) -> None:
     with tempfile.TemporaryDirectory(prefix="finetune-gguf-tokenizer-") as folder:
         tokenizer.save_pretrained(folder)
         net.config.save_pretrained(folder)
+        if not (Path(folder) / "tokenizer.json").is_file():  # a Python-only tokenizer: nothing to read
+            raise FinetuneError(
+                f"export-gguf: the tokenizer ({type(tokenizer).__name__}) saves no tokenizer.json; export "
+                "needs a tokenizers-backed (fast) tokenizer saved with the model"
+            )
         spec = json.loads((Path(folder) / "tokenizer.json").read_text())
         kind = tokenizer_model(spec)
         tokens, types = vocabulary(tokenizer, rows, kind)

@@ -175,6 +175,28 @@ def test_rope_scaling_is_written_as_llama_cpp_reads_it(tmp_path, demo_tokenizer)
     assert not (tmp_path / "dyn.gguf").exists() and not list(tmp_path.glob(".*tmp"))
 
 
+def test_a_qwen2_tokenizer_keeps_its_pre_tokenizer(tmp_path) -> None:
+    """Qwen's split regex (digits one by one, and not GPT-2's) is named `qwen2`, which transformers and
+    llama.cpp both split by: the ids survive the round trip (the demo vocabulary in Qwen2's tokenizer)."""
+    import json
+
+    from transformers import Qwen2Tokenizer
+
+    model = json.loads((DEMO_TOKENIZER / "tokenizer.json").read_text())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    qwen = Qwen2Tokenizer(
+        vocab=model["vocab"], merges=merges, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<pad>"
+    )
+    qwen.chat_template = (DEMO_TOKENIZER / "chat_template.jinja").read_text()
+    path = tmp_path / "qwen.gguf"
+    write_gguf(tiny("qwen2", len(qwen)), qwen, path, outtype="f16", name="qwen")
+    assert gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == "qwen2"
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in [*TEXTS, "x=1234567 and 3.14"]:
+        assert tokenizer(text).input_ids == qwen(text).input_ids, text
+    assert tokenizer.chat_template == qwen.chat_template
+
+
 def test_llama2_sentencepiece_tokenizer_round_trips(tmp_path, shared_data) -> None:
     folder = shared_data / "tokenizers" / "llama2-hf"
     if not folder.is_dir():
