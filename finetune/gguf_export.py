@@ -259,8 +259,8 @@ def _add_tensors(writer, net, arch: str, outtype: str) -> dict[str, int]:
                 "(a layer that architecture does not have): this model cannot be exported as it is"
             )
         data = tensor.detach().float().cpu().numpy()
-        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            kv = hf_name.endswith("k_proj.weight")
+        if arch == "llama" and hf_name.endswith(_ROTATED):
+            kv = ".k_proj." in hf_name
             heads = config.num_attention_heads
             data = permute_for_llama_cpp(data, (config.num_key_value_heads or heads) if kv else heads)
         qtype = _tensor_type(data, outtype)
@@ -279,6 +279,10 @@ def _add_tensors(writer, net, arch: str, outtype: str) -> dict[str, int]:
             f"written as F16 instead (e.g. {fallback[0]}); as llama.cpp's converter does"
         )
     return counts
+
+
+# The rows llama.cpp's llama architecture rotates in pairs (biases too, where a model has them).
+_ROTATED = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
 
 
 def _arch_enum(arch: str):

@@ -148,6 +148,30 @@ def test_what_llama_cpp_runs_differently_is_said(tmp_path, demo_tokenizer, capsy
     assert "pre-tokenizer (Whitespace) has no name in llama.cpp" in capsys.readouterr().err
 
 
+def test_llama_attention_biases_are_permuted_with_their_rows(tmp_path, demo_tokenizer) -> None:
+    """Q and K biases (Llama variants with attention_bias) reordered as their weights, checked with
+    transformers' own inverse (its GGUF loader's LlamaTensorProcessor; that loader itself does not read
+    attention_bias back, so the biases are checked here, not through a load)."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    net = tiny("llama", len(demo_tokenizer), attention_bias=True)
+    write_gguf(net, demo_tokenizer, tmp_path / "b.gguf", outtype="f16", name="b")
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "b.gguf").tensors}
+    undo = LlamaTensorProcessor({"num_attention_heads": 4, "num_key_value_heads": 2})
+    for ours, theirs in (
+        ("attn_q.bias", "q_proj.bias"),
+        ("attn_k.bias", "k_proj.bias"),
+        ("attn_k.weight", "k_proj.weight"),
+    ):
+        stored = gguf.quants.dequantize(tensors[f"blk.1.{ours}"].data, tensors[f"blk.1.{ours}"].tensor_type)
+        back = undo.process(stored.reshape(-1, *stored.shape[1:]), f"blk.1.{ours}").weights
+        want = rounded(
+            net.state_dict()[f"model.layers.1.self_attn.{theirs}"], tensors[f"blk.1.{ours}"].tensor_type
+        )
+        assert np.array_equal(back, want.numpy()), ours
+    assert tensors["blk.1.attn_v.bias"].tensor_type == gguf.GGMLQuantizationType.F32
+
+
 def test_rope_scaling_is_written_as_llama_cpp_reads_it(tmp_path, demo_tokenizer) -> None:
     llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0}
     llama3 |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
