@@ -173,3 +173,36 @@ def test_without_training_batches_eva_is_refused():
     lora = LoraSection(enable_lora=True, init_lora_weights="eva")
     with pytest.raises(FinetuneError, match="eva needs the training batches"):
         apply_lora(_model(), lora, gradient_checkpointing=False)
+
+
+def test_grpo_with_a_data_driven_init_is_a_recipe_error(tmp_path):
+    """GRPO's rows are prompts (completions come during training): EVA has no token rows to read."""
+    from finetune.errors import RecipeError
+    from finetune.recipe import load_recipe
+    from tests.unit.recipe.test_recipe_field_types import GRPO
+
+    path = tmp_path / "grpo.yaml"
+    path.write_text(GRPO)
+    with pytest.raises(
+        RecipeError, match=r"lora.init_lora_weights.*trains on completions sampled during training"
+    ):
+        load_recipe(path, ["--lora.enable_lora", "true", "--lora.init_lora_weights", "eva"])
+    assert load_recipe(path, ["--lora.enable_lora", "true"]).lora.init_lora_weights is True
+
+
+def test_eva_runs_on_a_4bit_base(tmp_path):
+    """QLoRA: EVA hooks the 4-bit layers' inputs (PEFT supports it); the init is set and runs."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is in the test extra")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    # bitsandbytes' CPU 4-bit kernels need dimensions that are multiples of 64.
+    tiny_model(num_hidden_layers=1, hidden_size=64, intermediate_size=128).save_pretrained(tmp_path / "base")
+    quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+    net = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quantized)
+    lora = LoraSection(
+        enable_lora=True, enable_qlora=True, lora_rank=2, lora_alpha=8, init_lora_weights="eva"
+    )
+    model = apply_lora(net, lora, gradient_checkpointing=False, init_data=_data(tmp_path, _batches()))
+    lora_a = [p for n, p in model.named_parameters() if "lora_A" in n]
+    assert lora_a and all(p.device.type != "meta" and p.abs().sum() > 0 for p in lora_a)
+    assert torch.isfinite(model(input_ids=torch.tensor([[5, 6, 7]])).logits).all()
