@@ -264,6 +264,7 @@ def corda_cache(net, config, data: InitData) -> dict[str, torch.Tensor]:
                 "lora.init_lora_weights: corda found no training rows to compute the init from"
             )
 
+    training = net.training
     with tempfile.TemporaryDirectory() as tmp:
         config.corda_config.cache_file = str(Path(tmp) / CORDA_FILE)
         try:
@@ -271,3 +272,4 @@ def corda_cache(net, config, data: InitData) -> dict[str, torch.Tensor]:
             return _load_pt(Path(config.corda_config.cache_file))
         finally:
             config.corda_config.cache_file = None
+            net.train(training)  # preprocess_corda leaves the model in eval mode

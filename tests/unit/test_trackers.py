@@ -178,7 +178,11 @@ def test_clearml_offline_receives_scalars_table_and_image_for_real(tmp_path, mon
     pytest.importorskip("clearml", reason="clearml is in the tracking extra")
     from accelerate.tracking import ClearMLTracker
 
-    tracker = ClearMLTracker("run", project_name="finetune", task_name="test")
+    # No repository detection: its background `git` subprocess, forked from this multi-threaded test
+    # process, was seen to hang (the child never exec'd) and with it task.close().
+    tracker = ClearMLTracker(
+        "run", project_name="finetune", task_name="test", auto_connect_frameworks={"detect_repository": False}
+    )
     tracker.start()
     _log_all(tracker)
     folder = Path(tracker.task.get_offline_mode_folder())
