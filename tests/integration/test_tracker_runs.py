@@ -212,7 +212,9 @@ def test_comet_ml_offline_archive_holds_the_progress_numbers_and_the_samples_tab
         ]
         history = defaultdict(list)
         for metric in (p["metric"] for p in payloads if "metric" in p):
-            if not metric["metricName"].startswith("sys.") and metric["step"] is not None:
+            # Comet's own system metrics (sys.*, "process duration") are not finetune's.
+            own = metric["metricName"].startswith("sys.") or metric["metricName"] == "process duration"
+            if not own and metric["step"] is not None:
                 history[metric["metricName"]].append((metric["step"], float(metric["metricValue"])))
         assert tracker_view(history) == expected_history(archived["out"])
         uploads = [
