@@ -20,6 +20,7 @@ from finetune.gguf import is_gguf_name, is_package_ref, portable_base, resolve_m
 from finetune.notices import warn
 from finetune.quiet import quiet_third_party
 from finetune.recipe import LoraSection, ModelSection
+from finetune.recipe.lora import MODIFIES_BASE
 
 logger = logging.getLogger(__name__)
 
@@ -200,10 +201,15 @@ def qlora_config(lora: LoraSection, *, compute_dtype: torch.dtype):
     )
 
 
-def apply_lora(net, lora: LoraSection, *, gradient_checkpointing: bool, base: str | None = None):
+def apply_lora(
+    net, lora: LoraSection, *, gradient_checkpointing: bool, base: str | None = None, init_data=None
+):
     """Wrap the model with PEFT LoRA adapters (rsLoRA / DoRA / modules_to_save as configured), new or
-    lora.init_adapter's (then `base`, the location the model was loaded from, must be its base)."""
+    lora.init_adapter's (then `base`, the location the model was loaded from, must be its base).
+    EVA and CorDA compute their init over `init_data` (finetune.lora_init.InitData)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    from finetune.lora_init import config_fields, data_driven_peft_model, is_data_driven
 
     if lora.enable_qlora:
         net = prepare_model_for_kbit_training(
@@ -223,8 +229,11 @@ def apply_lora(net, lora: LoraSection, *, gradient_checkpointing: bool, base: st
         use_dora=lora.use_dora,
         init_lora_weights=lora.init_lora_weights,
         task_type="CAUSAL_LM",
+        **config_fields(lora),
     )
     try:
+        if is_data_driven(config):
+            return data_driven_peft_model(net, config, init_data)
         return get_peft_model(net, config)
     except ValueError as exc:
         field = "init_lora_weights" if lora.init_lora_weights is not True else "lora_target_modules"
@@ -232,11 +241,11 @@ def apply_lora(net, lora: LoraSection, *, gradient_checkpointing: bool, base: st
 
 
 def init_modifies_base(net) -> bool:
-    """Whether `net` (a PEFT model) was initialised by PiSSA or OLoRA, which subtract the adapter's start
-    from the base weights: its adapter must be saved converted (see `save_initial_adapter`)."""
+    """Whether `net` (a PEFT model) was initialised by PiSSA, OLoRA or CorDA, which subtract the
+    adapter's start from the base weights: its adapter must be saved converted (`save_initial_adapter`)."""
     config = getattr(net, "peft_config", {}).get("default")
     init = getattr(config, "init_lora_weights", True)
-    return isinstance(init, str) and init.startswith(("pissa", "olora"))
+    return isinstance(init, str) and init.startswith(MODIFIES_BASE)
 
 
 def save_initial_adapter(net, folder: Path, *, is_main_process: bool) -> None:

@@ -75,10 +75,14 @@ def with_row_index(rows):
     return rows if "row_index" in rows.column_names else rows.add_column("row_index", list(range(len(rows))))
 
 
-def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, dict[str, Any]]:
+def build_lm(
+    model_settings, lora, train, tokenizer, accelerator, init_loader=None
+) -> tuple[Any, dict[str, Any]]:
     """(the causal LM to train, not yet prepared; its parameter counts for FLOPs): pretrained or
     random-init weights, LoRA / QLoRA adapters (a random-init base is saved with the tokenizer to
-    output_dir/base_model, so the adapter can be loaded later), fp32 trainable weights under fp16."""
+    output_dir/base_model, so the adapter can be loaded later), fp32 trainable weights under fp16.
+    `init_loader()` makes a fresh loader of this process's training batches, which EVA and CorDA
+    (lora.init_lora_weights) compute their init from."""
     from finetune.gguf import portable_base, resolve_model_source
     from finetune.model import (
         apply_lora,
@@ -113,10 +117,17 @@ def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, 
             else portable_base(model_settings.model_path, model_settings.gguf_file, model_settings.revision)
             or resolve_model_source(model_settings).model_path
         )
-        model = apply_lora(model, lora, gradient_checkpointing=train.gradient_checkpointing, base=base)
+        model = apply_lora(
+            model,
+            lora,
+            gradient_checkpointing=train.gradient_checkpointing,
+            base=base,
+            init_data=_init_data(lora, train, tokenizer, accelerator, init_loader, model),
+        )
         if base_dir is not None:
             model.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
-        if init_modifies_base(model):  # PiSSA / OLoRA (also on resume: the init is seeded, the same again)
+        # PiSSA / OLoRA / CorDA (also on resume: PiSSA and OLoRA are seeded, CorDA loads its saved init)
+        if init_modifies_base(model):
             save_initial_adapter(
                 model, output_dir / INITIAL_ADAPTER, is_main_process=accelerator.is_main_process
             )
@@ -127,6 +138,39 @@ def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, 
     trainable, total = count_parameters(model)
     accelerator.print(f"parameters: {trainable:,} trainable / {total:,} total")
     return model, {"num_params": total, "num_trainable": trainable}
+
+
+def _init_data(lora, train, tokenizer, accelerator, init_loader, model):
+    """What EVA or CorDA read (finetune.lora_init.InitData), or None for the other inits. The model
+    moves to the device first: the main process's pass over the data runs there."""
+    from accelerate.utils import DistributedType
+
+    from finetune.lora_init import FOLDER, InitData
+    from finetune.model import pad_token_id
+    from finetune.recipe.lora import DATA_DRIVEN
+
+    init = lora.init_lora_weights
+    if init not in DATA_DRIVEN or init_loader is None:
+        return None  # apply_lora says which inits need the data
+    plugin = accelerator.state.deepspeed_plugin
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and plugin.zero_stage == 3:
+        raise FinetuneError(
+            f"lora.init_lora_weights: {init} runs the model over training data before training, which "
+            "ZeRO-3's partitioned weights cannot do outside its engine (PEFT runs it on whole weights): "
+            "use a ZeRO-1/2 or DDP accelerate config, or another init"
+        )
+    if not lora.enable_qlora:  # a 4-bit base is placed on its device when it loads
+        model.to(accelerator.device)
+    settings = getattr(lora, init)
+    output_dir = Path(train.output_dir)
+    spec, resume_from = train.load_checkpoint_path, None
+    if spec == "auto" and any((output_dir / "checkpoints").glob("step-*")):
+        resume_from = output_dir / FOLDER
+    elif spec not in (None, "auto"):  # output_dir/checkpoints/step-N: its run's output_dir
+        resume_from = Path(spec).resolve().parent.parent / FOLDER
+    return InitData(
+        init_loader, settings.num_batches, pad_token_id(tokenizer), output_dir / FOLDER, resume_from
+    )
 
 
 def make_loader(

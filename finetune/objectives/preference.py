@@ -96,11 +96,16 @@ class PreferenceObjective:
         self.prepared = prepare_on_main_process(self.recipe, accelerator)
         self.manifest = self.prepared.manifest
         self._check_prepared_kind()
+        train_rows = lm.with_row_index(self.prepared.train)
         model, self.flops = lm.build_lm(
-            self.model_settings, self.lora, self.train, self.tokenizer, accelerator
+            self.model_settings,
+            self.lora,
+            self.train,
+            self.tokenizer,
+            accelerator,
+            init_loader=lambda: self._loader(train_rows, training=True),
         )
         self.reference.attach(model, accelerator)
-        train_rows = lm.with_row_index(self.prepared.train)
         train_loader = self._loader(train_rows, training=True)
         lm.check_batches(accelerator, train_loader, len(train_rows), self.train.micro_batch_size)
         if self.prepared.eval is not None and len(self.prepared.eval) > 0:

@@ -11,6 +11,7 @@ the trained tensors only, throughput, the final save) are in finetune.objectives
 from __future__ import annotations
 
 import math
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +47,19 @@ class SFTObjective:
         # then load it from the cache.
         prepared = prepare_on_main_process(self.recipe, accelerator)
         self.manifest = prepared.manifest
+        make_train_loader = partial(
+            loader, self.data, self.train, prepared.train, self.tokenizer, accelerator=accelerator
+        )
         model, self.flops = lm.build_lm(
-            self.model_settings, self.lora, self.train, self.tokenizer, accelerator
+            self.model_settings,
+            self.lora,
+            self.train,
+            self.tokenizer,
+            accelerator,
+            init_loader=make_train_loader,
         )
         self.loss_chunk_size = self._chunk_size(model, accelerator)
-        train_loader = loader(self.data, self.train, prepared.train, self.tokenizer, accelerator=accelerator)
+        train_loader = make_train_loader()
         lm.check_batches(accelerator, train_loader, len(prepared.train), self.train.micro_batch_size)
         if prepared.eval is not None and len(prepared.eval) > 0:
             self.eval_loader = loader(

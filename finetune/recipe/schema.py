@@ -13,7 +13,7 @@ from finetune.recipe.diffusion import DiffusionSection
 from finetune.recipe.eval import EvalSection
 from finetune.recipe.grpo import GrpoSection
 from finetune.recipe.hub import HubSection
-from finetune.recipe.lora import LoraSection
+from finetune.recipe.lora import DATA_DRIVEN, LoraSection
 from finetune.recipe.model import ModelSection
 from finetune.recipe.objectives import OBJECTIVES, describe, objective_settings, readers, trained_on
 from finetune.recipe.preference import PreferenceSection
@@ -119,6 +119,7 @@ class Recipe(_Section):
         problems += objective_problems(self, ok)
         problems += objective_setting_problems(self, ok)
         problems += online_problems(self, ok)
+        problems += data_init_problems(self, ok)
         if ok("model.torch_dtype", "train.mixed_precision", "lora.enable_lora", "lora.enable_qlora"):
             problems += _precision_problems(self.model.torch_dtype, self.train.mixed_precision, self.lora)
         if ok("hub.strategy", "hub.model_id") and self.hub.strategy == "every_save" and not self.hub.model_id:
@@ -374,6 +375,28 @@ def objective_setting_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[
             )
         )
     return problems
+
+
+def data_init_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
+    """EVA and CorDA read token rows of the training data before training (finetune.lora_init): a
+    diffusion recipe (images) and an online objective (prompts only, completions come later) have none."""
+    init = recipe.lora.init_lora_weights if ok("lora.init_lora_weights") else None
+    if init not in DATA_DRIVEN or not ok("model.kind", "train.objective"):
+        return []
+    if recipe.model.kind == "diffusion":
+        reason = "a diffusion recipe trains on images"
+    elif OBJECTIVES[recipe.train.objective].kind == "online":
+        reason = f"train.objective {recipe.train.objective} trains on completions sampled during training"
+    else:
+        return []
+    return [
+        (
+            "lora.init_lora_weights",
+            init,
+            f"computes the adapter from token rows of the training data, and {reason}: use true, gaussian, "
+            "pissa or olora",
+        )
+    ]
 
 
 def online_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:

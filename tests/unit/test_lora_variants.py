@@ -90,7 +90,6 @@ def test_loraplus_with_muon_is_refused():
 @pytest.mark.parametrize(
     ("settings", "expected"),
     [
-        ({"init_lora_weights": "eva"}, "eva is not supported: it needs a pass over the training data"),
         ({"init_lora_weights": "loftq"}, "loftq is not supported"),
         ({"init_lora_weights": "pissa_niter_x"}, "is not one of true, false, gaussian, pissa, pissa_niter_N"),
         ({"init_lora_weights": "pissa", "init_adapter": "out"}, "does nothing with init_adapter"),
