@@ -262,6 +262,42 @@ def save_initial_adapter(net, folder: Path, *, is_main_process: bool) -> None:
         config.init_lora_weights = init
 
 
+def save_converted_adapter(net, folder: Path, *, initial: Path, is_main_process: bool, **save_kwargs) -> None:
+    """Save a PiSSA/OLoRA/CorDA adapter converted to plain LoRA against the original base
+    (`path_initial_model_for_weight_conversion=initial`, see `save_initial_adapter`), keeping every
+    tensor that is not a LoRA matrix.
+
+    PEFT's conversion (LoraModel.subtract_mutated_init, peft 0.21) returns only the lora_A/lora_B
+    tensors, so modules_to_save copies (a trained lm_head, embeddings) and saved embedding layers were
+    lost, and the adapter then failed to load (KeyError on their weights). They need no conversion:
+    they replace the base's module whole, so the trained tensors are written back as they are.
+    """
+    from peft import get_peft_model_state_dict
+    from peft.utils import SAFETENSORS_WEIGHTS_NAME
+    from safetensors.torch import load_file, save_file
+
+    whole = get_peft_model_state_dict(
+        net,
+        state_dict=save_kwargs.get("state_dict"),
+        save_embedding_layers=save_kwargs.get("save_embedding_layers", "auto"),
+    )
+    net.save_pretrained(
+        folder,
+        is_main_process=is_main_process,
+        safe_serialization=True,
+        path_initial_model_for_weight_conversion=str(initial),
+        **save_kwargs,
+    )
+    kept = {k: v for k, v in whole.items() if "lora_A" not in k and "lora_B" not in k}
+    if not is_main_process or not kept:
+        return
+    path = Path(folder) / SAFETENSORS_WEIGHTS_NAME
+    saved = load_file(path)
+    missing = {k: v.detach().to("cpu").contiguous() for k, v in kept.items() if k not in saved}
+    if missing:
+        save_file({**saved, **missing}, path, metadata={"format": "pt"})
+
+
 def enable_neftune(net, noise_alpha: float):
     """NEFTune: transformers' neftune_post_forward_hook on the input embeddings, with noise of magnitude
     noise_alpha / sqrt(L * d) in training forwards. Returns the hook's handle.

@@ -328,7 +328,7 @@ def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict
     it."""
     from accelerate.utils import DistributedType
 
-    from finetune.model import adapter_save_kwargs, init_modifies_base
+    from finetune.model import adapter_save_kwargs, init_modifies_base, save_converted_adapter
     from finetune.model_card import write_model_card
 
     unwrapped = accelerator.unwrap_model(model)
@@ -341,21 +341,27 @@ def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict
     if merge and sharded:
         _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir)
     else:
-        conversion = {}
         if merge:
             unwrapped = unwrapped.merge_and_unload()
-        elif init_modifies_base(unwrapped):
-            # PiSSA / OLoRA trained against a residual base: saved as plain LoRA for the original one.
-            conversion = {"path_initial_model_for_weight_conversion": str(output_dir / INITIAL_ADAPTER)}
-        unwrapped.save_pretrained(
-            output_dir,
-            state_dict=state_dict,
-            is_main_process=accelerator.is_main_process,
-            save_function=accelerator.save,
-            safe_serialization=True,
-            **adapter_save_kwargs(unwrapped),
-            **conversion,
-        )
+        if not merge and init_modifies_base(unwrapped):
+            # PiSSA / OLoRA / CorDA trained against a residual base: saved as plain LoRA for the original one.
+            save_converted_adapter(
+                unwrapped,
+                output_dir,
+                initial=output_dir / INITIAL_ADAPTER,
+                is_main_process=accelerator.is_main_process,
+                state_dict=state_dict,
+                **adapter_save_kwargs(unwrapped),
+            )
+        else:
+            unwrapped.save_pretrained(
+                output_dir,
+                state_dict=state_dict,
+                is_main_process=accelerator.is_main_process,
+                save_function=accelerator.save,
+                safe_serialization=True,
+                **adapter_save_kwargs(unwrapped),
+            )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
         write_model_card(output_dir, **card)
@@ -366,21 +372,27 @@ def _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir: Pa
     weights on the main process (the same code as `finetune merge-lora`)."""
     from accelerate.utils import DistributedType
 
-    from finetune.model import adapter_save_kwargs, init_modifies_base, merge_lora
+    from finetune.model import adapter_save_kwargs, init_modifies_base, merge_lora, save_converted_adapter
 
     adapter_dir = output_dir / ".adapter-to-merge"
-    conversion = {}
-    if init_modifies_base(unwrapped):  # merged below into the original base: plain LoRA for it
-        conversion = {"path_initial_model_for_weight_conversion": str(output_dir / INITIAL_ADAPTER)}
     try:
-        unwrapped.save_pretrained(
-            adapter_dir,
-            state_dict=state_dict,
-            is_main_process=accelerator.is_main_process,
-            safe_serialization=True,
-            **adapter_save_kwargs(unwrapped),
-            **conversion,
-        )
+        if init_modifies_base(unwrapped):  # merged below into the original base: plain LoRA for it
+            save_converted_adapter(
+                unwrapped,
+                adapter_dir,
+                initial=output_dir / INITIAL_ADAPTER,
+                is_main_process=accelerator.is_main_process,
+                state_dict=state_dict,
+                **adapter_save_kwargs(unwrapped),
+            )
+        else:
+            unwrapped.save_pretrained(
+                adapter_dir,
+                state_dict=state_dict,
+                is_main_process=accelerator.is_main_process,
+                safe_serialization=True,
+                **adapter_save_kwargs(unwrapped),
+            )
         if accelerator.is_main_process:
             tokenizer.save_pretrained(adapter_dir)  # its length sizes the embeddings
             if accelerator.distributed_type == DistributedType.DEEPSPEED:

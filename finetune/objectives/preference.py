@@ -40,6 +40,7 @@ from finetune.errors import FinetuneError
 from finetune.losses import preference as losses
 from finetune.losses.causal_lm import forward
 from finetune.objectives.reference import Reference, reference_source
+from finetune.recipe.lora import modifies_base
 from finetune.recipe.objectives import OBJECTIVES
 
 # Columns of prepared preference rows the loaders read (finetune.data.preference).
@@ -82,7 +83,11 @@ class PreferenceObjective:
             precompute=self.settings.precompute_ref_log_probs,
             lora=self.lora.enable_lora,
         )
-        self.reference = Reference(source, objective=self.name, lora=self.lora.enable_lora)
+        # PiSSA/OLoRA/CorDA: the reference is precomputed before the first step with the adapters on
+        # (recipe rule residual_reference_problems); disabling them would give the residual base.
+        self.reference = Reference(
+            source, objective=self.name, lora=self.lora.enable_lora and not modifies_base(self.lora)
+        )
 
     # ----------------------------------------------------------------------------------- build
 

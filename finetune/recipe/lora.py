@@ -27,6 +27,12 @@ MODIFIES_BASE = ("pissa", "olora", "corda")
 (output_dir/initial_adapter) and converts the trained one to plain LoRA against the original base."""
 
 
+def modifies_base(lora: Any) -> bool:
+    """Whether the lora section's adapters start by rewriting the base weights (MODIFIES_BASE)."""
+    init = lora.init_lora_weights
+    return bool(lora.enable_lora) and isinstance(init, str) and init.startswith(MODIFIES_BASE)
+
+
 class EvaSettings(_Section):
     """PEFT's EvaConfig, and how much training data the init reads."""
 

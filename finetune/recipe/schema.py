@@ -13,7 +13,7 @@ from finetune.recipe.diffusion import DiffusionSection
 from finetune.recipe.eval import EvalSection
 from finetune.recipe.grpo import GrpoSection
 from finetune.recipe.hub import HubSection
-from finetune.recipe.lora import DATA_DRIVEN, LoraSection
+from finetune.recipe.lora import DATA_DRIVEN, LoraSection, modifies_base
 from finetune.recipe.model import ModelSection
 from finetune.recipe.objectives import OBJECTIVES, describe, objective_settings, readers, trained_on
 from finetune.recipe.preference import PreferenceSection
@@ -120,6 +120,7 @@ class Recipe(_Section):
         problems += objective_setting_problems(self, ok)
         problems += online_problems(self, ok)
         problems += data_init_problems(self, ok)
+        problems += residual_reference_problems(self, ok)
         if ok("model.torch_dtype", "train.mixed_precision", "lora.enable_lora", "lora.enable_qlora"):
             problems += _precision_problems(self.model.torch_dtype, self.train.mixed_precision, self.lora)
         if ok("hub.strategy", "hub.model_id") and self.hub.strategy == "every_save" and not self.hub.model_id:
@@ -395,6 +396,33 @@ def data_init_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
             init,
             f"computes the adapter from token rows of the training data, and {reason}: use true, gaussian, "
             "pissa or olora",
+        )
+    ]
+
+
+def residual_reference_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
+    """PiSSA, OLoRA and CorDA move part of each base weight into the adapter, so the model with its
+    adapters disabled (the LoRA reference of DPO, IPO, KTO and GRPO's KL term) is the residual base,
+    not the initial model: the reference would be wrong. Precomputed reference log-probs are taken
+    before the first step, with the adapters on, when the policy still is the initial model."""
+    if not ok("lora.enable_lora", "lora.init_lora_weights", "train.objective", "model.kind"):
+        return []
+    if recipe.model.kind == "diffusion" or not modifies_base(recipe.lora):
+        return []
+    spec = OBJECTIVES[recipe.train.objective]
+    if spec.section == "grpo" and ok("grpo") and recipe.grpo is not None and recipe.grpo.beta > 0:
+        fix = "set grpo.beta: 0 (no KL term)"
+    elif spec.reference and spec.section != "grpo" and not recipe.preference.precompute_ref_log_probs:
+        fix = "set preference.precompute_ref_log_probs: true (taken before the first step, adapters on)"
+    else:
+        return []
+    return [
+        (
+            "lora.init_lora_weights",
+            recipe.lora.init_lora_weights,
+            f"rewrites the base weights, so train.objective {spec.name}'s reference (the model with its "
+            f"adapters disabled) would be the residual base, not the initial model: {fix}, or use init "
+            "true, gaussian or eva",
         )
     ]
 

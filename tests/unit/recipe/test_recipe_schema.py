@@ -202,6 +202,7 @@ ENTRY_DEFAULTS = {
     "field_rejected": "rejected",
     "field_label": "label",
     "field_messages": "messages",
+    "field_tools": "tools",
     "message_field_role": "role",
     "message_field_content": "content",
     "role_map": {},
