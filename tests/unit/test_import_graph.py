@@ -88,7 +88,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("data",),
     (
         "model", "model_card", "optim", "checkpoint", "hub", "metrics", "distributed", "accelerate_config",
-        "launcher", "losses",
+        "launcher", "losses", "vlm",
     ),
     ("recipe",),
     ("gguf", "errors", "notices", "quiet", "constants", "trackers", "locks"),
