@@ -54,7 +54,7 @@ def image_bytes(value: Any, where: str, base_dir: Path | None) -> bytes | BadRow
     from PIL import Image
 
     if value is None:
-        return BadRow(where, MISSING_FIELD, f"{where!r}: the image is missing or null")
+        return BadRow(where, MISSING_FIELD, "the image is missing or null")
     if isinstance(value, Image.Image):
         buffer = io.BytesIO()
         value.save(buffer, format="PNG")
@@ -69,7 +69,7 @@ def image_bytes(value: Any, where: str, base_dir: Path | None) -> bytes | BadRow
         return BadRow(
             where,
             WRONG_TYPE,
-            f"{where!r} should be an image path, bytes or an image, got {type(value).__name__}",
+            f"an image should be a path, bytes or an image, got {type(value).__name__}",
         )
     if "://" in value:
         detail = (
@@ -77,7 +77,7 @@ def image_bytes(value: Any, where: str, base_dir: Path | None) -> bytes | BadRow
         )
         return BadRow(where, WRONG_TYPE, detail)
     if base_dir is None and not Path(value).is_absolute():
-        detail = f"{where!r}: relative image path {value!r} in a dataset that is not a local file"
+        detail = f"relative image path {value!r} in a dataset that is not a local file"
         return BadRow(
             where, IMAGE_MISSING, detail + "; store the images as bytes (Parquet) or use absolute paths"
         )
@@ -105,7 +105,7 @@ def load_image(value: Any, where: str, base_dir: Path | None, max_pixels: int | 
         image = Image.open(io.BytesIO(data))
         image.load()  # every pixel: verify() does not decode, so a truncated file would pass it
     except Exception as exc:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError...)
-        return BadRow(where, IMAGE_UNREADABLE, f"{where!r}: not a readable image ({describe(value)}): {exc}")
+        return BadRow(where, IMAGE_UNREADABLE, f"not a readable image ({describe(value)}): {exc}")
     size = fits(image.width, image.height, max_pixels)
     if size == (image.width, image.height):
         return data

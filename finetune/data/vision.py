@@ -85,7 +85,8 @@ def _load_images(conv: list[dict[str, Any]], enc: Encoder, field: str) -> list[b
     out = []
     for j, message in enumerate(conv):
         for k, ref in enumerate(message.get("images") or []):
-            data = images.load_image(ref, f"{field}[{j}].images[{k}]", enc.image_root, enc.image_max_pixels)
+            where = f"{field}[{j}].content (image {k})"
+            data = images.load_image(ref, where, enc.image_root, enc.image_max_pixels)
             if isinstance(data, BadRow):
                 return data
             out.append(data)
