@@ -24,6 +24,7 @@ from transformers.processing_utils import ProcessorMixin
 from finetune.constants import IGNORE_INDEX
 from finetune.data.tokenize import tokenize_dataset
 from finetune.data.vision import image_token_ids
+from finetune.errors import DataError
 from finetune.recipe import dataset_entry
 
 REPO = Path(__file__).resolve().parents[3]
@@ -158,7 +159,9 @@ def test_trained_tokens_are_the_assistant_turns_and_images_are_expanded(processo
         result = tokenize([{"messages": conv}], image_dir, proc)
         row = result.dataset[0]
         ids, labels = row["input_ids"], row["labels"]
-        trained = proc.tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE_INDEX])
+        trained = proc.tokenizer.decode(
+            [t for t, label in zip(ids, labels, strict=False) if label != IGNORE_INDEX]
+        )
         assert squeeze(trained) == squeeze("".join(a + end_of_turn for a in answers)), name
         assert len(row["images"]) == sum(p["type"] == "image" for m in conv for p in m["content"])
         # The ids are the processor's own for the rendered text and the images: every image expanded.
@@ -186,7 +189,7 @@ def test_llava_style_placeholders_and_bytes(processor, image_dir):
     ]
     row = tokenize(rows, image_dir, proc).dataset[0]
     trained = proc.tokenizer.decode(
-        [t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE_INDEX]
+        [t for t, label in zip(row["input_ids"], row["labels"], strict=False) if label != IGNORE_INDEX]
     )
     assert squeeze(trained) == squeeze("Blue." + end_of_turn)
     assert row["images"] == [png((20, 20, 220))]
@@ -244,7 +247,7 @@ def test_images_for_a_text_model_are_an_error_whatever_on_bad_row(image_dir):
     proc, _ = smolvlm()
     entry = dataset_entry(path=str(image_dir / "data.jsonl"), type="chat_template")
     ds = datasets.Dataset.from_list([{"messages": CONVERSATIONS[0]}])
-    with pytest.raises(Exception, match="model.kind: vlm"):
+    with pytest.raises(DataError, match=r"model\.kind: vlm"):
         tokenize_dataset(
             ds,
             entry,
@@ -289,6 +292,6 @@ def test_datasets_image_feature(image_dir):
     row = result.dataset[0]
     assert Image.open(io.BytesIO(row["images"][0])).getpixel((5, 5)) == (200, 0, 0)
     trained = proc.tokenizer.decode(
-        [t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE_INDEX]
+        [t for t, label in zip(row["input_ids"], row["labels"], strict=False) if label != IGNORE_INDEX]
     )
     assert squeeze(trained) == squeeze("Red." + end_of_turn)
