@@ -295,3 +295,31 @@ def test_datasets_image_feature(image_dir):
         [t for t, label in zip(row["input_ids"], row["labels"], strict=False) if label != IGNORE_INDEX]
     )
     assert squeeze(trained) == squeeze("Red." + end_of_turn)
+
+
+def test_fingerprint_covers_images_and_processor_settings(tmp_path):
+    from finetune.data.cache import compute_fingerprint
+    from finetune.data.fingerprint import fingerprint_inputs
+    from finetune.recipe import validate_recipe
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "a.png").write_bytes(png((1, 2, 3)))
+    (tmp_path / "train.jsonl").write_text('{"messages": []}\n')
+
+    def fingerprint(**data):
+        recipe = {
+            "model": {
+                "kind": "vlm",
+                "config_path": {"model_type": "idefics3"},
+                "tokenizer_path": str(REPO / "recipes/demo/vlm_processor"),
+            },
+            "data": {"datasets": [{"path": str(tmp_path / "train.jsonl"), "type": "chat_template"}], **data},
+            "train": {"output_dir": str(tmp_path / "out")},
+        }
+        return compute_fingerprint(fingerprint_inputs(validate_recipe(recipe)))
+
+    before = fingerprint()
+    assert fingerprint() == before
+    assert fingerprint(image_max_pixels=256) != before
+    (tmp_path / "images" / "a.png").write_bytes(png((1, 2, 4)))  # same size and name, other pixels
+    assert fingerprint() != before
