@@ -84,7 +84,10 @@ def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example |
     """Each conversation rendered with its row's tools and masked (encode.chat_examples); with images,
     for a vision-language model, their tokens expanded and their bytes kept (vision.chat_examples)."""
     convs = conversations(batch, entry)
-    if entry.field_images in batch:
+    # The images column is read for a vision-language model, or when the recipe names it (a text recipe
+    # whose data merely has an `images` column keeps working as before).
+    named = "field_images" in getattr(entry, "model_fields_set", set())
+    if entry.field_images in batch and (enc.processor is not None or named):
         convs = [
             with_row_images(c, refs, entry.field_images)
             for c, refs in zip(convs, batch[entry.field_images], strict=True)
