@@ -158,4 +158,10 @@ def collate_vlm(rows: list[dict], *, pad_token_id: int, pad_to_multiple_of: int 
     if per_row:
         pixels = processor.image_processor(images=per_row, return_tensors="pt")
         batch |= {k: v for k, v in pixels.items() if isinstance(v, torch.Tensor)}
+    if getattr(processor, "return_mm_token_type_ids", False):
+        # Which tokens are image tokens, as the processor marks them: Qwen2-VL's multimodal RoPE needs it
+        # (mm_token_type_ids), Gemma 3 attends bidirectionally within an image by it (token_type_ids).
+        types = processor.create_mm_token_type_ids(batch["input_ids"].tolist())
+        name = "token_type_ids" if "token_type_ids" in processor.model_input_names else "mm_token_type_ids"
+        batch[name] = torch.tensor(types, dtype=torch.long)
     return batch

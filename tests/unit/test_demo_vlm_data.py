@@ -28,5 +28,5 @@ def test_data_is_reproducible_and_answers_come_from_the_pixels(tmp_path):
         answer = messages[1]["content"][0]["text"]
         if answer in make_vlm_data.COLOURS:
             image = Image.open(tmp_path / "a" / messages[0]["content"][0]["image"]).convert("RGB")
-            colours = {c for c in image.getdata() if c != (255, 255, 255)}
+            colours = {c for _, c in image.getcolors() if c != (255, 255, 255)}
             assert make_vlm_data.COLOURS[answer] in colours

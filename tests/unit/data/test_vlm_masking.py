@@ -23,7 +23,7 @@ from transformers.processing_utils import ProcessorMixin
 
 from finetune.constants import IGNORE_INDEX
 from finetune.data.tokenize import tokenize_dataset
-from finetune.data.vision import image_token_ids
+from finetune.data.vision import collate_vlm, image_token_ids
 from finetune.errors import DataError
 from finetune.recipe import dataset_entry
 
@@ -323,3 +323,69 @@ def test_fingerprint_covers_images_and_processor_settings(tmp_path):
     assert fingerprint(image_max_pixels=256) != before
     (tmp_path / "images" / "a.png").write_bytes(png((1, 2, 4)))  # same size and name, other pixels
     assert fingerprint() != before
+
+
+def test_collated_batches_hold_what_each_model_reads(processor, image_dir):
+    name, proc, _ = processor
+    rows = [dict(r) for r in tokenize([{"messages": CONVERSATIONS[1]}], image_dir, proc).dataset]
+    rows.append({"input_ids": [1, 7, 8], "labels": [-100, 7, 8], "images": []})  # a row without images
+    batch = collate_vlm(rows, pad_token_id=3, processor=proc)
+    assert "position_ids" not in batch and batch["pixel_values"].shape[0] >= 1
+    expected = {
+        "qwen2.5-vl": {"image_grid_thw", "mm_token_type_ids"},
+        "smolvlm": {"pixel_attention_mask"},
+        "gemma3": {"token_type_ids"},
+    }[name]
+    assert expected <= set(batch)
+    types = batch.get("mm_token_type_ids", batch.get("token_type_ids"))
+    if types is not None:  # image tokens marked, text tokens and padding not
+        assert 0 < int(types[0].sum()) < int(batch["attention_mask"][0].sum()) and int(types[1].sum()) == 0
+
+
+def test_a_tiny_qwen2_vl_trains_on_a_collated_batch(image_dir):
+    """The collated batch is what Qwen2-VL's forward needs (pixel patches, grid, mm_token_type_ids for its
+    multimodal RoPE): a tiny random model built from a config computes a loss and its gradients."""
+    import torch
+    from transformers import AutoModelForImageTextToText, Qwen2VLConfig
+
+    proc, _ = qwen()
+    proc.tokenizer.chat_template = proc.chat_template
+    rows = [dict(r) for r in tokenize([{"messages": CONVERSATIONS[1]}], image_dir, proc).dataset]
+    batch = collate_vlm(
+        [*rows, {"input_ids": [1, 7, 8], "labels": [-100, 7, 8], "images": []}],
+        pad_token_id=3,
+        processor=proc,
+    )
+    vision = {
+        "depth": 1,
+        "embed_dim": 32,
+        "hidden_size": 64,
+        "num_heads": 2,
+        "mlp_ratio": 2,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    text_config = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 720,
+        "rope_parameters": rope,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    config = Qwen2VLConfig(
+        vision_config=vision,
+        text_config=text_config,
+        image_token_id=proc.image_token_id,
+        video_token_id=proc.video_token_id,
+    )
+    torch.manual_seed(0)
+    net = AutoModelForImageTextToText.from_config(config)
+    loss = net(**batch).loss
+    loss.backward()
+    assert torch.isfinite(loss) and net.model.visual.patch_embed.proj.weight.grad.abs().sum() > 0
