@@ -11,11 +11,11 @@ with the images and carries the labels over by aligning the two id sequences (th
 only the tokens around images). Image tokens are never trained.
 
 Where pixels are processed: at collate time (`collate_vlm`), as TRL does. The prepared rows hold the
-image bytes, not pixel values: pixel_values are 10 to 100 times larger than the encoded image
-(Qwen2-VL: 1176 floats per 14x14 patch), which would make the cache dominate the disk and the page
-cache, and the image processor costs less than a training step's forward pass (benchmarks/RESULTS.md,
-"Vision-language: where pixels are processed"). The processor's output is deterministic, so the token
-counts fixed at prepare time match the features computed at collate time.
+image bytes, not pixel values: pixel_values are far larger than the encoded image (about 150 times on
+the demo; Qwen2-VL: 1176 floats per 14x14 patch), which would make the cache dominate the disk and the
+page cache, and on the demo processing the images per batch was faster than reading cached arrays back
+(benchmarks/RESULTS.md, "Vision-language: where pixels are processed"). The processor's output is
+deterministic, so the token counts fixed at prepare time match the features computed at collate time.
 """
 
 from __future__ import annotations

@@ -393,3 +393,22 @@ def test_a_tiny_model_trains_on_a_collated_batch(name, image_dir):
     towers, projectors = parts(net)  # the image features reach the loss: the projector gets gradients
     image_side = [p for n, p in net.named_parameters() if n.startswith(tuple(towers + projectors))]
     assert torch.isfinite(loss) and any(p.grad is not None and p.grad.abs().sum() > 0 for p in image_side)
+
+
+def test_text_parts_train_like_strings_for_a_text_model(image_dir):
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
+    entry = dataset_entry(path=str(image_dir / "data.jsonl"), type="chat_template")
+    as_parts = [
+        {"role": "user", "content": [text("Hi "), text("there")]},
+        {"role": "assistant", "content": [text("Hello.")]},
+    ]
+    as_strings = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello."}]
+    rows = [
+        tokenize_dataset(
+            datasets.Dataset.from_list([{"messages": conv}]), entry, tokenizer, sequence_len=512,
+            excess_length_strategy="drop", on_bad_row="raise",
+        ).dataset[0]
+        for conv in (as_parts, as_strings)
+    ]  # fmt: skip
+    assert rows[0]["input_ids"] == rows[1]["input_ids"] and rows[0]["labels"] == rows[1]["labels"]
+    assert "images" not in rows[0]
