@@ -42,7 +42,8 @@ _HASH_CHUNK_BYTES = 1 << 20
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
 # Bump when the prepared layout or the meaning of its columns changes: old caches are then ignored.
 # 2: chats with tool calls are trained (they were bad rows) and rendered with their row's tools.
-FORMAT_VERSION = 2
+# 3: message contents may be lists of parts (text; images for vision-language models): they were bad rows.
+FORMAT_VERSION = 3
 # Files in a tokenizer folder that cannot change tokenization (model weights): not hashed.
 _WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx"}
 # Entry fields that do not change what is prepared.
