@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from finetune import vlm
 from finetune.errors import FinetuneError, write_error, write_failure_reason
 from finetune.gguf import is_gguf_name, is_package_ref, portable_base, resolve_model_source, resolve_path
 from finetune.notices import warn
@@ -37,6 +38,8 @@ def load_tokenizer(model: ModelSection):
     """
     from transformers import AutoTokenizer
 
+    if model.kind == "vlm":
+        return vlm.load_processor(model).tokenizer
     model = resolve_model_source(model)
     source = model.tokenizer_source
     try:
@@ -48,23 +51,7 @@ def load_tokenizer(model: ModelSection):
             f"model.tokenizer_path: could not load a tokenizer from {source!r}: {exc}. "
             "Point tokenizer_path at a folder with tokenizer files or a Hub id."
         ) from None
-    if model.resolved_chat_template is not None:
-        tokenizer.chat_template = model.resolved_chat_template
-    tokens = model.special_tokens
-    named = {
-        k: getattr(tokens, k)
-        for k in ("bos_token", "eos_token", "pad_token", "unk_token")
-        if getattr(tokens, k)
-    }
-    if named or tokens.additional_special_tokens:
-        extra = (
-            {"additional_special_tokens": tokens.additional_special_tokens}
-            if tokens.additional_special_tokens
-            else {}
-        )
-        added = tokenizer.add_special_tokens({**named, **extra})
-        logger.info("special tokens set; %d new token(s) added to the vocabulary", added)
-    return tokenizer
+    return vlm.with_recipe_tokens(tokenizer, model)
 
 
 def pad_token_id(tokenizer) -> int:
@@ -137,8 +124,9 @@ def build_model(
     A GGUF model loads from its converted folder; an adapter names the GGUF file as its base
     (`finetune.gguf.portable_base`), from which any machine converts it again.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    auto = AutoModelForImageTextToText if model.kind == "vlm" else AutoModelForCausalLM
     check_attention_backend(model.attn_implementation)
     portable = portable_base(model.model_path, model.gguf_file, model.revision)
     model = resolve_model_source(model)
@@ -149,7 +137,7 @@ def build_model(
             lora, compute_dtype=DTYPES.get(mixed_precision, torch.float32)
         )
     if model.model_path is not None:
-        net = AutoModelForCausalLM.from_pretrained(
+        net = auto.from_pretrained(
             model.model_path,
             config=_load_config(model) if model.config_path is not None else None,
             revision=model.revision,
@@ -163,7 +151,7 @@ def build_model(
                 "lora.enable_qlora quantizes pretrained weights: set model.model_path "
                 "(for a random-init model, save it with save_pretrained first)"
             )
-        net = AutoModelForCausalLM.from_config(
+        net = auto.from_config(
             config,
             attn_implementation=model.attn_implementation,
             dtype=dtype,
@@ -183,6 +171,8 @@ def build_model(
         net.config.use_cache = False
     if model.enable_liger_kernel:
         apply_liger(net)
+    if model.kind == "vlm":
+        vlm.freeze(net, train_vision_tower=model.train_vision_tower, train_projector=model.train_projector)
     return net
 
 
@@ -202,11 +192,18 @@ def qlora_config(lora: LoraSection, *, compute_dtype: torch.dtype):
 
 
 def apply_lora(
-    net, lora: LoraSection, *, gradient_checkpointing: bool, base: str | None = None, init_data=None
+    net,
+    lora: LoraSection,
+    *,
+    gradient_checkpointing: bool,
+    base: str | None = None,
+    init_data=None,
+    **targets,
 ):
     """Wrap the model with PEFT LoRA adapters (rsLoRA / DoRA / modules_to_save as configured), new or
     lora.init_adapter's (then `base`, the location the model was loaded from, must be its base).
-    EVA and CorDA compute their init over `init_data` (finetune.lora_init.InitData)."""
+    EVA and CorDA compute their init over `init_data` (finetune.lora_init.InitData). `targets`
+    (target_modules, modules_to_save) replace the recipe's (a VLM's: finetune.vlm)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     from finetune.lora_init import config_fields, data_driven_peft_model, is_data_driven
@@ -223,8 +220,8 @@ def apply_lora(
         r=lora.lora_rank,
         lora_alpha=lora.lora_alpha,
         lora_dropout=lora.lora_dropout,
-        target_modules=lora.lora_target_modules,
-        modules_to_save=lora.modules_to_save or None,
+        target_modules=targets.get("target_modules", lora.lora_target_modules),
+        modules_to_save=targets.get("modules_to_save", lora.modules_to_save or None),
         use_rslora=lora.use_rslora,
         use_dora=lora.use_dora,
         init_lora_weights=lora.init_lora_weights,

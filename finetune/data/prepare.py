@@ -64,12 +64,14 @@ from finetune.data.sources import load_source
 from finetune.data.tokenize import tokenize_dataset
 from finetune.errors import DataError, RecipeError
 from finetune.notices import warn
+from finetune.recipe.schema import VLM_NO_PACKING
 
 if TYPE_CHECKING:
     from finetune.recipe import Recipe
 
 # Per-example columns of preference pairs and kto examples, kept through merge and split.
-_EXTRA_COLUMNS = tuple(name for fmt in FORMATS.values() for name in fmt.features)
+# Vision-language rows keep their image bytes (finetune.data.vision) the same way.
+_EXTRA_COLUMNS = (*(name for fmt in FORMATS.values() for name in fmt.features), "images")
 # Above this share of kto examples alone in their packed row (no mismatched completion for the KL
 # estimate), prepare warns.
 _KTO_ALONE_WARN = 0.05
@@ -244,13 +246,16 @@ def _build(
 ) -> Prepared:
     """Tokenize, merge, split, pack and save; returns the saved dataset (memory-mapped)."""
     from finetune.model import load_tokenizer, pad_token_id
+    from finetune.vlm import load_processor
 
     data = recipe.data
     t_start = time.perf_counter()
     timings: dict[str, float] = {"load": 0.0, "tokenize": 0.0}
     num_proc = data.dataset_num_proc or os.cpu_count() or 1
     _check_lengths(data)
-    tokenizer = load_tokenizer(recipe.model)
+    # A vision-language model's processor reads the images; its tokenizer is the one that tokenizes.
+    processor = load_processor(recipe.model) if recipe.model.kind == "vlm" else None
+    tokenizer = processor.tokenizer if processor is not None else load_tokenizer(recipe.model)
     timings["tokenizer"] = time.perf_counter() - t_start
 
     entries = [(e, f"data.datasets[{i}]", "train") for i, e in enumerate(data.datasets)]
@@ -271,6 +276,8 @@ def _build(
             chat_template=recipe.model.resolved_chat_template,
             num_proc=num_proc,
             entry_label=label,
+            processor=processor,
+            image_max_pixels=data.image_max_pixels,
         )
         timings["load"] += t1 - t0
         timings["tokenize"] += time.perf_counter() - t1
@@ -539,6 +546,10 @@ def _pack(
         rows = pack_examples(ds, bins, kind, pad_to_multiple_of=multiple, pad_token_id=pad_id)
     else:
         rows = build_packed_rows(ds, bins, pad_to_multiple_of=multiple, pad_token_id=pad_id)
+    if "images" in ds.column_names:  # unpacked (the recipe refuses packing images): rows in dataset order
+        if bins is not None:
+            raise DataError(f"rows with images cannot be packed: {VLM_NO_PACKING}")
+        rows = datasets.concatenate_datasets([rows, ds.select_columns(["images"])], axis=1)
     num_padded = int(pc.sum(pc.list_value_length(rows.data.column("input_ids"))).as_py() or 0)
     stats = {
         "examples": len(ds),

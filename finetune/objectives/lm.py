@@ -76,13 +76,14 @@ def with_row_index(rows):
 
 
 def build_lm(
-    model_settings, lora, train, tokenizer, accelerator, init_loader=None
+    model_settings, lora, train, tokenizer, accelerator, processor=None, init_loader=None
 ) -> tuple[Any, dict[str, Any]]:
     """(the causal LM to train, not yet prepared; its parameter counts for FLOPs): pretrained or
-    random-init weights, LoRA / QLoRA adapters (a random-init base is saved with the tokenizer to
-    output_dir/base_model, so the adapter can be loaded later), fp32 trainable weights under fp16.
-    `init_loader()` makes a fresh loader of this process's training batches, which EVA and CorDA
-    (lora.init_lora_weights) compute their init from."""
+    random-init weights, LoRA / QLoRA adapters (a random-init base is saved with the tokenizer, or a
+    vision-language model's `processor`, to output_dir/base_model, so the adapter can be loaded later),
+    fp32 trainable weights under fp16. A vision-language model's LoRA targets its language model
+    (finetune.vlm.lora_settings). `init_loader()` makes a fresh loader of this process's training
+    batches, which EVA and CorDA (lora.init_lora_weights) compute their init from."""
     from finetune.gguf import portable_base, resolve_model_source
     from finetune.model import (
         apply_lora,
@@ -109,7 +110,7 @@ def build_lm(
             base_dir = output_dir / "base_model"
             save_base_model(model, base_dir, is_main_process=accelerator.is_main_process)
             if accelerator.is_main_process:  # so the base alone loads for eval and chat
-                tokenizer.save_pretrained(base_dir)
+                (processor or tokenizer).save_pretrained(base_dir)
                 write_checksums(base_dir)  # verified when eval, chat or merge-lora load the adapter's base
         base = (
             str(base_dir.resolve())
@@ -117,12 +118,24 @@ def build_lm(
             else portable_base(model_settings.model_path, model_settings.gguf_file, model_settings.revision)
             or resolve_model_source(model_settings).model_path
         )
+        targets = {}
+        if model_settings.kind == "vlm":
+            from finetune.vlm import lora_settings
+
+            targets = lora_settings(
+                model,
+                lora.lora_target_modules,
+                lora.modules_to_save,
+                train_vision_tower=model_settings.train_vision_tower,
+                train_projector=model_settings.train_projector,
+            )
         model = apply_lora(
             model,
             lora,
             gradient_checkpointing=train.gradient_checkpointing,
             base=base,
             init_data=_init_data(lora, train, tokenizer, accelerator, init_loader, model),
+            **targets,
         )
         if base_dir is not None:
             model.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
@@ -213,7 +226,7 @@ def save_final_lm(objective, model, metrics: dict[str, Any], card_fields: dict[s
     save_lm(
         objective.accelerator,
         model,
-        objective.tokenizer,
+        getattr(objective, "processor", None) or objective.tokenizer,  # a VLM's processor holds its tokenizer
         lora=objective.lora,
         output_dir=Path(objective.train.output_dir),
         card={
@@ -363,7 +376,7 @@ def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict
                 **adapter_save_kwargs(unwrapped),
             )
     if accelerator.is_main_process:
-        tokenizer.save_pretrained(output_dir)
+        tokenizer.save_pretrained(output_dir)  # a vision-language model's processor saves its tokenizer too
         write_model_card(output_dir, **card)
 
 

@@ -102,6 +102,14 @@ class DataSection(_Section):
     shuffle_before_merging_datasets: bool = Field(
         True, description="Shuffle each dataset before merging.", **FIXED_ON_RESUME
     )
+    image_max_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="Vision-language data (model.kind: vlm): images with more pixels (width x height) are "
+        "resized down to it, aspect kept, at prepare time, before the processor sees them (the processor's "
+        "own size policy then applies); null = as they are.",
+        **FIXED_ON_RESUME,
+    )
     dataloader_num_workers: int = Field(2, ge=0, description="DataLoader worker processes.")
     dataloader_prefetch_factor: int | None = Field(
         None,

@@ -206,6 +206,13 @@ class ChatTemplateEntry(_Entry):
         "Assistant messages may carry `tool_calls` (OpenAI or Hugging Face form): they are trained with "
         "the turn; `tool` results are not (see docs/data.md, Tool calls).",
     )
+    field_images: str = Field(
+        "images",
+        description="LLaVA style: column holding a row's images (paths relative to the data file, bytes, or "
+        "datasets Image values), one per `<image>` placeholder in the messages' text, in order; read when the "
+        "data has it or it is set. Messages may instead hold images as parts ({type: image, image: PATH}). "
+        "Images need model.kind: vlm (see docs/data.md, Images).",
+    )
     message_field_role: MessageRole
     message_field_content: MessageContent
     role_map: RoleMap

@@ -116,6 +116,7 @@ class Recipe(_Section):
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
         problems = list(_unsupported_problems(self, ok))
         problems += diffusion_problems(self, ok)
+        problems += vision_problems(self, ok)
         problems += objective_problems(self, ok)
         problems += objective_setting_problems(self, ok)
         problems += online_problems(self, ok)
@@ -288,6 +289,50 @@ def diffusion_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
                     "is used by dreambooth datasets only; the images type takes captions from the data",
                 )
             )
+    return problems
+
+
+# Why vision-language rows are not packed: finetune.defaults turns packing off for model.kind vlm.
+VLM_NO_PACKING = (
+    "rows with images are not packed: the models place image features by their tokens across the whole "
+    "batch and Qwen2-VL's multimodal RoPE derives positions from the whole row, so packed sequences would "
+    "need per-sequence image and position handling that finetune does not do yet; set it false (each row "
+    "is then one conversation, padded per batch)"
+)
+
+
+def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
+    """What a vision-language recipe (model.kind vlm) cannot do yet: packing, another data type than
+    chat_template, another objective than sft, QLoRA; and image settings in a recipe without images."""
+    problems: list[Problem] = []
+    if not ok("model.kind"):
+        return problems
+    if recipe.model.kind != "vlm":
+        if ok("data.image_max_pixels") and recipe.data.image_max_pixels is not None:
+            problems.append(
+                ("data.image_max_pixels", recipe.data.image_max_pixels, "applies to model.kind: vlm")
+            )
+        return problems
+    for name in ("sample_packing", "eval_sample_packing"):
+        if ok(f"data.{name}") and getattr(recipe.data, name):
+            problems.append((f"data.{name}", True, VLM_NO_PACKING))
+    for key in ("datasets", "test_datasets"):
+        for i, entry in enumerate(getattr(recipe.data, key) if ok(f"data.{key}") else []):
+            if entry is not None and entry.type != "chat_template":
+                problems.append(
+                    (
+                        f"data.{key}.{i}.type",
+                        entry.type,
+                        "a vision-language recipe reads chat_template rows (messages with image parts, or "
+                        "<image> placeholders and field_images); other types are not supported yet",
+                    )
+                )
+    if ok("train.objective") and recipe.train.objective != "sft":
+        problems.append(
+            ("train.objective", recipe.train.objective, "vision-language models train with sft only for now")
+        )
+    if ok("lora.enable_qlora") and recipe.lora.enable_qlora:
+        problems.append(("lora.enable_qlora", True, "QLoRA of vision-language models is not supported yet"))
     return problems
 
 
