@@ -566,6 +566,7 @@ def load_for_inference(
     given = tokenizer
 
     local = Path(path).expanduser()
+    _refuse_vision_language(local)
     check_model_location(path)
     if (local / ADAPTER_CONFIG).is_file():
         net, tokenizer = load_adapter(local, base=base, dtype=dtype)
@@ -583,6 +584,25 @@ def load_for_inference(
     if tokenizer is None:
         raise FinetuneError(f"{path}: no tokenizer saved with the model or its base; cannot generate text")
     return net.eval(), tokenizer
+
+
+def _refuse_vision_language(local: Path) -> None:
+    """A vision-language run (model.kind vlm) cannot be loaded as a causal LM for text generation: say
+    so, instead of transformers' "unrecognized configuration class" from deep inside the loading."""
+    config = local / "config.json"
+    if (local / ADAPTER_CONFIG).is_file():
+        base = json.loads((local / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or ""
+        config = Path(base).expanduser() / "config.json"
+    try:
+        vision = "vision_config" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return  # not a local folder with a config: the loading says what is wrong
+    if vision:
+        raise FinetuneError(
+            f"{local} is a vision-language model (its config has a vision_config): finetune chat, eval and "
+            "export-gguf take text models only so far; its held-out loss is in the run's progress.jsonl "
+            "(eval_loss), and it loads with transformers' AutoModelForImageTextToText and AutoProcessor"
+        )
 
 
 def inference_device() -> torch.device:

@@ -431,6 +431,8 @@ def data_init_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
         return []
     if recipe.model.kind == "diffusion":
         reason = "a diffusion recipe trains on images"
+    elif recipe.model.kind == "vlm":
+        reason = "a vision-language recipe's batches carry pixels, which finetune's init does not feed yet"
     elif OBJECTIVES[recipe.train.objective].kind == "online":
         reason = f"train.objective {recipe.train.objective} trains on completions sampled during training"
     else:

@@ -4,6 +4,8 @@ resume loads the saved init instead of reading data; padding never enters the st
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from peft import EvaConfig, LoraConfig, get_peft_model, initialize_lora_eva_weights
@@ -206,3 +208,14 @@ def test_eva_runs_on_a_4bit_base(tmp_path):
     lora_a = [p for n, p in model.named_parameters() if "lora_A" in n]
     assert lora_a and all(p.device.type != "meta" and p.abs().sum() > 0 for p in lora_a)
     assert torch.isfinite(model(input_ids=torch.tensor([[5, 6, 7]])).logits).all()
+
+
+def test_a_vision_language_recipe_with_a_data_driven_init_is_a_recipe_error():
+    from finetune.errors import RecipeError
+    from finetune.recipe import load_recipe
+
+    demo = Path(__file__).resolve().parents[2] / "recipes" / "demo" / "tiny_vlm_cpu.yaml"
+    with pytest.raises(
+        RecipeError, match=r"lora.init_lora_weights.*vision-language recipe's batches carry pixels"
+    ):
+        load_recipe(demo, ["--lora.enable_lora", "true", "--lora.init_lora_weights", "eva"])

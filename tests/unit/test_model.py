@@ -420,3 +420,22 @@ def test_qlora_stores_4bit_weights_in_the_compute_dtype(dtype):
 
     config = qlora_config(LoraSection(enable_qlora=True, enable_lora=True), compute_dtype=dtype)
     assert config.bnb_4bit_quant_storage == dtype and config.bnb_4bit_compute_dtype == dtype
+
+
+def test_a_vision_language_model_is_refused_for_text_generation(tmp_path):
+    """chat, eval and export-gguf load text models: a VLM folder (or an adapter on a VLM base) is a
+    clear error, not transformers' unrecognized configuration class."""
+    import json
+
+    from finetune.errors import FinetuneError
+    from finetune.model import load_for_inference
+
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    (vlm / "config.json").write_text(json.dumps({"model_type": "idefics3", "vision_config": {}}))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(vlm)}))
+    for folder in (vlm, adapter):
+        with pytest.raises(FinetuneError, match="is a vision-language model"):
+            load_for_inference(str(folder))
