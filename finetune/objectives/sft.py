@@ -33,6 +33,7 @@ class SFTObjective:
     def __init__(self, recipe):
         lm.start(self, recipe)
         self.loss_chunk_size = 0  # tokens per chunk of the head's loss; 0 = full logits
+        self.stream = None  # the StreamLoader of a data.streaming run
 
     # ----------------------------------------------------------------------------------- build
 
@@ -42,6 +43,8 @@ class SFTObjective:
 
         self.accelerator = accelerator
         self.tokenizer = load_tokenizer(self.model_settings)
+        if self.data.streaming:  # nothing prepared: rows are read, tokenized and packed as training goes
+            return self._build_streaming(accelerator)
         # One process per machine builds the prepared dataset; the others wait, however long it takes,
         # then load it from the cache.
         prepared = prepare_on_main_process(self.recipe, accelerator)
@@ -61,6 +64,31 @@ class SFTObjective:
             model=model,
             train_loader=train_loader,
             manifest=prepared.manifest,
+            loraplus_lr_ratio=self.lora.loraplus_lr_ratio,
+        )
+
+    def _build_streaming(self, accelerator) -> Parts:
+        """data.streaming: the stream loader (its position checkpointed, see on_prepared), no eval split."""
+        from finetune.data.streaming import make_stream_loader
+
+        self.stream = make_stream_loader(
+            self.data,
+            self.train,
+            self.tokenizer,
+            chat_template=self.model_settings.resolved_chat_template,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+        )
+        self.manifest = {"kind": "sft", "streaming": True}
+        model, self.flops = lm.build_lm(
+            self.model_settings, self.lora, self.train, self.tokenizer, accelerator
+        )
+        self.loss_chunk_size = self._chunk_size(model, accelerator)
+        lm.finish_build(self, accelerator, held_out=False)
+        return Parts(
+            model=model,
+            train_loader=self.stream,
+            manifest=self.manifest,
             loraplus_lr_ratio=self.lora.loraplus_lr_ratio,
         )
 
@@ -96,7 +124,8 @@ class SFTObjective:
         if self.eval_loader is not None:
             # Sharded by Accelerate, after the model: DeepSpeed wants that order.
             self.eval_loader = accelerator.prepare(self.eval_loader)
-        return None  # no state besides the model's, the optimizer's and the schedule's
+        # No state besides the model's, the optimizer's and the schedule's; a stream's position.
+        return {"data_stream": self.stream} if self.stream is not None else None
 
     def after_update(self, model) -> None:
         """Nothing to do after an applied update."""
@@ -124,7 +153,7 @@ class SFTObjective:
         """
         fields = lm.throughput_fields(self.accelerator, self.flops, interval, elapsed, totals)
         trainable = interval.get("units", 0)
-        return {
+        out = {
             "tokens_per_sec": fields["tokens_per_sec"],
             "tokens_per_sec_total": fields["tokens_per_sec_total"],
             "trainable_tokens": trainable,
@@ -132,6 +161,9 @@ class SFTObjective:
             "tflops_per_device": fields["tflops_per_device"],
             "mfu": fields["mfu"],
         }
+        if self.stream is not None:
+            out |= stream_fields(self.stream, self.accelerator)
+        return out
 
     # ------------------------------------------------------------------------------------ eval
 
@@ -179,3 +211,33 @@ def loader(data, train, dataset, tokenizer, *, training: bool = True, accelerato
         training=training,
         accelerator=accelerator,
     )
+
+
+def stream_fields(stream, accelerator) -> dict:
+    """The stream's row accounting for progress.jsonl (all processes' rows; a collective in a
+    multi-process run): rows read, kept, truncated, dropped by reason, the pass, packing efficiency."""
+    counts = stream.counts()
+    local = {"rows_in": counts.rows_in, "rows_kept": counts.rows_kept, "truncated": counts.truncated}
+    local |= {"dropped": dict(counts.dropped), "epoch": stream.position.epoch}
+    local["packed"] = stream.position.packer_counts
+    every = [local]
+    if accelerator.num_processes > 1:
+        import torch.distributed as dist
+
+        every = [None] * accelerator.num_processes
+        dist.all_gather_object(every, local)
+    dropped: dict[str, int] = {}
+    for part in every:
+        for reason, n in part["dropped"].items():
+            dropped[reason] = dropped.get(reason, 0) + n
+    rows, tokens = (sum(p["packed"][k] for p in every) for k in (0, 1))
+    capacity = stream.reader.capacity
+    return {
+        "stream_rows_in": sum(p["rows_in"] for p in every),
+        "stream_rows_kept": sum(p["rows_kept"] for p in every),
+        "stream_rows_truncated": sum(p["truncated"] for p in every),
+        "stream_rows_dropped": sum(dropped.values()),
+        "stream_dropped": dict(sorted(dropped.items())),
+        "stream_pass": max(p["epoch"] for p in every),
+        "stream_packing_efficiency": round(tokens / (rows * capacity), 6) if rows else 0.0,
+    }
