@@ -31,6 +31,7 @@ from functools import partial
 from typing import Any
 
 import datasets
+from datasets.distributed import split_dataset_by_node
 
 from finetune.data.collate import collate_rows
 from finetune.data.packing import BufferedPacker, examples_from_state, examples_state, packed_row
@@ -71,7 +72,7 @@ def open_stream(
             stopping_strategy=STOPPING_STRATEGY,
         )
     if world_size > 1:
-        stream = datasets.distributed.split_dataset_by_node(stream, rank=rank, world_size=world_size)
+        stream = split_dataset_by_node(stream, rank=rank, world_size=world_size)
     return stream
 
 

@@ -19,7 +19,8 @@ _NOT_WITH_STREAMING: dict[str, str] = {
     "length (the stream starts over when it ends)",
 }
 # Shuffling fields: a stream is read in its shards' order (datasets' shuffle buffer is not restored
-# exactly on resume), so asking for a shuffle explicitly is an error; their default is documented.
+# exactly on resume); with streaming their defaults are false (finetune.recipe.defaults), and true
+# is an error.
 _SHUFFLES = ("data.shuffle_merged_datasets", "data.shuffle_before_merging_datasets")
 
 
@@ -51,19 +52,18 @@ def streaming_problems(recipe: Any, ok: Callable[..., bool]) -> list[Problem]:
     for path, reason in _NOT_WITH_STREAMING.items():
         section, name = path.split(".")
         owner = getattr(recipe, section)
-        if ok(path) and name in owner.model_fields_set:
-            default = type(owner).model_fields[name].get_default(call_default_factory=True)
-            if getattr(owner, name) != default:
-                problems.append((path, getattr(owner, name), f"not used with data.streaming: {reason}"))
+        default = type(owner).model_fields[name].get_default(call_default_factory=True)
+        if ok(path) and getattr(owner, name) != default:
+            problems.append((path, getattr(owner, name), f"not used with data.streaming: {reason}"))
     for path in _SHUFFLES:
         name = path.split(".")[1]
-        if ok(path) and name in recipe.data.model_fields_set and getattr(recipe.data, name):
+        if ok(path) and getattr(recipe.data, name):
             problems.append(
                 (
                     path,
                     True,
-                    "a stream is read in its shards' order (shuffle the shards beforehand); remove it or "
-                    "set it to false",
+                    "a stream is read in its shards' order (shuffle the shards when you write them); "
+                    "remove it (with data.streaming it defaults to false)",
                 )
             )
     for i, entry in enumerate(recipe.data.datasets if ok("data.datasets") else []):

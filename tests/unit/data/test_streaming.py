@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from finetune.data.packing import BufferedPacker, pack_multipack, packing_efficiency
 from finetune.data.sources import load_source
-from finetune.data.streaming import make_stream_loader
+from finetune.data.streaming import make_stream_loader, open_stream
 from finetune.data.tokenize import tokenize_dataset
 from finetune.engine.extra_state import load_extra, save_extra
 from finetune.errors import DataError, RecipeError
@@ -209,3 +209,25 @@ def test_recipe_rules():
         with pytest.raises(RecipeError) as info:
             load_recipe(STREAM_RECIPE, overrides)
         assert path in str(info.value) and message in str(info.value), str(info.value)
+
+
+def test_each_process_reads_its_own_part(tmp_path, tok):
+    """split_dataset_by_node: two processes read disjoint parts whose union is the stream."""
+    rows = [json.loads(line) for line in DEMO_DATA.read_text().splitlines()[:120]]
+    for k in range(4):  # 4 shards: each process reads 2 whole files
+        with open(tmp_path / f"part-{k}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows[k * 30 : (k + 1) * 30])
+    data, _ = settings(tmp_path)
+    parts = [
+        [
+            (r["input_ids"], r["labels"])
+            for r in open_stream(data, tok, chat_template=None, seed=0, rank=rank, world_size=2)
+        ]
+        for rank in (0, 1)
+    ]
+    whole = [
+        (r["input_ids"], r["labels"])
+        for r in open_stream(data, tok, chat_template=None, seed=0, rank=0, world_size=1)
+    ]
+    assert len(parts[0]) == len(parts[1]) == 60
+    assert sorted(parts[0] + parts[1]) == sorted(whole)
