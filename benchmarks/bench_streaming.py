@@ -27,6 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, check, child_env, interleaved, machine
 
+sys.path.insert(0, str(REPO))  # this checkout's finetune, also for the parts run in this process
+
 DEMO_ROWS = REPO / "recipes" / "demo" / "data" / "arithmetic.jsonl"
 STREAM = REPO / "recipes" / "demo" / "tiny_sft_stream_cpu.yaml"
 PREPARED = REPO / "recipes" / "demo" / "tiny_sft_cpu.yaml"

@@ -335,7 +335,7 @@ _DONE = object()
 
 def _in_background(items: Iterator, maxsize: int) -> Iterator:
     """`items` produced by a daemon thread, at most `maxsize` ahead of the consumer; its errors are
-    raised here. The thread stops when the consumer is closed (or collected)."""
+    raised here. The thread stops, and is joined, when the consumer is closed (or collected)."""
     buffer: queue.Queue = queue.Queue(maxsize=maxsize)
     stop = threading.Event()
 
@@ -366,4 +366,7 @@ def _in_background(items: Iterator, maxsize: int) -> Iterator:
                 raise item
             yield item
     finally:
+        # Wait for the thread to finish the batch it is making: a daemon thread still inside the
+        # tokenizer or pyarrow when the interpreter exits aborts the process ("terminate called").
         stop.set()
+        thread.join()
