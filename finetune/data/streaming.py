@@ -40,6 +40,10 @@ from finetune.data.sources import load_stream
 from finetune.data.tokenize import TOO_LONG, bad_row_error, tokenize_stream, too_long_error
 from finetune.errors import DataError, FinetuneError
 
+_DAMAGED = (
+    "A damaged file? `finetune prepare-dataset` with that file as the entry names the line and byte "
+    "(streaming has no on_bad_row placeholder for an unreadable line); or check the connection"
+)
 ENTRY_COLUMN = "_entry"  # which data.datasets entry a tokenized row came from (its label in errors)
 STOPPING_STRATEGY = "all_exhausted_without_replacement"  # a pass reads every row of every entry once
 
@@ -51,15 +55,22 @@ def open_stream(
     parts = []
     for i, entry in enumerate(data.datasets):
         label = f"data.datasets[{i}]"
-        tokenized = tokenize_stream(
-            load_stream(entry, entry_label=label),
-            entry,
-            tokenizer,
-            sequence_len=data.sequence_len,
-            excess_length_strategy=data.excess_length_strategy,
-            chat_template=chat_template,
-            entry_label=label,
-        )
+        try:  # reads the first rows (their columns): a damaged file can fail here
+            tokenized = tokenize_stream(
+                load_stream(entry, entry_label=label),
+                entry,
+                tokenizer,
+                sequence_len=data.sequence_len,
+                excess_length_strategy=data.excess_length_strategy,
+                chat_template=chat_template,
+                entry_label=label,
+            )
+        except FinetuneError:
+            raise
+        except Exception as exc:
+            raise DataError(
+                f"{label}: reading {entry.path!r} failed: {type(exc).__name__}: {exc}. {_DAMAGED}"
+            ) from exc
         features = datasets.Features({**tokenized.features, ENTRY_COLUMN: datasets.Value("int32")})
         parts.append(tokenized.map(partial(_tag, index=i), batched=True, features=features))
     stream = parts[0]
@@ -199,8 +210,7 @@ def _read(stream: datasets.IterableDataset) -> Iterator[dict]:
             raise
         except Exception as exc:
             raise DataError(
-                f"reading the data.datasets stream failed: {type(exc).__name__}: {exc}. A damaged file? "
-                "Check the file it names (`finetune prepare-dataset` on it reports the line), or the connection"
+                f"reading the data.datasets stream failed: {type(exc).__name__}: {exc}. {_DAMAGED}"
             ) from exc
         yield row
 

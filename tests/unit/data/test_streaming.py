@@ -231,3 +231,13 @@ def test_each_process_reads_its_own_part(tmp_path, tok):
     ]
     assert len(parts[0]) == len(parts[1]) == 60
     assert sorted(parts[0] + parts[1]) == sorted(whole)
+
+
+def test_damaged_file_is_a_data_error(tmp_path, tok):
+    lines = DEMO_DATA.read_text().splitlines()[:30]
+    (tmp_path / "bad.jsonl").write_text(
+        "\n".join([*lines[:20], '{"instruction": "x", broken', *lines[20:]]) + "\n"
+    )
+    data, train = settings(tmp_path / "bad.jsonl")
+    with pytest.raises(DataError, match=r"data.datasets\[0\]: reading .*bad.jsonl.* failed: .*JSON"):
+        batches(make_stream_loader(data, train, tok, chat_template=None), 10)
