@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration._run import REPO, env, progress, run, short_run, step_losses
+from tests.integration._run import REPO, assert_quiet, env, progress, run, short_run, step_losses
 
 pytestmark = pytest.mark.slow
 
@@ -37,9 +37,15 @@ def shards(tmp_path_factory) -> Path:
     return folder
 
 
-def command(out: Path, shards: Path) -> list[str]:
+def command(out: Path, shards: Path, *, cli: bool = True) -> list[str]:
+    """The run through `finetune train` (cli) or the training script itself (no launcher: faster)."""
+    entry = (
+        [sys.executable, "-m", "finetune.cli", "train"]
+        if cli
+        else [sys.executable, str(REPO / "finetune" / "train.py")]
+    )
     return [
-        sys.executable, "-m", "finetune.cli", "train", str(RECIPE),
+        *entry, str(RECIPE),
         *short_run("--lora.lora_dropout", "0.1"),  # dropout: the RNG state must resume too
         "--data.datasets", f"[{{path: {shards}, type: alpaca}}]", "--data.on_bad_row", "skip",
         "--data.stream_buffer_size", "32", "--train.max_steps", str(STEPS), "--train.save_steps", "4",
@@ -53,8 +59,30 @@ def last_record(out: Path) -> dict:
 
 
 def test_streaming_run_killed_and_resumed_reads_and_trains_the_same(tmp_path, shards):
-    ref = run(command(tmp_path / "ref", shards))
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    # The reference (through the CLI) and the run to kill (the training script) run side by side.
+    out = tmp_path / "kill"
+    proc = subprocess.Popen(
+        command(out, shards, cli=False), cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    ref = subprocess.Popen(
+        command(tmp_path / "ref", shards), cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    latest = out / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if latest.is_file() and latest.read_text().strip() == "step-8":
+            break
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    ref_output, _ = ref.communicate(timeout=600)
+    assert ref.returncode == 0, ref_output[-6000:]
+    assert_quiet(ref_output)
+    killed_at = max(step_losses(progress(out)))
+    assert 8 <= killed_at < STEPS, "the run ended before it could be killed"
+
     ref_losses = step_losses(progress(tmp_path / "ref"))
     assert sorted(ref_losses) == list(range(1, STEPS + 1))
     final = last_record(tmp_path / "ref")
@@ -66,25 +94,9 @@ def test_streaming_run_killed_and_resumed_reads_and_trains_the_same(tmp_path, sh
     assert final["stream_rows_in"] == final["stream_rows_kept"] + final["stream_rows_dropped"]
     assert 0.9 < final["stream_packing_efficiency"] <= 1.0
 
-    out = tmp_path / "kill"
-    proc = subprocess.Popen(
-        command(out, shards), cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        start_new_session=True,
-    )  # fmt: skip
-    latest = out / "checkpoints" / "latest"
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
-        if latest.is_file() and latest.read_text().strip() == "step-8":
-            break
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    killed_at = max(step_losses(progress(out)))
-    assert 8 <= killed_at < STEPS, "the run ended before it could be killed"
-
-    resumed = run([*command(out, shards), "--train.load_checkpoint_path", "auto"])
+    resumed = run([*command(out, shards, cli=False), "--train.load_checkpoint_path", "auto"])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout + resumed.stderr
+    assert f"resumed from {out / 'checkpoints' / 'step-8'}" in resumed.stdout + resumed.stderr
     after = step_losses(progress(out))
     for step in range(1, STEPS + 1):
         assert after[step] == pytest.approx(ref_losses[step], abs=1e-6), step
