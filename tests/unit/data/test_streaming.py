@@ -241,3 +241,46 @@ def test_damaged_file_is_a_data_error(tmp_path, tok):
     data, train = settings(tmp_path / "bad.jsonl")
     with pytest.raises(DataError, match=r"data.datasets\[0\]: reading .*bad.jsonl.* failed: .*JSON"):
         batches(make_stream_loader(data, train, tok, chat_template=None), 10)
+
+
+def test_two_entries_interleave_and_resume_exactly(shards, tok, tmp_path):
+    """Two entries (a folder of jsonl shards, a save_to_disk folder): every row of both once per pass,
+    and the interleaving's state (its random generator) resumes exactly through a checkpoint."""
+    import datasets
+
+    rows = [json.loads(line) for line in DEMO_DATA.read_text().splitlines()[300:400]]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    data, train = settings(shards, dataloader_num_workers=0)
+    data = data.model_copy(
+        update={"datasets": [*data.datasets, dataset_entry(path=str(tmp_path / "saved"), type="alpaca")]}
+    )
+    want = batches(make_stream_loader(data, train, tok, chat_template=None), 60)  # > 1 pass
+    loader = make_stream_loader(data, train, tok, chat_template=None)
+    head = batches(loader, 9)
+    save_extra({"data_stream": loader}, tmp_path)
+    resumed = make_stream_loader(data, train, tok, chat_template=None)
+    load_extra({"data_stream": resumed}, tmp_path)
+    for got, expected in zip(head + batches(resumed, 51), want, strict=True):
+        assert all(got[key].equal(expected[key]) for key in expected)
+    assert resumed.position.epoch >= 1
+
+    # One pass holds every row of both entries once: compare with the prepared path's examples.
+    reader = make_stream_loader(data, train, tok, chat_template=None)
+    streamed: Counter = Counter()
+    for batch in reader:
+        streamed.update(sequences(batch))
+        if reader.position.epoch >= 1:
+            break
+    position = reader.position
+    pending = position.pending + [e for row in position.ready for e in row]
+    streamed.update((tuple(ids), tuple(labels)) for ids, labels in pending)
+    expected: Counter = Counter()
+    for entry in data.datasets:
+        prepared = tokenize_dataset(
+            load_source(entry, on_bad_row="skip"), entry, tok, sequence_len=128,
+            excess_length_strategy="drop", on_bad_row="skip",
+        ).dataset  # fmt: skip
+        expected.update((tuple(r["input_ids"]), tuple(r["labels"])) for r in prepared)
+    assert sum(expected.values()) == 398 and not expected - streamed
+    next_pass = streamed - expected  # the rows of the second pass read so far
+    assert sum(next_pass.values()) == position.counts.rows_kept - 398 and not next_pass - expected
