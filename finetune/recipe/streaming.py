@@ -10,8 +10,10 @@ from finetune.recipe.base import Problem
 
 # Data settings of the prepare step that a stream has no use for: path -> why and what to do.
 _NOT_WITH_STREAMING: dict[str, str] = {
-    "data.val_set_size": "a stream is not split; evaluate on a held-out file with `finetune eval`",
-    "data.test_datasets": "evaluation during a streaming run is not supported yet; use `finetune eval`",
+    "data.val_set_size": "a stream is not split; evaluate with eval.generation_sets, or afterwards with "
+    "`finetune eval` and a recipe whose data is the held-out file",
+    "data.test_datasets": "evaluation on a split during a streaming run is not supported yet; use "
+    "eval.generation_sets, or afterwards `finetune eval` with a recipe whose data is the held-out file",
     "data.skip_prepare_dataset": "nothing is prepared; remove it",
     "data.push_dataset_to_hub": "nothing is prepared to push; remove it",
     "data.num_dataset_shards_to_save": "nothing is saved; remove it",

@@ -284,3 +284,10 @@ def test_two_entries_interleave_and_resume_exactly(shards, tok, tmp_path):
     assert sum(expected.values()) == 398 and not expected - streamed
     next_pass = streamed - expected  # the rows of the second pass read so far
     assert sum(next_pass.values()) == position.counts.rows_kept - 398 and not next_pass - expected
+
+
+def test_prepare_dataset_refuses_a_streaming_recipe(capsys):
+    from finetune.cli import main
+
+    assert main(["prepare-dataset", str(STREAM_RECIPE)]) == 2
+    assert "nothing to prepare" in capsys.readouterr().err
