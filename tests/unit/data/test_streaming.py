@@ -291,3 +291,48 @@ def test_prepare_dataset_refuses_a_streaming_recipe(capsys):
 
     assert main(["prepare-dataset", str(STREAM_RECIPE)]) == 2
     assert "nothing to prepare" in capsys.readouterr().err
+
+
+def _two_process_worker(rank: int, folder: str, port: int) -> None:
+    """One of two gloo processes: each reads its part, saves every process's position (a collective),
+    and a fresh loader resumes its own part exactly from it."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        tok = AutoTokenizer.from_pretrained(REPO / "recipes" / "demo" / "tokenizer")
+        data, train = settings(Path(folder) / "shards")
+        make = lambda: make_stream_loader(data, train, tok, chat_template=None, rank=rank, world_size=2)  # noqa: E731
+        want = batches(make(), 10)
+        loader = make()
+        head = batches(loader, 4)
+        state = loader.state_dict()  # every process calls it: it gathers both positions
+        assert state["num_processes"] == 2 and len(state["ranks"]) == 2
+        resumed = make()
+        resumed.load_state_dict(state)
+        got = head + batches(resumed, 6)
+        same = all(g[k].equal(w[k]) for g, w in zip(got, want, strict=True) for k in w)
+        Path(folder, f"rank{rank}.json").write_text(
+            json.dumps({"same": same, "first": want[0]["input_ids"][0, :16].tolist()})
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_checkpoint_every_position(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    (tmp_path / "shards").mkdir()
+    rows = [json.loads(line) for line in DEMO_DATA.read_text().splitlines()[:200]]
+    for k in range(4):
+        with open(tmp_path / "shards" / f"part-{k}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows[k * 50 : (k + 1) * 50])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_two_process_worker, args=(str(tmp_path), port), nprocs=2, start_method="spawn")
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["same"] for r in results)
+    assert results[0]["first"] != results[1]["first"]  # each reads its own part
