@@ -150,6 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     checkpoints.add_argument("output_dir", help="the run's train.output_dir")
 
+    report = sub.add_parser(
+        "report",
+        help="One self-contained HTML page about training runs: curves overlaid across runs, finetune eval's "
+        "table and samples, the data manifest, the planner's memory prediction vs the measured peak.",
+    )
+    report.add_argument("output_dirs", nargs="+", metavar="OUTPUT_DIR", help="a run's train.output_dir")
+    report.add_argument(
+        "--output", default="report.html", metavar="FILE", help="the HTML file to write (report.html)"
+    )
+
     merge = sub.add_parser(
         "merge-lora", help="Merge a LoRA adapter into its base model and save full weights."
     )
@@ -157,6 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--output", required=True, help="folder to write the merged model to")
     merge.add_argument("--base", help="base model path (default: base_model_name_or_path of the adapter)")
     merge.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
+
+    export = sub.add_parser(
+        "export-gguf",
+        help="Write a trained model (an adapter is merged first) as one GGUF file for llama.cpp, Ollama, LM Studio.",
+    )
+    export.add_argument(
+        "output_dir", help="a run's train.output_dir: an adapter, a full or a merged model folder"
+    )
+    export.add_argument(
+        "--outtype", choices=["f16", "bf16", "q8_0"], default="f16", help="weight type of the matrices (f16)"
+    )
+    export.add_argument(
+        "--output", metavar="FILE", help="the .gguf file (default: OUTPUT_DIR/<name>-<outtype>.gguf)"
+    )
+    export.add_argument("--base", help="the adapter's base model, when it moved since training")
     return parser
 
 
@@ -272,6 +297,17 @@ def print_checkpoints(output_dir: str) -> int:
     return 0 if picked else 1
 
 
+def export_gguf_command(args: argparse.Namespace) -> int:
+    """`finetune export-gguf`: write the file, then say where it is and how to run it."""
+    from finetune.gguf_export import export_gguf
+
+    path = export_gguf(args.output_dir, outtype=args.outtype, output=args.output, base=args.base)
+    print(f"GGUF file written to {path} ({path.stat().st_size / 2**20:,.1f} MiB, {args.outtype})")
+    print(f"run it with llama.cpp: llama-cli -m {path}")
+    print(f"or with Ollama: a Modelfile holding `FROM {path}`, then `ollama create NAME -f Modelfile`")
+    return 0
+
+
 def check_before_launch(recipe, config: Path | None, launch: dict) -> None:
     """Refuse, before any process starts, a recipe and engine that cannot work together here."""
     import torch
@@ -300,7 +336,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     # They import the heavy libraries; so does `train`'s launcher (accelerate launch imports DeepSpeed
     # when a config uses it, before train.py can quiet it): its environment gets the same settings.
-    if args.command in ("chat", "merge-lora", "prepare-dataset", "eval", "train"):
+    if args.command in ("chat", "merge-lora", "export-gguf", "prepare-dataset", "eval", "train"):
         from finetune.quiet import quiet_third_party
 
         quiet_third_party()
@@ -320,6 +356,14 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         if overrides:
             raise FinetuneError(f"checkpoints takes no recipe overrides, got {' '.join(overrides)}")
         return print_checkpoints(args.output_dir)
+    if args.command == "report":
+        if overrides:
+            raise FinetuneError(f"report takes no recipe overrides, got {' '.join(overrides)}")
+        from finetune.report import build_report
+
+        path = build_report(args.output_dirs, args.output)
+        print(f"report of {len(args.output_dirs)} run(s) written to {path}")
+        return 0
     if args.command == "merge-lora":
         if overrides:
             raise FinetuneError(f"merge-lora takes no recipe overrides, got {' '.join(overrides)}")
@@ -328,6 +372,10 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         merge_lora(args.adapter_dir, args.output, base=args.base, dtype=args.dtype)
         print(f"merged model written to {args.output}")
         return 0
+    if args.command == "export-gguf":
+        if overrides:
+            raise FinetuneError(f"export-gguf takes no recipe overrides, got {' '.join(overrides)}")
+        return export_gguf_command(args)
 
     recipe = load_recipe(args.recipe, overrides)
     if args.command != "train":  # the training process says them itself, once

@@ -15,11 +15,13 @@ from typing import Any
 
 import torch
 
+from finetune import vlm
 from finetune.errors import FinetuneError, write_error, write_failure_reason
 from finetune.gguf import is_gguf_name, is_package_ref, portable_base, resolve_model_source, resolve_path
 from finetune.notices import warn
 from finetune.quiet import quiet_third_party
 from finetune.recipe import LoraSection, ModelSection
+from finetune.recipe.lora import MODIFIES_BASE
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,8 @@ def load_tokenizer(model: ModelSection):
     """
     from transformers import AutoTokenizer
 
+    if model.kind == "vlm":
+        return vlm.load_processor(model).tokenizer
     model = resolve_model_source(model)
     source = model.tokenizer_source
     try:
@@ -47,23 +51,7 @@ def load_tokenizer(model: ModelSection):
             f"model.tokenizer_path: could not load a tokenizer from {source!r}: {exc}. "
             "Point tokenizer_path at a folder with tokenizer files or a Hub id."
         ) from None
-    if model.resolved_chat_template is not None:
-        tokenizer.chat_template = model.resolved_chat_template
-    tokens = model.special_tokens
-    named = {
-        k: getattr(tokens, k)
-        for k in ("bos_token", "eos_token", "pad_token", "unk_token")
-        if getattr(tokens, k)
-    }
-    if named or tokens.additional_special_tokens:
-        extra = (
-            {"additional_special_tokens": tokens.additional_special_tokens}
-            if tokens.additional_special_tokens
-            else {}
-        )
-        added = tokenizer.add_special_tokens({**named, **extra})
-        logger.info("special tokens set; %d new token(s) added to the vocabulary", added)
-    return tokenizer
+    return vlm.with_recipe_tokens(tokenizer, model)
 
 
 def pad_token_id(tokenizer) -> int:
@@ -136,8 +124,9 @@ def build_model(
     A GGUF model loads from its converted folder; an adapter names the GGUF file as its base
     (`finetune.gguf.portable_base`), from which any machine converts it again.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    auto = AutoModelForImageTextToText if model.kind == "vlm" else AutoModelForCausalLM
     check_attention_backend(model.attn_implementation)
     portable = portable_base(model.model_path, model.gguf_file, model.revision)
     model = resolve_model_source(model)
@@ -148,7 +137,7 @@ def build_model(
             lora, compute_dtype=DTYPES.get(mixed_precision, torch.float32)
         )
     if model.model_path is not None:
-        net = AutoModelForCausalLM.from_pretrained(
+        net = auto.from_pretrained(
             model.model_path,
             config=_load_config(model) if model.config_path is not None else None,
             revision=model.revision,
@@ -162,7 +151,7 @@ def build_model(
                 "lora.enable_qlora quantizes pretrained weights: set model.model_path "
                 "(for a random-init model, save it with save_pretrained first)"
             )
-        net = AutoModelForCausalLM.from_config(
+        net = auto.from_config(
             config,
             attn_implementation=model.attn_implementation,
             dtype=dtype,
@@ -182,6 +171,8 @@ def build_model(
         net.config.use_cache = False
     if model.enable_liger_kernel:
         apply_liger(net)
+    if model.kind == "vlm":
+        vlm.freeze(net, train_vision_tower=model.train_vision_tower, train_projector=model.train_projector)
     return net
 
 
@@ -200,10 +191,22 @@ def qlora_config(lora: LoraSection, *, compute_dtype: torch.dtype):
     )
 
 
-def apply_lora(net, lora: LoraSection, *, gradient_checkpointing: bool, base: str | None = None):
+def apply_lora(
+    net,
+    lora: LoraSection,
+    *,
+    gradient_checkpointing: bool,
+    base: str | None = None,
+    init_data=None,
+    **targets,
+):
     """Wrap the model with PEFT LoRA adapters (rsLoRA / DoRA / modules_to_save as configured), new or
-    lora.init_adapter's (then `base`, the location the model was loaded from, must be its base)."""
+    lora.init_adapter's (then `base`, the location the model was loaded from, must be its base).
+    EVA and CorDA compute their init over `init_data` (finetune.lora_init.InitData). `targets`
+    (target_modules, modules_to_save) replace the recipe's (a VLM's: finetune.vlm)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    from finetune.lora_init import config_fields, data_driven_peft_model, is_data_driven
 
     if lora.enable_qlora:
         net = prepare_model_for_kbit_training(
@@ -217,14 +220,17 @@ def apply_lora(net, lora: LoraSection, *, gradient_checkpointing: bool, base: st
         r=lora.lora_rank,
         lora_alpha=lora.lora_alpha,
         lora_dropout=lora.lora_dropout,
-        target_modules=lora.lora_target_modules,
-        modules_to_save=lora.modules_to_save or None,
+        target_modules=targets.get("target_modules", lora.lora_target_modules),
+        modules_to_save=targets.get("modules_to_save", lora.modules_to_save or None),
         use_rslora=lora.use_rslora,
         use_dora=lora.use_dora,
         init_lora_weights=lora.init_lora_weights,
         task_type="CAUSAL_LM",
+        **config_fields(lora),
     )
     try:
+        if is_data_driven(config):
+            return data_driven_peft_model(net, config, init_data)
         return get_peft_model(net, config)
     except ValueError as exc:
         field = "init_lora_weights" if lora.init_lora_weights is not True else "lora_target_modules"
@@ -232,11 +238,11 @@ def apply_lora(net, lora: LoraSection, *, gradient_checkpointing: bool, base: st
 
 
 def init_modifies_base(net) -> bool:
-    """Whether `net` (a PEFT model) was initialised by PiSSA or OLoRA, which subtract the adapter's start
-    from the base weights: its adapter must be saved converted (see `save_initial_adapter`)."""
+    """Whether `net` (a PEFT model) was initialised by PiSSA, OLoRA or CorDA, which subtract the
+    adapter's start from the base weights: its adapter must be saved converted (`save_initial_adapter`)."""
     config = getattr(net, "peft_config", {}).get("default")
     init = getattr(config, "init_lora_weights", True)
-    return isinstance(init, str) and init.startswith(("pissa", "olora"))
+    return isinstance(init, str) and init.startswith(MODIFIES_BASE)
 
 
 def save_initial_adapter(net, folder: Path, *, is_main_process: bool) -> None:
@@ -251,6 +257,42 @@ def save_initial_adapter(net, folder: Path, *, is_main_process: bool) -> None:
         net.save_pretrained(folder, is_main_process=is_main_process, safe_serialization=True)
     finally:
         config.init_lora_weights = init
+
+
+def save_converted_adapter(net, folder: Path, *, initial: Path, is_main_process: bool, **save_kwargs) -> None:
+    """Save a PiSSA/OLoRA/CorDA adapter converted to plain LoRA against the original base
+    (`path_initial_model_for_weight_conversion=initial`, see `save_initial_adapter`), keeping every
+    tensor that is not a LoRA matrix.
+
+    PEFT's conversion (LoraModel.subtract_mutated_init, peft 0.21) returns only the lora_A/lora_B
+    tensors, so modules_to_save copies (a trained lm_head, embeddings) and saved embedding layers were
+    lost, and the adapter then failed to load (KeyError on their weights). They need no conversion:
+    they replace the base's module whole, so the trained tensors are written back as they are.
+    """
+    from peft import get_peft_model_state_dict
+    from peft.utils import SAFETENSORS_WEIGHTS_NAME
+    from safetensors.torch import load_file, save_file
+
+    whole = get_peft_model_state_dict(
+        net,
+        state_dict=save_kwargs.get("state_dict"),
+        save_embedding_layers=save_kwargs.get("save_embedding_layers", "auto"),
+    )
+    net.save_pretrained(
+        folder,
+        is_main_process=is_main_process,
+        safe_serialization=True,
+        path_initial_model_for_weight_conversion=str(initial),
+        **save_kwargs,
+    )
+    kept = {k: v for k, v in whole.items() if "lora_A" not in k and "lora_B" not in k}
+    if not is_main_process or not kept:
+        return
+    path = Path(folder) / SAFETENSORS_WEIGHTS_NAME
+    saved = load_file(path)
+    missing = {k: v.detach().to("cpu").contiguous() for k, v in kept.items() if k not in saved}
+    if missing:
+        save_file({**saved, **missing}, path, metadata={"format": "pt"})
 
 
 def enable_neftune(net, noise_alpha: float):

@@ -79,6 +79,35 @@ def history_section(extensions: list[dict]) -> list[str]:
     return ["## Training history\n\n" + "\n".join(lines)]
 
 
+def _dataset_text(entry: dict) -> str:
+    """A training dataset in the card: its path and type, and its mixture weight unless 1.
+
+    >>> _dataset_text({"path": "a.jsonl", "type": "alpaca", "weight": 0.5})
+    '`a.jsonl` (alpaca, weight 0.5)'
+    """
+    weight = entry.get("weight", 1)
+    return f"`{entry['path']}` ({entry['type']}{f', weight {weight:g}' if weight != 1 else ''})"
+
+
+def manifest_rows(manifest: dict) -> list[tuple[str, Any]]:
+    """The prepared LLM dataset's figures that the card shows (and `finetune report`): fingerprint,
+    rows in and kept, drops by reason, tokens, packing efficiency.
+
+    >>> manifest_rows({"fingerprint": "ab12", "rows_in": 10, "rows_kept": 9, "dropped": {"too_long": 1}})[1:3]
+    [('rows in / kept', '10 / 9'), ('dropped', {'too_long': 1})]
+    """
+    return [
+        ("prepared fingerprint", manifest.get("fingerprint")),
+        ("rows in / kept", f"{manifest.get('rows_in')} / {manifest.get('rows_kept')}"),
+        ("dropped", manifest.get("dropped") or "none"),
+        (
+            "tokens / trainable tokens",
+            f"{manifest.get('num_tokens')} / {manifest.get('num_trainable_tokens')}",
+        ),
+        ("packing efficiency", manifest.get("packing_efficiency")),
+    ]
+
+
 def render_model_card(*, recipe: dict, manifest: dict, metrics: dict, extensions: list[dict] = ()) -> str:
     """Card text: base model, data (from the prepared dataset's manifest), hyperparameters, metrics,
     and the run's extensions (`history_section`).
@@ -104,7 +133,7 @@ def render_model_card(*, recipe: dict, manifest: dict, metrics: dict, extensions
         ],
         pipeline_tag="text-generation",
     )
-    datasets = ", ".join(f"`{d['path']}` ({d['type']})" for d in data["datasets"])
+    datasets = ", ".join(_dataset_text(d) for d in data["datasets"])
     hyper = [
         (
             "learning rate",
@@ -127,17 +156,7 @@ def render_model_card(*, recipe: dict, manifest: dict, metrics: dict, extensions
                 f"targets={lora['lora_target_modules']}",
             )
         )
-    data_rows = [
-        ("datasets", datasets),
-        ("prepared fingerprint", manifest.get("fingerprint")),
-        ("rows in / kept", f"{manifest.get('rows_in')} / {manifest.get('rows_kept')}"),
-        ("dropped", manifest.get("dropped") or "none"),
-        (
-            "tokens / trainable tokens",
-            f"{manifest.get('num_tokens')} / {manifest.get('num_trainable_tokens')}",
-        ),
-        ("packing efficiency", manifest.get("packing_efficiency")),
-    ]
+    data_rows = [("datasets", datasets), *manifest_rows(manifest)]
     metric_rows = [(k, f"{v:.4f}" if isinstance(v, float) else v) for k, v in metrics.items()]
     content = "\n\n".join(
         [

@@ -6,12 +6,14 @@ module owns what finetune sends them, so objectives and the engine never ask whi
 
 * `log_scalars`: numbers, to every tracker.
 * `log_table`: rows of text (generation samples), as the tracker's own table where it has one
-  (wandb, mlflow, trackio), as markdown text where it takes text (tensorboard), and not at all where
-  it is wired for numbers only (comet_ml, aim, clearml, dvclive, swanlab): progress.jsonl always
-  holds the same rows, and `check_available` says so once at start.
-* `log_images`: images with captions (diffusion validation samples), through the tracker's own
-  image API where it is wired (tensorboard, wandb, mlflow, trackio); the images are always saved
-  under output_dir/samples as well.
+  (wandb, mlflow, trackio, comet_ml's table asset, clearml's report_table), as markdown text where it
+  takes text (tensorboard), as one text per row (aim's Text, swanlab's Text), and as a JSON-lines
+  file in the tracker's folder where it takes no text (dvclive: <live dir>/tables/<name>.jsonl).
+  progress.jsonl always holds the same rows; a tracker spec without a table function would make the
+  run say once that tables stay there.
+* `log_images`: images with captions (diffusion validation samples), through each tracker's own
+  image API (captions where it has them); the images are always saved under output_dir/samples as
+  well.
 
 Adding a tracker is one `TrackerSpec` entry in TRACKERS (the recipe's `train.report_to` choices
 come from this table). The table is plain data with lazy imports: the recipe layer reads it
@@ -20,8 +22,10 @@ without importing torch or accelerate.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from finetune.errors import FinetuneError
@@ -113,9 +117,103 @@ def _trackio_images(tracker, name: str, images: list[list[Any]], captions: list[
     tracker.log(pictures, step=step)
 
 
-# Every tracker Accelerate 1.15 ships (accelerate.tracking.LOGGER_TYPE_TO_CLASS). The last five are
-# passed through for numbers only: their table and image calls are not wired here (no way to run
-# them offline in the suite), so the run says once that tables and images stay in progress.jsonl.
+def _cells(rows: list[list[Any]]) -> list[list[str]]:
+    return [[str(c) for c in row] for row in rows]
+
+
+def _comet_table(tracker, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+    # Comet's own table asset (a CSV per call, shown in its Assets tab); the file name carries the step.
+    tracker.tracker.log_table(
+        f"{_file_name(name)}_step{step}.csv", tabular_data=_cells(rows), headers=columns
+    )
+
+
+def _comet_images(tracker, name: str, images: list[list[Any]], captions: list[str], step: int) -> None:
+    for p, (caption, row) in enumerate(zip(captions, images, strict=True)):
+        for i, image in enumerate(row):
+            tracker.tracker.log_image(
+                image, name=f"{name}/{p:02d}_{i}", step=step, metadata={"caption": caption}
+            )
+
+
+def _aim_table(tracker, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+    from aim import Text
+
+    # Aim has no table type: one Text per row (its columns as `column: value` lines), the row's index
+    # in the context, under the table's name and step.
+    for i, row in enumerate(rows):
+        text = "\n".join(f"{c}: {v}" for c, v in zip(columns, row, strict=True))
+        tracker.tracker.track(Text(text), name=name, step=step, context={"row": i})
+
+
+def _aim_images(tracker, name: str, images: list[list[Any]], captions: list[str], step: int) -> None:
+    from aim import Image
+
+    for p, (caption, row) in enumerate(zip(captions, images, strict=True)):
+        for i, image in enumerate(row):
+            tracker.tracker.track(
+                Image(image, caption=caption), name=f"{name}/{p:02d}", step=step, context={"image": i}
+            )
+
+
+def _clearml_table(tracker, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+    # Accelerate's ClearMLTracker.log_table: ClearML's Logger.report_table, title/series from the name.
+    tracker.log_table(name, columns=columns, data=_cells(rows), step=step)
+
+
+def _clearml_images(tracker, name: str, images: list[list[Any]], captions: list[str], step: int) -> None:
+    import numpy as np
+
+    # Accelerate's ClearMLTracker.log_images (Logger.report_image); ClearML has no captions.
+    pictures = {
+        f"{name}/{p:02d}_{i}": np.asarray(im) for p, row in enumerate(images) for i, im in enumerate(row)
+    }
+    tracker.log_images(pictures, step=step)
+
+
+def _file_name(name: str) -> str:
+    """A table's name as one file name.
+
+    >>> _file_name("eval/arith_samples")
+    'eval_arith_samples'
+    """
+    return name.replace("/", "_")
+
+
+def _dvclive_table(tracker, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+    # DVCLive takes numbers, images, plots and artifacts, but no text: a JSON-lines table file in the
+    # Live folder (output with the run's metrics), one object per row with its step.
+    folder = Path(tracker.tracker.dir) / "tables"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"{_file_name(name)}.jsonl", "a", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps({"step": step} | dict(zip(columns, _cells([row])[0], strict=True))) + "\n")
+
+
+def _dvclive_images(tracker, name: str, images: list[list[Any]], captions: list[str], step: int) -> None:
+    # Live.log_image writes plots/images/<name>; the step is in the name so steps do not overwrite.
+    for p, row in enumerate(images):
+        for i, image in enumerate(row):
+            tracker.tracker.log_image(f"{_file_name(name)}/step{step}_{p:02d}_{i}.png", image)
+
+
+def _swanlab_table(tracker, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+    import swanlab
+
+    # SwanLab's Text media, one per row (columns as `column: value` lines).
+    texts = ["\n".join(f"{c}: {v}" for c, v in zip(columns, row, strict=True)) for row in rows]
+    tracker.tracker.log({name: [swanlab.Text(t) for t in texts]}, step=step)
+
+
+def _swanlab_images(tracker, name: str, images: list[list[Any]], captions: list[str], step: int) -> None:
+    import swanlab
+
+    pictures = [swanlab.Image(im, caption=c) for c, row in zip(captions, images, strict=True) for im in row]
+    tracker.tracker.log({name: pictures}, step=step)
+
+
+# Every tracker Accelerate 1.15 ships (accelerate.tracking.LOGGER_TYPE_TO_CLASS), each through the
+# object Accelerate's tracker wraps (`tracker.tracker`) or Accelerate's own table/image method.
 TRACKERS: dict[str, TrackerSpec] = {
     spec.name: spec
     for spec in (
@@ -123,12 +221,12 @@ TRACKERS: dict[str, TrackerSpec] = {
         TrackerSpec("wandb", "wandb", table=_wandb_table, images=_wandb_images),
         TrackerSpec("mlflow", "mlflow", table=_mlflow_table, images=_mlflow_images),
         TrackerSpec("trackio", "trackio", table=_trackio_table, images=_trackio_images),
-        TrackerSpec("comet_ml", "comet_ml", table=None, images=None),
+        TrackerSpec("comet_ml", "comet_ml", table=_comet_table, images=_comet_images),
         # Accelerate's AimTracker speaks the aim 3 API (is_aim_available is False for aim 4).
-        TrackerSpec("aim", "'aim<4'", table=None, images=None),
-        TrackerSpec("clearml", "clearml", table=None, images=None),
-        TrackerSpec("dvclive", "dvclive", table=None, images=None),
-        TrackerSpec("swanlab", "swanlab", table=None, images=None),
+        TrackerSpec("aim", "'aim<4'", table=_aim_table, images=_aim_images),
+        TrackerSpec("clearml", "clearml", table=_clearml_table, images=_clearml_images),
+        TrackerSpec("dvclive", "dvclive", table=_dvclive_table, images=_dvclive_images),
+        TrackerSpec("swanlab", "swanlab", table=_swanlab_table, images=_swanlab_images),
     )
 }
 

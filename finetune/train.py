@@ -71,6 +71,7 @@ def _main(argv: list[str] | None) -> int:
                 train=recipe.train,
                 hub=recipe.hub,
                 recipe_dict=recipe_to_dict(recipe),
+                memory_plan=memory_plan(recipe) if accelerator.is_main_process else None,
             )
         finally:
             # Also on an early stop or an abort: trackers flush their files here.
@@ -81,6 +82,19 @@ def _main(argv: list[str] | None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         write_status(2, str(exc))  # `finetune train` then exits 2 with this message alone
         return 2
+
+
+def memory_plan(recipe) -> dict:
+    """The planner's prediction for this run (finetune.plan.training_prediction), recorded in
+    progress.jsonl beside the measured peaks; {"unavailable": why} when it cannot be made. A
+    prediction is information only: no failure of the planner may stop a training run."""
+    from finetune.accelerate_config import setup_from_env
+    from finetune.plan import training_prediction
+
+    try:
+        return training_prediction(recipe, setup_from_env())
+    except Exception as exc:  # any failure: see the docstring
+        return {"unavailable": f"the planner failed: {type(exc).__name__}: {exc}"}
 
 
 if __name__ == "__main__":

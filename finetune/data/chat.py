@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.data import tool_calls
+from finetune.data import images, tool_calls
 from finetune.data.rows import (
     EMPTY_COMPLETION,
     EMPTY_CONVERSATION,
@@ -73,6 +73,8 @@ def conversation(
     it can't be used (``field`` names the column in problems).
 
     Other keys of a message (e.g. ``tool_calls``) are kept for the template; nulls are dropped. A
+    content that is a list of parts becomes its text with a ``images.SENTINEL`` per image, the image
+    references in the message's ``images`` (finetune.data.images). A
     role that is not in ``known`` (default: `known_roles`) after ``role_map`` is a bad row:
     templates render any role string, so a typo or an unmapped ShareGPT role would otherwise train
     silently in the wrong shape.
@@ -103,7 +105,16 @@ def conversation(
                 return extra["tool_calls"]
         # A turn that only calls tools has content null (OpenAI) or "": templates expect a string.
         raw = msg.get(keys.content)
-        content = "" if raw is None and "tool_calls" in extra else text(raw, f"{where}.{keys.content}")
+        if isinstance(raw, list):  # parts: text, and images (a SENTINEL each, their references kept)
+            content = images.parts_text(raw, f"{where}.{keys.content}")
+            if isinstance(content, BadRow):
+                return content
+            content, refs = content
+            extra.pop("images", None)
+            if refs:
+                extra["images"] = refs
+        else:
+            content = "" if raw is None and "tool_calls" in extra else text(raw, f"{where}.{keys.content}")
         if isinstance(content, BadRow):
             return content
         role = keys.role_map.get(role, role)

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from finetune.constants import IGNORE_INDEX
+from finetune.data import images
 from finetune.data.chat import ChatTemplateError, chat_spans, empty_turns, pair_turns, render_messages
 from finetune.data.rows import BadRow, Example
 
@@ -38,6 +40,9 @@ class Encoder:
     eos_id: int | None
     chat_template: str | None = None  # an override of the tokenizer's template (model.chat_template)
     vocab_size: int = 0  # ids of pre-tokenized rows must be below it
+    processor: Any = None  # a vision-language model's processor (finetune.data.vision): rows may hold images
+    image_root: Path | None = None  # where relative image paths start (the data file's folder)
+    image_max_pixels: int | None = None  # images are resized to at most this many pixels (aspect kept)
 
     def ids(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, without special tokens, in one call for the whole batch."""
@@ -67,7 +72,10 @@ class Encoder:
         add_generation_prompt: bool = False,
     ) -> str:
         """A conversation rendered by the chat template (the override, else the tokenizer's own),
-        with the row's tool definitions when it has any."""
+        with the row's tool definitions when it has any. For a vision-language model every content
+        is a list of parts, its images as image parts (finetune.data.images.as_parts)."""
+        if self.processor is not None:
+            messages = images.as_parts(messages)
         return self.tokenizer.apply_chat_template(
             messages,
             tools=tools,
@@ -105,13 +113,18 @@ class Encoder:
         return ids, labels
 
 
-def make_encoder(tokenizer: Any, chat_template: str | None = None) -> Encoder:
+def make_encoder(tokenizer: Any, chat_template: str | None = None, processor: Any = None) -> Encoder:
     """The Encoder of `tokenizer`: its prefix ids found by tokenizing a text with and without them."""
     with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     start = next((k for k in range(len(with_special)) if with_special[k : k + len(plain)] == plain), 0)
     return Encoder(
-        tokenizer, list(with_special[:start]), tokenizer.eos_token_id, chat_template, len(tokenizer)
+        tokenizer,
+        list(with_special[:start]),
+        tokenizer.eos_token_id,
+        chat_template,
+        len(tokenizer),
+        processor,
     )
 
 
@@ -183,6 +196,26 @@ def chat_examples(
     when given); the turns of the entry's `roles_to_train` (and their end-of-turn text, per its
     `train_on_eos`) trained, or every token with its `train_on_inputs`. `field` names the column in
     the problems of a row (an empty trained turn, a template that rejects it)."""
+    texts, found = chat_texts(convs, enc, entry, field=field, tools=tools)
+    rows: list[Example | BadRow] = []
+    for spans, encoding in zip(found, enc.encode(texts, offsets=True), strict=True):
+        if isinstance(spans, BadRow):
+            rows.append(spans)
+        else:
+            rows.append(enc.labelled(encoding, None if entry.train_on_inputs else spans))
+    return rows
+
+
+def chat_texts(
+    convs: list[list[dict[str, Any]] | BadRow],
+    enc: Encoder,
+    entry: Any,
+    *,
+    field: str,
+    tools: list[list[dict[str, Any]] | None] | None = None,
+) -> tuple[list[str], list[list[tuple[int, int]] | BadRow]]:
+    """Each conversation's rendered text ("" for a bad row) and its trained character spans (or the
+    BadRow): the first half of `chat_examples`, which finetune.data.vision shares."""
     texts: list[str] = []
     found: list[list[tuple[int, int]] | BadRow] = []
     for conv, row_tools in zip(convs, tools or [None] * len(convs), strict=True):
@@ -197,13 +230,7 @@ def chat_examples(
                 spans = BadRow(field, e.reason, str(e))
         texts.append(text)
         found.append(spans)
-    rows: list[Example | BadRow] = []
-    for spans, encoding in zip(found, enc.encode(texts, offsets=True), strict=True):
-        if isinstance(spans, BadRow):
-            rows.append(spans)
-        else:
-            rows.append(enc.labelled(encoding, None if entry.train_on_inputs else spans))
-    return rows
+    return texts, found
 
 
 def _chat_text(conv: list[dict[str, Any]], render: Any, entry: Any) -> tuple[str, list[tuple[int, int]]]:

@@ -38,9 +38,12 @@ EXTENSION_TO_BUILDER = {
 COMPRESSION_EXTENSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
 SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")
 _HASH_CHUNK_BYTES = 1 << 20
+# Image files a vision-language source may point at (hashed with it: finetune.data.images).
+IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
 # Bump when the prepared layout or the meaning of its columns changes: old caches are then ignored.
 # 2: chats with tool calls are trained (they were bad rows) and rendered with their row's tools.
-FORMAT_VERSION = 2
+# 3: message contents may be lists of parts (text; images for vision-language models): they were bad rows.
+FORMAT_VERSION = 3
 # Files in a tokenizer folder that cannot change tokenization (model weights): not hashed.
 _WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx"}
 # Entry fields that do not change what is prepared.
@@ -245,6 +248,9 @@ def fingerprint_inputs(recipe: Recipe, *, with_files: bool = True) -> dict:
     }
     if has_eval(data):
         settings["eval_sample_packing"] = data.eval_sample_packing
+    vision = model.kind == "vlm"
+    if vision:  # only then: the fingerprints of text recipes stay what they were
+        settings["image_max_pixels"] = data.image_max_pixels
     if packs:
         settings |= {
             "sample_packing_method": data.sample_packing_method,
@@ -255,8 +261,8 @@ def fingerprint_inputs(recipe: Recipe, *, with_files: bool = True) -> dict:
             settings["sample_packing_group_size"] = data.sample_packing_group_size
     return {
         "format_version": FORMAT_VERSION,
-        "datasets": [_entry_inputs(e, with_files) for e in data.datasets],
-        "test_datasets": [_entry_inputs(e, with_files) for e in data.test_datasets],
+        "datasets": [_entry_inputs(e, with_files, vision) for e in data.datasets],
+        "test_datasets": [_entry_inputs(e, with_files, vision) for e in data.test_datasets],
         "tokenizer": _tokenizer_inputs(model) if with_files else None,
         # None: the tokenizer's own template, which the tokenizer file hashes cover.
         "chat_template": model.resolved_chat_template,
@@ -266,9 +272,35 @@ def fingerprint_inputs(recipe: Recipe, *, with_files: bool = True) -> dict:
     }
 
 
-def _entry_inputs(entry: Any, with_files: bool = True) -> dict:
+def _entry_inputs(entry: Any, with_files: bool = True, vision: bool = False) -> dict:
     settings = _FORMAT_1_FIELDS | entry.model_dump(mode="json", exclude=_ENTRY_FIELDS_NOT_HASHED)
-    return {"settings": settings, "source": source_fingerprint(entry) if with_files else None}
+    if not vision:  # a text model reads no images: the field is left out, as before it existed
+        settings.pop("field_images", None)
+    if settings.get("weight") == 1:
+        # The default draws each row once, as before weights existed: left out, so the fingerprints
+        # (and the caches) of recipes without weights stay what they were.
+        del settings["weight"]
+    out = {"settings": settings, "source": source_fingerprint(entry) if with_files else None}
+    if vision and with_files:
+        out["images"] = image_files(entry)
+    return out
+
+
+def image_files(entry: Any) -> list[dict]:
+    """Name, size and hash of every image file under a local source's folder (where the rows' relative
+    image paths point; images stored as bytes are in the source's own hash)."""
+    local = Path(entry.path).expanduser()
+    if is_url(entry.path) or not local.exists():
+        return []
+    root = local if local.is_dir() else local.parent
+    files = sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in IMAGE_EXTENSIONS
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
+    return [_file_entry(p, p.relative_to(root).as_posix()) for p in files]
 
 
 def has_eval(data: Any) -> bool:
@@ -354,4 +386,27 @@ def summary(manifest: dict, source: str, path: Path) -> str:
             f"({'packed, ' + s['packing_method'] if s['packed'] else 'unpacked'}); {s['num_tokens']:,} tokens, "
             f"{s['num_trainable_tokens']:,} trainable; packing efficiency {s['packing_efficiency']:.4f}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + mixture_lines(m.get("mixture", [])))
+
+
+def mixture_lines(mixture: list[dict]) -> list[str]:
+    """One summary line per training dataset when there are several or any is weighted: its weight,
+    rows for training and drawn, and its shares of the training rows and trained tokens.
+
+    >>> row = {"dataset": "data.datasets[0]", "path": "a.jsonl", "weight": 0.5, "rows_train": 9,
+    ...        "rows_drawn": 5, "share_of_rows": 0.25, "share_of_trained_tokens": 0.3}
+    >>> mixture_lines([row])
+    ['  data.datasets[0] (a.jsonl): weight 0.5, 9 training rows -> 5 drawn; 25.0% of the rows, 30.0% of the trained tokens']
+    """
+    if len(mixture) < 2 and all(d["weight"] == 1 for d in mixture):
+        return []
+
+    def percent(share: float | None) -> str:
+        return "n/a" if share is None else f"{share:.1%}"
+
+    return [
+        f"  {d['dataset']} ({Path(d['path']).name}): weight {d['weight']:g}, {d['rows_train']} training rows -> "
+        f"{d['rows_drawn']} drawn; {percent(d['share_of_rows'])} of the rows, "
+        f"{percent(d['share_of_trained_tokens'])} of the trained tokens"
+        for d in mixture
+    ]

@@ -108,7 +108,11 @@ def count_tokens(batch: dict) -> int:
 
 
 def seq_stats(batch: dict) -> tuple[float, int]:
-    """(sum of squared sequence lengths, number of tokens) of a batch, from position_ids resets."""
+    """(sum of squared sequence lengths, number of tokens) of a batch, from position_ids resets (a batch
+    without them, of unpacked vision-language rows: one sequence per row, its attention mask's length)."""
+    if "position_ids" not in batch:
+        lengths = batch["attention_mask"].sum(dim=1)
+        return float((lengths.double() ** 2).sum()), int(lengths.sum())
     pos = batch["position_ids"]
     starts = torch.ones_like(pos, dtype=torch.bool)
     starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1

@@ -45,6 +45,14 @@ from finetune.data.cache import (
 )
 from finetune.data.fingerprint import FORMAT_VERSION, fingerprint_inputs, reusing, summary
 from finetune.data.formats import FORMATS
+from finetune.data.mixture import (
+    EFFECTIVE_WEIGHT_WARN,
+    draw_count,
+    mix,
+    per_example_tokens,
+    shares,
+    smallest_weight,
+)
 from finetune.data.packing import (
     build_packed_rows,
     pack_multipack,
@@ -56,12 +64,14 @@ from finetune.data.sources import load_source
 from finetune.data.tokenize import tokenize_dataset
 from finetune.errors import DataError, RecipeError
 from finetune.notices import warn
+from finetune.recipe.schema import VLM_NO_PACKING
 
 if TYPE_CHECKING:
     from finetune.recipe import Recipe
 
 # Per-example columns of preference pairs and kto examples, kept through merge and split.
-_EXTRA_COLUMNS = tuple(name for fmt in FORMATS.values() for name in fmt.features)
+# Vision-language rows keep their image bytes (finetune.data.vision) the same way.
+_EXTRA_COLUMNS = (*(name for fmt in FORMATS.values() for name in fmt.features), "images")
 # Above this share of kto examples alone in their packed row (no mismatched completion for the KL
 # estimate), prepare warns.
 _KTO_ALONE_WARN = 0.05
@@ -228,6 +238,7 @@ class _Part:
     dataset: datasets.Dataset
     stats: dict = field(default_factory=dict)
     bad_row_samples: list = field(default_factory=list)
+    weight: float = 1.0  # data.datasets[].weight (finetune.data.mixture)
 
 
 def _build(
@@ -235,13 +246,16 @@ def _build(
 ) -> Prepared:
     """Tokenize, merge, split, pack and save; returns the saved dataset (memory-mapped)."""
     from finetune.model import load_tokenizer, pad_token_id
+    from finetune.vlm import load_processor
 
     data = recipe.data
     t_start = time.perf_counter()
     timings: dict[str, float] = {"load": 0.0, "tokenize": 0.0}
     num_proc = data.dataset_num_proc or os.cpu_count() or 1
     _check_lengths(data)
-    tokenizer = load_tokenizer(recipe.model)
+    # A vision-language model's processor reads the images; its tokenizer is the one that tokenizes.
+    processor = load_processor(recipe.model) if recipe.model.kind == "vlm" else None
+    tokenizer = processor.tokenizer if processor is not None else load_tokenizer(recipe.model)
     timings["tokenizer"] = time.perf_counter() - t_start
 
     entries = [(e, f"data.datasets[{i}]", "train") for i, e in enumerate(data.datasets)]
@@ -262,20 +276,27 @@ def _build(
             chat_template=recipe.model.resolved_chat_template,
             num_proc=num_proc,
             entry_label=label,
+            processor=processor,
+            image_max_pixels=data.image_max_pixels,
         )
         timings["load"] += t1 - t0
         timings["tokenize"] += time.perf_counter() - t1
         parts.append(_part(label, split, entry, result))
 
     t0 = time.perf_counter()
-    train, val = _merge_and_split(recipe, [p for p in parts if p.split == "train"])
-    eval_parts = ([val] if val is not None else []) + [p.dataset for p in parts if p.split == "eval"]
+    train_parts = [p for p in parts if p.split == "train"]
+    split = _merge_and_split(recipe, train_parts)
+    _check_draws(train_parts, split, log)
+    eval_parts = ([split.val] if split.val is not None else []) + [
+        p.dataset for p in parts if p.split == "eval"
+    ]
     eval_ds = datasets.concatenate_datasets(eval_parts) if eval_parts else None
     timings["merge_split"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     pad_id, kind = pad_token_id(tokenizer), data_kind(data)
-    splits = {"train": _pack(train, data, packed=data.sample_packing, pad_id=pad_id, kind=kind)}
+    splits = {"train": _pack(split.train, data, packed=data.sample_packing, pad_id=pad_id, kind=kind)}
+    mixture = _mixture(train_parts, split, splits["train"])
     if eval_ds is not None and len(eval_ds):
         splits["eval"] = _pack(eval_ds, data, packed=data.eval_sample_packing, pad_id=pad_id, kind=kind)
     timings["pack"] = time.perf_counter() - t0
@@ -284,7 +305,7 @@ def _build(
     for name, (ds, split_stats) in splits.items():
         rows[name], stats[name] = ds, split_stats
         _warn_kto_alone(name, split_stats, log)
-    manifest = _manifest(fingerprint, inputs, parts, stats, timings) | {"kind": kind}
+    manifest = _manifest(fingerprint, inputs, parts, stats, timings) | {"kind": kind, "mixture": mixture}
     num_shards = data.num_dataset_shards_to_save
     write_atomically(
         root, fingerprint, rows, manifest, num_proc=num_proc, num_shards=num_shards, started=t_start
@@ -323,7 +344,7 @@ def _part(label: str, split: str, entry: Any, result: Any) -> _Part:
     }
     if stats["rows_in"] != stats["rows_kept"] + stats["rows_dropped"]:
         raise AssertionError(f"{label}: row accounting does not balance: {stats}")
-    return _Part(label, split, ds, stats, list(result.bad_row_samples))
+    return _Part(label, split, ds, stats, list(result.bad_row_samples), entry.weight)
 
 
 def _token_counts(ds: datasets.Dataset) -> tuple[int, int]:
@@ -337,39 +358,165 @@ def _token_counts(ds: datasets.Dataset) -> tuple[int, int]:
     return num_tokens, num_trainable
 
 
-def _merge_and_split(recipe: Recipe, parts: list[_Part]) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """Shuffle each (optional), concatenate, shuffle (optional), split off val_set_size with the seed."""
+@dataclass
+class _Split:
+    """The training and validation rows of the merged training entries, and where they came from."""
+
+    train: datasets.Dataset  # the weighted mixture
+    val: datasets.Dataset | None
+    train_sources: np.ndarray  # the entry index of every training row (after weighting)
+    rows_eval: np.ndarray  # per entry: rows held out for validation
+    rows_train: np.ndarray  # per entry: training rows before weighting
+
+
+def _merge_and_split(recipe: Recipe, parts: list[_Part]) -> _Split:
+    """Shuffle each (optional), concatenate, shuffle (optional), split off val_set_size with the seed,
+    then draw the weighted mixture from the training side (finetune.data.mixture).
+
+    The steps compose index arrays into the concatenated entries, applied by one `select` per split,
+    so the mixture knows every row's entry without a column added to the data (add_column would copy
+    it). A shuffle is the permutation datasets' `shuffle(seed=seed)` draws
+    (np.random.default_rng(seed).permutation), so a recipe without weights prepares the rows it
+    prepared before weights existed. The validation rows are held out before weighting: a row drawn
+    twice is never in both splits.
+    """
     data, seed = recipe.data, recipe.train.seed
     columns = ["input_ids", "labels"]
     columns += [c for c in _EXTRA_COLUMNS if parts and c in parts[0].dataset.column_names]
-    pieces = [p.dataset.select_columns(columns) for p in parts]
-    if data.shuffle_before_merging_datasets:
-        pieces = [ds.shuffle(seed=seed) for ds in pieces]
-    merged = datasets.concatenate_datasets(pieces)
-    if data.shuffle_merged_datasets:
-        merged = merged.shuffle(seed=seed)
+    merged = datasets.concatenate_datasets([p.dataset.select_columns(columns) for p in parts])
+    sizes = np.array([len(p.dataset) for p in parts], dtype=np.int64)
     if len(merged) == 0:
-        dropped = {f"{p.label} ({p.stats['path']})": p.stats["dropped"] for p in parts}
-        samples = [s for p in parts for s in p.bad_row_samples]
-        first = (
-            f"; first: {samples[0]['dataset']} row {samples[0]['row']}: {samples[0]['detail']}"
-            if samples
-            else ""
-        )
-        raise DataError(f"no training rows left after tokenization (dropped per dataset: {dropped}){first}")
-    if not data.val_set_size:
-        return merged, None
-    n = len(merged)
-    size = data.val_set_size
+        _raise_no_rows(parts)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    order = np.arange(len(merged), dtype=np.int64)
+    if data.shuffle_before_merging_datasets:
+        order = np.concatenate(
+            [
+                start + np.random.default_rng(seed).permutation(n)
+                for start, n in zip(offsets[:-1], sizes, strict=True)
+            ]
+        ).astype(np.int64)
+    if data.shuffle_merged_datasets:
+        order = order[np.random.default_rng(seed).permutation(len(order))]
+    train_idx, val_idx = _validation_split(order, data.val_set_size, seed)
+    # The entry of a row index: the last entry starting at or before it (empty entries start where the
+    # next one does).
+    sources = np.searchsorted(offsets, train_idx, side="right") - 1
+    positions = mix(
+        train_idx - offsets[sources],
+        sources,
+        [p.weight for p in parts],
+        seed=seed,
+        shuffle=data.shuffle_merged_datasets,
+    )
+    rows_eval = np.zeros_like(sizes)
+    if val_idx is not None:
+        rows_eval = np.bincount(np.searchsorted(offsets, val_idx, side="right") - 1, minlength=len(parts))
+    return _Split(
+        train=merged.select(train_idx[positions]),
+        val=merged.select(val_idx) if val_idx is not None else None,
+        train_sources=sources[positions],
+        rows_eval=rows_eval,
+        rows_train=np.bincount(sources, minlength=len(parts)),
+    )
+
+
+def _raise_no_rows(parts: list[_Part]) -> None:
+    dropped = {f"{p.label} ({p.stats['path']})": p.stats["dropped"] for p in parts}
+    samples = [s for p in parts for s in p.bad_row_samples]
+    first = (
+        f"; first: {samples[0]['dataset']} row {samples[0]['row']}: {samples[0]['detail']}" if samples else ""
+    )
+    raise DataError(f"no training rows left after tokenization (dropped per dataset: {dropped}){first}")
+
+
+def _validation_split(
+    order: np.ndarray, size: int | float | None, seed: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """(training, validation) parts of `order`: `size` rows (or that fraction) picked by a seeded
+    permutation, both sides keeping the order's order."""
+    if not size:
+        return order, None
+    n = len(order)
     num_val = size if isinstance(size, int) else round(size * n)
     if not 0 < num_val < n:
         raise DataError(
             f"data.val_set_size: {size} gives {num_val} validation rows out of {n}; it must leave at least one "
             "row on each side (use an int for a number of rows or a fraction in (0, 1))"
         )
-    # A seeded permutation picks the validation rows; both sides keep the merged order.
     perm = np.random.default_rng(seed).permutation(n)
-    return merged.select(np.sort(perm[num_val:])), merged.select(np.sort(perm[:num_val]))
+    return order[np.sort(perm[num_val:])], order[np.sort(perm[:num_val])]
+
+
+def _check_draws(parts: list[_Part], split: _Split, log: Callable[[str], None]) -> None:
+    """A weight that draws nothing from a dataset with training rows is an error (the entry would
+    not be trained at all: remove it instead); one that the dataset is too small to meet closely
+    (rows drawn / rows far from the weight) is a warning."""
+    for part, n in zip(parts, split.rows_train.tolist(), strict=True):
+        drawn = draw_count(part.weight, n)
+        where = f"{part.label}.weight ({part.weight:g}, {part.stats['path']})"
+        if n and not drawn:
+            raise DataError(
+                f"{where} draws 0 of the dataset's {n} training rows, so none of it would be trained: raise the "
+                f"weight to at least {smallest_weight(n):g} (half a row rounds up to one) or remove the entry"
+            )
+        if n and abs(drawn / n - part.weight) > EFFECTIVE_WEIGHT_WARN * part.weight:
+            warn(
+                f"{where} draws {drawn} of {n} training rows, an effective weight of {drawn / n:.3g}: the "
+                "dataset is too small for that fraction; use a weight whose fraction of its rows is nearer a "
+                "whole number of rows",
+                emit=log,
+            )
+
+
+def _mixture(parts: list[_Part], split: _Split, packed: tuple[datasets.Dataset, dict]) -> list[dict]:
+    """Per training entry: its weight, rows in / kept / held out for validation / for training /
+    drawn, and its tokens and trained tokens in the prepared training rows with their shares.
+
+    Packing keeps every example exactly once (finetune.data.packing checks it), so the trained
+    tokens of an entry are those of its examples; their sum is checked against the labels of the
+    packed rows themselves.
+    """
+    rows, stats = packed
+    table = split.train.select_columns(["input_ids", "labels"]).with_format("arrow")[:]
+    labels = table.column("labels").combine_chunks()
+    lengths = pc.list_value_length(labels).to_numpy(zero_copy_only=False).astype(np.int64)
+    mask = pc.not_equal(pc.list_flatten(labels), IGNORE_INDEX).to_numpy(zero_copy_only=False)
+    count = len(parts)
+    drawn = np.bincount(split.train_sources, minlength=count)
+    tokens = np.bincount(split.train_sources, weights=lengths, minlength=count).astype(np.int64)
+    trained = np.bincount(
+        split.train_sources, weights=per_example_tokens(lengths, mask), minlength=count
+    ).astype(np.int64)
+    in_rows = _token_counts(rows)[1] if "labels" in rows.column_names else 0
+    if int(trained.sum()) != in_rows or int(trained.sum()) != stats["num_trainable_tokens"]:
+        raise AssertionError(
+            f"trained tokens per dataset {trained.tolist()} do not add up to the rows' {in_rows}"
+        )
+    out = []
+    row_shares, token_shares = shares(drawn), shares(trained)
+    for i, part in enumerate(parts):
+        kept, n = part.stats["rows_kept"], int(split.rows_train[i])
+        if kept != int(split.rows_eval[i]) + n or int(drawn[i]) != draw_count(part.weight, n):
+            raise AssertionError(f"{part.label}: mixture accounting does not balance")
+        out.append(
+            {
+                "dataset": part.label,
+                "path": part.stats["path"],
+                "weight": part.weight,
+                "rows_in": part.stats["rows_in"],
+                "rows_kept": kept,
+                "rows_eval": int(split.rows_eval[i]),
+                "rows_train": n,
+                "rows_drawn": int(drawn[i]),
+                "effective_weight": round(int(drawn[i]) / n, 6) if n else None,
+                "num_tokens": int(tokens[i]),
+                "num_trained_tokens": int(trained[i]),
+                "share_of_rows": row_shares[i],
+                "share_of_trained_tokens": token_shares[i],
+            }
+        )
+    return out
 
 
 def _pack(
@@ -399,6 +546,10 @@ def _pack(
         rows = pack_examples(ds, bins, kind, pad_to_multiple_of=multiple, pad_token_id=pad_id)
     else:
         rows = build_packed_rows(ds, bins, pad_to_multiple_of=multiple, pad_token_id=pad_id)
+    if "images" in ds.column_names:  # unpacked (the recipe refuses packing images): rows in dataset order
+        if bins is not None:
+            raise DataError(f"rows with images cannot be packed: {VLM_NO_PACKING}")
+        rows = datasets.concatenate_datasets([rows, ds.select_columns(["images"])], axis=1)
     num_padded = int(pc.sum(pc.list_value_length(rows.data.column("input_ids"))).as_py() or 0)
     stats = {
         "examples": len(ds),

@@ -75,7 +75,9 @@ def open_stream(
         parts.append(tokenized.map(partial(_tag, index=i), batched=True, features=features))
     stream = parts[0]
     if len(parts) > 1:
-        weights = [float(getattr(e, "weight", 1.0) or 1.0) for e in data.datasets]
+        # A stream's size is unknown up front: a weight is a share of the draws, not a count of them
+        # as in a prepared mixture (docs/data.md, Streaming).
+        weights = [float(e.weight) for e in data.datasets]
         stream = datasets.interleave_datasets(
             parts,
             probabilities=[w / sum(weights) for w in weights],

@@ -21,6 +21,7 @@ Every input row is accounted for: ``rows_in == len(dataset) + sum(dropped.values
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,7 +34,18 @@ import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
 
 from finetune.constants import IGNORE_INDEX
-from finetune.data import chat, completions, damage, encode, formats, preference, rows, tool_calls
+from finetune.data import (
+    chat,
+    completions,
+    damage,
+    encode,
+    formats,
+    images,
+    preference,
+    rows,
+    tool_calls,
+    vision,
+)
 from finetune.data.chat import check_roles_to_train
 from finetune.data.encode import Encoder, make_encoder
 from finetune.data.formats import Format, format_of
@@ -49,6 +61,7 @@ MAX_BAD_ROW_SAMPLES = 10  # per reason
 
 # Drop reasons besides "bad_row:<reason>" (finetune.data.rows).
 TOO_LONG = "too_long"
+TOO_LONG_IMAGE_ROW = "too_long_image_row"  # too long, and not truncated because it has images
 NO_TRAINABLE_TOKENS = "no_trainable_tokens"
 
 _INTERNAL = ["_drop", "_field", "_detail", "_num_tokens", "_truncated"]
@@ -65,11 +78,14 @@ _FEATURES = datasets.Features(
     }
 )
 # The modules whose code decides the tokenized rows (see _map_fingerprint).
-_CODE = (chat, completions, encode, preference, rows, tool_calls)
+_CODE = (chat, completions, encode, images, preference, rows, tool_calls, vision)
+# Bad rows raised whatever data.on_bad_row says: every such row would lose something (its tools, its images).
+ALWAYS_RAISED = (TEMPLATE_WITHOUT_TOOLS, images.IMAGES_NEED_VLM)
 
 
-def _features(fmt: Format) -> datasets.Features:
-    return datasets.Features({**_FEATURES, **fmt.features})
+def _features(fmt: Format, *, images: bool = False) -> datasets.Features:
+    extra = {"images": datasets.List(datasets.Value("binary"))} if images else {}
+    return datasets.Features({**_FEATURES, **fmt.features, **extra})
 
 
 @dataclass
@@ -97,6 +113,8 @@ def tokenize_dataset(
     chat_template: str | None = None,
     num_proc: int | None = None,
     entry_label: str = "data.datasets[0]",
+    processor: Any = None,
+    image_max_pixels: int | None = None,
 ) -> TokenizeResult:
     """Tokenize and label every row of ``ds`` as ``entry.type`` says; apply the length policy.
 
@@ -105,6 +123,10 @@ def tokenize_dataset(
     Malformed rows raise a DataError naming the row, or with ``on_bad_row="skip"`` are dropped and
     counted ("bad_row:<reason>"). Rows left with no trained token are dropped
     ("no_trainable_tokens").
+
+    With a vision-language `processor`, chat rows may hold images (finetune.data.vision): they get an
+    ``images`` column (the bytes, resized to `image_max_pixels`), and a row with images that is too long
+    is dropped ("too_long_image_row") or raises, never truncated (that would cut its image tokens).
     """
     if excess_length_strategy not in ("drop", "truncate", "raise"):
         raise ValueError(
@@ -115,12 +137,16 @@ def tokenize_dataset(
     fmt = format_of(entry)
     formats.check_columns(entry, ds.column_names, features=ds.features, entry_label=entry_label)
     limit = entry.max_seq_len or sequence_len
-    features = _features(fmt)
+    features = _features(fmt, images=processor is not None)
     if len(ds) == 0:  # datasets skips the function on an empty dataset: no columns would exist
         public = datasets.Features({k: v for k, v in features.items() if k not in _INTERNAL})
         return TokenizeResult(datasets.Dataset.from_dict({k: [] for k in public}, features=public), rows_in=0)
     renders_chat = fmt.renders_chat(entry, ds.features)
-    enc = _encoder(entry, fmt, tokenizer, chat_template, entry_label, chat=renders_chat)
+    enc = _encoder(entry, fmt, tokenizer, chat_template, entry_label, chat=renders_chat, processor=processor)
+    if processor is not None:
+        enc = dataclasses.replace(
+            enc, image_root=images.base_dir(entry.path), image_max_pixels=image_max_pixels
+        )
     fn = functools.partial(
         _tokenize_batch,
         fmt=fmt,
@@ -177,11 +203,21 @@ def _map_fingerprint(
     code = [p.read_bytes() for p in [*files, Path(__file__)]]
     state = [type(tokenizer).__name__, vocab, tokenizer.special_tokens_map, tokenizer.chat_template]
     settings = [enc.prefix_ids, enc.eos_id, enc.chat_template, enc.vocab_size]
+    if enc.processor is not None:  # the image processor's settings and the resize policy change the rows
+        state.append(enc.processor.to_json_string())
+        settings += [str(enc.image_root), enc.image_max_pixels]
     return Hasher.hash([ds._fingerprint, dump, state, settings, limit, strategy, code])
 
 
 def _encoder(
-    entry: Any, fmt: Format, tokenizer: Any, chat_template: str | None, entry_label: str, *, chat: bool
+    entry: Any,
+    fmt: Format,
+    tokenizer: Any,
+    chat_template: str | None,
+    entry_label: str,
+    *,
+    chat: bool,
+    processor: Any = None,
 ) -> Encoder:
     """The entry's Encoder, after checking that the tokenizer can do what the format asks of it."""
     if chat:
@@ -191,7 +227,7 @@ def _encoder(
             f"{entry_label}: the tokenizer has no eos token, which type {entry.type!r} appends to every "
             "row; set model.special_tokens.eos_token"
         )
-    return make_encoder(tokenizer, chat_template if chat else None)
+    return make_encoder(tokenizer, chat_template if chat else None, processor)
 
 
 def _check_chat(
@@ -266,7 +302,7 @@ def _finish(
 ) -> dict[str, Any]:
     """One row's columns: labels[0] = -100 (of each sequence), the length policy, the
     no-trainable-token check (formats whose rows are `trained`); a bad row's reason."""
-    extra = {name: False if features[name].dtype == "bool" else 0 for name in extra_names}
+    extra = {name: _empty(features[name]) for name in extra_names}
     if isinstance(row, BadRow):
         return _columns([], [], extra, drop=row.drop_key, field=row.field, detail=row.detail)
     ids, labels, *rest = row
@@ -278,7 +314,9 @@ def _finish(
     )
     drop, truncated = "", False
     if num_tokens > limit:
-        if strategy == "truncate":
+        if extra.get("images") and strategy != "raise":
+            drop = TOO_LONG_IMAGE_ROW  # cutting would cut image tokens: the model needs all of an image's
+        elif strategy == "truncate":
             kept = preference.fit_lengths(lengths, limit)
             ids = preference.cut_sequences(ids, lengths, kept)
             labels = preference.cut_sequences(labels, lengths, kept)
@@ -325,6 +363,13 @@ def _columns(
     return {"input_ids": ids, "labels": labels, **extra, **internal}
 
 
+def _empty(feature: Any) -> Any:
+    """The value of a per-example column for a row that has none (a dropped row)."""
+    if isinstance(feature, datasets.List):
+        return []
+    return False if feature.dtype == "bool" else 0
+
+
 def _damaged(mark: str) -> BadRow:
     """The bad row of a placeholder for a damaged line (its reason and description from the mark)."""
     reason, detail = damage.parse_mark(mark)
@@ -340,6 +385,8 @@ def bad_row_error(label: str, entry: Any, row: int, drop: str, field: str, detai
     )
     if drop == f"bad_row:{TEMPLATE_WITHOUT_TOOLS}":
         fix = "Every row with tools would lose them: use a chat template that renders tools."
+    if drop == f"bad_row:{images.IMAGES_NEED_VLM}":
+        fix = "Every row with images would lose them."
     return DataError(f"{label} ({entry.path}): row {row}: {where}{detail}. {fix}")
 
 
@@ -421,8 +468,10 @@ def _account(
     rows_in = len(out)
     dropped = dict(sorted(Counter(drop[~keep].tolist()).items()))
     is_bad = np.char.startswith(drop.astype(str), "bad_row:")
-    if on_bad_row == "skip":  # the template is at fault for these, not the rows: skipping can't help
-        is_bad = drop == f"bad_row:{TEMPLATE_WITHOUT_TOOLS}"
+    if (
+        on_bad_row == "skip"
+    ):  # the template or the model is at fault for these, not the rows: skipping can't help
+        is_bad = np.isin(drop, [f"bad_row:{r}" for r in ALWAYS_RAISED])
     first_bad = int(np.argmax(is_bad)) if is_bad.any() else None
     too_long = drop == TOO_LONG
     first_long = int(np.argmax(too_long)) if too_long.any() and strategy == "raise" else None

@@ -37,10 +37,11 @@ from finetune.metrics import ProgressLog
 from finetune.recipe.yaml_io import dump_yaml
 
 
-def train(objective, accelerator, *, train, hub, recipe_dict: dict) -> int:
+def train(objective, accelerator, *, train, hub, recipe_dict: dict, memory_plan: dict | None = None) -> int:
     """Train `objective` with `accelerator` under the recipe's train and hub sections; 0 when done or
     stopped cleanly (with a checkpoint), or when resuming a run that is already finished. `recipe_dict`
-    is the resolved recipe, written next to the outputs, into every checkpoint and to the trackers.
+    is the resolved recipe, written next to the outputs, into every checkpoint and to the trackers;
+    `memory_plan`, the planner's prediction for the run, goes into progress.jsonl's "started" record.
     The run holds output_dir's lock throughout (finetune.engine.lifecycle)."""
     output_dir = Path(train.output_dir)
     with hold_output_dir(accelerator, output_dir):
@@ -50,10 +51,12 @@ def train(objective, accelerator, *, train, hub, recipe_dict: dict) -> int:
         if agree(accelerator, finished) is not None:
             accelerator.print(finished)
             return 0
-        return run_to_the_end(objective, accelerator, train=train, hub=hub, recipe_dict=recipe_dict)
+        return run_to_the_end(
+            objective, accelerator, train=train, hub=hub, recipe_dict=recipe_dict, memory_plan=memory_plan
+        )
 
 
-def run_to_the_end(objective, accelerator, *, train, hub, recipe_dict: dict) -> int:
+def run_to_the_end(objective, accelerator, *, train, hub, recipe_dict: dict, memory_plan=None) -> int:
     """setup -> loop -> final evaluation -> save (and push) -> the finished record."""
     run = setup(objective, accelerator, train=train, hub=hub, recipe_dict=recipe_dict)
     if accelerator.is_main_process:
@@ -68,6 +71,7 @@ def run_to_the_end(objective, accelerator, *, train, hub, recipe_dict: dict) -> 
         initial_step=run.state.step,
     )
     try:
+        log.log(started_record(run, memory_plan))
         if run.extension is not None:
             log.log(run.extension)
         train_loop(run, log)
@@ -157,6 +161,23 @@ def setup(objective, accelerator, *, train, hub, recipe_dict: dict) -> Run:
     if accelerator.is_main_process:  # after resume's checks: a refused resume leaves the old one in place
         (output_dir / "recipe.resolved.yaml").write_text(dump_yaml(recipe_dict))
     return run
+
+
+def started_record(run: Run, memory_plan: dict | None) -> dict:
+    """progress.jsonl's record of a (re)start: what `finetune report` needs besides the steps, the
+    prepared data's fingerprint (its manifest is dataset_prepared_path/<fingerprint>/manifest.json)
+    and the planner's prediction, to set beside the measured peak_mem_gib."""
+    record = {
+        "step": run.state.step,
+        "event": "started",
+        "data_fingerprint": (run.manifest or {}).get("fingerprint"),
+        "num_processes": run.accelerator.num_processes,
+        "total_steps": run.total_steps,
+        "device": run.accelerator.device.type,
+    }
+    if memory_plan is not None:
+        record["memory_plan"] = memory_plan
+    return record
 
 
 def start_progress_log(path: Path, *, resumed_at: int | None, say) -> None:

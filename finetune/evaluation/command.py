@@ -129,6 +129,11 @@ def run_eval(recipe, args) -> int:
     scored side by side with the base, each in its own column. Every adapter or model is checked
     against the recipe's base before anything runs, and every model loads before any is evaluated."""
     adapters, model, no_base = args.adapter, args.model, args.no_base
+    if recipe.model.kind == "vlm":  # the held-out loss of a VLM run is in its progress.jsonl (eval_loss)
+        raise FinetuneError(
+            "finetune eval does not evaluate vision-language models yet (model.kind: vlm); the training run's "
+            "held-out eval_loss is in output_dir/progress.jsonl"
+        )
     from finetune.evaluation.fit import check_fits_recipe
     from finetune.evaluation.report import evaluate_models, format_table, write_report
     from finetune.model import (

@@ -96,8 +96,9 @@ PREFERENCE_ROWS = (
 )
 
 
-def format_table(results: dict[str, dict[str, Any]], *, samples: int = 2, width: int = 100) -> str:
-    """Metrics as rows and models as columns, then sample answers of each model side by side."""
+def comparison_rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """(metric, one formatted value per model) for every metric eval.json's results hold, in the
+    table's order: `format_table`'s rows, and `finetune report`'s base-vs-tuned table."""
     names = list(results)
     first = results[names[0]]
     rows: list[tuple[str, list[str]]] = []
@@ -125,6 +126,14 @@ def format_table(results: dict[str, dict[str, Any]], *, samples: int = 2, width:
                     [_percent(results[n]["generation"][set_name]["score"]) for n in names],
                 )
             )
+    return rows
+
+
+def format_table(results: dict[str, dict[str, Any]], *, samples: int = 2, width: int = 100) -> str:
+    """Metrics as rows and models as columns, then sample answers of each model side by side."""
+    names = list(results)
+    first = results[names[0]]
+    rows = comparison_rows(results)
     label_width = max([len("metric"), *(len(r[0]) for r in rows)])
     col = max(12, *(len(n) for n in names))
     lines = [f"{'metric':<{label_width}}  " + "  ".join(f"{n:>{col}}" for n in names)]

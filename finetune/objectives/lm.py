@@ -75,10 +75,15 @@ def with_row_index(rows):
     return rows if "row_index" in rows.column_names else rows.add_column("row_index", list(range(len(rows))))
 
 
-def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, dict[str, Any]]:
+def build_lm(
+    model_settings, lora, train, tokenizer, accelerator, processor=None, init_loader=None
+) -> tuple[Any, dict[str, Any]]:
     """(the causal LM to train, not yet prepared; its parameter counts for FLOPs): pretrained or
-    random-init weights, LoRA / QLoRA adapters (a random-init base is saved with the tokenizer to
-    output_dir/base_model, so the adapter can be loaded later), fp32 trainable weights under fp16."""
+    random-init weights, LoRA / QLoRA adapters (a random-init base is saved with the tokenizer, or a
+    vision-language model's `processor`, to output_dir/base_model, so the adapter can be loaded later),
+    fp32 trainable weights under fp16. A vision-language model's LoRA targets its language model
+    (finetune.vlm.lora_settings). `init_loader()` makes a fresh loader of this process's training
+    batches, which EVA and CorDA (lora.init_lora_weights) compute their init from."""
     from finetune.gguf import portable_base, resolve_model_source
     from finetune.model import (
         apply_lora,
@@ -105,7 +110,7 @@ def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, 
             base_dir = output_dir / "base_model"
             save_base_model(model, base_dir, is_main_process=accelerator.is_main_process)
             if accelerator.is_main_process:  # so the base alone loads for eval and chat
-                tokenizer.save_pretrained(base_dir)
+                (processor or tokenizer).save_pretrained(base_dir)
                 write_checksums(base_dir)  # verified when eval, chat or merge-lora load the adapter's base
         base = (
             str(base_dir.resolve())
@@ -113,10 +118,29 @@ def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, 
             else portable_base(model_settings.model_path, model_settings.gguf_file, model_settings.revision)
             or resolve_model_source(model_settings).model_path
         )
-        model = apply_lora(model, lora, gradient_checkpointing=train.gradient_checkpointing, base=base)
+        targets = {}
+        if model_settings.kind == "vlm":
+            from finetune.vlm import lora_settings
+
+            targets = lora_settings(
+                model,
+                lora.lora_target_modules,
+                lora.modules_to_save,
+                train_vision_tower=model_settings.train_vision_tower,
+                train_projector=model_settings.train_projector,
+            )
+        model = apply_lora(
+            model,
+            lora,
+            gradient_checkpointing=train.gradient_checkpointing,
+            base=base,
+            init_data=_init_data(lora, train, tokenizer, accelerator, init_loader, model),
+            **targets,
+        )
         if base_dir is not None:
             model.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
-        if init_modifies_base(model):  # PiSSA / OLoRA (also on resume: the init is seeded, the same again)
+        # PiSSA / OLoRA / CorDA (also on resume: PiSSA and OLoRA are seeded, CorDA loads its saved init)
+        if init_modifies_base(model):
             save_initial_adapter(
                 model, output_dir / INITIAL_ADAPTER, is_main_process=accelerator.is_main_process
             )
@@ -127,6 +151,39 @@ def build_lm(model_settings, lora, train, tokenizer, accelerator) -> tuple[Any, 
     trainable, total = count_parameters(model)
     accelerator.print(f"parameters: {trainable:,} trainable / {total:,} total")
     return model, {"num_params": total, "num_trainable": trainable}
+
+
+def _init_data(lora, train, tokenizer, accelerator, init_loader, model):
+    """What EVA or CorDA read (finetune.lora_init.InitData), or None for the other inits. The model
+    moves to the device first: the main process's pass over the data runs there."""
+    from accelerate.utils import DistributedType
+
+    from finetune.lora_init import FOLDER, InitData
+    from finetune.model import pad_token_id
+    from finetune.recipe.lora import DATA_DRIVEN
+
+    init = lora.init_lora_weights
+    if init not in DATA_DRIVEN or init_loader is None:
+        return None  # apply_lora says which inits need the data
+    plugin = accelerator.state.deepspeed_plugin
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and plugin.zero_stage == 3:
+        raise FinetuneError(
+            f"lora.init_lora_weights: {init} runs the model over training data before training, which "
+            "ZeRO-3's partitioned weights cannot do outside its engine (PEFT runs it on whole weights): "
+            "use a ZeRO-1/2 or DDP accelerate config, or another init"
+        )
+    if not lora.enable_qlora:  # a 4-bit base is placed on its device when it loads
+        model.to(accelerator.device)
+    settings = getattr(lora, init)
+    output_dir = Path(train.output_dir)
+    spec, resume_from = train.load_checkpoint_path, None
+    if spec == "auto" and any((output_dir / "checkpoints").glob("step-*")):
+        resume_from = output_dir / FOLDER
+    elif spec not in (None, "auto"):  # output_dir/checkpoints/step-N: its run's output_dir
+        resume_from = Path(spec).resolve().parent.parent / FOLDER
+    return InitData(
+        init_loader, settings.num_batches, pad_token_id(tokenizer), output_dir / FOLDER, resume_from
+    )
 
 
 def make_loader(
@@ -169,7 +226,7 @@ def save_final_lm(objective, model, metrics: dict[str, Any], card_fields: dict[s
     save_lm(
         objective.accelerator,
         model,
-        objective.tokenizer,
+        getattr(objective, "processor", None) or objective.tokenizer,  # a VLM's processor holds its tokenizer
         lora=objective.lora,
         output_dir=Path(objective.train.output_dir),
         card={
@@ -284,7 +341,7 @@ def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict
     it."""
     from accelerate.utils import DistributedType
 
-    from finetune.model import adapter_save_kwargs, init_modifies_base
+    from finetune.model import adapter_save_kwargs, init_modifies_base, save_converted_adapter
     from finetune.model_card import write_model_card
 
     unwrapped = accelerator.unwrap_model(model)
@@ -297,23 +354,29 @@ def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict
     if merge and sharded:
         _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir)
     else:
-        conversion = {}
         if merge:
             unwrapped = unwrapped.merge_and_unload()
-        elif init_modifies_base(unwrapped):
-            # PiSSA / OLoRA trained against a residual base: saved as plain LoRA for the original one.
-            conversion = {"path_initial_model_for_weight_conversion": str(output_dir / INITIAL_ADAPTER)}
-        unwrapped.save_pretrained(
-            output_dir,
-            state_dict=state_dict,
-            is_main_process=accelerator.is_main_process,
-            save_function=accelerator.save,
-            safe_serialization=True,
-            **adapter_save_kwargs(unwrapped),
-            **conversion,
-        )
+        if not merge and init_modifies_base(unwrapped):
+            # PiSSA / OLoRA / CorDA trained against a residual base: saved as plain LoRA for the original one.
+            save_converted_adapter(
+                unwrapped,
+                output_dir,
+                initial=output_dir / INITIAL_ADAPTER,
+                is_main_process=accelerator.is_main_process,
+                state_dict=state_dict,
+                **adapter_save_kwargs(unwrapped),
+            )
+        else:
+            unwrapped.save_pretrained(
+                output_dir,
+                state_dict=state_dict,
+                is_main_process=accelerator.is_main_process,
+                save_function=accelerator.save,
+                safe_serialization=True,
+                **adapter_save_kwargs(unwrapped),
+            )
     if accelerator.is_main_process:
-        tokenizer.save_pretrained(output_dir)
+        tokenizer.save_pretrained(output_dir)  # a vision-language model's processor saves its tokenizer too
         write_model_card(output_dir, **card)
 
 
@@ -322,21 +385,27 @@ def _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir: Pa
     weights on the main process (the same code as `finetune merge-lora`)."""
     from accelerate.utils import DistributedType
 
-    from finetune.model import adapter_save_kwargs, init_modifies_base, merge_lora
+    from finetune.model import adapter_save_kwargs, init_modifies_base, merge_lora, save_converted_adapter
 
     adapter_dir = output_dir / ".adapter-to-merge"
-    conversion = {}
-    if init_modifies_base(unwrapped):  # merged below into the original base: plain LoRA for it
-        conversion = {"path_initial_model_for_weight_conversion": str(output_dir / INITIAL_ADAPTER)}
     try:
-        unwrapped.save_pretrained(
-            adapter_dir,
-            state_dict=state_dict,
-            is_main_process=accelerator.is_main_process,
-            safe_serialization=True,
-            **adapter_save_kwargs(unwrapped),
-            **conversion,
-        )
+        if init_modifies_base(unwrapped):  # merged below into the original base: plain LoRA for it
+            save_converted_adapter(
+                unwrapped,
+                adapter_dir,
+                initial=output_dir / INITIAL_ADAPTER,
+                is_main_process=accelerator.is_main_process,
+                state_dict=state_dict,
+                **adapter_save_kwargs(unwrapped),
+            )
+        else:
+            unwrapped.save_pretrained(
+                adapter_dir,
+                state_dict=state_dict,
+                is_main_process=accelerator.is_main_process,
+                safe_serialization=True,
+                **adapter_save_kwargs(unwrapped),
+            )
         if accelerator.is_main_process:
             tokenizer.save_pretrained(adapter_dir)  # its length sizes the embeddings
             if accelerator.distributed_type == DistributedType.DEEPSPEED:

@@ -40,6 +40,7 @@ from finetune.errors import FinetuneError
 from finetune.losses import preference as losses
 from finetune.losses.causal_lm import forward
 from finetune.objectives.reference import Reference, reference_source
+from finetune.recipe.lora import modifies_base
 from finetune.recipe.objectives import OBJECTIVES
 
 # Columns of prepared preference rows the loaders read (finetune.data.preference).
@@ -82,7 +83,11 @@ class PreferenceObjective:
             precompute=self.settings.precompute_ref_log_probs,
             lora=self.lora.enable_lora,
         )
-        self.reference = Reference(source, objective=self.name, lora=self.lora.enable_lora)
+        # PiSSA/OLoRA/CorDA: the reference is precomputed before the first step with the adapters on
+        # (recipe rule residual_reference_problems); disabling them would give the residual base.
+        self.reference = Reference(
+            source, objective=self.name, lora=self.lora.enable_lora and not modifies_base(self.lora)
+        )
 
     # ----------------------------------------------------------------------------------- build
 
@@ -96,11 +101,16 @@ class PreferenceObjective:
         self.prepared = prepare_on_main_process(self.recipe, accelerator)
         self.manifest = self.prepared.manifest
         self._check_prepared_kind()
+        train_rows = lm.with_row_index(self.prepared.train)
         model, self.flops = lm.build_lm(
-            self.model_settings, self.lora, self.train, self.tokenizer, accelerator
+            self.model_settings,
+            self.lora,
+            self.train,
+            self.tokenizer,
+            accelerator,
+            init_loader=lambda: self._loader(train_rows, training=True),
         )
         self.reference.attach(model, accelerator)
-        train_rows = lm.with_row_index(self.prepared.train)
         train_loader = self._loader(train_rows, training=True)
         lm.check_batches(accelerator, train_loader, len(train_rows), self.train.micro_batch_size)
         if self.prepared.eval is not None and len(self.prepared.eval) > 0:

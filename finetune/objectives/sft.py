@@ -11,6 +11,7 @@ the trained tensors only, throughput, the final save) are in finetune.objectives
 from __future__ import annotations
 
 import math
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ class SFTObjective:
     def __init__(self, recipe):
         lm.start(self, recipe)
         self.loss_chunk_size = 0  # tokens per chunk of the head's loss; 0 = full logits
+        self.processor = None  # a vision-language model's (model.kind vlm): its collator processes the images
         self.stream = None  # the StreamLoader of a data.streaming run
 
     # ----------------------------------------------------------------------------------- build
@@ -40,24 +42,48 @@ class SFTObjective:
     def build(self, accelerator) -> Parts:
         from finetune.data.prepare import prepare_on_main_process
         from finetune.model import load_tokenizer
+        from finetune.vlm import load_processor
 
         self.accelerator = accelerator
-        self.tokenizer = load_tokenizer(self.model_settings)
+        if self.model_settings.kind == "vlm":
+            self.processor = load_processor(self.model_settings)
+        self.tokenizer = self.processor.tokenizer if self.processor else load_tokenizer(self.model_settings)
         if self.data.streaming:  # nothing prepared: rows are read, tokenized and packed as training goes
             return self._build_streaming(accelerator)
         # One process per machine builds the prepared dataset; the others wait, however long it takes,
         # then load it from the cache.
         prepared = prepare_on_main_process(self.recipe, accelerator)
         self.manifest = prepared.manifest
+        make_train_loader = partial(
+            loader,
+            self.data,
+            self.train,
+            prepared.train,
+            self.tokenizer,
+            accelerator=accelerator,
+            processor=self.processor,
+        )
         model, self.flops = lm.build_lm(
-            self.model_settings, self.lora, self.train, self.tokenizer, accelerator
+            self.model_settings,
+            self.lora,
+            self.train,
+            self.tokenizer,
+            accelerator,
+            self.processor,
+            init_loader=make_train_loader,
         )
         self.loss_chunk_size = self._chunk_size(model, accelerator)
-        train_loader = loader(self.data, self.train, prepared.train, self.tokenizer, accelerator=accelerator)
+        train_loader = make_train_loader()
         lm.check_batches(accelerator, train_loader, len(prepared.train), self.train.micro_batch_size)
         if prepared.eval is not None and len(prepared.eval) > 0:
             self.eval_loader = loader(
-                self.data, self.train, prepared.eval, self.tokenizer, training=False, accelerator=accelerator
+                self.data,
+                self.train,
+                prepared.eval,
+                self.tokenizer,
+                training=False,
+                accelerator=accelerator,
+                processor=self.processor,
             )
         lm.finish_build(self, accelerator, held_out=self.eval_loader is not None)
         return Parts(
@@ -196,12 +222,26 @@ class SFTObjective:
         return []
 
 
-def loader(data, train, dataset, tokenizer, *, training: bool = True, accelerator=None):
+def loader(data, train, dataset, tokenizer, *, training: bool = True, accelerator=None, processor=None):
     """The loader of prepared SFT rows: packed as data.sample_packing (training) or
-    data.eval_sample_packing (evaluation) says; training's and `finetune eval`'s."""
+    data.eval_sample_packing (evaluation) says; training's and `finetune eval`'s. Rows with images
+    (a vision-language model's `processor`) are collated with their pixels (finetune.data.vision)."""
+    from functools import partial
+
+    from finetune.data.loader import MODEL_COLUMNS
+    from finetune.data.vision import collate_vlm
     from finetune.model import pad_token_id
 
     packed = data.sample_packing if training else data.eval_sample_packing
+    options = {}
+    if processor is not None:
+        collate = partial(
+            collate_vlm,
+            pad_token_id=pad_token_id(tokenizer),
+            pad_to_multiple_of=data.pad_to_multiple_of,
+            processor=processor,
+        )
+        options = {"columns": (*MODEL_COLUMNS, "images"), "collate": collate}
     return lm.make_loader(
         data,
         train,
@@ -210,6 +250,7 @@ def loader(data, train, dataset, tokenizer, *, training: bool = True, accelerato
         packed=packed,
         training=training,
         accelerator=accelerator,
+        **options,
     )
 
 

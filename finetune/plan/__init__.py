@@ -26,7 +26,7 @@ from finetune.plan.inventory import (
     qlora_bytes_per_param,
 )
 from finetune.plan.planner import Estimate, Plan, estimate, gpu_memory_bytes, make_plan, suggest
-from finetune.plan.report import format_plan, plan_json, plan_to_dict
+from finetune.plan.report import format_plan, plan_json, plan_to_dict, training_prediction
 from finetune.plan.states import Part, States, model_states, shard_states
 
 __all__ = [
@@ -53,4 +53,5 @@ __all__ = [
     "qlora_bytes_per_param",
     "shard_states",
     "suggest",
+    "training_prediction",
 ]

@@ -273,6 +273,12 @@ def make_plan(
     inventory: ModelInventory | None = None,
 ) -> Plan:
     """Plan the recipe under an accelerate config (name or path; default train.accelerate_config)."""
+    if getattr(recipe.model, "kind", "llm") == "vlm":
+        raise FinetuneError(
+            "finetune plan does not count vision-language models yet (model.kind: vlm): their vision tower, "
+            "projector and image tokens are not in its model of memory; plan the language model alone with "
+            "--model.kind llm --model.config_path <its text config> for a lower bound"
+        )
     if getattr(recipe.model, "kind", "llm") != "llm":
         raise FinetuneError("finetune plan handles LLM recipes (model.kind: llm), not diffusion pipelines")
     config = resolve_accelerate_config(accelerate_config or recipe.train.accelerate_config)

@@ -130,3 +130,40 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
 
 def plan_json(plan: Plan) -> str:
     return json.dumps(plan_to_dict(plan), indent=2)
+
+
+def training_prediction(recipe, engine) -> dict[str, Any]:
+    """What the planner predicts for a run about to train (`finetune train` records it in
+    progress.jsonl's "started" record, and `finetune report` sets it beside the measured peak):
+    per-device bytes by part for the recipe's own micro batch and checkpointing under `engine`
+    (the launched process's DistributedSetup). The planner's fixed CUDA allowance is listed apart:
+    torch.cuda.max_memory_allocated (the measured peak) does not see it.
+
+    {"unavailable": why} where the planner cannot predict (diffusion, a model it does not handle).
+    """
+    from finetune.errors import FinetuneError
+    from finetune.plan.inventory import CUDA_ALLOWANCE_BYTES, inspect_model
+    from finetune.plan.planner import estimate
+
+    if getattr(recipe.model, "kind", "llm") != "llm":
+        return {"unavailable": "the planner handles LLM recipes (model.kind: llm), not diffusion pipelines"}
+    train, data = recipe.train, recipe.data
+    try:
+        est = estimate(
+            inspect_model(recipe.model),
+            recipe,
+            engine,
+            micro_batch_size=train.micro_batch_size,
+            checkpointing=train.gradient_checkpointing,
+        )
+    except FinetuneError as exc:
+        return {"unavailable": str(exc)}
+    return {
+        "engine": engine.describe(),
+        "micro_batch_size": train.micro_batch_size,
+        "seq_len": data.packing_len if data.sample_packing else data.sequence_len,
+        "gradient_checkpointing": train.gradient_checkpointing,
+        "parts": [{"name": p.name, "gpu_bytes": p.gpu_bytes, "host_bytes": p.host_bytes} for p in est.parts],
+        "total_gpu_bytes": est.total_gpu,
+        "allowance_bytes": CUDA_ALLOWANCE_BYTES,
+    }

@@ -102,6 +102,14 @@ class DataSection(_Section):
     shuffle_before_merging_datasets: bool = Field(
         True, description="Shuffle each dataset before merging.", **FIXED_ON_RESUME
     )
+    image_max_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="Vision-language data (model.kind: vlm): images with more pixels (width x height) are "
+        "resized down to it, aspect kept, at prepare time, before the processor sees them (the processor's "
+        "own size policy then applies); null = as they are.",
+        **FIXED_ON_RESUME,
+    )
     streaming: bool = Field(
         False,
         description="Read, tokenize and pack the training rows on the fly (datasets' IterableDataset) instead "
@@ -175,6 +183,16 @@ class DataSection(_Section):
                     "must be null when dataloader_num_workers is 0 (torch rejects it)",
                 )
             )
+        for i, entry in enumerate(self.test_datasets if ok("test_datasets") else []):
+            if entry is not None and entry.weight != 1:
+                problems.append(
+                    (
+                        f"test_datasets.{i}.weight",
+                        entry.weight,
+                        "evaluation data is not weighted (a weight draws a training mixture): remove it, or "
+                        "list the dataset in data.datasets",
+                    )
+                )
         if (
             ok("skip_prepare_dataset", "push_dataset_to_hub")
             and self.skip_prepare_dataset

@@ -1,7 +1,7 @@
 """Defaults that depend on other fields, filled in one visible step before validation.
 
 A field's own default lives on the field. Some defaults depend on what else the recipe says (QLoRA
-implies LoRA; a diffusion recipe implies LoRA on the attention projections and a `diffusion`
+implies LoRA; a vision-language recipe implies unpacked rows; a diffusion recipe implies LoRA on the attention projections and a `diffusion`
 section with every default; a stream does not shuffle). They are written into the raw mapping here, only where the user wrote
 nothing, so validators only check and never change a value; the filled-in values show in
 recipe.resolved.yaml, and a contrary value the user did write is reported by the section's rules.
@@ -35,6 +35,10 @@ def resolve_defaults(data: dict[str, Any]) -> dict[str, Any]:
         stream.setdefault("shuffle_merged_datasets", False)
         stream.setdefault("shuffle_before_merging_datasets", False)
     model = data.get("model")
+    if isinstance(model, dict) and model.get("kind") == "vlm" and isinstance(data.get("data"), dict):
+        # Rows with images are not packed (finetune.recipe.schema.VLM_NO_PACKING says why).
+        data["data"].setdefault("sample_packing", False)
+        data["data"].setdefault("eval_sample_packing", False)
     if isinstance(model, dict) and model.get("kind") == "diffusion":
         if data.get("diffusion") is None:
             data["diffusion"] = {}

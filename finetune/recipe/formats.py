@@ -26,7 +26,8 @@ import typing
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter
+from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator
+from pydantic_core import PydanticCustomError
 
 from finetune.recipe.base import Problem, _Section
 
@@ -113,6 +114,24 @@ class _Entry(_Section):
         None, ge=1, description="Longest sample for this entry (overrides data.sequence_len)."
     )
     trust_remote_code: bool = Field(False, description="Allow a Hub dataset's loading script to run.")
+    weight: float = Field(
+        1.0,
+        description="How much of this dataset a training mixture draws, from its kept training rows (after "
+        "drops and the validation split): 1.0 each row once, 0.25 a seeded quarter of them, 3.0 each row three "
+        "times; the fractional part f of a weight k + f draws round(f * rows) distinct rows once more (half "
+        "rounds up), seeded by train.seed and the entry's index (docs/data.md, Weighted mixtures).",
+    )
+
+    @field_validator("weight")
+    @classmethod
+    def _positive_weight(cls, value: float) -> float:
+        if not value > 0:
+            raise PydanticCustomError(
+                "weight",
+                "must be a number > 0 (1.0: each row once; 0.25: a seeded quarter of the rows; 3.0: each row "
+                "three times); to leave a dataset out, remove its entry",
+            )
+        return value
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
         if not ok("shards", "shards_idx"):
@@ -186,6 +205,13 @@ class ChatTemplateEntry(_Entry):
         "string of one), passed to the chat template as `tools`; read when the data has it or it is set. "
         "Assistant messages may carry `tool_calls` (OpenAI or Hugging Face form): they are trained with "
         "the turn; `tool` results are not (see docs/data.md, Tool calls).",
+    )
+    field_images: str = Field(
+        "images",
+        description="LLaVA style: column holding a row's images (paths relative to the data file, bytes, or "
+        "datasets Image values), one per `<image>` placeholder in the messages' text, in order; read when the "
+        "data has it or it is set. Messages may instead hold images as parts ({type: image, image: PATH}). "
+        "Images need model.kind: vlm (see docs/data.md, Images).",
     )
     message_field_role: MessageRole
     message_field_content: MessageContent

@@ -67,10 +67,22 @@ class ModelSection(_Section):
         description="A GGUF file inside model_path (a folder or Hub repository); config, weights, tokenizer "
         "and chat template all come from it (converted once, as for a .gguf model_path).",
     )
-    kind: Literal["llm", "diffusion"] = Field(
+    kind: Literal["llm", "vlm", "diffusion"] = Field(
         "llm",
-        description="What is fine-tuned: llm (a transformers causal LM) or diffusion (a diffusers "
-        "text-to-image pipeline named by model_path; settings in the `diffusion` section).",
+        description="What is fine-tuned: llm (a transformers causal LM), vlm (a vision-language model: "
+        "AutoModelForImageTextToText with the AutoProcessor at the tokenizer location; chat data with "
+        "images) or diffusion (a diffusers text-to-image pipeline named by model_path; settings in the "
+        "`diffusion` section).",
+    )
+    train_vision_tower: bool = Field(
+        False,
+        description="model.kind vlm: train the vision tower (with LoRA: adapters on its linear layers "
+        "too; full fine-tuning: its weights). Frozen by default.",
+    )
+    train_projector: bool = Field(
+        False,
+        description="model.kind vlm: train the projector between the vision tower and the language model "
+        "(with LoRA: fully, as a module to save). Frozen by default.",
     )
     config_path: str | dict[str, Any] | None = Field(
         None,
@@ -146,4 +158,9 @@ class ModelSection(_Section):
             )
         if ok("gguf_file", "kind"):
             problems += gguf_problems(self.model_path, self.gguf_file, self.kind)
+        for name in ("train_vision_tower", "train_projector"):
+            if ok(name, "kind") and getattr(self, name) and self.kind != "vlm":
+                problems.append(
+                    (name, True, "applies to vision-language models: set model.kind: vlm or remove it")
+                )
         return problems

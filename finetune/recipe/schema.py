@@ -13,7 +13,7 @@ from finetune.recipe.diffusion import DiffusionSection
 from finetune.recipe.eval import EvalSection
 from finetune.recipe.grpo import GrpoSection
 from finetune.recipe.hub import HubSection
-from finetune.recipe.lora import LoraSection
+from finetune.recipe.lora import DATA_DRIVEN, LoraSection, modifies_base
 from finetune.recipe.model import ModelSection
 from finetune.recipe.objectives import OBJECTIVES, describe, objective_settings, readers, trained_on
 from finetune.recipe.preference import PreferenceSection
@@ -117,9 +117,12 @@ class Recipe(_Section):
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
         problems = list(_unsupported_problems(self, ok))
         problems += diffusion_problems(self, ok)
+        problems += vision_problems(self, ok)
         problems += objective_problems(self, ok)
         problems += objective_setting_problems(self, ok)
         problems += online_problems(self, ok)
+        problems += data_init_problems(self, ok)
+        problems += residual_reference_problems(self, ok)
         problems += streaming_problems(self, ok)
         if ok("model.torch_dtype", "train.mixed_precision", "lora.enable_lora", "lora.enable_qlora"):
             problems += _precision_problems(self.model.torch_dtype, self.train.mixed_precision, self.lora)
@@ -246,6 +249,14 @@ def diffusion_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
             problems.append(
                 (f"data.datasets.{i}.type", entry.type, "image sources need model.kind: diffusion")
             )
+        if entry.type in IMAGE_DATASET_TYPES and entry.weight != 1:
+            problems.append(
+                (
+                    f"data.datasets.{i}.weight",
+                    entry.weight,
+                    "image sources are not weighted yet (weights draw mixtures of text datasets): remove it",
+                )
+            )
     if not diffusion:
         if ok("diffusion") and recipe.diffusion is not None:
             problems.append(
@@ -280,6 +291,50 @@ def diffusion_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
                     "is used by dreambooth datasets only; the images type takes captions from the data",
                 )
             )
+    return problems
+
+
+# Why vision-language rows are not packed: finetune.defaults turns packing off for model.kind vlm.
+VLM_NO_PACKING = (
+    "rows with images are not packed: the models place image features by their tokens across the whole "
+    "batch and Qwen2-VL's multimodal RoPE derives positions from the whole row, so packed sequences would "
+    "need per-sequence image and position handling that finetune does not do yet; set it false (each row "
+    "is then one conversation, padded per batch)"
+)
+
+
+def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
+    """What a vision-language recipe (model.kind vlm) cannot do yet: packing, another data type than
+    chat_template, another objective than sft, QLoRA; and image settings in a recipe without images."""
+    problems: list[Problem] = []
+    if not ok("model.kind"):
+        return problems
+    if recipe.model.kind != "vlm":
+        if ok("data.image_max_pixels") and recipe.data.image_max_pixels is not None:
+            problems.append(
+                ("data.image_max_pixels", recipe.data.image_max_pixels, "applies to model.kind: vlm")
+            )
+        return problems
+    for name in ("sample_packing", "eval_sample_packing"):
+        if ok(f"data.{name}") and getattr(recipe.data, name):
+            problems.append((f"data.{name}", True, VLM_NO_PACKING))
+    for key in ("datasets", "test_datasets"):
+        for i, entry in enumerate(getattr(recipe.data, key) if ok(f"data.{key}") else []):
+            if entry is not None and entry.type != "chat_template":
+                problems.append(
+                    (
+                        f"data.{key}.{i}.type",
+                        entry.type,
+                        "a vision-language recipe reads chat_template rows (messages with image parts, or "
+                        "<image> placeholders and field_images); other types are not supported yet",
+                    )
+                )
+    if ok("train.objective") and recipe.train.objective != "sft":
+        problems.append(
+            ("train.objective", recipe.train.objective, "vision-language models train with sft only for now")
+        )
+    if ok("lora.enable_qlora") and recipe.lora.enable_qlora:
+        problems.append(("lora.enable_qlora", True, "QLoRA of vision-language models is not supported yet"))
     return problems
 
 
@@ -368,6 +423,55 @@ def objective_setting_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[
             )
         )
     return problems
+
+
+def data_init_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
+    """EVA and CorDA read token rows of the training data before training (finetune.lora_init): a
+    diffusion recipe (images) and an online objective (prompts only, completions come later) have none."""
+    init = recipe.lora.init_lora_weights if ok("lora.init_lora_weights") else None
+    if init not in DATA_DRIVEN or not ok("model.kind", "train.objective"):
+        return []
+    if recipe.model.kind == "diffusion":
+        reason = "a diffusion recipe trains on images"
+    elif OBJECTIVES[recipe.train.objective].kind == "online":
+        reason = f"train.objective {recipe.train.objective} trains on completions sampled during training"
+    else:
+        return []
+    return [
+        (
+            "lora.init_lora_weights",
+            init,
+            f"computes the adapter from token rows of the training data, and {reason}: use true, gaussian, "
+            "pissa or olora",
+        )
+    ]
+
+
+def residual_reference_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
+    """PiSSA, OLoRA and CorDA move part of each base weight into the adapter, so the model with its
+    adapters disabled (the LoRA reference of DPO, IPO, KTO and GRPO's KL term) is the residual base,
+    not the initial model: the reference would be wrong. Precomputed reference log-probs are taken
+    before the first step, with the adapters on, when the policy still is the initial model."""
+    if not ok("lora.enable_lora", "lora.init_lora_weights", "train.objective", "model.kind"):
+        return []
+    if recipe.model.kind == "diffusion" or not modifies_base(recipe.lora):
+        return []
+    spec = OBJECTIVES[recipe.train.objective]
+    if spec.section == "grpo" and ok("grpo") and recipe.grpo is not None and recipe.grpo.beta > 0:
+        fix = "set grpo.beta: 0 (no KL term)"
+    elif spec.reference and spec.section != "grpo" and not recipe.preference.precompute_ref_log_probs:
+        fix = "set preference.precompute_ref_log_probs: true (taken before the first step, adapters on)"
+    else:
+        return []
+    return [
+        (
+            "lora.init_lora_weights",
+            recipe.lora.init_lora_weights,
+            f"rewrites the base weights, so train.objective {spec.name}'s reference (the model with its "
+            f"adapters disabled) would be the residual base, not the initial model: {fix}, or use init "
+            "true, gaussian or eva",
+        )
+    ]
 
 
 def online_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:

@@ -51,6 +51,14 @@ def streaming_problems(recipe: Any, ok: Callable[..., bool]) -> list[Problem]:
                 "prepared); set data.streaming: false",
             )
         )
+    if ok("model.kind") and recipe.model.kind != "llm":
+        problems.append(
+            (
+                "model.kind",
+                recipe.model.kind,
+                "data.streaming reads text for a causal LM only (images are prepared); set data.streaming: false",
+            )
+        )
     for path, reason in _NOT_WITH_STREAMING.items():
         section, name = path.split(".")
         owner = getattr(recipe, section)

@@ -1,5 +1,6 @@
-"""`finetune eval` and `finetune chat` through the real CLI, generation sets scored during training,
-and the chunked loss giving the same training run (demo model; one real-model chat)."""
+"""`finetune eval`, `finetune chat` and `finetune export-gguf` through the real CLI, generation sets
+scored during training, and the chunked loss giving the same training run (demo model; one real-model
+chat)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,33 @@ def test_chat_answers_one_prompt_and_holds_a_conversation(trained):
     )
     assert talk.returncode == 0, talk.stderr[-3000:]
     assert "(new conversation)" in talk.stdout and talk.stdout.count("> ") >= 3
+
+
+def test_export_gguf_writes_the_merged_demo_for_llama_cpp(trained, tmp_path):
+    """The trained demo adapter exported as Q8_0 through the CLI: the file loads back in transformers
+    with the merged model's logits (within Q8_0's tolerance), its tokenizer and chat template."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.model import load_adapter
+
+    out, target = trained["tmp"] / "out", tmp_path / "demo.gguf"
+    result = cli("export-gguf", str(out), "--outtype", "q8_0", "--output", str(target))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"GGUF file written to {target}" in result.stdout and f"llama-cli -m {target}" in result.stdout
+    adapter, tokenizer = load_adapter(out, dtype="fp32")
+    merged = adapter.merge_and_unload().eval()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=target.name, dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer("What is 2 plus 3?").input_ids])
+    with torch.no_grad():
+        want, got = merged(ids).logits, back(ids).logits
+    assert (got - want).abs().max() <= 3e-2 * want.abs().max()  # tests/unit/test_gguf_export.py's Q8_0 bound
+    assert got[0, -1].argmax() == want[0, -1].argmax()
+    loaded = AutoTokenizer.from_pretrained(tmp_path, gguf_file=target.name)
+    messages = [{"role": "user", "content": "What is 7 plus 1?"}]
+    assert loaded.apply_chat_template(messages, tokenize=False) == tokenizer.apply_chat_template(
+        messages, tokenize=False
+    )
 
 
 @pytest.mark.skipif(

@@ -9,8 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import pytest
 import yaml
+
+from finetune.data.mixture import draw_count
 
 
 def _run_cli(repo_root: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -193,3 +196,41 @@ def test_prepare_dataset_cli_on_damaged_files(tmp_path: Path, repo_root: Path, c
         assert m["dropped"] == dropped and m["rows_in"] == len(lines) == m["rows_kept"] + m["rows_dropped"]
         [sample] = m["bad_row_samples"]
         assert f"{path} line " in sample["detail"] and sample["reason"] == next(iter(dropped)).split(":")[1]
+
+
+# ------------------------------------------------------------------------------------ weighted mixtures
+
+
+def test_prepare_dataset_cli_weighted_mixture(tmp_path: Path, repo_root: Path):
+    """The demo mixture recipe (arithmetic at 0.5, chat at 3.0), chat's weight overridden to 2.0 on the
+    command line: packed, with a validation split held out before weighting."""
+    recipe = repo_root / "recipes" / "demo" / "tiny_mix_cpu.yaml"
+    prepared_path = str(tmp_path / "prepared")
+    args = ("--data.dataset_prepared_path", prepared_path, "--data.datasets.1.weight", "2.0")
+    result = _run_cli(repo_root, str(recipe), *args)
+    assert result.returncode == 0, result.stderr
+    m = _manifest(result.stdout)
+    arithmetic, chat = m["mixture"]
+    assert (arithmetic["weight"], chat["weight"]) == (0.5, 2.0)
+    assert [d["settings"]["weight"] for d in m["fingerprint_inputs"]["datasets"]] == [0.5, 2.0]
+    assert (arithmetic["rows_in"], chat["rows_in"]) == (3000, 300)
+    for d in (arithmetic, chat):
+        assert d["rows_kept"] == d["rows_eval"] + d["rows_train"]
+    assert arithmetic["rows_drawn"] == draw_count(0.5, arithmetic["rows_train"]) == 1425  # 2850 / 2
+    assert chat["rows_drawn"] == 2 * chat["rows_train"]
+    assert m["splits"]["train"]["examples"] == arithmetic["rows_drawn"] + chat["rows_drawn"]
+    assert (
+        m["splits"]["eval"]["examples"] == arithmetic["rows_eval"] + chat["rows_eval"] == round(0.05 * 3300)
+    )
+    assert m["splits"]["train"]["packed"]
+    # The shares of trained tokens are those of the packed rows written to disk.
+    train = datasets.load_from_disk(str(Path(prepared_path) / m["fingerprint"] / "train"))
+    trained = sum(sum(x != -100 for x in labels) for labels in train["labels"])
+    assert (
+        arithmetic["num_trained_tokens"] + chat["num_trained_tokens"] == trained == m["num_trainable_tokens"]
+    )
+    assert chat["share_of_trained_tokens"] == pytest.approx(chat["num_trained_tokens"] / trained, abs=1e-6)
+    assert arithmetic["share_of_rows"] + chat["share_of_rows"] == pytest.approx(1.0)
+    for d in (arithmetic, chat):
+        line = f"{d['dataset']} ({Path(d['path']).name}): weight {d['weight']:g}, {d['rows_train']} training rows"
+        assert line in result.stdout

@@ -163,3 +163,64 @@ def test_wandb_offline_run_holds_the_progress_numbers_and_the_samples_table(trai
                 history[key].append((items["_step"], float(value)))
     assert tracker_view(history) == expected_history(trained["out"])
     assert tables == [("eval/arith_samples", 2), ("eval/arith_samples", 4)]
+
+
+# ------------------------------------------------------------------------ comet_ml, an offline archive
+
+
+@pytest.fixture(scope="module")
+def archived(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The same tiny run logging to comet_ml (an offline experiment zip). clearml is tested in
+    tests/unit/test_trackers.py only: in a training run its repository detection forks a `git`
+    subprocess from the multi-threaded trainer, which was seen to hang task.close() at the end."""
+    pytest.importorskip(
+        "comet_ml", reason="comet_ml is in the tracking extra (pip install 'finetune[tracking]')"
+    )
+    tmp = tmp_path_factory.mktemp("archives")
+    questions = tmp / "questions.jsonl"
+    questions.write_text(
+        "".join(json.dumps({"q": f"What is {a} plus 1?", "a": f"#### {a + 1}"}) + "\n" for a in (2, 5))
+    )
+    gen_sets = f"[{{name: arith, path: {questions}, field_prompt: q, field_expected: a, max_new_tokens: 6}}]"
+    variables = {
+        "COMET_START_ONLINE": "false",
+        "COMET_OFFLINE_DIRECTORY": str(tmp / "comet"),
+        "COMET_ERROR_TRACKING_ENABLE": "false",
+        "COMET_DISABLE_AUTO_LOGGING": "1",
+    }
+    overrides = [
+        *demo_overrides(tmp),
+        "--train.max_steps", "4", "--train.eval_steps", "2", "--train.log_steps", "1",
+        "--train.log_format", "structured", "--train.save_epochs", "0",
+        "--train.report_to", "[comet_ml]", "--eval.generation_sets", gen_sets,
+    ]  # fmt: skip
+    result = run(
+        [sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *overrides], extra_env=variables
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "takes no" not in result.stdout + result.stderr
+    return {"tmp": tmp, "out": tmp / "out"}
+
+
+def test_comet_ml_offline_archive_holds_the_progress_numbers_and_the_samples_table(archived):
+    import zipfile
+
+    (archive,) = (archived["tmp"] / "comet").glob("*.zip")
+    with zipfile.ZipFile(archive) as f:
+        payloads = [
+            json.loads(line).get("payload", {}) for line in f.read("messages.json").decode().splitlines()
+        ]
+        history = defaultdict(list)
+        for metric in (p["metric"] for p in payloads if "metric" in p):
+            # Comet's own system metrics (sys.*, "process duration") are not finetune's.
+            own = metric["metricName"].startswith("sys.") or metric["metricName"] == "process duration"
+            if not own and metric["step"] is not None:
+                history[metric["metricName"]].append((metric["step"], float(metric["metricValue"])))
+        assert tracker_view(history) == expected_history(archived["out"])
+        uploads = [
+            p["additional_params"] | {"file": p["file_path"]} for p in payloads if p.get("additional_params")
+        ]
+        tables = sorted((u["fileName"], u["step"]) for u in uploads if u.get("fileName", "").endswith(".csv"))
+        assert tables == [("eval_arith_samples_step2.csv", 2), ("eval_arith_samples_step4.csv", 4)]
+        header = f.read(next(u["file"] for u in uploads if u.get("fileName") == tables[0][0])).decode()
+        assert header.splitlines()[0].startswith("prompt,")

@@ -81,14 +81,14 @@ def test_the_graph_sees_function_level_and_relative_imports():
 # The layers of finetune/, top to bottom (docs/CONTRIBUTING.md): a module imports only modules of its
 # own layer or below. A package's modules share its layer; `finetune` (the package __init__) is below all.
 LAYERS: list[tuple[str, ...]] = [
-    ("cli", "train", "evaluation"),
+    ("cli", "train", "evaluation", "report"),
     ("objectives",),
     ("engine", "generation"),
     ("diffusion", "plan"),
     ("data",),
     (
         "model", "model_card", "optim", "checkpoint", "hub", "metrics", "distributed", "accelerate_config",
-        "launcher", "losses",
+        "launcher", "losses", "lora_init", "gguf_export", "vlm",
     ),
     ("recipe",),
     ("gguf", "errors", "notices", "quiet", "constants", "trackers", "locks"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from finetune.model import apply_lora, init_modifies_base, save_initial_adapter
+from finetune.model import apply_lora, init_modifies_base, save_converted_adapter, save_initial_adapter
 from finetune.optim import build_optimizer
 from finetune.recipe import LoraSection
 from tests.tiny import tiny_model
@@ -42,23 +42,24 @@ def test_initial_weights_are_pefts(init):
     assert moved == init_modifies_base(ours) == (isinstance(init, str) and init != "gaussian")
 
 
-def test_a_pissa_adapter_is_saved_converted_for_the_original_base(tmp_path):
+@pytest.mark.parametrize("modules_to_save", [[], ["lm_head"]])
+def test_a_pissa_adapter_is_saved_converted_for_the_original_base(tmp_path, modules_to_save):
     """After training, the saved adapter (converted against output_dir/initial_adapter, as save_lm
-    does) on the original base gives the trained model's outputs."""
+    does) on the original base gives the trained model's outputs, a trained modules_to_save copy
+    included (PEFT's conversion alone drops it, and the adapter then fails to load)."""
     from finetune.objectives.lm import INITIAL_ADAPTER
 
     torch.manual_seed(0)
-    net = apply_lora(tiny_model(), _lora(init_lora_weights="pissa"), gradient_checkpointing=False)
+    lora = _lora(init_lora_weights="pissa", modules_to_save=modules_to_save)
+    net = apply_lora(tiny_model(), lora, gradient_checkpointing=False)
     save_initial_adapter(net, tmp_path / INITIAL_ADAPTER, is_main_process=True)
-    with torch.no_grad():  # a training run's change of the adapter
-        for name, param in net.named_parameters():
-            if "lora_" in name:
+    with torch.no_grad():  # a training run's change of the adapter (and of the saved lm_head copy)
+        for param in net.parameters():
+            if param.requires_grad:
                 param.add_(0.05 * torch.randn_like(param))
     ids = torch.randint(4, 97, (1, 10))
     trained = net(input_ids=ids).logits
-    net.save_pretrained(
-        tmp_path / "out", path_initial_model_for_weight_conversion=str(tmp_path / INITIAL_ADAPTER)
-    )
+    save_converted_adapter(net, tmp_path / "out", initial=tmp_path / INITIAL_ADAPTER, is_main_process=True)
     restored = PeftModel.from_pretrained(tiny_model(), tmp_path / "out")
     assert restored.peft_config["default"].r == 8  # plain LoRA of twice the rank
     torch.testing.assert_close(restored(input_ids=ids).logits, trained, atol=1e-4, rtol=1e-4)
@@ -90,7 +91,6 @@ def test_loraplus_with_muon_is_refused():
 @pytest.mark.parametrize(
     ("settings", "expected"),
     [
-        ({"init_lora_weights": "eva"}, "eva is not supported: it needs a pass over the training data"),
         ({"init_lora_weights": "loftq"}, "loftq is not supported"),
         ({"init_lora_weights": "pissa_niter_x"}, "is not one of true, false, gaussian, pissa, pissa_niter_N"),
         ({"init_lora_weights": "pissa", "init_adapter": "out"}, "does nothing with init_adapter"),

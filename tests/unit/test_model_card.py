@@ -50,3 +50,14 @@ def test_model_card_names_a_hub_base_model_but_not_a_local_path(tmp_path):
     front_matter = local.split("---")[1]
     assert "base_model" not in front_matter and "library_name: peft" in front_matter
     assert f"Base model: {tmp_path}." in local  # still named in the text for the reader
+    assert "`data.jsonl` (alpaca)" in local
+
+
+def test_model_card_names_the_mixture_weights():
+    recipe = _recipe("gpt2")
+    recipe["data"]["datasets"] = [
+        {"path": "a.jsonl", "type": "alpaca", "weight": 0.5},
+        {"path": "b.jsonl", "type": "completion", "weight": 1.0},
+    ]
+    card = render_model_card(recipe=recipe, manifest={}, metrics={})
+    assert "`a.jsonl` (alpaca, weight 0.5), `b.jsonl` (completion)" in card

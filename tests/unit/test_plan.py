@@ -538,3 +538,35 @@ def test_cli_plan_help(capsys):
     out = capsys.readouterr().out
     for flag in ("--accelerate-config", "--num-gpus", "--num-nodes", "--gpu-memory", "--json"):
         assert flag in out
+
+
+def test_training_prediction_is_the_plan_of_the_recipe_and_says_why_when_there_is_none(monkeypatch):
+    """What `finetune train` records in progress.jsonl ("started" record, memory_plan): the parts and
+    total of `finetune plan` for the same recipe and engine; a model the planner refuses is a reason,
+    and no failure of the planner stops training (finetune.train.memory_plan)."""
+    import finetune.plan.inventory
+    from finetune.plan import training_prediction
+    from finetune.train import memory_plan
+
+    recipe = _recipe({"micro_batch_size": 2})
+    recorded = training_prediction(recipe, DistributedSetup("single"))
+    plan = make_plan(recipe)
+    assert recorded["total_gpu_bytes"] == plan.estimate.total_gpu and recorded["micro_batch_size"] == 2
+    assert [p["name"] for p in recorded["parts"]] == [p.name for p in plan.estimate.parts]
+    json.dumps(recorded)  # plain data, as progress.jsonl needs
+
+    def refuse(model):
+        raise FinetuneError(
+            "model config (X) lacks hidden_size: the planner handles Llama-style decoder models"
+        )
+
+    monkeypatch.setattr(finetune.plan.inventory, "inspect_model", refuse)
+    assert training_prediction(recipe, DistributedSetup("single")) == {
+        "unavailable": "model config (X) lacks hidden_size: the planner handles Llama-style decoder models"
+    }
+
+    def broken(model):
+        raise KeyError("num_layers")
+
+    monkeypatch.setattr(finetune.plan.inventory, "inspect_model", broken)
+    assert memory_plan(recipe) == {"unavailable": "the planner failed: KeyError: 'num_layers'"}

@@ -21,18 +21,30 @@ from typing import Any
 
 import datasets
 
-from finetune.data import encode, tool_calls
+from finetune.data import encode, images, tool_calls, vision
 from finetune.data.chat import conversation as _conversation
 from finetune.data.chat import known_roles, message_keys
 from finetune.data.encode import Encoder
-from finetune.data.rows import TEMPLATE_WITHOUT_TOOLS, BadRow, Example, missing_name_message, optional_column
+from finetune.data.rows import (
+    TEMPLATE_WITHOUT_TOOLS,
+    WRONG_TYPE,
+    BadRow,
+    Example,
+    missing_name_message,
+    optional_column,
+)
 from finetune.errors import DataError
 from finetune.recipe import KNOWN_CHAT_TEMPLATES
 
 
 def columns(entry: Any, column_names: Sequence[str]) -> dict[str, str]:
-    """{entry field: column} of the columns read (the tools column when the data or recipe has one)."""
-    return {"field_messages": entry.field_messages} | optional_column(entry, "field_tools", column_names)
+    """{entry field: column} of the columns read (the tools and images columns when the data or recipe
+    has them)."""
+    return (
+        {"field_messages": entry.field_messages}
+        | optional_column(entry, "field_tools", column_names)
+        | optional_column(entry, "field_images", column_names)
+    )
 
 
 def check(entry: Any, features: datasets.Features, entry_label: str) -> None:
@@ -69,14 +81,60 @@ def renders_chat(entry: Any, features: datasets.Features) -> bool:
 
 
 def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example | BadRow]:
-    """Each conversation rendered with its row's tools and masked (encode.chat_examples)."""
+    """Each conversation rendered with its row's tools and masked (encode.chat_examples); with images,
+    for a vision-language model, their tokens expanded and their bytes kept (vision.chat_examples)."""
     convs = conversations(batch, entry)
+    # The images column is read for a vision-language model, or when the recipe names it (a text recipe
+    # whose data merely has an `images` column keeps working as before).
+    named = "field_images" in getattr(entry, "model_fields_set", set())
+    if entry.field_images in batch and (enc.processor is not None or named):
+        convs = [
+            with_row_images(c, refs, entry.field_images)
+            for c, refs in zip(convs, batch[entry.field_images], strict=True)
+        ]
+    if enc.processor is None:
+        convs = [images_need_vlm(c, entry.field_messages) for c in convs]
+    examples = vision.chat_examples if enc.processor is not None else encode.chat_examples
     if entry.field_tools not in batch:
-        return encode.chat_examples(convs, enc, entry, field=entry.field_messages)
+        return examples(convs, enc, entry, field=entry.field_messages)
     tools = [row_tools(value, entry.field_tools, enc) for value in batch[entry.field_tools]]
     convs = [t if isinstance(t, BadRow) else c for c, t in zip(convs, tools, strict=True)]
     tools = [None if isinstance(t, BadRow) else t for t in tools]
-    return encode.chat_examples(convs, enc, entry, field=entry.field_messages, tools=tools)
+    return examples(convs, enc, entry, field=entry.field_messages, tools=tools)
+
+
+def with_row_images(
+    conv: list[dict[str, Any]] | BadRow, refs: Any, field: str
+) -> list[dict[str, Any]] | BadRow:
+    """LLaVA style: the row's image list (column `field`) put where the messages' ``<image>``
+    placeholders are, one per placeholder in order (a different count is a bad row)."""
+    if isinstance(conv, BadRow) or refs is None:
+        return conv
+    if not isinstance(refs, list):
+        return BadRow(field, WRONG_TYPE, f"{field!r} should be a list of images, got {type(refs).__name__}")
+    out, start = [], 0
+    whole = images.placeholders("".join(m["content"] for m in conv), refs, field)
+    if isinstance(whole, BadRow):
+        return whole
+    for message in conv:
+        count = message["content"].count(images.IMAGE_PLACEHOLDER)
+        content = message["content"].replace(images.IMAGE_PLACEHOLDER, images.SENTINEL)
+        extra = {"images": [*message.get("images", []), *refs[start : start + count]]} if count else {}
+        out.append({**message, "content": content, **extra})
+        start += count
+    return out
+
+
+def images_need_vlm(conv: list[dict[str, Any]] | BadRow, field: str) -> list[dict[str, Any]] | BadRow:
+    """A row with images is refused when the model reads only text (its images would be lost)."""
+    if isinstance(conv, BadRow) or not any(m.get("images") for m in conv):
+        return conv
+    return BadRow(
+        field,
+        images.IMAGES_NEED_VLM,
+        "the row has images, but the model reads only text; for a vision-language model set model.kind: vlm "
+        "(its processor then reads the images), or remove the image parts",
+    )
 
 
 def row_tools(value: Any, field: str, enc: Encoder) -> list[dict[str, Any]] | BadRow | None:

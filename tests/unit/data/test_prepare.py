@@ -216,6 +216,8 @@ CHANGES = [
     ("data.datasets.0.max_seq_len", 64),
     ("data.datasets.0.apply_chat_template", True),
     ("data.datasets.1.split", "other"),
+    ("data.datasets.1.weight", 0.5),
+    ("data.datasets.0.weight", 2.0),
     ("data.sequence_len", 96),
     ("data.excess_length_strategy", "truncate"),
     ("data.on_bad_row", "raise"),
@@ -253,6 +255,7 @@ UNCHANGED = [
     ("data.dataloader_drop_last", False),
     ("data.dataset_prepared_path", "elsewhere"),
     ("data.datasets.0.trust_remote_code", True),
+    ("data.datasets.0.weight", 1.0),  # the default, written: caches made before weights stay valid
     ("data.eval_sample_packing", False),  # no eval data: nothing to pack
     ("model.trust_remote_code", True),
     ("model.attn_implementation", "eager"),

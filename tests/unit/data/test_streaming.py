@@ -336,3 +336,18 @@ def test_two_processes_checkpoint_every_position(tmp_path):
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["same"] for r in results)
     assert results[0]["first"] != results[1]["first"]  # each reads its own part
+
+
+def test_weights_set_the_shares_of_the_mix(shards, tok, tmp_path):
+    """interleave_datasets with probabilities proportional to the weights (3 : 1), seeded."""
+    rows = [json.loads(line) for line in DEMO_DATA.read_text().splitlines()[1000:1400]]
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data, _ = settings(shards)
+    entries = [
+        dataset_entry(path=str(shards), type="alpaca", weight=3.0),
+        dataset_entry(path=str(tmp_path / "b.jsonl"), type="alpaca"),
+    ]
+    data = data.model_copy(update={"datasets": entries})
+    stream = open_stream(data, tok, chat_template=None, seed=0, rank=0, world_size=1)
+    first = [r["_entry"] for _, r in zip(range(200), stream, strict=False)]
+    assert 0.65 < first.count(0) / 200 < 0.85

@@ -17,7 +17,7 @@ from finetune.data.preference import pack_examples
 from finetune.engine.step import train_step
 from finetune.losses import preference as pref
 from finetune.losses.causal_lm import forward
-from finetune.objectives.preference import PreferenceObjective
+from finetune.objectives.preference import PreferenceObjective, completion_logps
 from finetune.objectives.reference import cache_path, load_or_compute, reference_key
 from finetune.recipe import validate_recipe
 from tests.fakes import cpu_accelerator, fake_run
@@ -44,7 +44,12 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def objective(
-    name: str = "dpo", *, lora: bool = True, kind: str = "preference", **settings
+    name: str = "dpo",
+    *,
+    lora: bool = True,
+    kind: str = "preference",
+    lora_settings: dict | None = None,
+    **settings,
 ) -> PreferenceObjective:
     recipe = validate_recipe(
         {
@@ -52,7 +57,7 @@ def objective(
             "data": {"datasets": [{"path": "p.jsonl", "type": kind}]},
             "train": {"output_dir": "out", "objective": name},
             "preference": settings,
-            "lora": {"enable_lora": lora},
+            "lora": {"enable_lora": lora, **(lora_settings or {})},
         }
     )
     obj = PreferenceObjective(recipe)
@@ -409,3 +414,54 @@ def test_evaluate_reports_the_mean_metrics_over_held_out_pairs():
     )
     assert fields["eval_logps/rejected"] == pytest.approx(sums[1].mean().item(), rel=1e-5)
     assert policy.training  # back in training mode
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_a_base_rewriting_init_takes_its_reference_with_the_adapters_on(init):
+    """PiSSA/OLoRA move part of each base weight into the adapter: before any update the policy with
+    its adapters on is the initial model, and with them disabled only the residual base. The reference
+    (precomputed before the first step, as the recipe requires for these inits) is the initial model."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_llama()
+    torch.manual_seed(3)
+    policy = get_peft_model(
+        copy.deepcopy(base),
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=init),
+    )
+    obj = objective("dpo", precompute_ref_log_probs=True, lora_settings={"init_lora_weights": init})
+    assert obj.reference.source == "precomputed" and not obj.reference.lora
+    batch = batches(pair_dataset(pair_rows(4, seed=2)), "preference", None, rows_per_batch=4)[0]
+    expected = completion_logps(base, batch, paired=True)
+    torch.testing.assert_close(obj._reference_logps(policy, batch), expected, rtol=1e-4, atol=1e-4)
+    residual = objective("dpo", precompute_ref_log_probs=True)  # adapters disabled: the residual base
+    assert not torch.allclose(residual._reference_logps(policy, batch), expected, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("objective_name", "settings", "refused"),
+    [
+        ("dpo", {}, True),
+        ("kto", {}, True),
+        ("dpo", {"precompute_ref_log_probs": True}, False),
+        ("simpo", {}, False),  # reference-free
+    ],
+)
+def test_a_base_rewriting_init_needs_a_reference_taken_before_training(objective_name, settings, refused):
+    from pydantic import ValidationError
+
+    recipe = {
+        "model": {"model_path": "org/base"},
+        "data": {
+            "datasets": [{"path": "p.jsonl", "type": "kto" if objective_name == "kto" else "preference"}]
+        },
+        "train": {"output_dir": "out", "objective": objective_name},
+        "preference": settings,
+        "lora": {"enable_lora": True, "init_lora_weights": "pissa"},
+    }
+    if not refused:
+        validate_recipe(recipe)
+        return
+    with pytest.raises(ValidationError, match="residual base, not the initial model") as info:
+        validate_recipe(recipe)
+    assert "lora.init_lora_weights" in str(info.value) and "precompute_ref_log_probs: true" in str(info.value)

@@ -368,7 +368,7 @@ def test_a_field_of_another_type_names_the_types_that_read_it(tmp_path: Path) ->
         "  - data.datasets[0].field_chosen (line 7): unknown key (value 'better'): only type preference read it, "
         "not completion. Allowed keys: path, type, name, split,"
     )
-    assert problem.endswith("trust_remote_code, field_text, train_on_eos")
+    assert problem.endswith("trust_remote_code, weight, field_text, train_on_eos")
     [problem] = entry_problems(tmp_path, "type: alpaca\nfield_prompt: question\n")
     assert "only type input_output, preference, kto, prompt read it, not alpaca." in problem
 
@@ -435,7 +435,7 @@ def test_an_override_of_another_types_field_names_the_flag(tmp_path: Path) -> No
     assert problems == [
         "  - data.datasets[0].field_chosen (from --data.datasets.0.field_chosen): unknown key (value 'c'): only "
         "type preference read it, not alpaca. Allowed keys: path, type, name, split, revision, data_files, "
-        "ds_type, shards, shards_idx, max_seq_len, trust_remote_code, field_instruction, field_input, "
+        "ds_type, shards, shards_idx, max_seq_len, trust_remote_code, weight, field_instruction, field_input, "
         "field_output, train_on_inputs, train_on_eos, apply_chat_template, roles_to_train"
     ]
     # A field no type has is refused as an override, with a did-you-mean over every type's fields.

@@ -91,6 +91,8 @@ DEFAULTS = [
     ("model", "chat_template", None),
     ("model", "enable_liger_kernel", False),
     ("model", "enable_compile", False),
+    ("model", "train_vision_tower", False),
+    ("model", "train_projector", False),
     ("data", "test_datasets", []),
     ("data", "val_set_size", None),
     ("data", "dataset_prepared_path", "prepared"),
@@ -109,6 +111,7 @@ DEFAULTS = [
     ("data", "pad_to_multiple_of", 64),
     ("data", "shuffle_merged_datasets", True),
     ("data", "shuffle_before_merging_datasets", True),
+    ("data", "image_max_pixels", None),
     ("data", "dataloader_num_workers", 2),
     ("data", "dataloader_prefetch_factor", None),
     ("data", "dataloader_pin_memory", True),
@@ -191,6 +194,7 @@ ENTRY_DEFAULTS = {
     "shards_idx": None,
     "max_seq_len": None,
     "trust_remote_code": False,
+    "weight": 1.0,
     "field_text": "text",
     "field_instruction": "instruction",
     "field_input": "input",
@@ -201,6 +205,8 @@ ENTRY_DEFAULTS = {
     "field_rejected": "rejected",
     "field_label": "label",
     "field_messages": "messages",
+    "field_images": "images",
+    "field_tools": "tools",
     "message_field_role": "role",
     "message_field_content": "content",
     "role_map": {},
@@ -400,6 +406,15 @@ BAD_COMBINATIONS = [
     ("gguf-file-not-gguf", {"model": {"gguf_file": "model.safetensors"}}, "model.gguf_file", ".gguf"),
     ("gguf-package-missing", {"model": {"model_path": "package://no_such_package_xyz/m.gguf"}},
      "model.model_path", "no installed Python package 'no_such_package_xyz'"),
+    ("weight-zero", {"data_entry": {"weight": 0}}, "data.datasets[0].weight", "remove its entry"),
+    ("weight-negative", {"data_entry": {"weight": -0.5}}, "data.datasets[0].weight", "must be a number > 0"),
+    ("weight-not-finite", {"data_entry": {"weight": float("inf")}}, "data.datasets[0].weight", "finite number"),
+    ("weight-nan", {"data_entry": {"weight": float("nan")}}, "data.datasets[0].weight", "finite number"),
+    ("weight-on-eval", {"data": {"test_datasets": [{"path": "t.jsonl", "type": "alpaca", "weight": 2}]}},
+     "data.test_datasets[0].weight", "evaluation data is not weighted"),
+    ("weight-on-images", {"model": {"kind": "diffusion", "model_path": "org/sd"},
+                          "data": {"datasets": [{"path": "imgs", "type": "images", "weight": 0.5}]}},
+     "data.datasets[0].weight", "image sources are not weighted"),
 ]  # fmt: skip
 
 
@@ -435,6 +450,9 @@ GOOD_COMBINATIONS = [
     ("every-save-with-id", {"hub": {"strategy": "every_save", "model_id": "org/name"}}),
     ("profile-window-off", {"train": {"profile_start_step": 5, "profile_end_step": 2}}),
     ("inline-config", {"model": {"model_path": None, "config_path": {"model_type": "llama"}, "tokenizer_path": "t"}}),
+    ("weights", {"data": {"datasets": [{"path": "a.jsonl", "type": "alpaca", "weight": 0.25},
+                                       {"path": "b.jsonl", "type": "completion", "weight": 3}],
+                          "test_datasets": [{"path": "t.jsonl", "type": "alpaca", "weight": 1.0}]}}),
 ]  # fmt: skip
 
 

@@ -77,7 +77,11 @@ def test_conversation_keeps_unmapped_roles_and_drops_null_keys() -> None:
         ([{"content": "hi"}], "messages[0].role", "missing_field"),
         ([{"role": "user", "content": "a"}, {"role": "assistant"}], "messages[1].content", "missing_field"),
         ([{"role": "user", "content": None}], "messages[0].content", "missing_field"),
-        ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content", "wrong_type"),
+        (
+            [{"role": "user", "content": [{"type": "text"}]}],
+            "messages[0].content[0]",
+            "wrong_type",
+        ),  # a part without its text
         ([{"role": 1, "content": "a"}], "messages[0].role", "wrong_type"),
         (
             [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}],

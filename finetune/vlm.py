@@ -1,0 +1,139 @@
+"""Vision-language models (model.kind: vlm): the processor, and which parts of the model train.
+
+A transformers image-text-to-text model (AutoModelForImageTextToText: Qwen2-VL / Qwen2.5-VL, SmolVLM /
+Idefics3, Gemma 3, LLaVA, ...) is a vision tower, a projector into the language model's embeddings,
+and the language model. By default only the language model trains: with LoRA, ``all-linear`` means
+the language model's linear layers (PEFT's own all-linear would also adapt the vision tower's); the
+vision tower and the projector are frozen unless model.train_vision_tower / model.train_projector say
+otherwise (with LoRA the vision tower then gets adapters too, the projector trains fully as a module
+to save). The parts are found by the attribute names transformers gives them; a model whose parts
+have other names is an error that names what was looked for.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from finetune.errors import FinetuneError
+
+logger = logging.getLogger(__name__)
+
+# The attribute names transformers gives a VLM's vision tower and projector (Qwen2-VL keeps its patch
+# merger, its projector, inside `visual`: there it trains with the vision tower).
+VISION_TOWERS = ("vision_tower", "vision_model", "visual", "vision_encoder")
+PROJECTORS = ("multi_modal_projector", "connector", "mm_projector", "multimodal_projector")
+
+
+def auto_processor(source: str, revision: str | None = None, trust_remote_code: bool = False):
+    """The AutoProcessor at `source` (a folder or Hub id), checked to have an image processor; its
+    tokenizer gets the processor's chat template when it has none of its own."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(
+            source, revision=revision, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise FinetuneError(
+            f"model.tokenizer_path: could not load a processor from {source!r} for model.kind vlm: {exc}. "
+            "Point tokenizer_path (or model_path) at a folder with the processor's files (preprocessor_config.json, "
+            "tokenizer, chat template) or a Hub id. Qwen2-VL processors need torchvision installed."
+        ) from None
+    if getattr(processor, "image_processor", None) is None or getattr(processor, "tokenizer", None) is None:
+        raise FinetuneError(
+            f"model.tokenizer_path: {source!r} holds a {type(processor).__name__}, not a vision-language processor "
+            "(an image processor and a tokenizer); model.kind vlm needs one"
+        )
+    if processor.tokenizer.chat_template is None:
+        processor.tokenizer.chat_template = processor.chat_template
+    return processor
+
+
+def parts(net: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """(vision tower module names, projector module names) of a VLM, outermost matches only."""
+    towers, projectors = [], []
+    for name, _ in net.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        inside = any(name.startswith(p + ".") for p in towers + projectors)
+        if last in VISION_TOWERS and not inside:
+            towers.append(name)
+        elif last in PROJECTORS and not inside:
+            projectors.append(name)
+    if not towers:
+        raise FinetuneError(
+            f"model.kind vlm: no vision tower found in {type(net).__name__} (looked for modules named "
+            f"{', '.join(VISION_TOWERS)}); is it an image-text-to-text model?"
+        )
+    return towers, projectors
+
+
+def _under(name: str, prefixes: list[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def freeze(net: torch.nn.Module, *, train_vision_tower: bool, train_projector: bool) -> None:
+    """Freeze the vision tower and the projector unless the recipe trains them (full fine-tuning; PEFT
+    freezes the whole base itself)."""
+    towers, projectors = parts(net)
+    frozen = (towers if not train_vision_tower else []) + (projectors if not train_projector else [])
+    for name, param in net.named_parameters():
+        if _under(name, frozen):
+            param.requires_grad_(False)
+
+
+def lora_settings(
+    net: torch.nn.Module,
+    targets: Any,
+    modules_to_save: list[str],
+    *,
+    train_vision_tower: bool,
+    train_projector: bool,
+) -> dict[str, Any]:
+    """LoRA's target_modules and modules_to_save for a VLM: ``all-linear`` as the language model's linear
+    layers (and the vision tower's with train_vision_tower), never the output head; the projector
+    added to modules_to_save with train_projector. Explicit module names are passed through."""
+    towers, projectors = parts(net)
+    saved = list(modules_to_save or []) + (projectors if train_projector else [])
+    if targets != "all-linear":
+        return {"target_modules": targets, "modules_to_save": saved or None}
+    head = net.get_output_embeddings()
+    skipped = projectors + ([] if train_vision_tower else towers)
+    names = [
+        name
+        for name, module in net.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not head and not _under(name, skipped)
+    ]
+    return {"target_modules": names, "modules_to_save": saved or None}
+
+
+def load_processor(model: Any):
+    """A vision-language model's processor (model.kind vlm) at model.tokenizer_source, its tokenizer with
+    the recipe's chat template and special tokens (`with_recipe_tokens`)."""
+    processor = auto_processor(model.tokenizer_source, model.revision, model.trust_remote_code)
+    with_recipe_tokens(processor.tokenizer, model)
+    return processor
+
+
+def with_recipe_tokens(tokenizer: Any, model: Any):
+    """`tokenizer` with the model section's chat template and special tokens (every tokenizer
+    finetune.model loads goes through here)."""
+    if model.resolved_chat_template is not None:
+        tokenizer.chat_template = model.resolved_chat_template
+    tokens = model.special_tokens
+    named = {
+        k: getattr(tokens, k)
+        for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+        if getattr(tokens, k)
+    }
+    if named or tokens.additional_special_tokens:
+        extra = (
+            {"additional_special_tokens": tokens.additional_special_tokens}
+            if tokens.additional_special_tokens
+            else {}
+        )
+        added = tokenizer.add_special_tokens({**named, **extra})
+        logger.info("special tokens set; %d new token(s) added to the vocabulary", added)
+    return tokenizer

@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Generate the tiny vision-language demo (recipes/demo/tiny_vlm_cpu.yaml): its processor and its data.
+
+``vlm_processor/``: an Idefics3 (SmolVLM) processor built here, offline: the demo's BPE tokenizer with
+the image tokens added, SmolVLM-Instruct's chat template, and a PIL image processor that resizes to
+32x32 without tiling (so every image is 4 tokens for the demo model, see the recipe's vision config).
+
+``data/vlm/{train,eval}.jsonl`` and ``data/vlm/images/*.png``: a coloured shape (circle, square or
+triangle; 6 colours) on a white background, with a question about it; the answer depends only on the
+pixels::
+
+    {"messages": [{"role": "user", "content": [{"type": "image", "image": "images/00007.png"},
+                                               {"type": "text", "text": "What colour is the shape?"}]},
+                  {"role": "assistant", "content": [{"type": "text", "text": "blue"}]}]}
+
+Synthetic, produced here; byte-identical for the same --seed.
+
+    python recipes/demo/make_vlm_data.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+COLOURS = {
+    "red": (220, 30, 30),
+    "green": (30, 170, 40),
+    "blue": (30, 60, 220),
+    "yellow": (235, 210, 20),
+    "purple": (140, 40, 180),
+    "orange": (245, 130, 20),
+}
+SHAPES = ("circle", "square", "triangle")
+QUESTIONS = {"colour": "What colour is the shape?", "shape": "What shape is it?"}
+IMAGE_SIZE = 32
+# SmolVLM-Instruct's chat template (HuggingFaceTB/SmolVLM-Instruct, chat_template.json; also in
+# tests/unit/data/templates/HuggingFaceTB-SmolVLM-Instruct.jinja).
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'][0]['type'] == "
+    "'image' %}{{':'}}{% else %}{{': '}}{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' %}"
+    "{{line['text']}}{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+
+
+def draw(shape: str, colour: str, rng: random.Random):
+    """One IMAGE_SIZE x IMAGE_SIZE image: the shape, in the colour, at a random place and size."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255))
+    size = rng.randint(14, 24)
+    x, y = rng.randint(1, IMAGE_SIZE - size - 1), rng.randint(1, IMAGE_SIZE - size - 1)
+    box = (x, y, x + size, y + size)
+    pen = ImageDraw.Draw(image)
+    fill = COLOURS[colour]
+    if shape == "circle":
+        pen.ellipse(box, fill=fill)
+    elif shape == "square":
+        pen.rectangle(box, fill=fill)
+    else:
+        pen.polygon([(x, y + size), (x + size, y + size), (x + size // 2, y)], fill=fill)
+    return image
+
+
+def write_data(out: Path, *, num_train: int, num_eval: int, seed: int) -> None:
+    """The two splits and their images under `out` (relative image paths, as users write them)."""
+    rng = random.Random(seed)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    for split, count, start in (("train", num_train, 0), ("eval", num_eval, num_train)):
+        lines = []
+        for k in range(start, start + count):
+            shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
+            name = f"images/{k:05d}.png"
+            draw(shape, colour, rng).save(out / name, optimize=True)
+            asked = rng.choice(list(QUESTIONS))
+            answer = colour if asked == "colour" else shape
+            user = [{"type": "image", "image": name}, {"type": "text", "text": QUESTIONS[asked]}]
+            messages = [
+                {"role": "user", "content": user},
+                {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+            ]
+            lines.append(json.dumps({"messages": messages}))
+        (out / f"{split}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def write_processor(out: Path, tokenizer_dir: Path = HERE / "tokenizer") -> None:
+    """An Idefics3 processor for the demo model, saved to `out` (AutoProcessor loads it)."""
+    from transformers import AutoTokenizer, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+    image_processor = Idefics3ImageProcessorPil(
+        do_image_splitting=False,
+        size={"longest_edge": IMAGE_SIZE},
+        max_image_size={"longest_edge": IMAGE_SIZE},
+    )
+    processor = Idefics3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=SMOLVLM_TEMPLATE
+    )
+    processor.save_pretrained(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-train", type=int, default=480)
+    parser.add_argument("--num-eval", type=int, default=60)
+    parser.add_argument("--data", type=Path, default=HERE / "data" / "vlm")
+    parser.add_argument("--processor", type=Path, default=HERE / "vlm_processor")
+    args = parser.parse_args(argv)
+    write_processor(args.processor)
+    write_data(args.data, num_train=args.num_train, num_eval=args.num_eval, seed=args.seed)
+    print(f"wrote {args.processor} and {args.num_train} + {args.num_eval} rows to {args.data}")
+
+
+if __name__ == "__main__":
+    main()
