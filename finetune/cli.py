@@ -389,6 +389,11 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"# {args.recipe}: valid", file=sys.stderr)
         return 0
     if args.command == "prepare-dataset":
+        if recipe.data.streaming:
+            raise FinetuneError(
+                "data.streaming: true: the training rows are read, tokenized and packed while training, so there "
+                "is nothing to prepare; run `finetune train`, or add --data.streaming false to prepare them"
+            )
         if recipe.model.kind == "diffusion":  # images -> cached latents and text embeddings
             from finetune.diffusion.cache import prepare_images as prepare
         else:

@@ -484,3 +484,125 @@ def _list_array(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
     if offsets[-1] < 2**31:
         return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
     return pa.LargeListArray.from_arrays(pa.array(offsets.astype(np.int64)), pa.array(values))
+
+
+# ---------------------------------------------------------------------------------------- streaming
+
+
+class BufferedPacker:
+    """Packing over a stream (data.streaming) with a bounded buffer of pending examples.
+
+    Examples (``(input_ids, labels)``) are added one at a time; once `buffer_size` are pending, the
+    buffer is packed (`pack_multipack`: best-fit within the buffer, or `pack_sequential`: next-fit
+    in stream order) and every row is released but one: the emptiest row (sequential: the open last
+    row), whose examples stay pending to be packed with the next ones. No example is split; at most
+    `buffer_size` examples are held. `pending` and the counters are the packer's whole state (what a
+    checkpoint keeps, finetune.data.streaming), and the output is a pure function of the input.
+
+    >>> p = BufferedPacker(6, buffer_size=4)
+    >>> [p.add(([1] * n, [1] * n)) for n in (5, 3, 2)]
+    [[], [], []]
+    >>> [[len(ids) for ids, _ in row] for row in p.add(([1], [1]))]
+    [[3, 2, 1]]
+    >>> [len(ids) for ids, _ in p.pending]
+    [5]
+    """
+
+    def __init__(self, capacity: int, *, buffer_size: int, method: str = "multipack", packed: bool = True):
+        if method not in ("multipack", "sequential"):
+            raise ValueError(f"method must be multipack or sequential, not {method!r}")
+        self.capacity, self.buffer_size, self.method, self.packed = capacity, buffer_size, method, packed
+        self.pending: list[tuple[list[int], list[int]]] = []
+        self.num_rows = 0  # rows released
+        self.num_tokens = 0  # example tokens in the rows released
+
+    def add(self, example: tuple[list[int], list[int]]) -> list[list[tuple[list[int], list[int]]]]:
+        """Add one example; the rows (lists of examples) this releases, often none."""
+        self.pending.append(example)
+        if not self.packed:
+            return self._release([[0]], hold=None)
+        if len(self.pending) < self.buffer_size:
+            return []
+        return self._pack(final=False)
+
+    def flush(self) -> list[list[tuple[list[int], list[int]]]]:
+        """Every pending example in rows (the end of a finite stream)."""
+        return self._pack(final=True) if self.pending else []
+
+    def efficiency(self) -> float:
+        """Example tokens / (rows released x capacity), as `packing_efficiency`."""
+        return self.num_tokens / (self.num_rows * self.capacity) if self.num_rows else 0.0
+
+    def _pack(self, *, final: bool) -> list[list[tuple[list[int], list[int]]]]:
+        lengths = [len(ids) for ids, _ in self.pending]
+        if self.method == "multipack":
+            bins = pack_multipack(lengths, self.capacity)
+            fills = [sum(lengths[i] for i in b) for b in bins]
+            hold = None if final else min(range(len(bins)), key=fills.__getitem__)
+            if hold is not None and fills[hold] == self.capacity:  # every row is full: keep none back
+                hold = None
+        else:
+            bins = pack_sequential(lengths, self.capacity)
+            hold = None if final else len(bins) - 1
+        return self._release(bins, hold=hold)
+
+    def _release(self, bins: list[list[int]], *, hold: int | None) -> list[list[tuple[list[int], list[int]]]]:
+        rows = [[self.pending[i] for i in b] for k, b in enumerate(bins) if k != hold]
+        self.pending = [self.pending[i] for i in bins[hold]] if hold is not None else []
+        self.num_rows += len(rows)
+        self.num_tokens += sum(len(ids) for row in rows for ids, _ in row)
+        return rows
+
+    def state_dict(self) -> dict:
+        """The pending examples (as `examples_state`) and the counters."""
+        return {
+            "pending": examples_state(self.pending),
+            "num_rows": self.num_rows,
+            "num_tokens": self.num_tokens,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned."""
+        self.pending = examples_from_state(state["pending"])
+        self.num_rows, self.num_tokens = int(state["num_rows"]), int(state["num_tokens"])
+
+
+def examples_state(examples: list[tuple[list[int], list[int]]]) -> dict:
+    """Examples as three tensors (lengths, flat input_ids, flat labels): a checkpoint stores them in
+    safetensors, not as JSON lists (finetune.engine.extra_state)."""
+    import torch
+
+    return {
+        "lengths": torch.tensor([len(ids) for ids, _ in examples], dtype=torch.int64),
+        "input_ids": torch.tensor([t for ids, _ in examples for t in ids], dtype=torch.int32),
+        "labels": torch.tensor([t for _, labels in examples for t in labels], dtype=torch.int32),
+    }
+
+
+def examples_from_state(state: dict) -> list[tuple[list[int], list[int]]]:
+    """The examples `examples_state` stored."""
+    ends = np.cumsum(np.asarray(state["lengths"], dtype=np.int64)).tolist()
+    ids, labels = np.asarray(state["input_ids"]).tolist(), np.asarray(state["labels"]).tolist()
+    return [(ids[a:b], labels[a:b]) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+def packed_row(
+    examples: list[tuple[list[int], list[int]]], *, pad_to_multiple_of: int | None, pad_token_id: int
+) -> dict:
+    """One row of `input_ids`, `labels`, `position_ids` (restarting at 0 for every example) and
+    `seq_lens` from examples, as `build_packed_rows` makes them (the padding to a multiple of
+    `pad_to_multiple_of` is a segment of its own).
+
+    >>> packed_row([([5, 6], [-100, 6]), ([7], [-100])], pad_to_multiple_of=4, pad_token_id=0)["position_ids"]
+    [0, 1, 0, 0]
+    """
+    ids = [t for e in examples for t in e[0]]
+    labels = [t for e in examples for t in e[1]]
+    seq_lens = [len(e[0]) for e in examples]
+    pad = (-len(ids)) % pad_to_multiple_of if pad_to_multiple_of else 0
+    if pad:
+        ids += [pad_token_id] * pad
+        labels += [IGNORE_INDEX] * pad
+        seq_lens.append(pad)
+    positions = [p for n in seq_lens for p in range(n)]
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "seq_lens": seq_lens}

@@ -514,3 +514,72 @@ def _builder_of_files(data_files: str | list[str] | None) -> str | None:
     files = [data_files] if isinstance(data_files, str) else list(data_files or [])
     builders = {builder_for(f) for f in files}
     return builders.pop() if len(builders) == 1 else None
+
+
+# ------------------------------------------------------------------------------------------ streaming
+
+
+def load_stream(entry: Any, *, entry_label: str = "data.datasets[0]") -> datasets.IterableDataset:
+    """The rows of ``entry`` as a datasets IterableDataset (data.streaming): read as they are consumed,
+    from the same places as `load_source` (local files and folders of them, save_to_disk folders, Hub
+    ids, fsspec URLs). A folder of files or a saved dataset gives several shards (one per file or
+    Arrow file), which is what lets each process read its own files (split_dataset_by_node)."""
+    path, label = entry.path, entry_label
+    local = Path(path).expanduser()
+    if not is_url(path) and local.exists():
+        if local.is_dir() and any((local / name).exists() for name in SAVED_DATASET_FILES):
+            saved = _from_disk(str(local), entry, label)
+            return saved.to_iterable_dataset(num_shards=max(1, len(saved.cache_files)))
+        if local.is_dir():
+            _check_has_data_files(local, entry, label)
+            builder = entry.ds_type or _builder_of_files(entry.data_files)
+            if builder:
+                return _stream_dataset(
+                    builder, entry, label, data_dir=str(local), data_files=entry.data_files
+                )
+            return _stream_dataset(str(local), entry, label)
+        builder = entry.ds_type or builder_for(str(local))
+        if builder is None:
+            raise DataError(
+                f"{label}: can't tell the format of {local} from its extension; set {label}.ds_type to one of "
+                "json, csv, parquet, arrow, text"
+            )
+        return _stream_dataset(builder, entry, label, data_files=str(local))
+    if looks_local(path) and not is_url(path):
+        raise DataError(
+            f"{label}: {path!r} does not exist (resolved to {os.path.abspath(os.path.expanduser(path))}). "
+            f"Check {label}.path; relative paths are taken from the current directory."
+        )
+    if is_url(path):
+        files = [entry.data_files] if isinstance(entry.data_files, str) else list(entry.data_files or [])
+        data_files: Any = [f"{path.rstrip('/')}/{f}" for f in files] if files else path
+        builder = entry.ds_type or (_builder_of_files(files) if files else builder_for(path))
+        if builder is None:  # a save_to_disk folder on remote storage
+            saved = _from_disk(path, entry, label)
+            return saved.to_iterable_dataset(num_shards=max(1, len(saved.cache_files)))
+        return _stream_dataset(builder, entry, label, data_files=data_files)
+    kwargs = {"name": entry.name, "data_files": entry.data_files, "revision": entry.revision}
+    return _stream_dataset(path, entry, label, **kwargs)
+
+
+def _stream_dataset(path_or_builder: str, entry: Any, label: str, **kwargs: Any) -> datasets.IterableDataset:
+    """``load_dataset(..., streaming=True)`` with its failures explained (nothing is read yet: damaged
+    rows surface while the stream is read, finetune.data.streaming)."""
+    kwargs |= _builder_kwargs(path_or_builder, kwargs.get("data_files"))
+    try:
+        return datasets.load_dataset(path_or_builder, split=entry.split, streaming=True, **kwargs)
+    except FileNotFoundError as e:
+        raise DataError(
+            f"{label}: file not found for {entry.path!r}: {e}. Check {label}.path and data_files."
+        ) from e
+    except ValueError as e:
+        if "Unknown split" in str(e) or "Bad split" in str(e):
+            raise DataError(
+                f"{label} ({entry.path}): split {entry.split!r} does not exist: {e} Set {label}.split."
+            ) from e
+        raise DataError(f"{label}: cannot stream {entry.path!r}: {e}") from e
+    except ConnectionError as e:
+        raise DataError(
+            f"{label}: {entry.path!r} is not a local path, and the Hugging Face Hub could not be reached to "
+            f"stream it as a dataset id ({e}). Fix the path, or check the network and HF_ENDPOINT / HF_HUB_OFFLINE."
+        ) from e

@@ -376,6 +376,76 @@ def _damaged(mark: str) -> BadRow:
     return BadRow("", reason, detail)
 
 
+def bad_row_error(label: str, entry: Any, row: int, drop: str, field: str, detail: str) -> DataError:
+    """The error for a bad row (dataset, row, field, what is wrong, and how to fix or skip it)."""
+    where = f"field {field!r}: " if field else ""
+    fix = (
+        "Fix the data (or the field mappings of this entry), or set data.on_bad_row: skip to drop "
+        "such rows (they are counted in the manifest, or with data.streaming in progress.jsonl)."
+    )
+    if drop == f"bad_row:{TEMPLATE_WITHOUT_TOOLS}":
+        fix = "Every row with tools would lose them: use a chat template that renders tools."
+    if drop == f"bad_row:{images.IMAGES_NEED_VLM}":
+        fix = "Every row with images would lose them."
+    return DataError(f"{label} ({entry.path}): row {row}: {where}{detail}. {fix}")
+
+
+def too_long_error(label: str, entry: Any, row: int, num_tokens: int, limit: int) -> DataError:
+    """The error for a row longer than the limit under excess_length_strategy: raise."""
+    where = f"{label}.max_seq_len" if entry.max_seq_len else "data.sequence_len"
+    return DataError(
+        f"{label} ({entry.path}): row {row} is {num_tokens} tokens, longer than "
+        f"the limit of {limit} ({where}). Options: raise {where}, or set data.excess_length_strategy "
+        "to drop (skip such rows, counted) or truncate (cut them to the limit)."
+    )
+
+
+# ------------------------------------------------------------------------------------------ streaming
+
+
+def tokenize_stream(
+    ds: datasets.IterableDataset,
+    entry: Any,
+    tokenizer: Any,
+    *,
+    sequence_len: int,
+    excess_length_strategy: str,
+    chat_template: str | None = None,
+    entry_label: str = "data.datasets[0]",
+) -> datasets.IterableDataset:
+    """``ds`` tokenized on the fly (data.streaming) by the same batch function as `tokenize_dataset`,
+    so a streamed example is token-identical to a prepared one. Rows are not filtered here: every
+    row keeps its ``_drop`` reason (and ``_field``, ``_detail``, ``_num_tokens``) for the stream's
+    accounting (finetune.data.streaming), which raises or counts them as data.on_bad_row says.
+    """
+    fmt = format_of(entry)
+    # A streamed JSON source knows its columns only once a row is read: datasets' _resolve_features
+    # reads the first one (no public call does), so a missing column fails here, before training.
+    if ds.features is None:
+        ds = ds._resolve_features()
+    formats.check_columns(entry, ds.column_names, features=ds.features, entry_label=entry_label)
+    renders_chat = fmt.renders_chat(entry, ds.features)
+    enc = _encoder(entry, fmt, tokenizer, chat_template, entry_label, chat=renders_chat)
+    features = _features(fmt)
+    fn = functools.partial(
+        _tokenize_batch,
+        fmt=fmt,
+        entry=entry,
+        enc=enc,
+        features=features,
+        limit=entry.max_seq_len or sequence_len,
+        strategy=excess_length_strategy,
+    )
+    return ds.map(
+        fn,
+        batched=True,
+        batch_size=BATCH_SIZE,
+        with_indices=True,
+        remove_columns=ds.column_names,
+        features=features,
+    )
+
+
 # ---------------------------------------------------------------------------------------- accounting
 
 
@@ -408,24 +478,10 @@ def _account(
     source = table.column("source_row")
     if first_bad is not None and (first_long is None or first_bad < first_long):
         row = out[first_bad]
-        where = f"field {row['_field']!r}: " if row["_field"] else ""
-        fix = (
-            "Fix the data (or the field mappings of this entry), or set data.on_bad_row: skip to drop "
-            "such rows (they are counted in the manifest)."
-        )
-        if drop[first_bad] == f"bad_row:{TEMPLATE_WITHOUT_TOOLS}":
-            fix = "Every row with tools would lose them: use a chat template that renders tools."
-        if drop[first_bad] == f"bad_row:{images.IMAGES_NEED_VLM}":
-            fix = "Every row with images would lose them."
-        raise DataError(f"{label} ({entry.path}): row {row['source_row']}: {where}{row['_detail']}. {fix}")
+        raise bad_row_error(label, entry, row["source_row"], row["_drop"], row["_field"], row["_detail"])
     if first_long is not None:
         num_tokens = table.column("_num_tokens")[first_long].as_py()
-        where = f"{label}.max_seq_len" if entry.max_seq_len else "data.sequence_len"
-        raise DataError(
-            f"{label} ({entry.path}): row {source[first_long].as_py()} is {num_tokens} tokens, longer than "
-            f"the limit of {limit} ({where}). Options: raise {where}, or set data.excess_length_strategy "
-            "to drop (skip such rows, counted) or truncate (cut them to the limit)."
-        )
+        raise too_long_error(label, entry, source[first_long].as_py(), num_tokens, limit)
     samples = [
         {
             "dataset": label,

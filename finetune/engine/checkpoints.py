@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from finetune.checkpoint import find_checkpoint, load_train_state, save_checkpoint
-from finetune.engine.extra_state import load_extra, save_extra
+from finetune.engine.extra_state import collect_states, load_extra, save_extra
 from finetune.engine.lifecycle import extend_schedule
 from finetune.engine.state import LoopState
 from finetune.metrics import ProgressLog
@@ -29,6 +29,7 @@ def checkpoint(run) -> Path:
     every_save."""
     check_finite_weights(run, f"checkpoint step-{run.state.step}")
     state = dataclasses.asdict(run.state)
+    extra = collect_states(run.extra_state)  # on every process: a state may gather from all of them
     path = save_checkpoint(
         run.accelerator,
         run.output_dir,
@@ -36,7 +37,7 @@ def checkpoint(run) -> Path:
         {"state": state, "total_steps": run.total_steps},
         dump_yaml(run.recipe_dict),
         total_limit=run.train.save_total_limit,
-        write_extra=lambda folder: save_extra(run.extra_state, folder),
+        write_extra=lambda folder: save_extra(run.extra_state, folder, states=extra),
     )
     run.accelerator.print(f"checkpoint saved: {path}")
     if run.hub.model_id and run.hub.strategy == "every_save" and run.accelerator.is_main_process:

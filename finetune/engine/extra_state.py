@@ -53,15 +53,22 @@ def unflatten(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return value
 
 
-def save_extra(objects: dict[str, Any], folder: Path) -> None:
-    """Write the state_dict of every object under its name."""
+def collect_states(objects: dict[str, Any]) -> dict[str, Any]:
+    """The state_dict of every object, taken on every process: a state may gather from all of them
+    (a data stream's position, finetune.data.streaming), while only the main process writes."""
+    return {name: obj.state_dict() for name, obj in objects.items()}
+
+
+def save_extra(objects: dict[str, Any], folder: Path, *, states: dict[str, Any] | None = None) -> None:
+    """Write the state_dict of every object under its name (`states`: taken already by collect_states)."""
     from safetensors.torch import save_file
 
     if not objects:
         return
+    states = states if states is not None else collect_states(objects)
     plain, tensors = {}, {}
-    for name, obj in objects.items():
-        plain[name], found = flatten(obj.state_dict(), name)
+    for name in objects:
+        plain[name], found = flatten(states[name], name)
         tensors.update(found)
     save_file(tensors, str(folder / TENSORS_FILE))
     (folder / JSON_FILE).write_text(json.dumps(plain))

@@ -272,11 +272,14 @@ def train_loop(run: Run, log: ProgressLog) -> None:
     run.model.train()
     optimizer_mode(run, "train")
     while st.step < run.total_steps and run.stop_reason is None:
-        # The order of an epoch depends only on (seed, epoch): resume needs no sampler state.
-        run.train_loader.batch_sampler.set_epoch(st.epoch)
         loader = run.train_loader
-        if st.micro_step_in_epoch:
-            loader = acc.skip_first_batches(run.train_loader, st.micro_step_in_epoch)
+        if getattr(loader, "resumes_itself", False):
+            pass  # a data stream: its position is in the checkpoint's extra state, nothing to skip
+        else:
+            # The order of an epoch depends only on (seed, epoch): resume needs no sampler state.
+            run.train_loader.batch_sampler.set_epoch(st.epoch)
+            if st.micro_step_in_epoch:
+                loader = acc.skip_first_batches(run.train_loader, st.micro_step_in_epoch)
         batches = iter(loader)
         epoch_done = False
         while st.step < run.total_steps:

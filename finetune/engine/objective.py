@@ -16,7 +16,9 @@ class Parts:
     `model` is not yet prepared (the engine builds the optimizer and schedule from it, then runs
     `accelerator.prepare`); `train_loader` yields this process's micro-batches, its batch sampler has
     `set_epoch(epoch)` and gives every process the same number of batches (it is not passed through
-    `accelerator.prepare`; the engine moves batches to the device).
+    `accelerator.prepare`; the engine moves batches to the device). A loader with `resumes_itself`
+    (a data stream) restores its own position on resume from the extra state the objective
+    registered (`on_prepared`), instead of the engine skipping the batches already trained on.
     """
 
     model: torch.nn.Module

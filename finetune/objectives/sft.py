@@ -35,6 +35,7 @@ class SFTObjective:
         lm.start(self, recipe)
         self.loss_chunk_size = 0  # tokens per chunk of the head's loss; 0 = full logits
         self.processor = None  # a vision-language model's (model.kind vlm): its collator processes the images
+        self.stream = None  # the StreamLoader of a data.streaming run
 
     # ----------------------------------------------------------------------------------- build
 
@@ -47,6 +48,8 @@ class SFTObjective:
         if self.model_settings.kind == "vlm":
             self.processor = load_processor(self.model_settings)
         self.tokenizer = self.processor.tokenizer if self.processor else load_tokenizer(self.model_settings)
+        if self.data.streaming:  # nothing prepared: rows are read, tokenized and packed as training goes
+            return self._build_streaming(accelerator)
         # One process per machine builds the prepared dataset; the others wait, however long it takes,
         # then load it from the cache.
         prepared = prepare_on_main_process(self.recipe, accelerator)
@@ -90,6 +93,31 @@ class SFTObjective:
             loraplus_lr_ratio=self.lora.loraplus_lr_ratio,
         )
 
+    def _build_streaming(self, accelerator) -> Parts:
+        """data.streaming: the stream loader (its position checkpointed, see on_prepared), no eval split."""
+        from finetune.data.streaming import make_stream_loader
+
+        self.stream = make_stream_loader(
+            self.data,
+            self.train,
+            self.tokenizer,
+            chat_template=self.model_settings.resolved_chat_template,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+        )
+        self.manifest = {"kind": "sft", "streaming": True}
+        model, self.flops = lm.build_lm(
+            self.model_settings, self.lora, self.train, self.tokenizer, accelerator
+        )
+        self.loss_chunk_size = self._chunk_size(model, accelerator)
+        lm.finish_build(self, accelerator, held_out=False)
+        return Parts(
+            model=model,
+            train_loader=self.stream,
+            manifest=self.manifest,
+            loraplus_lr_ratio=self.lora.loraplus_lr_ratio,
+        )
+
     def _chunk_size(self, model, accelerator) -> int:
         """train.loss_chunk_size resolved for this model (auto: on for large vocab x tokens)."""
         from finetune.losses.chunked_ce import fused_linear_backend, resolve_loss_chunk_size
@@ -122,7 +150,8 @@ class SFTObjective:
         if self.eval_loader is not None:
             # Sharded by Accelerate, after the model: DeepSpeed wants that order.
             self.eval_loader = accelerator.prepare(self.eval_loader)
-        return None  # no state besides the model's, the optimizer's and the schedule's
+        # No state besides the model's, the optimizer's and the schedule's; a stream's position.
+        return {"data_stream": self.stream} if self.stream is not None else None
 
     def after_update(self, model) -> None:
         """Nothing to do after an applied update."""
@@ -150,7 +179,7 @@ class SFTObjective:
         """
         fields = lm.throughput_fields(self.accelerator, self.flops, interval, elapsed, totals)
         trainable = interval.get("units", 0)
-        return {
+        out = {
             "tokens_per_sec": fields["tokens_per_sec"],
             "tokens_per_sec_total": fields["tokens_per_sec_total"],
             "trainable_tokens": trainable,
@@ -158,6 +187,9 @@ class SFTObjective:
             "tflops_per_device": fields["tflops_per_device"],
             "mfu": fields["mfu"],
         }
+        if self.stream is not None:
+            out |= stream_fields(self.stream, self.accelerator)
+        return out
 
     # ------------------------------------------------------------------------------------ eval
 
@@ -220,3 +252,33 @@ def loader(data, train, dataset, tokenizer, *, training: bool = True, accelerato
         accelerator=accelerator,
         **options,
     )
+
+
+def stream_fields(stream, accelerator) -> dict:
+    """The stream's row accounting for progress.jsonl (all processes' rows; a collective in a
+    multi-process run): rows read, kept, truncated, dropped by reason, the pass, packing efficiency."""
+    counts = stream.counts()
+    local = {"rows_in": counts.rows_in, "rows_kept": counts.rows_kept, "truncated": counts.truncated}
+    local |= {"dropped": dict(counts.dropped), "epoch": stream.position.epoch}
+    local["packed"] = stream.position.packer_counts
+    every = [local]
+    if accelerator.num_processes > 1:
+        import torch.distributed as dist
+
+        every = [None] * accelerator.num_processes
+        dist.all_gather_object(every, local)
+    dropped: dict[str, int] = {}
+    for part in every:
+        for reason, n in part["dropped"].items():
+            dropped[reason] = dropped.get(reason, 0) + n
+    rows, tokens = (sum(p["packed"][k] for p in every) for k in (0, 1))
+    capacity = stream.reader.capacity
+    return {
+        "stream_rows_in": sum(p["rows_in"] for p in every),
+        "stream_rows_kept": sum(p["rows_kept"] for p in every),
+        "stream_rows_truncated": sum(p["truncated"] for p in every),
+        "stream_rows_dropped": sum(dropped.values()),
+        "stream_dropped": dict(sorted(dropped.items())),
+        "stream_pass": max(p["epoch"] for p in every),
+        "stream_packing_efficiency": round(tokens / (rows * capacity), 6) if rows else 0.0,
+    }

@@ -110,7 +110,26 @@ class DataSection(_Section):
         "own size policy then applies); null = as they are.",
         **FIXED_ON_RESUME,
     )
-    dataloader_num_workers: int = Field(2, ge=0, description="DataLoader worker processes.")
+    streaming: bool = Field(
+        False,
+        description="Read, tokenize and pack the training rows on the fly (datasets' IterableDataset) instead "
+        "of preparing them: for corpora too large to prepare. Needs train.max_steps; SFT only; the stream's "
+        "position is checkpointed (docs/data.md, Streaming).",
+        **FIXED_ON_RESUME,
+    )
+    stream_buffer_size: int = Field(
+        1000,
+        ge=1,
+        description="With data.streaming: examples held in the packing buffer (best-fit within the buffer, "
+        "its pending examples checkpointed); larger packs better and holds more in memory.",
+        **FIXED_ON_RESUME,
+    )
+    dataloader_num_workers: int = Field(
+        2,
+        ge=0,
+        description="DataLoader worker processes (with data.streaming: 0 reads the stream in the training "
+        "thread, more in one background thread).",
+    )
     dataloader_prefetch_factor: int | None = Field(
         None,
         ge=1,

@@ -2,7 +2,7 @@
 
 A field's own default lives on the field. Some defaults depend on what else the recipe says (QLoRA
 implies LoRA; a vision-language recipe implies unpacked rows; a diffusion recipe implies LoRA on the attention projections and a `diffusion`
-section with every default). They are written into the raw mapping here, only where the user wrote
+section with every default; a stream does not shuffle). They are written into the raw mapping here, only where the user wrote
 nothing, so validators only check and never change a value; the filled-in values show in
 recipe.resolved.yaml, and a contrary value the user did write is reported by the section's rules.
 
@@ -29,6 +29,11 @@ def resolve_defaults(data: dict[str, Any]) -> dict[str, Any]:
     lora = data.get("lora")
     if isinstance(lora, dict) and lora.get("enable_qlora") is True:
         lora.setdefault("enable_lora", True)
+    stream = data.get("data")
+    if isinstance(stream, dict) and stream.get("streaming") is True:
+        # A stream is read in its shards' order (datasets' shuffle buffer does not resume exactly).
+        stream.setdefault("shuffle_merged_datasets", False)
+        stream.setdefault("shuffle_before_merging_datasets", False)
     model = data.get("model")
     if isinstance(model, dict) and model.get("kind") == "vlm" and isinstance(data.get("data"), dict):
         # Rows with images are not packed (finetune.recipe.schema.VLM_NO_PACKING says why).

@@ -17,6 +17,7 @@ from finetune.recipe.lora import DATA_DRIVEN, LoraSection, modifies_base
 from finetune.recipe.model import ModelSection
 from finetune.recipe.objectives import OBJECTIVES, describe, objective_settings, readers, trained_on
 from finetune.recipe.preference import PreferenceSection
+from finetune.recipe.streaming import streaming_problems
 from finetune.recipe.train import TrainSection
 
 # Fields whose behaviour has not landed yet: a non-default value is rejected with this reason, so
@@ -122,6 +123,7 @@ class Recipe(_Section):
         problems += online_problems(self, ok)
         problems += data_init_problems(self, ok)
         problems += residual_reference_problems(self, ok)
+        problems += streaming_problems(self, ok)
         if ok("model.torch_dtype", "train.mixed_precision", "lora.enable_lora", "lora.enable_qlora"):
             problems += _precision_problems(self.model.torch_dtype, self.train.mixed_precision, self.lora)
         if ok("hub.strategy", "hub.model_id") and self.hub.strategy == "every_save" and not self.hub.model_id:
