@@ -341,7 +341,6 @@ def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict
     it."""
     from accelerate.utils import DistributedType
 
-    from finetune.model import adapter_save_kwargs, init_modifies_base, save_converted_adapter
     from finetune.model_card import write_model_card
 
     unwrapped = accelerator.unwrap_model(model)
@@ -353,31 +352,38 @@ def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict
     merge = lora.enable_lora and not lora.save_lora_only
     if merge and sharded:
         _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir)
-    else:
-        if merge:
-            unwrapped = unwrapped.merge_and_unload()
-        if not merge and init_modifies_base(unwrapped):
-            # PiSSA / OLoRA / CorDA trained against a residual base: saved as plain LoRA for the original one.
-            save_converted_adapter(
-                unwrapped,
-                output_dir,
-                initial=output_dir / INITIAL_ADAPTER,
-                is_main_process=accelerator.is_main_process,
-                state_dict=state_dict,
-                **adapter_save_kwargs(unwrapped),
-            )
-        else:
-            unwrapped.save_pretrained(
-                output_dir,
-                state_dict=state_dict,
-                is_main_process=accelerator.is_main_process,
-                save_function=accelerator.save,
-                safe_serialization=True,
-                **adapter_save_kwargs(unwrapped),
-            )
+    elif merge:
+        unwrapped.merge_and_unload().save_pretrained(
+            output_dir,
+            state_dict=state_dict,
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+            safe_serialization=True,
+        )
+    else:  # the adapter, or a fully fine-tuned model
+        _save_adapter(accelerator, unwrapped, output_dir, state_dict, output_dir / INITIAL_ADAPTER)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)  # a vision-language model's processor saves its tokenizer too
         write_model_card(output_dir, **card)
+
+
+def _save_adapter(accelerator, unwrapped, folder: Path, state_dict, initial: Path) -> None:
+    """Save the PEFT model's adapter into `folder` (every process calls it; the main one writes). An
+    adapter trained against a residual base (PiSSA / OLoRA / CorDA) is saved converted to plain LoRA
+    for the original base, against its `initial` adapter."""
+    from finetune.model import adapter_save_kwargs, init_modifies_base, save_converted_adapter
+
+    common = {"state_dict": state_dict, "is_main_process": accelerator.is_main_process}
+    if init_modifies_base(unwrapped):
+        save_converted_adapter(unwrapped, folder, initial=initial, **common, **adapter_save_kwargs(unwrapped))
+    else:
+        unwrapped.save_pretrained(
+            folder,
+            save_function=accelerator.save,
+            safe_serialization=True,
+            **common,
+            **adapter_save_kwargs(unwrapped),
+        )
 
 
 def _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir: Path) -> None:
@@ -385,27 +391,12 @@ def _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir: Pa
     weights on the main process (the same code as `finetune merge-lora`)."""
     from accelerate.utils import DistributedType
 
-    from finetune.model import adapter_save_kwargs, init_modifies_base, merge_lora, save_converted_adapter
+    from finetune.model import merge_lora
 
     adapter_dir = output_dir / ".adapter-to-merge"
     try:
-        if init_modifies_base(unwrapped):  # merged below into the original base: plain LoRA for it
-            save_converted_adapter(
-                unwrapped,
-                adapter_dir,
-                initial=output_dir / INITIAL_ADAPTER,
-                is_main_process=accelerator.is_main_process,
-                state_dict=state_dict,
-                **adapter_save_kwargs(unwrapped),
-            )
-        else:
-            unwrapped.save_pretrained(
-                adapter_dir,
-                state_dict=state_dict,
-                is_main_process=accelerator.is_main_process,
-                safe_serialization=True,
-                **adapter_save_kwargs(unwrapped),
-            )
+        # Merged below into the original base: a PiSSA/OLoRA/CorDA adapter is saved as plain LoRA for it.
+        _save_adapter(accelerator, unwrapped, adapter_dir, state_dict, output_dir / INITIAL_ADAPTER)
         if accelerator.is_main_process:
             tokenizer.save_pretrained(adapter_dir)  # its length sizes the embeddings
             if accelerator.distributed_type == DistributedType.DEEPSPEED:
