@@ -589,14 +589,14 @@ def load_for_inference(
 def _refuse_vision_language(local: Path) -> None:
     """A vision-language run (model.kind vlm) cannot be loaded as a causal LM for text generation: say
     so, instead of transformers' "unrecognized configuration class" from deep inside the loading."""
-    config = local / "config.json"
-    if (local / ADAPTER_CONFIG).is_file():
-        base = json.loads((local / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or ""
-        config = Path(base).expanduser() / "config.json"
     try:
+        config = local / "config.json"
+        if (local / ADAPTER_CONFIG).is_file():
+            base = json.loads((local / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or ""
+            config = Path(base).expanduser() / "config.json"
         vision = "vision_config" in json.loads(config.read_text())
-    except (OSError, ValueError):
-        return  # not a local folder with a config: the loading says what is wrong
+    except (OSError, ValueError, AttributeError, TypeError):
+        return  # not a local folder with a readable config: the loading checks say what is wrong
     if vision:
         raise FinetuneError(
             f"{local} is a vision-language model (its config has a vision_config): finetune chat, eval and "
