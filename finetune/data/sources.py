@@ -128,6 +128,7 @@ def _load_local(
 
 def _load_url(entry: Any, num_proc: int | None, label: str) -> datasets.Dataset:
     url = entry.path
+    check_filesystem(url, label)
     if entry.data_files:
         files = [entry.data_files] if isinstance(entry.data_files, str) else list(entry.data_files)
         data_files: str | list[str] = [f"{url.rstrip('/')}/{f}" for f in files]
@@ -138,6 +139,42 @@ def _load_url(entry: Any, num_proc: int | None, label: str) -> datasets.Dataset:
         # Not a data file by its name: a dataset written with save_to_disk to remote storage.
         return _from_disk(url, entry, label)
     return _load_dataset(builder, entry, label, None, num_proc=num_proc, data_files=data_files)
+
+
+# fsspec imports a URL scheme's filesystem from another package, and only when such a URL is read.
+FILESYSTEM_PACKAGES = {
+    "http": "aiohttp",
+    "https": "aiohttp",
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+}
+
+
+def check_filesystem(url: str, label: str) -> None:
+    """Before an fsspec URL is read: its scheme's filesystem can be imported, else a DataError naming
+    the package to install (rather than fsspec's ImportError from deep inside datasets' loading)."""
+    import fsspec
+
+    scheme = url.split("://", 1)[0].lower()
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ImportError as e:
+        package = FILESYSTEM_PACKAGES.get(scheme, f"fsspec's {scheme} implementation")
+        extra = " (or pip install 'finetune[remote]')" if package == "aiohttp" else ""
+        raise DataError(
+            f"{label}: reading {url!r} needs fsspec's {scheme}:// filesystem, which is not installed ({e}): "
+            f"pip install {package}{extra}"
+        ) from None
+    except ValueError:
+        raise DataError(
+            f"{label}: {url!r} has a URL scheme fsspec does not know ({scheme}://); use a local path, a Hub "
+            "dataset id, or an https://, s3://, gs:// URL"
+        ) from None
 
 
 def _load_hub(entry: Any, num_proc: int | None, label: str) -> datasets.Dataset:
@@ -551,6 +588,7 @@ def load_stream(entry: Any, *, entry_label: str = "data.datasets[0]") -> dataset
             f"Check {label}.path; relative paths are taken from the current directory."
         )
     if is_url(path):
+        check_filesystem(path, label)
         files = [entry.data_files] if isinstance(entry.data_files, str) else list(entry.data_files or [])
         data_files: Any = [f"{path.rstrip('/')}/{f}" for f in files] if files else path
         builder = entry.ds_type or (_builder_of_files(files) if files else builder_for(path))

@@ -368,3 +368,41 @@ def test_every_row_damaged_is_an_error_in_skip_mode(tmp_path: Path) -> None:
     path.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(DataError, match="every row is damaged, nothing to load"):
         load_source(entry(path), on_bad_row="skip")
+
+
+def test_a_url_whose_filesystem_is_not_installed_names_the_package(monkeypatch):
+    """fsspec imports a scheme's filesystem (aiohttp for https, s3fs, gcsfs) only when a URL is read:
+    a missing one is a DataError naming the package, before datasets starts loading."""
+    import fsspec
+
+    from finetune.data.sources import check_filesystem
+
+    def missing(scheme):
+        raise ImportError(f"{scheme} filesystem requires another package")
+
+    monkeypatch.setattr(fsspec, "get_filesystem_class", missing)
+    for url, package in (("https://example.org/a.jsonl", "aiohttp"), ("s3://bucket/a.jsonl", "s3fs")):
+        with pytest.raises(DataError, match=rf"data.datasets\[0\]: reading .* pip install {package}"):
+            check_filesystem(url, "data.datasets[0]")
+    monkeypatch.undo()
+    with pytest.raises(DataError, match="URL scheme fsspec does not know"):
+        check_filesystem("nope://x/a.jsonl", "data.datasets[0]")
+
+
+def test_a_prepared_entry_reads_an_http_url(tmp_path):
+    """data.datasets[].path at an http:// URL loads the rows the served file holds."""
+    import functools
+    import http.server
+    import threading
+
+    rows = [{"text": f"row {i}"} for i in range(7)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/rows.jsonl"
+        assert load_source(dataset_entry(path=url, type="completion")).to_list() == rows
+    finally:
+        server.shutdown()

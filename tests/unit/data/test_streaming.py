@@ -351,3 +351,55 @@ def test_weights_set_the_shares_of_the_mix(shards, tok, tmp_path):
     stream = open_stream(data, tok, chat_template=None, seed=0, rank=0, world_size=1)
     first = [r["_entry"] for _, r in zip(range(200), stream, strict=False)]
     assert 0.65 < first.count(0) / 200 < 0.85
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+def test_parquet_and_arrow_shards_stream_as_jsonl_does(tmp_path, tok, kind):
+    """The same rows in parquet or arrow (IPC stream) shards give the same batches as jsonl shards."""
+    import datasets
+    import pyarrow as pa
+
+    rows = [json.loads(line) for line in DEMO_DATA.read_text().splitlines()[:120]]
+    (tmp_path / "jsonl").mkdir()
+    (tmp_path / kind).mkdir()
+    for k in range(2):
+        part = rows[k * 60 : (k + 1) * 60]
+        (tmp_path / "jsonl" / f"part-{k}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+        table = datasets.Dataset.from_list(part).data.table
+        if kind == "parquet":
+            datasets.Dataset(table).to_parquet(str(tmp_path / kind / f"part-{k}.parquet"))
+        else:
+            with pa.OSFile(str(tmp_path / kind / f"part-{k}.arrow"), "wb") as sink:
+                with pa.ipc.new_stream(sink, table.schema) as writer:
+                    writer.write_table(table)
+
+    def first(folder: Path) -> list:
+        data, train = settings(folder, dataloader_num_workers=0)
+        return [sequences(b) for b in batches(make_stream_loader(data, train, tok, chat_template=None), 6)]
+
+    expected = first(tmp_path / "jsonl")
+    assert expected and first(tmp_path / kind) == expected
+
+
+def test_a_url_streams_as_the_local_file_does(tmp_path, tok):
+    """An http(s) URL (fsspec) is read as a stream: the same batches as the local file it serves."""
+    import functools
+    import http.server
+    import threading
+
+    rows = [json.loads(line) for line in DEMO_DATA.read_text().splitlines()[:80]]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+
+        def first(path) -> list:
+            data, train = settings(path, dataloader_num_workers=0)
+            return [sequences(b) for b in batches(make_stream_loader(data, train, tok, chat_template=None), 4)]
+
+        url = f"http://127.0.0.1:{server.server_address[1]}/rows.jsonl"
+        assert first(url) == first(tmp_path / "rows.jsonl")
+    finally:
+        server.shutdown()
