@@ -590,13 +590,13 @@ def is_vision_language(local: Path) -> bool:
     """Whether `local` is a vision-language model folder (its config has a vision_config), or an adapter
     folder whose recorded base is one; False for anything that is not a local folder with a config."""
     config = local / "config.json"
-    if (local / ADAPTER_CONFIG).is_file():
-        base = json.loads((local / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or ""
-        config = Path(base).expanduser() / "config.json"
     try:
+        if (local / ADAPTER_CONFIG).is_file():
+            base = json.loads((local / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or ""
+            config = Path(base).expanduser() / "config.json"
         return "vision_config" in json.loads(config.read_text())
-    except (OSError, ValueError):
-        return False  # not a local folder with a config: the loading says what is wrong
+    except (OSError, ValueError, AttributeError):
+        return False  # not a local folder with a readable config: the loading says what is wrong
 
 
 def _refuse_vision_language(local: Path) -> None:
