@@ -1,8 +1,9 @@
 """The tiny vision-language demo (recipes/demo/tiny_vlm_cpu.yaml) through `accelerate launch finetune/train.py`:
 it trains, saves a model that loads with its processor, and uses the pixels: on the held-out rows, the loss
 with the right images is clearly below the loss with the images shuffled across rows. Resumed from a
-checkpoint in the last epoch (into another output_dir), it gives the same losses step for step; and
-`finetune chat --image` on the trained model names the colour of a held-out picture."""
+checkpoint in the last epoch (into another output_dir), it gives the same losses step for step;
+`finetune chat --image` on the trained model answers with colours from held-out pictures, `finetune eval`
+gives the run's held-out loss, and 2-process DDP gives the losses of one process."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from finetune.data.vision import collate_vlm
 from finetune.losses.causal_lm import token_loss_sums
-from tests.integration._run import REPO, accelerate_cmd, cli, progress, run, step_losses
+from tests.integration._run import REPO, accelerate_cmd, cli, progress, run, step_grad_norms, step_losses
 
 pytestmark = pytest.mark.slow
 RECIPE = REPO / "recipes" / "demo" / "tiny_vlm_cpu.yaml"
@@ -143,3 +144,22 @@ def test_eval_scores_the_held_out_loss_of_the_trained_vlm(trained):
     assert (
         "eval.generation_sets" in refused.stderr and "not run with vision-language models" in refused.stderr
     )
+
+
+def test_two_process_ddp_matches_one_process(trained):
+    """DDP on 2 gloo processes (finetune train --accelerate-config multi_cpu, torchrun) of the VLM demo:
+    each process collates its own rows' pixels; the same global batches give the same losses and
+    gradient norms as one process, up to float summation order."""
+    common = ("--data.dataset_prepared_path", str(trained / "prepared"), "--train.max_steps", "4",
+              "--train.log_steps", "1", "--train.eval_steps", "null", "--train.save_epochs", "0",
+              "--train.save_hf_weights", "false")  # fmt: skip
+    ddp = cli("train", str(RECIPE), *common, "--accelerate-config", "multi_cpu", "--train.micro_batch_size", "8",
+              "--train.output_dir", str(trained / "ddp"), timeout=600)  # fmt: skip
+    assert ddp.returncode == 0, ddp.stdout[-2000:] + ddp.stderr[-4000:]
+    single = cli("train", str(RECIPE), *common, "--train.output_dir", str(trained / "single"), timeout=600)
+    assert single.returncode == 0, single.stderr[-4000:]
+    ddp_log, single_log = progress(trained / "ddp"), progress(trained / "single")
+    assert sorted(step_losses(ddp_log)) == [1, 2, 3, 4]
+    for measure in (step_losses, step_grad_norms):
+        a, b = measure(ddp_log), measure(single_log)
+        assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-6) for k in a), (a, b)
