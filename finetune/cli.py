@@ -143,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="most tokens an answer has (512)",
     )
     talk.add_argument("--base", help="the adapter's base model, when it moved since training")
+    talk.add_argument(
+        "--image",
+        action="append",
+        metavar="PATH",
+        help="an image for the first message (repeatable; vision-language models only). "
+        "In a conversation, /image PATH attaches one to the next message",
+    )
 
     checkpoints = sub.add_parser(
         "checkpoints",
@@ -351,6 +358,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
             prompt=args.prompt,
             system=args.system,
             max_new_tokens=args.max_new_tokens,
+            images=args.image,
         )
     if args.command == "checkpoints":
         if overrides:

@@ -586,23 +586,67 @@ def load_for_inference(
     return net.eval(), tokenizer
 
 
-def _refuse_vision_language(local: Path) -> None:
-    """A vision-language run (model.kind vlm) cannot be loaded as a causal LM for text generation: say
-    so, instead of transformers' "unrecognized configuration class" from deep inside the loading."""
+def is_vision_language(local: Path) -> bool:
+    """Whether `local` is a vision-language model folder (its config has a vision_config), or an adapter
+    folder whose recorded base is one; False for anything that is not a local folder with a config."""
+    config = local / "config.json"
     try:
-        config = local / "config.json"
         if (local / ADAPTER_CONFIG).is_file():
             base = json.loads((local / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or ""
             config = Path(base).expanduser() / "config.json"
-        vision = "vision_config" in json.loads(config.read_text())
-    except (OSError, ValueError, AttributeError, TypeError):
-        return  # not a local folder with a readable config: the loading checks say what is wrong
-    if vision:
+        return "vision_config" in json.loads(config.read_text())
+    except (OSError, ValueError, AttributeError):
+        return False  # not a local folder with a readable config: the loading says what is wrong
+
+
+def _refuse_vision_language(local: Path) -> None:
+    """A vision-language run (model.kind vlm) cannot be loaded as a causal LM for text generation: say
+    so, instead of transformers' "unrecognized configuration class" from deep inside the loading."""
+    if is_vision_language(local):
         raise FinetuneError(
-            f"{local} is a vision-language model (its config has a vision_config): finetune chat, eval and "
-            "export-gguf take text models only so far; its held-out loss is in the run's progress.jsonl "
-            "(eval_loss), and it loads with transformers' AutoModelForImageTextToText and AutoProcessor"
+            f"{local} is a vision-language model (its config has a vision_config): export-gguf and text "
+            "generation take text models only so far (finetune chat DIR --image PATH talks to it, finetune eval "
+            "with its recipe scores its held-out loss); it loads with transformers' "
+            "AutoModelForImageTextToText and AutoProcessor"
         )
+
+
+def load_vlm_for_inference(path: str, *, base: str | None = None, dtype: str = "auto"):
+    """(model, processor) in eval mode from what a vision-language run wrote: an adapter folder (on its
+    recorded base, or `base`) or a full model folder, loaded with AutoModelForImageTextToText; the
+    processor is the one saved with it (training saves it next to the weights), else the base's."""
+    from transformers import AutoModelForImageTextToText
+
+    local = Path(path).expanduser()
+    check_model_location(path)
+    adapter = (local / ADAPTER_CONFIG).is_file()
+    if adapter:
+        peft_config = check_adapter_folder(local)
+        source = base or peft_config.base_model_name_or_path
+    elif base is not None:
+        raise FinetuneError(f"{path}: a base model was given, but this is not an adapter folder")
+    else:
+        source = str(local)
+    check_saved_files(local)
+    fix = "Pass --base PATH if the base model moved." if adapter else "Point at a folder training wrote."
+    try:
+        net = AutoModelForImageTextToText.from_pretrained(source, dtype=_load_dtype(dtype))
+    except (OSError, ValueError) as exc:
+        raise FinetuneError(
+            f"{path}: could not load the vision-language model {source!r}: {_brief(exc)}. {fix}"
+        ) from None
+    own = any((local / name).is_file() for name in ("processor_config.json", "preprocessor_config.json"))
+    processor = vlm.auto_processor(str(local) if own else source)
+    if adapter:
+        from peft import PeftModel
+
+        try:
+            net = PeftModel.from_pretrained(net, local)
+        except (OSError, RuntimeError, ValueError, KeyError) as exc:
+            raise FinetuneError(
+                f"{local}: PEFT cannot load the adapter onto the base model {source}: {_brief(exc)}. {fix}"
+            ) from None
+    return net.eval(), processor
 
 
 def inference_device() -> torch.device:

@@ -1,13 +1,33 @@
 """`finetune chat DIR`: talk to a trained model (an adapter folder, a full model folder, a .gguf or
-package:// file), one answer with --prompt or an interactive conversation, streamed as generated."""
+package:// file), one answer with --prompt or an interactive conversation, streamed as generated.
+
+A vision-language model (model.kind vlm) also takes images: `--image PATH` (repeatable) for the
+first message, and `/image PATH` in a conversation to attach one to the next message. Each image
+is opened and checked as prepared training rows are (finetune.data.images) before it is used."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TextIO
 
+from finetune.errors import FinetuneError
+
 HELP = "Type a message and press Enter. /reset starts a new conversation, /exit (or Ctrl-D) quits."
+IMAGE_HELP = " /image PATH attaches an image to your next message."
+
+
+def open_image(path: str, flag: str = "--image"):
+    """The RGB PIL image at `path` (relative to the current folder), fully decoded; a FinetuneError
+    naming the path when it is missing or not a readable image."""
+    from finetune.data import images
+    from finetune.data.rows import BadRow
+
+    data = images.load_image(path, flag, Path.cwd(), None)
+    if isinstance(data, BadRow):
+        raise FinetuneError(f"{flag} {path}: {data.detail}. Give the path of a PNG, JPEG or other image file")
+    return images.decode(data)
 
 
 def chat(
@@ -19,19 +39,28 @@ def chat(
     max_new_tokens: int = 512,
     read: Callable[[str], str] = input,
     out: TextIO | None = None,
+    processor=None,
+    pictures: list[Any] | None = None,
 ) -> int:
     """One answer to `prompt`, or a conversation read line by line from `read` until /exit or EOF.
 
     The whole conversation so far is the prompt of each answer (rendered with the chat template, with
-    `system` as the system turn when given, else the template's default).
+    `system` as the system turn when given, else the template's default). With a vision-language
+    model's `processor`, `pictures` (PIL images) go with the first message, and `/image PATH` lines
+    attach images to the next one.
     """
+    from finetune.data.images import SENTINEL
     from finetune.generation.sampling import stream_chat
 
     out = out or sys.stdout  # looked up now: a default bound at import would keep a replaced stream
+    shown: list[Any] = []  # every image of the conversation so far, in order
 
     def answer(messages: list[dict[str, Any]]) -> str:
         pieces = []
-        for piece in stream_chat(model, tokenizer, messages, max_new_tokens=max_new_tokens):
+        stream = stream_chat(
+            model, tokenizer, messages, max_new_tokens=max_new_tokens, processor=processor, pictures=shown
+        )
+        for piece in stream:
             out.write(piece)
             out.flush()
             pieces.append(piece)
@@ -39,11 +68,16 @@ def chat(
         out.flush()
         return "".join(pieces).strip()
 
+    def user(text: str, attached: list[Any]) -> dict[str, Any]:
+        shown.extend(attached)
+        return {"role": "user", "content": SENTINEL * len(attached) + text}
+
     start = [{"role": "system", "content": system}] if system else []
+    pending = list(pictures or [])
     if prompt is not None:
-        answer([*start, {"role": "user", "content": prompt}])
+        answer([*start, user(prompt, pending)])
         return 0
-    out.write(HELP + "\n")
+    out.write(HELP + (IMAGE_HELP if processor is not None else "") + "\n")
     messages = list(start)
     while True:
         try:
@@ -54,10 +88,32 @@ def chat(
         if line in ("/exit", "/quit"):
             return 0
         if line == "/reset":
-            messages = list(start)
+            messages, pending = list(start), []
+            shown.clear()
             out.write("(new conversation)\n")
+            continue
+        if line.startswith("/image"):
+            pending += _attach(line[len("/image") :].strip(), processor, out)
             continue
         if not line:
             continue
-        messages.append({"role": "user", "content": line})
+        messages.append(user(line, pending))
+        pending = []
         messages.append({"role": "assistant", "content": answer(messages)})
+
+
+def _attach(path: str, processor, out: TextIO) -> list[Any]:
+    """The image of a `/image PATH` line, or none (with the reason written) when it cannot be used."""
+    if processor is None:
+        out.write("this model reads text only: /image needs a vision-language model\n")
+        return []
+    if not path:
+        out.write("usage: /image PATH\n")
+        return []
+    try:
+        image = open_image(path, "/image")
+    except FinetuneError as exc:
+        out.write(f"{exc}\n")
+        return []
+    out.write(f"(image {path} attached to your next message)\n")
+    return [image]

@@ -20,15 +20,46 @@ from finetune.recipe.objectives import OBJECTIVES
 
 
 def run_chat(
-    model_dir: str, *, base: str | None, prompt: str | None, system: str | None, max_new_tokens: int
+    model_dir: str,
+    *,
+    base: str | None,
+    prompt: str | None,
+    system: str | None,
+    max_new_tokens: int,
+    images: list[str] | None = None,
 ) -> int:
-    """`finetune chat`: load the model once, then one answer (`prompt`) or a conversation."""
-    from finetune.evaluation.chat import chat
-    from finetune.model import inference_device, load_for_inference
+    """`finetune chat`: load the model once, then one answer (`prompt`) or a conversation; a
+    vision-language model (with its processor) also takes `images` (paths) for the first message."""
+    from finetune.evaluation.chat import chat, open_image
+    from finetune.model import (
+        inference_device,
+        is_vision_language,
+        load_for_inference,
+        load_vlm_for_inference,
+    )
 
-    model, tokenizer = load_for_inference(model_dir, base=base)
+    pictures = [open_image(path) for path in images or []]  # checked before the model loads
+    processor = None
+    if is_vision_language(Path(model_dir).expanduser()):
+        model, processor = load_vlm_for_inference(model_dir, base=base)
+        tokenizer = processor.tokenizer
+    elif pictures:
+        raise FinetuneError(
+            f"--image: {model_dir} is not a vision-language model (its config has no vision_config), so it "
+            "cannot read images; leave out --image, or point at a model.kind vlm run's output_dir"
+        )
+    else:
+        model, tokenizer = load_for_inference(model_dir, base=base)
     model.to(inference_device())
-    return chat(model, tokenizer, prompt=prompt, system=system, max_new_tokens=max_new_tokens)
+    return chat(
+        model,
+        tokenizer,
+        prompt=prompt,
+        system=system,
+        max_new_tokens=max_new_tokens,
+        processor=processor,
+        pictures=pictures,
+    )
 
 
 def _say(text: str) -> None:
@@ -36,11 +67,17 @@ def _say(text: str) -> None:
 
 
 def _sft_split(recipe, prepared) -> dict[str, Any]:
-    """SFT: token loss and perplexity over the held-out rows."""
+    """SFT: token loss and perplexity over the held-out rows (a vision-language recipe's collated with
+    their pixels by the recipe's processor, as training evaluates them)."""
     import finetune.objectives.sft as sft
+    from finetune.vlm import load_processor
+
+    processor = load_processor(recipe.model) if recipe.model.kind == "vlm" else None
 
     def batches(tokenizer):
-        return sft.loader(recipe.data, recipe.train, prepared.eval, tokenizer, training=False)
+        return sft.loader(
+            recipe.data, recipe.train, prepared.eval, tokenizer, training=False, processor=processor
+        )
 
     return {"eval_batches": batches}
 
@@ -129,11 +166,7 @@ def run_eval(recipe, args) -> int:
     scored side by side with the base, each in its own column. Every adapter or model is checked
     against the recipe's base before anything runs, and every model loads before any is evaluated."""
     adapters, model, no_base = args.adapter, args.model, args.no_base
-    if recipe.model.kind == "vlm":  # the held-out loss of a VLM run is in its progress.jsonl (eval_loss)
-        raise FinetuneError(
-            "finetune eval does not evaluate vision-language models yet (model.kind: vlm); the training run's "
-            "held-out eval_loss is in output_dir/progress.jsonl"
-        )
+    vision = recipe.model.kind == "vlm"
     from finetune.evaluation.fit import check_fits_recipe
     from finetune.evaluation.report import evaluate_models, format_table, write_report
     from finetune.model import (
@@ -143,6 +176,8 @@ def run_eval(recipe, args) -> int:
         load_for_inference,
         load_tokenizer,
     )
+
+    load = _load_vlm if vision else load_for_inference
 
     has_split = bool(recipe.data.val_set_size or recipe.data.test_datasets)
     if not has_split and not recipe.eval.generation_sets:
@@ -162,10 +197,10 @@ def run_eval(recipe, args) -> int:
         _say(f"the base model is scored too: it is train.objective {recipe.train.objective}'s reference")
     if not targets or not no_base or needs_reference:
         base = base_model_source(recipe.model, adapter=adapters[0] if adapters else None)
-        models["base"] = lambda: load_for_inference(base, tokenizer=tokenizer)
+        models["base"] = lambda: load(base, tokenizer=tokenizer)
     for label, target in zip(model_labels(targets), targets, strict=True):
         # Merged into the base for generation (faster); the weights are the same function.
-        models[label] = lambda target=target: load_for_inference(target, merge=True)
+        models[label] = lambda target=target: load(target, merge=True)
     results = evaluate_models(
         models,
         eval_batches=held_out.get("eval_batches"),
@@ -183,6 +218,16 @@ def run_eval(recipe, args) -> int:
     print(format_table(results))
     print(f"\nfull results and every sample: {path}")
     return 0
+
+
+def _load_vlm(path: str, *, tokenizer=None, merge: bool = False):
+    """(model, tokenizer) of a vision-language model or adapter for `finetune eval`'s held-out loss: the
+    held-out batches are the recipe's (its processor and `tokenizer`), so the saved processor is not used;
+    an adapter stays unmerged (`merge` speeds up generation, which is not done for these models)."""
+    from finetune.model import load_vlm_for_inference
+
+    net, processor = load_vlm_for_inference(path)
+    return net, tokenizer if tokenizer is not None else processor.tokenizer
 
 
 def _nothing_to_evaluate() -> FinetuneError:

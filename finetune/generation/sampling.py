@@ -32,8 +32,11 @@ import torch
 from transformers import LogitsProcessor
 
 Prompt = str | Sequence[dict[str, Any]]
-# End-of-turn tokens of common chat templates: generation stops at whichever the tokenizer has.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+# End-of-turn tokens of common chat templates: generation stops at whichever the tokenizer has
+# (<end_of_utterance>: SmolVLM / Idefics3).
+END_OF_TURN_TOKENS = (
+    "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<end_of_utterance>",
+)  # fmt: skip
 
 
 def prompt_ids(tokenizer, prompt: Prompt, *, use_chat_template: bool = True) -> list[int]:
@@ -48,6 +51,34 @@ def prompt_ids(tokenizer, prompt: Prompt, *, use_chat_template: bool = True) -> 
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     prefix = _prefix_ids(tokenizer)
     return ids if ids[: len(prefix)] == prefix else [*prefix, *ids]
+
+
+def vlm_prompt_inputs(
+    processor, messages: Sequence[dict[str, Any]], pictures: Sequence[Any]
+) -> dict[str, Any]:
+    """A vision-language model's inputs for `messages` (each image a ``finetune.data.images.SENTINEL`` in
+    its text, `pictures` the PIL images in order), rendered as training renders such rows: the chat
+    template with image parts, then the processor expanding each image into its tokens and pixels."""
+    from finetune.data.images import as_parts
+
+    tokenizer = processor.tokenizer
+    text = tokenizer.apply_chat_template(as_parts(list(messages)), add_generation_prompt=True, tokenize=False)
+    inputs = processor(
+        text=[text],
+        images=[list(pictures)] if pictures else None,
+        add_special_tokens=False,
+        return_tensors="pt",
+    )
+    inputs = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    prefix = _prefix_ids(tokenizer)
+    if prefix and inputs["input_ids"][0, : len(prefix)].tolist() != prefix:  # training prepends them too
+        ids = torch.tensor([prefix], dtype=inputs["input_ids"].dtype)
+        inputs["input_ids"] = torch.cat([ids, inputs["input_ids"]], dim=1)
+        inputs["attention_mask"] = torch.cat([torch.ones_like(ids), inputs["attention_mask"]], dim=1)
+        for name in ("token_type_ids", "mm_token_type_ids"):  # per-token: the prefix is text
+            if name in inputs:
+                inputs[name] = torch.cat([torch.zeros_like(ids), inputs[name]], dim=1)
+    return inputs
 
 
 def _prefix_ids(tokenizer) -> list[int]:
@@ -93,6 +124,13 @@ def eval_mode(model):
 
 def _device(model) -> torch.device:
     return next(model.parameters()).device
+
+
+def _on(tensor: torch.Tensor, device: torch.device, model) -> torch.Tensor:
+    """`tensor` on `device`; pixel values (floating point) in the model's dtype, as its vision tower wants."""
+    if tensor.is_floating_point():
+        return tensor.to(device, dtype=getattr(model, "dtype", tensor.dtype))
+    return tensor.to(device)
 
 
 def _generation_kwargs(tokenizer, model, max_new_tokens: int) -> dict[str, Any]:
@@ -254,12 +292,21 @@ def stream_chat(
     *,
     max_new_tokens: int = 512,
     use_chat_template: bool = True,
+    processor=None,
+    pictures: Sequence[Any] = (),
 ) -> Iterator[str]:
     """Greedy answer to one prompt (a string or the conversation so far), yielded in pieces of text
-    as they are generated, for an interactive chat. Errors in generation are raised here."""
+    as they are generated, for an interactive chat. Errors in generation are raised here. With a
+    vision-language model's `processor`, the prompt's images (SENTINELs in its text) are `pictures`
+    (`vlm_prompt_inputs`)."""
     from transformers import TextIteratorStreamer
 
-    ids = torch.tensor([prompt_ids(tokenizer, prompt, use_chat_template=use_chat_template)])
+    if processor is not None:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        inputs = vlm_prompt_inputs(processor, messages, pictures)
+    else:
+        ids = torch.tensor([prompt_ids(tokenizer, prompt, use_chat_template=use_chat_template)])
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     kwargs = _generation_kwargs(tokenizer, model, max_new_tokens)
     failure: list[BaseException] = []
@@ -270,8 +317,7 @@ def stream_chat(
             with eval_mode(model):
                 device = _device(model)
                 model.generate(
-                    input_ids=ids.to(device),
-                    attention_mask=torch.ones_like(ids).to(device),
+                    **{k: _on(v, device, model) for k, v in inputs.items()},
                     streamer=streamer,
                     **kwargs,
                 )

@@ -305,7 +305,8 @@ VLM_NO_PACKING = (
 
 def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
     """What a vision-language recipe (model.kind vlm) cannot do yet: packing, another data type than
-    chat_template, another objective than sft, QLoRA; and image settings in a recipe without images."""
+    chat_template, another objective than sft, QLoRA, generation sets; and image settings in a recipe
+    without images."""
     problems: list[Problem] = []
     if not ok("model.kind"):
         return problems
@@ -335,6 +336,16 @@ def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
         )
     if ok("lora.enable_qlora") and recipe.lora.enable_qlora:
         problems.append(("lora.enable_qlora", True, "QLoRA of vision-language models is not supported yet"))
+    if ok("eval.generation_sets") and recipe.eval.generation_sets:
+        problems.append(
+            (
+                "eval.generation_sets",
+                [s.name for s in recipe.eval.generation_sets],
+                "generation sets are not run with vision-language models yet (neither in training nor by "
+                "finetune eval, which scores their held-out loss); remove them, and talk to the model with "
+                "finetune chat DIR --image PATH",
+            )
+        )
     return problems
 
 

@@ -423,8 +423,8 @@ def test_qlora_stores_4bit_weights_in_the_compute_dtype(dtype):
 
 
 def test_a_vision_language_model_is_refused_for_text_generation(tmp_path):
-    """chat, eval and export-gguf load text models: a VLM folder (or an adapter on a VLM base) is a
-    clear error, not transformers' unrecognized configuration class."""
+    """eval and export-gguf load text models: a VLM folder (or an adapter on a VLM base) is a clear error,
+    not transformers' unrecognized configuration class (chat loads it with load_vlm_for_inference)."""
     import json
 
     from finetune.errors import FinetuneError
