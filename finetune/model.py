@@ -595,7 +595,7 @@ def is_vision_language(local: Path) -> bool:
             base = json.loads((local / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or ""
             config = Path(base).expanduser() / "config.json"
         return "vision_config" in json.loads(config.read_text())
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, TypeError):
         return False  # not a local folder with a readable config: the loading says what is wrong
 
 

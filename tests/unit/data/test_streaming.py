@@ -369,9 +369,9 @@ def test_parquet_and_arrow_shards_stream_as_jsonl_does(tmp_path, tok, kind):
         if kind == "parquet":
             datasets.Dataset(table).to_parquet(str(tmp_path / kind / f"part-{k}.parquet"))
         else:
-            with pa.OSFile(str(tmp_path / kind / f"part-{k}.arrow"), "wb") as sink:
-                with pa.ipc.new_stream(sink, table.schema) as writer:
-                    writer.write_table(table)
+            path = str(tmp_path / kind / f"part-{k}.arrow")
+            with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+                writer.write_table(table)
 
     def first(folder: Path) -> list:
         data, train = settings(folder, dataloader_num_workers=0)
@@ -397,7 +397,9 @@ def test_a_url_streams_as_the_local_file_does(tmp_path, tok):
 
         def first(path) -> list:
             data, train = settings(path, dataloader_num_workers=0)
-            return [sequences(b) for b in batches(make_stream_loader(data, train, tok, chat_template=None), 4)]
+            return [
+                sequences(b) for b in batches(make_stream_loader(data, train, tok, chat_template=None), 4)
+            ]
 
         url = f"http://127.0.0.1:{server.server_address[1]}/rows.jsonl"
         assert first(url) == first(tmp_path / "rows.jsonl")
