@@ -58,9 +58,12 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def expected_history(out: Path) -> dict[str, list[tuple[int, float]]]:
-    """progress.jsonl's numbers per key as (step, value), as finetune.trackers.log_scalars sends them."""
+    """progress.jsonl's numbers per key as (step, value), as finetune.trackers.log_scalars sends them
+    (the logged steps; event records such as the started one are the log's own)."""
     history = defaultdict(list)
     for record in progress(out):
+        if record.get("event") in ("started", "extended"):  # the log's own records, not sent to trackers
+            continue
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 history[key].append((record["step"], float(value)))
