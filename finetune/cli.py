@@ -103,6 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="memory per GPU, e.g. 80GiB, 80GB, 24GiB, 81920MiB; default: the first visible CUDA device, else 80GiB",
     )
+    plan.add_argument(
+        "--images-per-row",
+        type=float,
+        metavar="N",
+        help="vision-language models: images per row, on average (default 1; the planner does not read the data)",
+    )
+    plan.add_argument(
+        "--patches-per-image",
+        type=int,
+        metavar="N",
+        help="vision-language models: vision-tower patches per image (default: the largest image the processor "
+        "settings and data.image_max_pixels allow)",
+    )
     plan.add_argument("--json", action="store_true", help="print the numbers (bytes) as JSON")
 
     evaluate = _recipe_parser(
@@ -433,6 +446,8 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
             num_gpus=args.num_gpus,
             num_nodes=args.num_nodes,
             gpu_memory=args.gpu_memory,
+            images_per_row=args.images_per_row,
+            patches_per_image=args.patches_per_image,
         )
         print(plan_json(plan) if args.json else format_plan(plan))
         return 0

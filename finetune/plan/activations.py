@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.plan.inventory import Adapter, ModelInventory
+from finetune.plan.inventory import Adapter, ModelInventory, VisionInventory
 
 # -------------------------------------------------------------------------------------- activations
 
@@ -22,11 +22,13 @@ class Activations:
     loss_saved: float  # the fp32 log-softmax the cross entropy saves for backward
     loss_held: float  # what the chunked loss holds outside autograd from forward to backward
     loss_transient: float  # alive only at the loss's own peak (gradient buffers, one chunk's logits)
+    vision: float = 0.0  # a VLM's vision tower and projector: saved without checkpointing (`vision_bytes`)
+    vision_checkpointed: float = 0.0  # what they keep with gradient checkpointing
 
     @property
     def saved(self) -> float:
         """What autograd saves without checkpointing (what saved_tensors_hooks sees)."""
-        return self.num_layers * self.per_layer + self.head + self.loss_saved
+        return self.num_layers * self.per_layer + self.head + self.loss_saved + self.vision
 
     @property
     def logits_and_loss(self) -> float:
@@ -38,7 +40,8 @@ class Activations:
         if not checkpointing:
             return self.saved + self.mask + self.loss_held + self.loss_transient
         loss_step = self.head + self.loss_saved + self.loss_transient
-        kept = self.num_layers * self.layer_input + self.mask + self.loss_held
+        kept = self.num_layers * self.layer_input + self.mask + self.loss_held + self.vision_checkpointed
+        # The vision tower's own recomputation comes last, once the language model's are freed.
         return kept + max(loss_step, self.per_layer)
 
 
@@ -185,3 +188,56 @@ def _input_group(name: str) -> str:
         "q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "attn_out",
         "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_out",
     }.get(leaf, name)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """What the vision tower sees per row: images, patches per image and pixel values' bytes."""
+
+    images_per_row: float
+    patches_per_image: int  # over all crops of an image (Idefics3 splits large images into crops)
+    pixel_bytes_per_image: int  # the fp32 pixel_values the collator makes
+    source: str  # how the planner got these numbers (said in the plan's assumptions)
+
+
+def vision_bytes(
+    vision: VisionInventory,
+    images: ImageInput,
+    *,
+    micro_batch_size: int,
+    tower_trains: bool,
+    projector_trains: bool,
+    residual_bytes: int,
+    compute_bytes: int,
+    checkpointing: bool,
+) -> float:
+    """Bytes autograd saves in a VLM's vision tower and projector for one micro batch (measured on CPU
+    against saved_tensors_hooks in tests/unit/test_plan_vlm.py).
+
+    With p = patches in the micro batch (rows x images x patches), h/i/a the tower's hidden,
+    intermediate and heads, n the images' crops, r and c the residual and compute bytes, per layer:
+      2 norms        2*(r*p*h + 8*p)             input and mean/rstd (LayerNorm; RMSNorm: 4*p)
+      q/k/v input    r*p*h                       the normalised input, shared
+      attention      4c*p*h + 4*a*p              q, k, v, output (the out projection reads it), logsumexp
+      MLP            c*p*h + 2c*p*i              fc1's input, its output, the activation's output
+                     (+ c*p*i gated: gate, up, act, product)
+    plus the patch embedding's input (the pixels) and position ids, and the final norm.
+    Only what the backward needs is saved: a frozen tower (model.train_vision_tower false) saves
+    nothing, since neither its input nor its weights need a gradient; a trained projector then saves
+    only its input (c*p*h, before any merge of patches). With checkpointing a trained tower keeps
+    one r*p*h input per layer (its one-layer recomputation runs after the language model's).
+    """
+    p = micro_batch_size * images.images_per_row * images.patches_per_image
+    pixels = micro_batch_size * images.images_per_row * images.pixel_bytes_per_image
+    if not tower_trains:
+        return compute_bytes * p * vision.hidden_size if projector_trains else 0.0
+    r, c, h, i = residual_bytes, compute_bytes, vision.hidden_size, vision.intermediate_size
+    gated = any(m.name.endswith("gate_proj") for m in vision.tower_linears)
+    norm = r * p * h + 8 * p
+    attention = 4 * c * p * h + 4 * vision.num_heads * p
+    mlp = c * p * h + (3 if gated else 2) * c * p * i
+    per_layer = 2 * norm + r * p * h + attention + mlp
+    fixed = pixels + 8 * p + norm + (c * p * h if projector_trains else 0)
+    if checkpointing:
+        return fixed + vision.num_layers * r * p * h
+    return fixed + vision.num_layers * per_layer

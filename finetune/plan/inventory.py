@@ -36,6 +36,29 @@ def gib_text(nbytes: float) -> str:
 
 
 @dataclass(frozen=True)
+class VisionInventory:
+    """A vision-language model's vision tower and projector: parameters, linear layers and the
+    tower's shape (transformer encoder layers over image patches)."""
+
+    tower_params: int
+    projector_params: int
+    tower_linears: tuple[Module, ...]
+    projector_linears: tuple[Module, ...]
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    patch_size: int
+    image_size: int  # the tower's input side (0 when it takes any size, as Qwen2-VL's)
+    model_type: str
+    merge: int  # patches per image token: Idefics3's scale_factor^2, Qwen2-VL's spatial_merge_size^2
+
+    def frozen_params(self, train_vision_tower: bool, train_projector: bool) -> int:
+        """Parameters full fine-tuning leaves frozen (finetune.vlm.freeze)."""
+        return (0 if train_vision_tower else self.tower_params) + (0 if train_projector else self.projector_params)
+
+
+@dataclass(frozen=True)
 class Module:
     """One module of the model: dotted name, type, shape and the parameters under it."""
 
@@ -63,7 +86,8 @@ class ModelInventory:
     layer_params: int  # the largest decoder layer
     embedding_params: int
     output_name: str | None  # lm_head, excluded from `all-linear` as PEFT does
-    modules: tuple[Module, ...] = ()
+    modules: tuple[Module, ...] = ()  # the language model's (a VLM's vision parts are in `vision`)
+    vision: VisionInventory | None = None  # vision-language models (model.kind vlm)
 
     @property
     def non_layer_params(self) -> int:
@@ -99,24 +123,29 @@ def load_model_config(model: ModelSection):
 def inspect_model(model: ModelSection) -> ModelInventory:
     """Build the model on the meta device (no weights, no download) and count its parameters."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = load_model_config(model)
+    vlm = getattr(model, "kind", "llm") == "vlm"
+    auto, what = (AutoModelForImageTextToText, "an image-text-to-text model") if vlm else (AutoModelForCausalLM, "a causal LM")
     try:
         with torch.device("meta"):
-            net = AutoModelForCausalLM.from_config(
-                config, attn_implementation="eager", trust_remote_code=model.trust_remote_code
-            )
+            net = auto.from_config(config, attn_implementation="eager", trust_remote_code=model.trust_remote_code)
     except (ValueError, KeyError, TypeError) as exc:
-        raise FinetuneError(f"model config: could not build a causal LM from it: {exc}") from None
-    return inventory_of(net)
+        raise FinetuneError(f"model config: could not build {what} from it: {exc}") from None
+    return inventory_of(net, vision_language=vlm)
 
 
-def inventory_of(net) -> ModelInventory:
-    """Counts and shapes of a built model (any device, meta included)."""
+def inventory_of(net, *, vision_language: bool = False) -> ModelInventory:
+    """Counts and shapes of a built model (any device, meta included); a vision-language model's
+    vision tower and projector (finetune.vlm.parts) go in `vision`, the rest is the language model."""
     import torch
 
     config = net.config
+    skipped: list[str] = []
+    vision = None
+    if vision_language:
+        vision, skipped = _vision_inventory(net)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     fields = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [f for f in fields if not getattr(text, f, None)]
@@ -125,7 +154,8 @@ def inventory_of(net) -> ModelInventory:
             f"model config ({type(config).__name__}) lacks {', '.join(missing)}: the planner handles "
             "Llama-style decoder models"
         )
-    layer_classes = set(getattr(net, "_no_split_modules", None) or ())
+    # A VLM's own list may name only vision classes (Idefics3): its language model's list names the layers.
+    layer_classes = {c for m in net.modules() for c in (getattr(type(m), "_no_split_modules", None) or ())}
     output = net.get_output_embeddings()
     modules: list[Module] = []
     layer: Module | None = None  # the decoder layer being walked (named_modules is depth-first)
@@ -133,7 +163,7 @@ def inventory_of(net) -> ModelInventory:
     for name, module in net.named_modules():
         if layer is not None and not name.startswith(layer.name + "."):
             layer = None
-        if not name:
+        if not name or any(name == p or name.startswith(p + ".") for p in skipped):
             continue
         if type(module).__name__ in layer_classes:
             layer = Module(name, "layer", _count(module), layer=sum(m.kind == "layer" for m in modules))
@@ -164,7 +194,56 @@ def inventory_of(net) -> ModelInventory:
         embedding_params=_count(net.get_input_embeddings()),
         output_name=output_name,
         modules=tuple(modules),
+        vision=vision,
     )
+
+
+def _vision_inventory(net) -> tuple[VisionInventory, list[str]]:
+    """The vision tower and projector of a VLM, and their module names (skipped by the LM walk)."""
+    import torch
+
+    from finetune.vlm import parts
+
+    towers, projectors = parts(net)
+
+    def linears(prefixes: list[str]) -> tuple[Module, ...]:
+        return tuple(
+            Module(name, "linear", _count(m), m.in_features, m.out_features)
+            for name, m in net.named_modules()
+            if isinstance(m, torch.nn.Linear) and any(name.startswith(p + ".") for p in prefixes)
+        )
+
+    def params(prefixes: list[str]) -> int:
+        return sum(_count(net.get_submodule(p)) for p in prefixes)
+
+    vc = net.config.vision_config
+    # Qwen2-VL keeps its merger (the projector) in `visual`; Idefics3 / LLaVA / Gemma 3 merge by a
+    # pixel shuffle or pooling before their projector.
+    merge = (getattr(vc, "spatial_merge_size", None) or getattr(net.config, "scale_factor", None) or 1) ** 2
+    heads = getattr(vc, "num_attention_heads", None) or getattr(vc, "num_heads", None)
+    hidden = getattr(vc, "embed_dim", None) or getattr(vc, "hidden_size", None)  # Qwen2-VL: embed_dim
+    inter = getattr(vc, "intermediate_size", None) or int(hidden * getattr(vc, "mlp_ratio", 4))
+    layers = getattr(vc, "num_hidden_layers", None) or getattr(vc, "depth", None)
+    if not (heads and hidden and layers and getattr(vc, "patch_size", None)):
+        raise FinetuneError(
+            f"model config: vision_config ({type(vc).__name__}) lacks hidden_size, num_hidden_layers/depth, "
+            "num_attention_heads/num_heads or patch_size: the planner counts ViT-style vision towers"
+        )
+    vision = VisionInventory(
+        tower_params=params(towers),
+        projector_params=params(projectors),
+        tower_linears=linears(towers),
+        projector_linears=linears(projectors),
+        num_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_heads=heads,
+        patch_size=vc.patch_size,
+        image_size=getattr(vc, "image_size", 0) or 0,
+        model_type=getattr(vc, "model_type", "") or "",
+        merge=merge,
+    )
+    return vision, towers + projectors
 
 
 def _count(module) -> int:
@@ -189,18 +268,24 @@ class Adapter:
         return self.lora_params + self.saved_params
 
 
-def adapter_counts(inv: ModelInventory, lora: LoraSection) -> Adapter:
+def adapter_counts(inv: ModelInventory, lora: LoraSection, model: ModelSection | None = None) -> Adapter:
     """LoRA parameters PEFT would add: `all-linear` = every nn.Linear but the output layer, a list =
-    modules named so or ending in `.name`; modules inside modules_to_save are not adapted."""
+    modules named so or ending in `.name`; modules inside modules_to_save are not adapted. A VLM
+    (finetune.vlm.lora_settings): `all-linear` is the language model's linears, plus the vision tower's
+    with model.train_vision_tower; the projector is a module to save with model.train_projector."""
     if not lora.enable_lora:
         return Adapter()
+    vision = inv.vision
+    tower = vision is not None and model is not None and model.train_vision_tower
+    projector = vision is not None and model is not None and model.train_projector
     saved = _modules_to_save(inv, lora.modules_to_save)
     in_saved = [re.compile(rf"(^|.*\.){re.escape(m)}($|\..*)") for m in lora.modules_to_save]
     if lora.lora_target_modules == "all-linear":
-        chosen = inv.linears(include_output=False)
+        chosen = inv.linears(include_output=False) + (list(vision.tower_linears) if tower else [])
     else:
         wanted = lora.lora_target_modules
-        chosen = [m for m in inv.modules if any(m.name == t or m.name.endswith("." + t) for t in wanted)]
+        every = list(inv.modules) + (list(vision.tower_linears + vision.projector_linears) if vision else [])
+        chosen = [m for m in every if any(m.name == t or m.name.endswith("." + t) for t in wanted)]
         if not chosen:
             raise FinetuneError(f"lora.lora_target_modules: no module of the model is named {wanted}")
         bad = sorted({m.name for m in chosen if m.kind not in ("linear", "embedding")})
@@ -216,13 +301,14 @@ def adapter_counts(inv: ModelInventory, lora: LoraSection) -> Adapter:
         params += sum(m.out_features for m in targets)
     return Adapter(
         lora_params=params,
-        saved_params=sum(m.num_params for m in saved),
+        saved_params=sum(m.num_params for m in saved) + (vision.projector_params if projector else 0),
         saved_matmul_params=sum(
             sub.num_params
             for m in saved
             for sub in inv.modules
             if sub.kind == "linear" and (sub.name == m.name or sub.name.startswith(m.name + "."))
-        ),
+        )
+        + (sum(m.num_params for m in vision.projector_linears) if projector else 0),
         targets=targets,
         rank=rank,
     )

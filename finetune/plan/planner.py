@@ -4,7 +4,7 @@ to change when it does not (`suggest`); `make_plan` is the entry `finetune plan`
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from finetune.accelerate_config import (
     ACCELERATE_CONFIGS,
@@ -13,7 +13,7 @@ from finetune.accelerate_config import (
     resolve_accelerate_config,
 )
 from finetune.errors import FinetuneError
-from finetune.plan.activations import Activations, activation_bytes
+from finetune.plan.activations import Activations, ImageInput, activation_bytes, vision_bytes
 from finetune.plan.inventory import (
     _MEMORY_UNITS,
     CUDA_ALLOWANCE_BYTES,
@@ -56,9 +56,11 @@ def estimate(
     micro_batch_size: int,
     checkpointing: bool,
     adapter: Adapter | None = None,
+    images: ImageInput | None = None,
 ) -> Estimate:
-    """Per-device bytes by part: model states, engine extras, activations, the fixed allowance."""
-    adapter = adapter if adapter is not None else adapter_counts(inv, recipe.lora)
+    """Per-device bytes by part: model states, engine extras, activations, the fixed allowance
+    (`images`: what a vision-language model's tower sees per row; finetune.plan.images)."""
+    adapter = adapter if adapter is not None else adapter_counts(inv, recipe.lora, recipe.model)
     layout = model_states(inv, adapter, recipe, engine, checkpointing=checkpointing)
     parts = shard_states(layout.states, engine)
     if engine.kind == "ddp" and engine.num_processes > 1:
@@ -78,6 +80,8 @@ def estimate(
     seq_len = data.packing_len if data.sample_packing else data.sequence_len
     chunk = loss_chunk(recipe, inv, micro_batch_size * seq_len)
     head_adapted = any(m.name == inv.output_name for m in adapter.targets) or inv.output_name in trained
+    # Image features that need a gradient (trained tower or projector) make the first norm save its input.
+    vision_grad = inv.vision is not None and (recipe.model.train_vision_tower or recipe.model.train_projector)
     acts = activation_bytes(
         inv,
         micro_batch_size=micro_batch_size,
@@ -91,10 +95,12 @@ def estimate(
         lora_bytes=layout.lora_bytes,
         linear_out_bytes=layout.linear_out_bytes,
         lm_head_trainable=full or inv.output_name in trained,
-        embedding_trainable=full or embedding in trained,
+        embedding_trainable=full or embedding in trained or vision_grad,
         loss_chunk=chunk,
         lm_head_plain=full or not head_adapted,
     )
+    if inv.vision is not None:
+        acts = _with_vision(acts, inv, recipe, layout, micro_batch_size, images)
     label = "activations, " + ("gradient checkpointing" if checkpointing else "no checkpointing")
     parts.append(Part(label, acts.peak(checkpointing) - acts.logits_and_loss, note="<- recipe"))
     note = (
@@ -105,6 +111,28 @@ def estimate(
     parts.append(Part("logits + loss", acts.logits_and_loss, note=note))
     parts.append(Part("CUDA context + fragmentation", CUDA_ALLOWANCE_BYTES, note="fixed allowance"))
     return Estimate(tuple(parts), acts, layout)
+
+
+def _with_vision(
+    acts: Activations, inv: ModelInventory, recipe: Recipe, layout: Layout, micro: int, images: ImageInput | None
+) -> Activations:
+    """The language model's activations plus the vision tower's and projector's (both checkpointing
+    settings: the plan shows the other one too)."""
+    if images is None:
+        raise FinetuneError("the planner needs the images per row and patches per image of a vision-language model")
+    model = recipe.model
+    common = {
+        "micro_batch_size": micro,
+        "tower_trains": model.train_vision_tower,
+        "projector_trains": model.train_projector,
+        "residual_bytes": layout.residual_bytes,
+        "compute_bytes": layout.compute_bytes,
+    }
+    return replace(
+        acts,
+        vision=vision_bytes(inv.vision, images, checkpointing=False, **common),
+        vision_checkpointed=vision_bytes(inv.vision, images, checkpointing=True, **common),
+    )
 
 
 def loss_chunk(recipe: Recipe, inv: ModelInventory, tokens_per_micro_batch: int) -> int:
@@ -131,18 +159,24 @@ class Suggestion:
     lines: tuple[str, ...] = ()
 
 
-def suggest(inv: ModelInventory, recipe: Recipe, engine: DistributedSetup, gpu_memory: float) -> Suggestion:
+def suggest(
+    inv: ModelInventory,
+    recipe: Recipe,
+    engine: DistributedSetup,
+    gpu_memory: float,
+    images: ImageInput | None = None,
+) -> Suggestion:
     """Largest micro_batch_size dividing the per-device rows (micro x accumulation) that fits, so
     micro x accumulation x GPUs stays the recipe's global batch; checkpointing is turned on only
     when nothing fits without it; if micro 1 does not fit either, other engines and QLoRA are tried."""
     train = recipe.train
     rows = train.micro_batch_size * train.gradient_accumulation_steps
     global_batch = rows * engine.num_processes
-    adapter = adapter_counts(inv, recipe.lora)
+    adapter = adapter_counts(inv, recipe.lora, recipe.model)
 
     def fits(micro: int, ckpt: bool, eng: DistributedSetup = engine, rec: Recipe = recipe) -> bool:
-        ad = adapter if rec is recipe else adapter_counts(inv, rec.lora)
-        est = estimate(inv, rec, eng, micro_batch_size=micro, checkpointing=ckpt, adapter=ad)
+        ad = adapter if rec is recipe else adapter_counts(inv, rec.lora, rec.model)
+        est = estimate(inv, rec, eng, micro_batch_size=micro, checkpointing=ckpt, adapter=ad, images=images)
         return est.total_gpu <= gpu_memory
 
     micros = [m for m in range(rows, 0, -1) if rows % m == 0]
@@ -153,7 +187,7 @@ def suggest(inv: ModelInventory, recipe: Recipe, engine: DistributedSetup, gpu_m
     alternatives = []
     for name, eng, rec, change in _alternatives(recipe, engine):
         if fits(1, True, eng, rec):
-            est = estimate(inv, rec, eng, micro_batch_size=1, checkpointing=True)
+            est = estimate(inv, rec, eng, micro_batch_size=1, checkpointing=True, images=images)
             alternatives.append({"name": name, "change": change, "total_gpu_bytes": est.total_gpu})
     lines = [
         f"does not fit even at micro_batch_size 1 with gradient checkpointing ({gib_text(gpu_memory)} GiB)"
@@ -252,6 +286,7 @@ class Plan:
     gpu_memory_source: str
     suggestion: Suggestion
     assumptions: tuple[str, ...] = field(default=())
+    images: ImageInput | None = None  # vision-language models: what the vision tower sees per row
 
     @property
     def fits(self) -> bool:
@@ -271,25 +306,37 @@ def make_plan(
     num_nodes: int | None = None,
     gpu_memory: str | None = None,
     inventory: ModelInventory | None = None,
+    images_per_row: float | None = None,
+    patches_per_image: int | None = None,
 ) -> Plan:
-    """Plan the recipe under an accelerate config (name or path; default train.accelerate_config)."""
-    if getattr(recipe.model, "kind", "llm") == "vlm":
+    """Plan the recipe under an accelerate config (name or path; default train.accelerate_config);
+    a vision-language model's images per row and patches per image default as finetune.plan.images says."""
+    if getattr(recipe.model, "kind", "llm") not in ("llm", "vlm"):
         raise FinetuneError(
-            "finetune plan does not count vision-language models yet (model.kind: vlm): their vision tower, "
-            "projector and image tokens are not in its model of memory; plan the language model alone with "
-            "--model.kind llm --model.config_path <its text config> for a lower bound"
+            "finetune plan handles LLM and vision-language recipes (model.kind: llm or vlm), not diffusion pipelines"
         )
-    if getattr(recipe.model, "kind", "llm") != "llm":
-        raise FinetuneError("finetune plan handles LLM recipes (model.kind: llm), not diffusion pipelines")
     config = resolve_accelerate_config(accelerate_config or recipe.train.accelerate_config)
     engine = read_accelerate_config(config, num_processes=num_gpus, num_machines=num_nodes)
     memory, source = gpu_memory_bytes(gpu_memory)
     inv = inventory if inventory is not None else inspect_model(recipe.model)
-    adapter = adapter_counts(inv, recipe.lora)
+    images = None
+    if inv.vision is not None:
+        from finetune.plan.images import image_input
+
+        images = image_input(
+            inv.vision, recipe, images_per_row=images_per_row, patches_per_image=patches_per_image
+        )
+    adapter = adapter_counts(inv, recipe.lora, recipe.model)
     train, data = recipe.train, recipe.data
     ckpt = train.gradient_checkpointing
     est = estimate(
-        inv, recipe, engine, micro_batch_size=train.micro_batch_size, checkpointing=ckpt, adapter=adapter
+        inv,
+        recipe,
+        engine,
+        micro_batch_size=train.micro_batch_size,
+        checkpointing=ckpt,
+        adapter=adapter,
+        images=images,
     )
     return Plan(
         recipe_path=recipe_path,
@@ -303,8 +350,24 @@ def make_plan(
         other_activations=est.activations.peak(not ckpt) - est.activations.logits_and_loss,
         gpu_memory=memory,
         gpu_memory_source=source,
-        suggestion=suggest(inv, recipe, engine, memory),
-        assumptions=_assumptions(recipe, engine, est, source),
+        suggestion=suggest(inv, recipe, engine, memory, images),
+        assumptions=_assumptions(recipe, engine, est, source) + _vision_assumptions(inv, recipe, images),
+        images=images,
+    )
+
+
+def _vision_assumptions(inv: ModelInventory, recipe: Recipe, images: ImageInput | None) -> tuple[str, ...]:
+    if inv.vision is None or images is None:
+        return ()
+    model = recipe.model
+    trains = [n for n, on in (("vision tower", model.train_vision_tower), ("projector", model.train_projector)) if on]
+    return (
+        f"vision tower {inv.vision.tower_params:,} and projector {inv.vision.projector_params:,} parameters; "
+        + (f"{' and '.join(trains)} trained" if trains else "both frozen (model.train_vision_tower/train_projector)"),
+        f"images: {images.source}; their image tokens are inside data.sequence_len (the rows are tokenized "
+        "with them)",
+        "vision activations: ViT-style encoder layers over all patches of the micro batch, no s^2 term "
+        "(sdpa/flash); a frozen tower saves nothing for backward",
     )
 
 

@@ -31,6 +31,7 @@ def format_plan(plan: Plan) -> str:
         f"model:  {_params(inv.total)} parameters ({inv.total:,}), {_params(trainable)} trainable; "
         f"{inv.num_layers} layers, hidden {inv.hidden_size}, vocab {inv.vocab_size:,}, "
         f"embeddings {'tied' if inv.tied else 'untied'}",
+        *_vision_lines(plan),
         f"engine: {eng.describe()}" + (f" [{_short_path(eng.source)}]" if Path(eng.source).is_file() else ""),
         f"batch:  micro_batch_size {plan.micro_batch_size} x {plan.seq_len} tokens, gradient checkpointing "
         f"{'on' if plan.checkpointing else 'off'}",
@@ -101,6 +102,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "hidden_size": inv.hidden_size,
             "vocab_size": inv.vocab_size,
             "tied_embeddings": inv.tied,
+            "vision": _vision_dict(plan),
         },
         "engine": engine,
         "batch": {
@@ -125,6 +127,36 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "headroom_bytes": plan.headroom,
         "suggestion": asdict(plan.suggestion),
         "assumptions": list(plan.assumptions),
+    }
+
+
+def _vision_lines(plan: Plan) -> list[str]:
+    vision = _vision_dict(plan)
+    if vision is None:
+        return []
+    return [
+        f"vision: tower {_params(vision['tower_params'])} ({vision['tower_layers']} layers, hidden "
+        f"{vision['tower_hidden_size']}), projector {_params(vision['projector_params'])}, language model "
+        f"{_params(vision['language_model_params'])}; {vision['images_per_row']:g} image(s) x "
+        f"{vision['patches_per_image']} patches per row"
+    ]
+
+
+def _vision_dict(plan: Plan) -> dict[str, Any] | None:
+    """A vision-language model's tower, projector and what the tower sees per row (None for an LLM)."""
+    vision, images, acts = plan.inventory.vision, plan.images, plan.estimate.activations
+    if vision is None or images is None:
+        return None
+    return {
+        "tower_params": vision.tower_params,
+        "projector_params": vision.projector_params,
+        "language_model_params": plan.inventory.total - vision.tower_params - vision.projector_params,
+        "tower_layers": vision.num_layers,
+        "tower_hidden_size": vision.hidden_size,
+        "images_per_row": images.images_per_row,
+        "patches_per_image": images.patches_per_image,
+        "images_source": images.source,
+        "activations_bytes": acts.vision_checkpointed if plan.checkpointing else acts.vision,
     }
 
 

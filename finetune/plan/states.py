@@ -80,12 +80,14 @@ def model_states(
     quant = qlora_bytes_per_param(lora.double_quant) if lora.enable_qlora else None
     quantized = sum(m.num_params for m in inv.linears(include_output=False)) if quant else 0
     full = not lora.enable_lora
-    trainable = inv.total if full else adapter.trainable
+    # A VLM's vision tower and projector stay frozen under full fine-tuning unless the recipe trains them.
+    vision_frozen = frozen_vision_params(inv, recipe)
+    trainable = inv.total - vision_frozen if full else adapter.trainable
     notes: list[str] = []
     if engine.kind == "deepspeed":
         w = 2 if mixed else 4
         weights = w * trainable
-        frozen = 0.0 if full else quantized * (quant or 0) + w * (inv.total - quantized)
+        frozen = w * vision_frozen if full else quantized * (quant or 0) + w * (inv.total - quantized)
         opt, opt_format = _optimizer_bytes(train.optimizer, trainable, 4 * trainable)
         # ZeRO's optimizer keeps an fp32 copy of its partition, the master weights under mixed precision.
         master = 4 * trainable if mixed or engine.zero_stage > 0 else 0.0
@@ -111,7 +113,7 @@ def model_states(
     fsdp_mixed = engine.kind == "fsdp" and mixed
     if full:
         tw = 4 if fsdp_mixed else w
-        weights, frozen = tw * trainable, 0.0
+        weights, frozen = tw * trainable, w * vision_frozen
         weight_format = f"{'fp32' if tw == 4 else w_name} weights"
     else:
         base = 4 if quant else w  # QLoRA: prepare_model_for_kbit_training casts non-4-bit weights to fp32
@@ -133,6 +135,13 @@ def model_states(
     return Layout(states, residual, compute, mixed, gather, copies, tuple(notes), 4, linear_out, quant or 0.0)
 
 
+def frozen_vision_params(inv: ModelInventory, recipe: Recipe) -> int:
+    """Vision tower and projector parameters full fine-tuning leaves frozen (0 for an LLM)."""
+    if inv.vision is None:
+        return 0
+    return inv.vision.frozen_params(recipe.model.train_vision_tower, recipe.model.train_projector)
+
+
 def _autocast_copies(
     inv: ModelInventory, adapter: Adapter, recipe: Recipe, w: int, checkpointing: bool
 ) -> float:
@@ -143,6 +152,11 @@ def _autocast_copies(
     matmul = sum(m.num_params for m in inv.linears())
     head = sum(m.num_params for m in inv.linears() if m.layer is None)
     if not lora.enable_lora:
+        vision = inv.vision
+        if vision is not None:  # the trained vision tower's and projector's linears are cast too
+            model = recipe.model
+            matmul += sum(m.num_params for m in vision.tower_linears) if model.train_vision_tower else 0
+            matmul += sum(m.num_params for m in vision.projector_linears) if model.train_projector else 0
         return 2.0 * matmul if w == 4 else 0.0
     base = 4 if lora.enable_qlora else w
     trainable = adapter.lora_params + (adapter.saved_matmul_params if base == 4 else 0)

@@ -1,0 +1,85 @@
+"""What a vision-language model's vision tower sees per row (`image_input`): images per row and
+patches per image, from the recipe, the processor (when it is a local folder: the planner downloads
+nothing) and the model config, or the plan's flags; each figure says where it came from."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import FinetuneError
+from finetune.plan.activations import ImageInput
+from finetune.plan.inventory import VisionInventory
+from finetune.recipe import Recipe
+
+QWEN_DEFAULT_MAX_PIXELS = 12845056  # Qwen2-VL's image processor default (16384 * 28 * 28)
+
+
+def image_input(
+    vision: VisionInventory,
+    recipe: Recipe,
+    *,
+    images_per_row: float | None = None,
+    patches_per_image: int | None = None,
+) -> ImageInput:
+    """Images per row (the flag, else 1: the planner does not read the data) and patches per image
+    (the flag, else the largest image the processor settings allow)."""
+    if images_per_row is not None and images_per_row <= 0:
+        raise FinetuneError(f"--images-per-row {images_per_row}: expected a positive number")
+    if patches_per_image is not None and patches_per_image <= 0:
+        raise FinetuneError(f"--patches-per-image {patches_per_image}: expected a positive number")
+    rows = images_per_row if images_per_row is not None else 1
+    rows_text = "--images-per-row" if images_per_row is not None else "assumed (set --images-per-row)"
+    processor = _local_image_processor(recipe)
+    patches, pixel_bytes, how = _patches(vision, recipe, processor)
+    if patches_per_image is not None:
+        # pixel_values scale with the patches: each patch is patch_size^2 RGB fp32 values
+        patches, how = patches_per_image, "--patches-per-image"
+        pixel_bytes = 4 * 3 * vision.patch_size**2 * patches * (2 if vision.model_type.startswith("qwen2") else 1)
+    source = f"{rows:g} image(s) per row, {rows_text}; {patches} patches per image, {how}"
+    return ImageInput(rows, patches, pixel_bytes, source)
+
+
+def _local_image_processor(recipe: Recipe) -> Any | None:
+    """The recipe's image processor when its processor is a local folder (None otherwise)."""
+    source = recipe.model.tokenizer_source
+    if not isinstance(source, str) or not Path(source).is_dir():
+        return None
+    from finetune.vlm import auto_processor
+
+    return auto_processor(source).image_processor
+
+
+def _patches(vision: VisionInventory, recipe: Recipe, processor: Any | None) -> tuple[int, int, str]:
+    """(patches per image, pixel_values bytes per image, how they were found) for the largest image."""
+    p = vision.patch_size
+    if vision.model_type.startswith("qwen2"):
+        # Qwen2-VL resizes an image to at most max_pixels (data.image_max_pixels caps it first) and
+        # cuts it into patch x patch tiles, each repeated over temporal_patch_size (2) frames.
+        max_pixels, how = _qwen_max_pixels(recipe, processor)
+        merge_side = p * int(math.isqrt(vision.merge))
+        patches = (max_pixels // merge_side**2) * vision.merge
+        return patches, 4 * patches * 3 * 2 * p * p, how
+    side = vision.image_size
+    per_crop = (side // p) ** 2
+    crops, how = 1, f"one {side}px image of {per_crop} patches (model config)"
+    if processor is not None and getattr(processor, "do_image_splitting", False):
+        # Idefics3 / SmolVLM: up to ceil(longest_edge / crop)^2 crops plus the whole image, downscaled
+        longest = processor.size.get("longest_edge", side)
+        crop = (getattr(processor, "max_image_size", None) or {}).get("longest_edge", side)
+        crops = math.ceil(longest / crop) ** 2 + 1
+        how = f"the processor's largest split: {crops} crops of {per_crop} patches"
+    elif vision.model_type.startswith("idefics3") and processor is None:
+        how += "; SmolVLM/Idefics3 processors split large images into up to 17 crops: set --patches-per-image"
+    return crops * per_crop, crops * 4 * 3 * side * side, how
+
+
+def _qwen_max_pixels(recipe: Recipe, processor: Any | None) -> tuple[int, str]:
+    if recipe.data.image_max_pixels:
+        return recipe.data.image_max_pixels, f"data.image_max_pixels {recipe.data.image_max_pixels}"
+    size = getattr(processor, "size", None) or {}
+    limit = size.get("longest_edge") or getattr(processor, "max_pixels", None)
+    if limit:
+        return int(limit), f"the processor's max_pixels {int(limit)}"
+    return QWEN_DEFAULT_MAX_PIXELS, f"Qwen2-VL's default max_pixels {QWEN_DEFAULT_MAX_PIXELS} (set data.image_max_pixels)"
