@@ -36,7 +36,9 @@ def image_input(
     if patches_per_image is not None:
         # pixel_values scale with the patches: each patch is patch_size^2 RGB fp32 values
         patches, how = patches_per_image, "--patches-per-image"
-        pixel_bytes = 4 * 3 * vision.patch_size**2 * patches * (2 if vision.model_type.startswith("qwen2") else 1)
+        pixel_bytes = (
+            4 * 3 * vision.patch_size**2 * patches * (2 if vision.model_type.startswith("qwen2") else 1)
+        )
     source = f"{rows:g} image(s) per row, {rows_text}; {patches} patches per image, {how}"
     return ImageInput(rows, patches, pixel_bytes, source)
 
@@ -58,7 +60,7 @@ def _patches(vision: VisionInventory, recipe: Recipe, processor: Any | None) -> 
         # Qwen2-VL resizes an image to at most max_pixels (data.image_max_pixels caps it first) and
         # cuts it into patch x patch tiles, each repeated over temporal_patch_size (2) frames.
         max_pixels, how = _qwen_max_pixels(recipe, processor)
-        merge_side = p * int(math.isqrt(vision.merge))
+        merge_side = p * math.isqrt(vision.merge)
         patches = (max_pixels // merge_side**2) * vision.merge
         return patches, 4 * patches * 3 * 2 * p * p, how
     side = vision.image_size
@@ -82,4 +84,7 @@ def _qwen_max_pixels(recipe: Recipe, processor: Any | None) -> tuple[int, str]:
     limit = size.get("longest_edge") or getattr(processor, "max_pixels", None)
     if limit:
         return int(limit), f"the processor's max_pixels {int(limit)}"
-    return QWEN_DEFAULT_MAX_PIXELS, f"Qwen2-VL's default max_pixels {QWEN_DEFAULT_MAX_PIXELS} (set data.image_max_pixels)"
+    return (
+        QWEN_DEFAULT_MAX_PIXELS,
+        f"Qwen2-VL's default max_pixels {QWEN_DEFAULT_MAX_PIXELS} (set data.image_max_pixels)",
+    )

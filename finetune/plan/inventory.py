@@ -55,7 +55,9 @@ class VisionInventory:
 
     def frozen_params(self, train_vision_tower: bool, train_projector: bool) -> int:
         """Parameters full fine-tuning leaves frozen (finetune.vlm.freeze)."""
-        return (0 if train_vision_tower else self.tower_params) + (0 if train_projector else self.projector_params)
+        return (0 if train_vision_tower else self.tower_params) + (
+            0 if train_projector else self.projector_params
+        )
 
 
 @dataclass(frozen=True)
@@ -127,10 +129,16 @@ def inspect_model(model: ModelSection) -> ModelInventory:
 
     config = load_model_config(model)
     vlm = getattr(model, "kind", "llm") == "vlm"
-    auto, what = (AutoModelForImageTextToText, "an image-text-to-text model") if vlm else (AutoModelForCausalLM, "a causal LM")
+    auto, what = (
+        (AutoModelForImageTextToText, "an image-text-to-text model")
+        if vlm
+        else (AutoModelForCausalLM, "a causal LM")
+    )
     try:
         with torch.device("meta"):
-            net = auto.from_config(config, attn_implementation="eager", trust_remote_code=model.trust_remote_code)
+            net = auto.from_config(
+                config, attn_implementation="eager", trust_remote_code=model.trust_remote_code
+            )
     except (ValueError, KeyError, TypeError) as exc:
         raise FinetuneError(f"model config: could not build {what} from it: {exc}") from None
     return inventory_of(net, vision_language=vlm)

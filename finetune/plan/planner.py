@@ -114,12 +114,19 @@ def estimate(
 
 
 def _with_vision(
-    acts: Activations, inv: ModelInventory, recipe: Recipe, layout: Layout, micro: int, images: ImageInput | None
+    acts: Activations,
+    inv: ModelInventory,
+    recipe: Recipe,
+    layout: Layout,
+    micro: int,
+    images: ImageInput | None,
 ) -> Activations:
     """The language model's activations plus the vision tower's and projector's (both checkpointing
     settings: the plan shows the other one too)."""
     if images is None:
-        raise FinetuneError("the planner needs the images per row and patches per image of a vision-language model")
+        raise FinetuneError(
+            "the planner needs the images per row and patches per image of a vision-language model"
+        )
     model = recipe.model
     common = {
         "micro_batch_size": micro,
@@ -360,10 +367,18 @@ def _vision_assumptions(inv: ModelInventory, recipe: Recipe, images: ImageInput 
     if inv.vision is None or images is None:
         return ()
     model = recipe.model
-    trains = [n for n, on in (("vision tower", model.train_vision_tower), ("projector", model.train_projector)) if on]
+    trains = [
+        n
+        for n, on in (("vision tower", model.train_vision_tower), ("projector", model.train_projector))
+        if on
+    ]
     return (
         f"vision tower {inv.vision.tower_params:,} and projector {inv.vision.projector_params:,} parameters; "
-        + (f"{' and '.join(trains)} trained" if trains else "both frozen (model.train_vision_tower/train_projector)"),
+        + (
+            f"{' and '.join(trains)} trained"
+            if trains
+            else "both frozen (model.train_vision_tower/train_projector)"
+        ),
         f"images: {images.source}; their image tokens are inside data.sequence_len (the rows are tokenized "
         "with them)",
         "vision activations: ViT-style encoder layers over all patches of the micro batch, no s^2 term "
