@@ -210,6 +210,8 @@ def vision_bytes(
     residual_bytes: int,
     compute_bytes: int,
     checkpointing: bool,
+    lora_rank: int = 0,
+    lora_dropout: float = 0.0,
 ) -> float:
     """Bytes autograd saves in a VLM's vision tower and projector for one micro batch (measured on CPU
     against saved_tensors_hooks in tests/unit/test_plan_vlm.py).
@@ -226,6 +228,9 @@ def vision_bytes(
     nothing, since neither its input nor its weights need a gradient; a trained projector then saves
     only its input (c*p*h, before any merge of patches). With checkpointing a trained tower keeps
     one r*p*h input per layer (its one-layer recomputation runs after the language model's).
+    LoRA on the tower (`lora_rank`): the frozen patch embedding saves no pixels and the first norm
+    nothing (its input needs no gradient); each adapted linear adds lora_A's output (c*p*rank) and,
+    with lora_dropout, the dropout's output and mask ((c+1)*p*in_features).
     """
     p = micro_batch_size * images.images_per_row * images.patches_per_image
     pixels = micro_batch_size * images.images_per_row * images.pixel_bytes_per_image
@@ -238,6 +243,12 @@ def vision_bytes(
     mlp = c * p * h + (3 if gated else 2) * c * p * i
     per_layer = 2 * norm + r * p * h + attention + mlp
     fixed = pixels + 8 * p + norm + (c * p * h if projector_trains else 0)
+    if lora_rank:
+        per_linear = len(vision.tower_linears) / vision.num_layers
+        per_layer += per_linear * c * p * lora_rank
+        if lora_dropout > 0:
+            per_layer += sum((c + 1) * p * m.in_features for m in vision.tower_linears) / vision.num_layers
+        fixed -= pixels + norm
     if checkpointing:
         return fixed + vision.num_layers * r * p * h
     return fixed + vision.num_layers * per_layer

@@ -134,6 +134,8 @@ def _with_vision(
         "projector_trains": model.train_projector,
         "residual_bytes": layout.residual_bytes,
         "compute_bytes": layout.compute_bytes,
+        "lora_rank": recipe.lora.lora_rank if recipe.lora.enable_lora else 0,
+        "lora_dropout": recipe.lora.lora_dropout if recipe.lora.enable_lora else 0.0,
     }
     return replace(
         acts,
