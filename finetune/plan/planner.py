@@ -323,7 +323,8 @@ def make_plan(
     a vision-language model's images per row and patches per image default as finetune.plan.images says."""
     if getattr(recipe.model, "kind", "llm") not in ("llm", "vlm"):
         raise FinetuneError(
-            "finetune plan handles LLM and vision-language recipes (model.kind: llm or vlm), not diffusion pipelines"
+            "finetune plan handles LLM recipes (model.kind: llm) and vision-language ones (vlm), "
+            "not diffusion pipelines"
         )
     config = resolve_accelerate_config(accelerate_config or recipe.train.accelerate_config)
     engine = read_accelerate_config(config, num_processes=num_gpus, num_machines=num_nodes)

@@ -174,19 +174,24 @@ def training_prediction(recipe, engine) -> dict[str, Any]:
     {"unavailable": why} where the planner cannot predict (diffusion, a model it does not handle).
     """
     from finetune.errors import FinetuneError
+    from finetune.plan.images import image_input
     from finetune.plan.inventory import CUDA_ALLOWANCE_BYTES, inspect_model
     from finetune.plan.planner import estimate
 
-    if getattr(recipe.model, "kind", "llm") != "llm":
-        return {"unavailable": "the planner handles LLM recipes (model.kind: llm), not diffusion pipelines"}
+    if getattr(recipe.model, "kind", "llm") not in ("llm", "vlm"):
+        return {"unavailable": "the planner handles LLM and vision-language recipes, not diffusion pipelines"}
     train, data = recipe.train, recipe.data
     try:
+        inv = inspect_model(recipe.model)
+        # A VLM: the planner's default images per row and patches per image (finetune.plan.images).
+        images = image_input(inv.vision, recipe) if inv.vision is not None else None
         est = estimate(
-            inspect_model(recipe.model),
+            inv,
             recipe,
             engine,
             micro_batch_size=train.micro_batch_size,
             checkpointing=train.gradient_checkpointing,
+            images=images,
         )
     except FinetuneError as exc:
         return {"unavailable": str(exc)}

@@ -306,3 +306,17 @@ def test_cli_plan_vlm_recipes(capsys, monkeypatch, recipe, config, total, tower,
     )
     assert trained["model"]["params_trainable"] > model["params_trainable"]
     assert trained["model"]["vision"]["activations_bytes"] > 0
+
+
+def test_training_records_the_vlm_plan(monkeypatch):
+    """`finetune train` records the planner's prediction for a VLM run too (progress.jsonl's
+    memory_plan): the same parts and total as `finetune plan` with its default images."""
+    from finetune.plan import training_prediction
+
+    monkeypatch.chdir(REPO)
+    raw = yaml.safe_load(DEMO.read_text())
+    recipe = validate_recipe(raw)
+    recorded = training_prediction(recipe, DistributedSetup("single"))
+    plan = make_plan(recipe)
+    assert recorded["total_gpu_bytes"] == plan.estimate.total_gpu
+    assert [p["name"] for p in recorded["parts"]] == [p.name for p in plan.estimate.parts]
