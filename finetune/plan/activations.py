@@ -62,6 +62,7 @@ def activation_bytes(
     embedding_trainable: bool = True,
     loss_chunk: int = 0,
     lm_head_plain: bool = True,
+    rotary_rows: int | None = None,
 ) -> Activations:
     """Bytes autograd saves in a Llama-style decoder layer for b rows of s tokens.
 
@@ -84,7 +85,8 @@ def activation_bytes(
     saves lora_A's input (its own c copy under autocast, else PEFT's cast to the LoRA dtype, shared
     by q/k/v and gate/up when no cast is needed; dropout: its output + a bool mask) and lora_A's
     output (bs*rank).
-    Head: final norm, lm_head input (c*bs*h if trained), ids and labels, rotary cos/sin; minus the
+    Head: final norm, lm_head input (c*bs*h if trained), ids and labels, rotary cos/sin (per row, or
+    once with `rotary_rows` 1); minus the
     first norm when the embeddings are frozen (its input needs no grad). Transformers' mask (bool
     b*s^2 for sdpa, r*b*s^2 float for eager) is shared by all layers.
     Gradient checkpointing keeps r*bs*h per layer and recomputes one layer at a time.
@@ -127,7 +129,10 @@ def activation_bytes(
         inputs = _lora_inputs(
             adapter, lora_dropout, lora_bytes, autocast=autocast, eager=eager, c=c, r=r, bs=bs
         )
-    head = norm + (c * bs * h if lm_head_trainable else 0) + 16 * bs + 2 * r * bs * inv.head_dim
+    # Rotary cos/sin: one table per row, or one for the batch when the model makes position ids itself
+    # from 0..s (a VLM batch has none: finetune.data.vision.collate_vlm; `rotary_rows` 1).
+    rotary = 2 * r * (b if rotary_rows is None else rotary_rows) * s * inv.head_dim
+    head = norm + (c * bs * h if lm_head_trainable else 0) + 16 * bs + rotary
     if not embedding_trainable:  # the first norm's input needs no grad: nothing saved there
         head -= norm
     if loss_chunk:

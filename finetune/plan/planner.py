@@ -98,6 +98,7 @@ def estimate(
         embedding_trainable=full or embedding in trained or vision_grad,
         loss_chunk=chunk,
         lm_head_plain=full or not head_adapted,
+        rotary_rows=_rotary_rows(inv, micro_batch_size),
     )
     if inv.vision is not None:
         acts = _with_vision(acts, inv, recipe, layout, micro_batch_size, images)
@@ -111,6 +112,15 @@ def estimate(
     parts.append(Part("logits + loss", acts.logits_and_loss, note=note))
     parts.append(Part("CUDA context + fragmentation", CUDA_ALLOWANCE_BYTES, note="fixed allowance"))
     return Estimate(tuple(parts), acts, layout)
+
+
+def _rotary_rows(inv: ModelInventory, micro_batch_size: int) -> int:
+    """Rows with their own rotary tables: a VLM batch carries no position_ids (collate_vlm), so a
+    Llama-style language model makes one 0..s table for all rows; Qwen2-VL's multimodal RoPE makes
+    per-row positions (the images' places)."""
+    if inv.vision is None or inv.vision.model_type.startswith("qwen2"):
+        return micro_batch_size
+    return 1
 
 
 def _with_vision(
