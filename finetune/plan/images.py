@@ -23,14 +23,17 @@ def image_input(
     images_per_row: float | None = None,
     patches_per_image: int | None = None,
 ) -> ImageInput:
-    """Images per row (the flag, else 1: the planner does not read the data) and patches per image
-    (the flag, else the largest image the processor settings allow)."""
+    """Images per row (the flag, else the most in a row of the prepared data when the recipe's
+    preparation is on disk, else 1) and patches per image (the flag, else the largest image the
+    processor settings allow)."""
     if images_per_row is not None and images_per_row <= 0:
         raise FinetuneError(f"--images-per-row {images_per_row}: expected a positive number")
     if patches_per_image is not None and patches_per_image <= 0:
         raise FinetuneError(f"--patches-per-image {patches_per_image}: expected a positive number")
-    rows = images_per_row if images_per_row is not None else 1
-    rows_text = "--images-per-row" if images_per_row is not None else "assumed (set --images-per-row)"
+    rows, rows_text = images_per_row, "--images-per-row"
+    if rows is None:
+        counted = prepared_images_per_row(recipe)
+        rows, rows_text = counted if counted else (1, "assumed (set --images-per-row)")
     processor = _local_image_processor(recipe)
     patches, pixel_bytes, how = _patches(vision, recipe, processor)
     if patches_per_image is not None:
@@ -43,10 +46,45 @@ def image_input(
     return ImageInput(rows, patches, pixel_bytes, source)
 
 
+def prepared_images_per_row(recipe: Recipe) -> tuple[int, str] | None:
+    """(the most images in a training row, how it was found) from the recipe's prepared dataset, or None
+    when it is not on disk. Looked up only when that is cheap: local data and processor (the
+    fingerprint hashes them; a Hub source would need the network). Arrow's list lengths are read
+    without decoding an image."""
+    data = recipe.data
+    entries = list(data.datasets)
+    local = all(Path(getattr(e, "path", "")).exists() for e in entries)
+    root = Path(data.dataset_prepared_path) if data.dataset_prepared_path else None
+    if not (local and root is not None and root.is_dir() and _local(recipe.model.tokenizer_source)):
+        return None
+    import pyarrow.compute as pc
+
+    from finetune.data.cache import load_complete
+    from finetune.data.fingerprint import cached
+
+    try:
+        found = cached(recipe)
+        prepared = load_complete(found[0]) if found else None
+    except (FinetuneError, OSError, ValueError):
+        return None  # no usable preparation: the default applies, and the plan says so
+    if prepared is None or "images" not in prepared.train.column_names or not len(prepared.train):
+        return None
+    counts = pc.list_value_length(prepared.train.data.column("images"))
+    most, mean = pc.max(counts).as_py() or 0, pc.mean(counts).as_py() or 0.0
+    how = (
+        f"the most in a row of the prepared data at {found[0]} (mean {mean:.2f}; a micro batch of such rows)"
+    )
+    return max(most, 1), how
+
+
+def _local(source) -> bool:
+    return isinstance(source, str) and Path(source).is_dir()
+
+
 def _local_image_processor(recipe: Recipe) -> Any | None:
     """The recipe's image processor when its processor is a local folder (None otherwise)."""
     source = recipe.model.tokenizer_source
-    if not isinstance(source, str) or not Path(source).is_dir():
+    if not _local(source):
         return None
     from finetune.vlm import auto_processor
 

@@ -351,3 +351,38 @@ def test_training_records_the_vlm_plan(monkeypatch):
     plan = make_plan(recipe)
     assert recorded["total_gpu_bytes"] == plan.estimate.total_gpu
     assert [p["name"] for p in recorded["parts"]] == [p.name for p in plan.estimate.parts]
+
+
+def test_images_per_row_are_read_from_the_prepared_data(tmp_path, monkeypatch, capsys):
+    """With the recipe's preparation on disk the planner counts the images of its rows (the most in a
+    row) instead of assuming one; --images-per-row still wins."""
+    monkeypatch.chdir(REPO)
+    images = REPO / "recipes/demo/data/vlm/images"
+    (tmp_path / "images").mkdir()
+    for name in ("00000.png", "00001.png"):
+        (tmp_path / "images" / name).write_bytes((images / name).read_bytes())
+    part = {"type": "image", "image": "images/00000.png"}
+    second = {"type": "image", "image": "images/00001.png"}
+    rows = [[part], [part, second], [part]] * 4
+    with (tmp_path / "rows.jsonl").open("w") as f:
+        for parts in rows:
+            user = [*parts, {"type": "text", "text": "What shape is it?"}]
+            reply = [{"type": "text", "text": "square"}]
+            f.write(
+                json.dumps(
+                    {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]}
+                )
+                + "\n"
+            )
+    args = [
+        "recipes/demo/tiny_vlm_cpu.yaml", "--data.datasets", json.dumps([{"path": str(tmp_path / "rows.jsonl"), "type": "chat_template"}]),
+        "--data.test_datasets", "[]", "--data.dataset_prepared_path", str(tmp_path / "prepared"),
+    ]  # fmt: skip
+    before = _plan_json(capsys, *args)["model"]["vision"]
+    assert before["images_per_row"] == 1 and "assumed" in before["images_source"]
+    assert main(["prepare-dataset", *args]) == 0
+    capsys.readouterr()
+    after = _plan_json(capsys, *args)["model"]["vision"]
+    assert after["images_per_row"] == 2 and "prepared data" in after["images_source"]
+    assert after["activations_bytes"] == pytest.approx(2 * before["activations_bytes"], rel=0.01)
+    assert _plan_json(capsys, *args, "--images-per-row", "3")["model"]["vision"]["images_per_row"] == 3
