@@ -93,7 +93,8 @@ class ModelInventory:
 
     @property
     def non_layer_params(self) -> int:
-        """Embeddings, final norm and lm_head: what FSDP's root unit holds."""
+        """Embeddings, final norm and lm_head (and a VLM's vision tower and projector, which the planner
+        counts in FSDP's root unit): what FSDP's root unit holds."""
         return self.total - sum(m.num_params for m in self.modules if m.kind == "layer")
 
     @property
