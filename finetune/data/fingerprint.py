@@ -43,7 +43,9 @@ IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".
 # Bump when the prepared layout or the meaning of its columns changes: old caches are then ignored.
 # 2: chats with tool calls are trained (they were bad rows) and rendered with their row's tools.
 # 3: message contents may be lists of parts (text; images for vision-language models): they were bad rows.
-FORMAT_VERSION = 3
+# 4: multipack's repair pass runs when greedy is within 10% of the bound (was 2%): packed rows differ.
+#    One version for every preparation, so unpacked caches are rebuilt too (once).
+FORMAT_VERSION = 4
 # Files in a tokenizer folder that cannot change tokenization (model weights): not hashed.
 _WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx"}
 # Entry fields that do not change what is prepared.

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,15 +148,7 @@ def tokenize_dataset(
         enc = dataclasses.replace(
             enc, image_root=images.base_dir(entry.path), image_max_pixels=image_max_pixels
         )
-    fn = functools.partial(
-        _tokenize_batch,
-        fmt=fmt,
-        entry=entry,
-        enc=enc,
-        features=features,
-        limit=limit,
-        strategy=excess_length_strategy,
-    )
+    fn = _batch_function(fmt, entry, enc, features, limit, excess_length_strategy)
     out = ds.map(
         fn,
         batched=True,
@@ -256,6 +249,16 @@ def _check_chat(
 
 
 # ------------------------------------------------------------------------------------- batch function
+
+
+def _batch_function(
+    fmt: Format, entry: Any, enc: Encoder, features: datasets.Features, limit: int, strategy: str
+) -> Callable[..., dict[str, list]]:
+    """The batch function both `tokenize_dataset` and `tokenize_stream` map over their rows: one
+    place binds it, so a streamed row is tokenized exactly as a prepared one."""
+    return functools.partial(
+        _tokenize_batch, fmt=fmt, entry=entry, enc=enc, features=features, limit=limit, strategy=strategy
+    )
 
 
 def _tokenize_batch(
@@ -427,15 +430,7 @@ def tokenize_stream(
     renders_chat = fmt.renders_chat(entry, ds.features)
     enc = _encoder(entry, fmt, tokenizer, chat_template, entry_label, chat=renders_chat)
     features = _features(fmt)
-    fn = functools.partial(
-        _tokenize_batch,
-        fmt=fmt,
-        entry=entry,
-        enc=enc,
-        features=features,
-        limit=entry.max_seq_len or sequence_len,
-        strategy=excess_length_strategy,
-    )
+    fn = _batch_function(fmt, entry, enc, features, entry.max_seq_len or sequence_len, excess_length_strategy)
     return ds.map(
         fn,
         batched=True,

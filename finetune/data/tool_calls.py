@@ -65,17 +65,22 @@ def _arguments(value: Any, field: str) -> dict[str, Any] | BadRow:
     if value is None:
         return BadRow(field, MISSING_FIELD, f"{field!r} is missing: write the call's arguments, {{}} if none")
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            return BadRow(
-                field, BAD_TOOL_CALL, f"{field!r} is not valid JSON ({e.msg} at char {e.pos}): {value[:80]!r}"
-            )
+        value = _parsed(value, field, BAD_TOOL_CALL)
+        if isinstance(value, BadRow):
+            return value
     if not isinstance(value, dict):
         return BadRow(
             field, BAD_TOOL_CALL, f"{field!r} should be a JSON object of named arguments, got {value!r:.80}"
         )
     return value
+
+
+def _parsed(text: str, field: str, reason: str) -> Any:
+    """`text` parsed as JSON, or the bad row (under `reason`) saying where the parse failed."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return BadRow(field, reason, f"{field!r} is not valid JSON ({e.msg} at char {e.pos}): {text[:80]!r}")
 
 
 def orphan_result(turns: list[dict[str, Any]], field: str) -> BadRow | None:
@@ -113,12 +118,9 @@ def tools(value: Any, field: str) -> list[dict[str, Any]] | BadRow | None:
     if isinstance(value, str):
         if not value.strip():
             return None
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            return BadRow(
-                field, BAD_TOOLS, f"{field!r} is not valid JSON ({e.msg} at char {e.pos}): {value[:80]!r}"
-            )
+        value = _parsed(value, field, BAD_TOOLS)
+        if isinstance(value, BadRow):
+            return value
     if not isinstance(value, list):
         return BadRow(
             field, BAD_TOOLS, f"{field!r} should be a list of function schemas, got {type(value).__name__}"

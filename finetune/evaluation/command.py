@@ -164,7 +164,9 @@ def run_eval(recipe, args) -> int:
 
     Several adapters (`--adapter A --adapter B`, e.g. an SFT run and a GRPO run on top of it) are
     scored side by side with the base, each in its own column. Every adapter or model is checked
-    against the recipe's base before anything runs, and every model loads before any is evaluated."""
+    against the recipe's base before anything runs; then the models load, are evaluated and are freed
+    one at a time (evaluation.report.evaluate_models, which first checks that each tuned one loads), so
+    peak memory is one model's."""
     adapters, model, no_base = args.adapter, args.model, args.no_base
     vision = recipe.model.kind == "vlm"
     from finetune.evaluation.fit import check_fits_recipe

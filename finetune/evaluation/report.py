@@ -45,23 +45,26 @@ def evaluate_models(
     `score(name, model, tokenizer)`'s results (preference recipes: the held-out pairs), and every
     generation set.
 
-    Every model loads (by its loader) before the first is evaluated, so a model that does not load
-    fails in seconds rather than after the others' evaluation; each moves to `device` for its turn and
-    is freed after it. The models are held in memory (where their loaders put them) together until then.
+    The models are evaluated one at a time, in order (base first: preference scoring takes it as the
+    reference): each loads, moves to `device`, is evaluated and is freed before the next loads, so peak
+    memory is the largest model's, not their sum. Before that, every model after the first is loaded
+    once and freed, so one that does not load (an adapter PEFT refuses) fails in seconds rather than
+    after the others' evaluation: a load is seconds, an evaluation with generation sets minutes.
     """
     from finetune.generation.sets import load_generation_rows, score_generation_sets
 
     rows = {s.name: load_generation_rows(s) for s in sets}
-    loaded = {}
+    for name, load in list(models.items())[1:]:  # the first loads next anyway
+        say(f"checking that {name} loads")
+        load()  # and dropped at once: only one model is in memory at any time
+        _free_memory(device)
+    results: dict[str, dict[str, Any]] = {}
     for name, load in models.items():
         say(f"loading {name}")
-        loaded[name] = load()
-    results: dict[str, dict[str, Any]] = {}
-    for name in list(loaded):
-        say(f"evaluating {name}")
-        model, tokenizer = loaded.pop(name)
+        model, tokenizer = load()
         if device is not None:
             model = model.to(device)
+        say(f"evaluating {name}")
         result: dict[str, Any] = {}
         if eval_batches is not None:
             result.update(token_loss(model, eval_batches(tokenizer)))
@@ -72,7 +75,18 @@ def evaluate_models(
         )
         results[name] = result
         del model
+        _free_memory(device)
     return results
+
+
+def _free_memory(device: torch.device | None) -> None:
+    """Return a freed model's memory before the next loads: a collection pass for any reference cycle
+    (PEFT wrappers hold some), and the CUDA cache back to the driver."""
+    import gc
+
+    gc.collect()
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def write_report(results: dict[str, dict[str, Any]], path: Path, **context: Any) -> None:

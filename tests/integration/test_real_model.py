@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -43,53 +44,69 @@ def _train(tmp, *extra: str) -> subprocess.CompletedProcess:
     return run([sys.executable, str(REPO / "finetune" / "train.py"), str(RECIPE), *_args(tmp, *extra)])
 
 
-def test_the_demo_lowers_the_eval_loss_against_the_base(tmp_path):
-    trained = _train(tmp_path / "demo", "--train.max_steps", "6")
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    losses = step_losses(progress(tmp_path / "demo" / "out"))
+# 6 steps, a checkpoint every 2 and all kept, LoRA dropout on (an exact resume needs the RNG state back).
+STEPS = ["--train.max_steps", "6", "--train.save_steps", "2", "--train.save_total_limit", "null",
+         "--lora.lora_dropout", "0.1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """The module's runs, each in a subfolder: they share workdir/prepared (prepared once)."""
+    return tmp_path_factory.mktemp("real")
+
+
+@pytest.fixture(scope="module")
+def trained(workdir: Path) -> Path:
+    """The demo trained once (STEPS): the run the eval test scores and the sigkill test resumes to
+    (a real-model run costs ~20 s: one serves both)."""
+    tmp = workdir / "demo"
+    result = _train(tmp, *STEPS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp
+
+
+def test_the_demo_lowers_the_eval_loss_against_the_base(trained):
+    losses = step_losses(progress(trained / "out"))
     assert sorted(losses) == list(range(1, 7))
     sets = (
         "[{name: word_problems, path: recipes/smollm2/data/word_problems_test.jsonl, field_prompt: question, "
         "field_expected: answer, num_rows: 4, max_new_tokens: 40}]"
     )
     evaluated = cli(
-        "eval", str(RECIPE), "--adapter", str(tmp_path / "demo" / "out"), "--no-progress",
-        *_args(tmp_path / "demo", "--eval.generation_sets", sets),
+        "eval", str(RECIPE), "--adapter", str(trained / "out"), "--no-progress",
+        *_args(trained, "--eval.generation_sets", sets),
     )  # fmt: skip
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-    results = json.loads((tmp_path / "demo" / "out" / "eval.json").read_text())["results"]
+    results = json.loads((trained / "out" / "eval.json").read_text())["results"]
     assert results["tuned"]["eval_loss"] < 0.5 * results["base"]["eval_loss"], results
     tuned = results["tuned"]["generation"]["word_problems"]["samples"]
     assert all("####" in s["output"] for s in tuned)  # the answer format it was trained on
     assert evaluated.stdout.splitlines()[0].split() == ["metric", "base", "tuned"]
 
 
-def test_a_sigkilled_run_resumes_to_the_same_losses(tmp_path):
-    steps = ["--train.max_steps", "6", "--train.save_steps", "2", "--train.save_total_limit", "null",
-             "--lora.lora_dropout", "0.1"]  # fmt: skip
-    reference = _train(tmp_path / "ref", *steps)
-    assert reference.returncode == 0, reference.stderr[-3000:]
+def test_a_sigkilled_run_resumes_to_the_same_losses(trained):
+    kill = trained.parent / "kill"  # next to the trained run: its prepared data is reused
     cmd = [
         sys.executable,
         str(REPO / "finetune" / "train.py"),
         str(RECIPE),
-        *_args(tmp_path / "kill", *steps),
+        *_args(kill, *STEPS),
     ]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
-    state = tmp_path / "kill" / "out" / "checkpoints" / "step-2" / "train_state.json"
+    state = kill / "out" / "checkpoints" / "step-2" / "train_state.json"
     deadline = time.monotonic() + 600
     while not state.is_file() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert state.is_file(), "the run ended before its first checkpoint"
-    resumed = _train(tmp_path / "kill", *steps, "--train.load_checkpoint_path", "auto")
+    resumed = _train(kill, *STEPS, "--train.load_checkpoint_path", "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     before, after = (
-        step_losses(progress(tmp_path / "ref" / "out")),
-        step_losses(progress(tmp_path / "kill" / "out")),
+        step_losses(progress(trained / "out")),
+        step_losses(progress(kill / "out")),
     )
     assert sorted(after) == list(range(1, 7))
     for step in range(1, 7):
@@ -97,16 +114,16 @@ def test_a_sigkilled_run_resumes_to_the_same_losses(tmp_path):
         assert after[step] == pytest.approx(before[step], rel=1e-6, abs=0), (step, before, after)
 
 
-def test_qlora_trains_the_real_model(tmp_path):
+def test_qlora_trains_the_real_model(workdir):
     result = _train(
-        tmp_path / "qlora", "--train.max_steps", "4", "--lora.enable_qlora", "true", "--model.torch_dtype", "auto",
+        workdir / "qlora", "--train.max_steps", "4", "--lora.enable_qlora", "true", "--model.torch_dtype", "auto",
         "--train.mixed_precision", "bf16", "--train.lr", "2e-3",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    records = progress(tmp_path / "qlora" / "out")
+    records = progress(workdir / "qlora" / "out")
     assert sorted(step_losses(records)) == [1, 2, 3, 4]
     (final,) = [r for r in records if r.get("event") == "eval"]
     # The base's loss on these held-out problems is about 0.9 (the demo's eval table): 4 QLoRA steps
     # already teach the answer format.
     assert final["eval_loss"] < 0.7, final
-    assert (tmp_path / "qlora" / "out" / "adapter_model.safetensors").is_file()
+    assert (workdir / "qlora" / "out" / "adapter_model.safetensors").is_file()

@@ -56,30 +56,45 @@ def _wait_for(predicate, proc, timeout=300):
     return False
 
 
-def test_sigkill_then_resume_gives_the_same_losses(tmp_path):
-    # Uninterrupted reference run.
-    ref = run(accelerate_cmd(DEMO, *demo_overrides(tmp_path / "ref", *COMMON)))
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory) -> dict:
+    """An uninterrupted run (COMMON), and the same run killed with SIGKILL after its step-8 checkpoint
+    once at least one later step is logged, then resumed with `auto` into the same folder."""
+    tmp = tmp_path_factory.mktemp("sigkill")
+    ref = run(accelerate_cmd(DEMO, *demo_overrides(tmp / "ref", *COMMON)))
     assert ref.returncode == 0, ref.stderr[-4000:]
-    ref_losses = step_losses(progress(tmp_path / "ref" / "out"))
-    assert sorted(ref_losses) == list(range(1, STEPS + 1))
 
-    # Same run, killed with SIGKILL once a checkpoint exists, then resumed with `auto`.
-    out = tmp_path / "kill" / "out"
-    cmd = accelerate_cmd(DEMO, *demo_overrides(tmp_path / "kill", *COMMON))
+    out = tmp / "kill" / "out"
+    cmd = accelerate_cmd(DEMO, *demo_overrides(tmp / "kill", *COMMON))
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
     latest = out / "checkpoints" / "latest"
-    reached = _wait_for(lambda: latest.is_file() and latest.read_text().strip() == "step-8", proc)
+
+    def past_a_checkpoint() -> bool:  # a step after the checkpoint is logged: the resume replays it
+        k = int(latest.read_text().strip()[5:] or 0) if latest.is_file() else 0
+        return k >= 8 and max(step_losses(progress(out)), default=0) > k
+
+    reached = _wait_for(past_a_checkpoint, proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert reached, "the run ended before it could be killed"
     killed_at = max(step_losses(progress(out)))
     k = int(latest.read_text().strip()[5:])
-    assert 8 <= k <= killed_at < STEPS
-
+    assert 8 <= k < killed_at < STEPS
     resumed = run([*cmd, "--train.load_checkpoint_path", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-4000:]
+    return {"ref": tmp / "ref" / "out", "out": out, "checkpoint": k, "resumed": resumed}
+
+
+def test_sigkill_then_resume_gives_the_same_losses(killed_and_resumed):
+    ref_losses = step_losses(progress(killed_and_resumed["ref"]))
+    assert sorted(ref_losses) == list(range(1, STEPS + 1))
+    out, k, resumed = (
+        killed_and_resumed["out"],
+        killed_and_resumed["checkpoint"],
+        killed_and_resumed["resumed"],
+    )
     assert f"resumed from {out / 'checkpoints' / f'step-{k}'}" in resumed.stdout + resumed.stderr
     after = step_losses(progress(out))  # the resumed run appends; later records win
     for step in range(1, STEPS + 1):
@@ -115,26 +130,15 @@ def test_sigterm_checkpoints_and_exits_zero(tmp_path):
     assert (out / "checkpoints" / latest / "train_state.json").is_file()
 
 
-def test_resume_after_sigkill_logs_each_step_once_and_marks_the_resume(tmp_path):
+def test_resume_after_sigkill_logs_each_step_once_and_marks_the_resume(killed_and_resumed):
     """The resumed run replaces the log's records after its checkpoint (replayed steps are not
     doubled) and marks where it resumed."""
-    out = tmp_path / "out"
-    cmd = accelerate_cmd(DEMO, *demo_overrides(tmp_path, *COMMON))
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    latest = out / "checkpoints" / "latest"
-    reached = _wait_for(lambda: latest.is_file() and max(step_losses(progress(out)), default=0) >= 6, proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert reached
-    resumed = run([*cmd, "--train.load_checkpoint_path", "auto"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    records = [r for r in progress(out) if r.get("event") != "started"]  # each (re)start's own record
+    records = [r for r in progress(killed_and_resumed["out"]) if r.get("event") != "started"]  # each start's
     steps = [r["step"] for r in records if r.get("event") is None]
     assert steps == list(range(1, STEPS + 1))  # every step once, in order
     (mark,) = [r for r in records if r.get("event") == "resumed"]
-    assert mark["step"] % 4 == 0 and records.index(mark) == steps.index(mark["step"]) + 1
+    assert mark["step"] == killed_and_resumed["checkpoint"]
+    assert records.index(mark) == steps.index(mark["step"]) + 1
 
 
 def _unfinish(out: Path) -> None:

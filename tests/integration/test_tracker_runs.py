@@ -30,11 +30,6 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The demo trained 4 steps, evaluated (loss and a generation set) at steps 2 and 4, logging to
     mlflow, trackio and wandb at once."""
     tmp = tmp_path_factory.mktemp("trackers")
-    questions = tmp / "questions.jsonl"
-    questions.write_text(
-        "".join(json.dumps({"q": f"What is {a} plus 1?", "a": f"#### {a + 1}"}) + "\n" for a in (2, 5))
-    )
-    gen_sets = f"[{{name: arith, path: {questions}, field_prompt: q, field_expected: a, max_new_tokens: 6}}]"
     (tmp / "wandb").mkdir()
     variables = {
         "MLFLOW_TRACKING_URI": (tmp / "mlruns").as_uri(),
@@ -44,11 +39,22 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "WANDB_DIR": str(tmp / "wandb"),
         "WANDB_SILENT": "true",
     }
+    return tracked_run(tmp, "[mlflow, trackio, wandb]", variables)
+
+
+def tracked_run(tmp: Path, report_to: str, variables: dict[str, str]) -> dict:
+    """The demo trained 4 steps in `tmp`, evaluated (loss and a 2-question generation set) at steps 2
+    and 4, logging every step to the trackers `report_to` names, with `variables` set."""
+    questions = tmp / "questions.jsonl"
+    questions.write_text(
+        "".join(json.dumps({"q": f"What is {a} plus 1?", "a": f"#### {a + 1}"}) + "\n" for a in (2, 5))
+    )
+    gen_sets = f"[{{name: arith, path: {questions}, field_prompt: q, field_expected: a, max_new_tokens: 6}}]"
     overrides = [
         *demo_overrides(tmp),
         "--train.max_steps", "4", "--train.eval_steps", "2", "--train.log_steps", "1",
         "--train.log_format", "structured", "--train.save_epochs", "0",
-        "--train.report_to", "[mlflow, trackio, wandb]", "--eval.generation_sets", gen_sets,
+        "--train.report_to", report_to, "--eval.generation_sets", gen_sets,
     ]  # fmt: skip
     result = run(
         [sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *overrides], extra_env=variables
@@ -180,29 +186,15 @@ def archived(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "comet_ml", reason="comet_ml is in the tracking extra (pip install 'finetune[tracking]')"
     )
     tmp = tmp_path_factory.mktemp("archives")
-    questions = tmp / "questions.jsonl"
-    questions.write_text(
-        "".join(json.dumps({"q": f"What is {a} plus 1?", "a": f"#### {a + 1}"}) + "\n" for a in (2, 5))
-    )
-    gen_sets = f"[{{name: arith, path: {questions}, field_prompt: q, field_expected: a, max_new_tokens: 6}}]"
     variables = {
         "COMET_START_ONLINE": "false",
         "COMET_OFFLINE_DIRECTORY": str(tmp / "comet"),
         "COMET_ERROR_TRACKING_ENABLE": "false",
         "COMET_DISABLE_AUTO_LOGGING": "1",
     }
-    overrides = [
-        *demo_overrides(tmp),
-        "--train.max_steps", "4", "--train.eval_steps", "2", "--train.log_steps", "1",
-        "--train.log_format", "structured", "--train.save_epochs", "0",
-        "--train.report_to", "[comet_ml]", "--eval.generation_sets", gen_sets,
-    ]  # fmt: skip
-    result = run(
-        [sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *overrides], extra_env=variables
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "takes no" not in result.stdout + result.stderr
-    return {"tmp": tmp, "out": tmp / "out"}
+    archived = tracked_run(tmp, "[comet_ml]", variables)
+    assert "takes no" not in archived["result"].stdout + archived["result"].stderr
+    return archived
 
 
 def test_comet_ml_offline_archive_holds_the_progress_numbers_and_the_samples_table(archived):

@@ -99,13 +99,15 @@ def test_padded_unpacked_batch_equals_sequences(attn):
 
 def test_flex_attention_packed_forward_matches_on_cpu():
     """FlexAttention has no backward on CPU (torch raises), so on CPU we check the packed loss only;
-    the gradient check runs on GPU below."""
-    model = tiny_model("flex_attention")
+    the gradient check runs on GPU below. The sequences one by one run on the same weights with sdpa
+    (a lone sequence has nothing to leak into): flex compiles a kernel per shape on CPU (~10 s each on
+    2 cores), so only the packed row goes through it."""
+    model, alone = tiny_model("flex_attention"), tiny_model("sdpa")
     seqs = sequences()
     with torch.no_grad():
         total = _trainable(seqs)
         ref = sum(
-            forward(model, collate_rows([s], pad_token_id=0, packed=True), num_items=torch.tensor(total)).loss
+            forward(alone, collate_rows([s], pad_token_id=0, packed=True), num_items=torch.tensor(total)).loss
             for s in seqs
         )
         batch = collate_rows([pack(seqs, 8)], pad_token_id=0, pad_to_multiple_of=16, packed=True)

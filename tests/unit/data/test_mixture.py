@@ -136,22 +136,25 @@ def _recipe(workdir: Path, weights=(1.0, 1.0), *, name: str = "prepared", **data
         {"path": str(workdir / "sums.jsonl"), "type": "alpaca", "weight": weights[0]},
         {"path": str(workdir / "texts.jsonl"), "type": "completion", "weight": weights[1]},
     ]
+    return _tiny_recipe(
+        workdir,
+        name,
+        {"datasets": entries, "sequence_len": 64, "pad_to_multiple_of": 8, "on_bad_row": "skip", **data},
+    )
+
+
+def _tiny_recipe(workdir: Path, name: str, data: dict, **sections):
+    """The recipe every prepare here uses: a 1-layer llama with the demo tokenizer, `data` prepared
+    under ``workdir/name`` with one process unless `data` says otherwise."""
     return validate_recipe(
         {
             "model": {
                 "config_path": {"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1},
                 "tokenizer_path": str(workdir / "tokenizer"),
             },
-            "data": {
-                "datasets": entries,
-                "sequence_len": 64,
-                "pad_to_multiple_of": 8,
-                "on_bad_row": "skip",
-                "dataset_num_proc": 1,
-                "dataset_prepared_path": str(workdir / name),
-                **data,
-            },
-            "train": {"output_dir": str(workdir / "out")},
+            "data": {"dataset_num_proc": 1, "dataset_prepared_path": str(workdir / name), **data},
+            **sections,
+            "train": {"output_dir": str(workdir / "out"), **sections.get("train", {})},
         }
     )
 
@@ -281,29 +284,11 @@ def test_a_weight_that_draws_nothing_is_an_error_and_a_poor_fit_a_warning(workdi
 
 
 def _demo_recipe(repo_root: Path, workdir: Path, entry: dict, objective: str, name: str, **extra):
-    data = repo_root / "recipes" / "demo" / "data"
-    entries = [
-        {**entry, "path": str(data / entry["path"]), "weight": 0.25},
-        {**entry, "path": str(data / entry["path"]), "weight": 1.5},
-    ]
-    return validate_recipe(
-        {
-            "model": {
-                "config_path": {"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1},
-                "tokenizer_path": str(workdir / "tokenizer"),
-            },
-            "data": {
-                "datasets": entries,
-                "val_set_size": 8,
-                "sequence_len": 128,
-                "sample_packing_sequence_len": 512,
-                "dataset_num_proc": 1,
-                "dataset_prepared_path": str(workdir / name),
-            },
-            **extra,
-            "train": {"output_dir": str(workdir / "out"), "objective": objective, **extra.get("train", {})},
-        }
-    )
+    path = repo_root / "recipes" / "demo" / "data" / entry["path"]
+    entries = [{**entry, "path": str(path), "weight": 0.25}, {**entry, "path": str(path), "weight": 1.5}]
+    data = {"datasets": entries, "val_set_size": 8, "sequence_len": 128, "sample_packing_sequence_len": 512}
+    train = {"objective": objective, **extra.get("train", {})}
+    return _tiny_recipe(workdir, name, data, **{**extra, "train": train})
 
 
 KINDS = {

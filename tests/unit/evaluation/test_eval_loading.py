@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -281,21 +282,43 @@ def test_chat_refuses_a_base_with_another_vocabulary(runs, capsys):
     assert f"--base {runs['foreign_base']} is not the base of {runs['demo']}" in err
 
 
-# ------------------------------------------------------------------ every model loads, then evaluation
+# ----------------------------------------------------------- one model in memory at a time, base first
 
 
-def test_every_model_loads_before_any_is_evaluated():
-    evaluated = []
+def test_models_load_evaluate_and_free_one_at_a_time():
+    alive: list[weakref.ref] = []  # every model a loader gave, to see which are still referenced
+    events: list[str] = []
+
+    def loader(name: str):
+        def load():
+            assert [ref for ref in alive if ref() is not None] == [], f"a model is alive when {name} loads"
+            model = tiny_model()
+            alive.append(weakref.ref(model))
+            events.append(f"load {name}")
+            return model, name
+
+        return load
+
+    def batches(tokenizer):
+        events.append(f"evaluate {tokenizer}")
+        return []
 
     def fails():
-        raise FinetuneError("tuned: does not load")
+        raise FinetuneError("broken: does not load")
 
-    models = {"base": lambda: (tiny_model(), None), "tuned": fails}
-    with pytest.raises(FinetuneError, match="tuned: does not load"):
-        evaluate_models(
-            models, eval_batches=lambda tok: evaluated.append(tok) or [], sets=[], batch_size=1, say=print
-        )
-    assert evaluated == []  # the base was not evaluated before the tuned model failed to load
+    models = {"base": loader("base"), "sft": loader("sft"), "grpo": loader("grpo")}
+    results = evaluate_models(models, eval_batches=batches, sets=[], batch_size=1, say=lambda _: None)
+    # The tuned models are loaded once first (a broken one fails before any evaluation), then each
+    # loads again for its turn.
+    checked = ["load sft", "load grpo"]
+    assert events == checked + [f"{step} {name}" for name in models for step in ("load", "evaluate")]
+    assert all(ref() is None for ref in alive)  # the last one is freed too
+    assert list(results) == list(models)
+    assert all(set(r) == {"eval_loss", "eval_ppl", "eval_tokens", "generation"} for r in results.values())
+    events.clear()
+    with pytest.raises(FinetuneError, match="broken: does not load"):
+        evaluate_models({**models, "broken": fails}, eval_batches=batches, sets=[], batch_size=1, say=print)
+    assert not [e for e in events if e.startswith("evaluate")]  # it failed before any evaluation
 
 
 def test_eval_refuses_an_adapter_whose_base_is_gone(runs, tmp_path, capsys, monkeypatch):
