@@ -67,7 +67,9 @@ def sequences(row) -> list[tuple[list[int], list[int]]]:
 
 
 def trained_text(proc, ids, labels) -> str:
-    return "".join(proc.tokenizer.decode([t for t, x in zip(ids, labels, strict=True) if x != IGNORE_INDEX]).split())
+    return "".join(
+        proc.tokenizer.decode([t for t, x in zip(ids, labels, strict=True) if x != IGNORE_INDEX]).split()
+    )
 
 
 def test_both_sequences_get_the_prompt_images_and_train_only_their_completion(processor, root):
@@ -77,7 +79,9 @@ def test_both_sequences_get_the_prompt_images_and_train_only_their_completion(pr
     image_ids = image_token_ids(proc)
     (chosen, chosen_labels), (rejected, rejected_labels) = sequences(row)
     assert trained_text(proc, chosen, chosen_labels) == "".join(("It is red." + end_of_turn).split()), name
-    assert trained_text(proc, rejected, rejected_labels) == "".join(("It is blue." + end_of_turn).split()), name
+    assert trained_text(proc, rejected, rejected_labels) == "".join(("It is blue." + end_of_turn).split()), (
+        name
+    )
     for ids in (chosen, rejected):
         assert sum(t in image_ids for t in ids) >= 4  # the image expanded in each sequence
     # The shared prompt, image tokens included, is the same in both; nothing of it is trained.
@@ -109,7 +113,10 @@ def test_bad_images_are_bad_rows_counted_or_raised(root):
     proc.tokenizer.chat_template = proc.chat_template
     completion_image = parts_row("images/red.png")
     completion_image["chosen"] = [
-        {"role": "assistant", "content": [{"type": "image", "image": "images/blue.png"}, {"type": "text", "text": "x"}]}
+        {
+            "role": "assistant",
+            "content": [{"type": "image", "image": "images/blue.png"}, {"type": "text", "text": "x"}],
+        }
     ]
     rows = [parts_row("images/missing.png"), parts_row("images/notes.png"), parts_row("images/red.png")]
     result = tokenize(rows, root, proc, on_bad_row="skip")
@@ -132,7 +139,7 @@ def test_a_text_model_refuses_pairs_with_images(root):
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
     entry = dataset_entry(path=str(root / "pairs.jsonl"), type="preference")
-    with pytest.raises(DataError, match="model.kind: vlm"):
+    with pytest.raises(DataError, match=r"model\.kind: vlm"):
         tokenize_dataset(
             datasets.Dataset.from_list([parts_row("images/red.png")]),
             entry,
@@ -169,4 +176,3 @@ def test_collated_pairs_are_one_row_per_sequence_with_the_pairs_pixels(processor
         assert torch.equal(batch[key], value), (name, key)
     assert batch["num_units"].tolist() == [1, 1] and batch["row_index"].tolist() == [0, 1]
     assert batch["input_ids"].shape[0] == 4
-
