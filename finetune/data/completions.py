@@ -192,6 +192,7 @@ def completion_examples(
                 mismatch_field=mismatch_field,
                 roles_to_train=entry.roles_to_train,
                 train_on_eos=entry.train_on_eos,
+                image_field=entry.field_prompt,
             ),
         ),
     ]
@@ -239,16 +240,17 @@ def _chat_examples(
     mismatch_field: str,
     roles_to_train: list[str],
     train_on_eos: str,
+    image_field: str,
 ) -> list[Example | BadRow]:
     out: list[Any] = [None] * len(rows)
-    pending = []  # (row index, [(text, spans) per completion])
+    pending = []  # (row index, [(text, spans) per completion], the shared prompt's images)
     for k, row in enumerate(rows):
         convs = completion_conversations(row, field)
         if isinstance(convs, BadRow):
             out[k] = convs
             continue
         shared, completions = convs
-        pictures = vision.pair_images(shared, completions, enc, field)  # the prompt's, checked and loaded
+        pictures = vision.pair_images(shared, completions, enc, image_field)  # checked and loaded
         if isinstance(pictures, BadRow):
             out[k] = pictures
             continue
