@@ -207,6 +207,8 @@ def collate_vlm_pairs(
     """
     sequences = []
     for row in rows:
+        if row["num_units"] != 1:
+            raise ValueError("rows with images hold one pair each (they are never packed)")
         chosen_len, total = row["seq_lens"][0], sum(row["seq_lens"][:2])
         for part in (slice(0, chosen_len), slice(chosen_len, total)):
             sequences.append({"input_ids": row["input_ids"][part], "labels": row["labels"][part]})

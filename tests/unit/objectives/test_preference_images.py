@@ -345,3 +345,66 @@ def test_the_objective_loss_is_the_pure_loss_of_the_image_conditioned_sums(
         **LOSS_TOL,
     )
     assert obj.units(batch) == len(PAIRS)
+
+
+def test_precomputed_reference_log_probs_see_the_images(tmp_path, processor, pairs_from_files):
+    """preference.precompute_ref_log_probs: the table computed from the collated image batches (adapters
+    disabled) gives the losses of the live reference."""
+    from finetune.objectives.reference import cache_path, load_or_compute
+
+    rows = datasets.Dataset.from_list(prepared(pairs_from_files))
+    policy = with_lora(tiny_vlm())
+    live = objective("dpo", lora=True)
+    tabled = objective("dpo", lora=True, precompute_ref_log_probs=True)
+
+    def collate(subset):
+        return collate_vlm_pairs(list(subset), pad_token_id=3, pad_to_multiple_of=8, processor=processor)
+
+    def make_batches(subset):
+        return (collate(subset.select(range(i, min(i + 2, len(subset))))) for i in range(0, len(subset), 2))
+
+    def compute(batch):
+        sums = live._reference_logps(policy, batch)
+        return list(torch.split(sums, [2 * n for n in batch["num_units"].tolist()]))
+
+    path = cache_path(tmp_path, "data", "ref")
+    tabled.reference.tables = load_or_compute(
+        tabled.accelerator, path, {"train": rows}, compute, make_batches, kto=False
+    )
+    for batch in make_batches(rows):
+        with torch.no_grad():
+            torch.testing.assert_close(
+                tabled.loss(policy, batch, live.units(batch))[0],
+                live.loss(policy, batch, live.units(batch))[0],
+                **LOSS_TOL,
+            )
+
+
+def test_vision_language_recipes_take_the_paired_objectives_and_refuse_kto():
+    from pydantic import ValidationError
+
+    from finetune.recipe import Recipe
+    from finetune.recipe.errors import format_validation_error
+
+    def recipe(name: str, kind: str = "preference") -> dict:
+        return {
+            "model": {"kind": "vlm", "model_path": "HuggingFaceTB/SmolVLM-Instruct"},
+            "data": {"datasets": [{"path": "p.jsonl", "type": kind}]},
+            "train": {"output_dir": "out", "objective": name},
+            "lora": {"enable_lora": True},
+        }
+
+    for name in ("dpo", "ipo", "simpo", "orpo"):
+        assert validate_recipe(recipe(name)).data.sample_packing is False
+    with pytest.raises(ValidationError) as info:
+        validate_recipe(recipe("kto", "kto"))
+    message = format_validation_error(info.value, Recipe)
+    assert "train.objective" in message and "kto is not supported for vision-language models" in message
+    with pytest.raises(ValidationError) as info:
+        validate_recipe(
+            {
+                **recipe("dpo"),
+                "data": {"datasets": [{"path": "p.jsonl", "type": "preference"}], "sample_packing": True},
+            }
+        )
+    assert "data.sample_packing" in format_validation_error(info.value, Recipe)
