@@ -347,10 +347,8 @@ def loader(data, train, rows, tokenizer, *, training: bool, accelerator=None, pr
     from finetune.model import pad_token_id
 
     pad_id = pad_token_id(tokenizer)
-    columns, collate = (
-        COLUMNS,
-        partial(collate_preference, pad_token_id=pad_id, pad_to_multiple_of=data.pad_to_multiple_of),
-    )
+    columns = COLUMNS
+    collate = partial(collate_preference, pad_token_id=pad_id, pad_to_multiple_of=data.pad_to_multiple_of)
     if processor is not None:
         columns = (*COLUMNS, "images")
         collate = partial(
