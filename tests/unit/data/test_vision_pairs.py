@@ -176,3 +176,35 @@ def test_collated_pairs_are_one_row_per_sequence_with_the_pairs_pixels(processor
         assert torch.equal(batch[key], value), (name, key)
     assert batch["num_units"].tolist() == [1, 1] and batch["row_index"].tolist() == [0, 1]
     assert batch["input_ids"].shape[0] == 4
+
+
+def test_a_datasets_image_column_reads_as_the_same_images(root):
+    """An `images` column of datasets' Image feature (as a Parquet or Hub dataset holds it)."""
+    proc, _ = PROCESSORS["smolvlm"]()
+    proc.tokenizer.chat_template = proc.chat_template
+    data = (root / "images" / "red.png").read_bytes()
+    row = {"prompt": "<image>What colour is it?", "chosen": "It is red.", "rejected": "It is blue."}
+    plain = tokenize([{**row, "images": [data]}], root, proc).dataset[0]
+    features = datasets.Features(
+        {**{k: datasets.Value("string") for k in row}, "images": datasets.List(datasets.Image())}
+    )
+    ds = datasets.Dataset.from_dict(
+        {**{k: [v] for k, v in row.items()}, "images": [[{"bytes": data, "path": None}]]}, features=features
+    )
+    entry = dataset_entry(path=str(root / "pairs.jsonl"), type="preference")
+    result = tokenize_dataset(
+        ds,
+        entry,
+        proc.tokenizer,
+        sequence_len=512,
+        excess_length_strategy="drop",
+        on_bad_row="raise",
+        processor=proc,
+    )
+    got = result.dataset[0]
+    assert (got["input_ids"], got["labels"], got["chosen_len"]) == (
+        plain["input_ids"],
+        plain["labels"],
+        plain["chosen_len"],
+    )
+    assert len(got["images"]) == 1
