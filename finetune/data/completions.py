@@ -22,7 +22,7 @@ from typing import Any
 import datasets
 
 from finetune.constants import IGNORE_INDEX
-from finetune.data import preference
+from finetune.data import preference, vision
 from finetune.data.chat import (
     ChatTemplateError,
     MessageKeys,
@@ -192,6 +192,7 @@ def completion_examples(
                 mismatch_field=mismatch_field,
                 roles_to_train=entry.roles_to_train,
                 train_on_eos=entry.train_on_eos,
+                image_field=entry.field_prompt,
             ),
         ),
     ]
@@ -239,23 +240,27 @@ def _chat_examples(
     mismatch_field: str,
     roles_to_train: list[str],
     train_on_eos: str,
+    image_field: str,
 ) -> list[Example | BadRow]:
     out: list[Any] = [None] * len(rows)
-    pending = []  # (row index, [(text, spans) per completion])
+    pending = []  # (row index, [(text, spans) per completion], the shared prompt's images)
     for k, row in enumerate(rows):
         convs = completion_conversations(row, field)
         if isinstance(convs, BadRow):
             out[k] = convs
             continue
         shared, completions = convs
+        pictures = vision.pair_images(shared, completions, enc, image_field)  # checked and loaded
+        if isinstance(pictures, BadRow):
+            out[k] = pictures
+            continue
         try:
-            pending.append(
-                (k, [_render_completion(shared, c, enc, roles_to_train, train_on_eos) for c in completions])
-            )
+            seqs = [_render_completion(shared, c, enc, roles_to_train, train_on_eos) for c in completions]
+            pending.append((k, seqs, pictures))
         except ChatTemplateError as e:
             out[k] = BadRow(field, e.reason, str(e))
-    encodings = iter(enc.encode([text for _, seqs in pending for text, _ in seqs], offsets=True))
-    for k, seqs in pending:
+    encodings = iter(enc.encode([text for _, seqs, _ in pending for text, _ in seqs], offsets=True))
+    for k, seqs, pictures in pending:
         encs = [next(encodings) for _ in seqs]
         mismatch = preference.shared_prefix_problem(
             [text for text, _ in seqs], [spans for _, spans in seqs], encs
@@ -264,9 +269,20 @@ def _chat_examples(
             out[k] = BadRow(mismatch_field, PREFIX_MISMATCH, mismatch)
             continue
         sequences = [enc.labelled(e, spans) for e, (_, spans) in zip(encs, seqs, strict=True)]
+        if pictures:  # each sequence's image markup expanded into the model's image tokens
+            sequences = [
+                vision.expand(enc, text, pictures, ids, labels, field=field)
+                for (text, _), (ids, labels) in zip(seqs, sequences, strict=True)
+            ]
+            bad = next((s for s in sequences if isinstance(s, BadRow)), None)
+            if bad is not None:
+                out[k] = bad
+                continue
         labels = sequences[0][1]
         prompt_len = next((t for t, x in enumerate(labels) if x != IGNORE_INDEX), len(labels))
         out[k] = _example(rows[k], sequences, prompt_len=prompt_len)
+        if pictures:
+            out[k][2]["images"] = pictures
     return out
 
 

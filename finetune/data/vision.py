@@ -34,6 +34,9 @@ from finetune.data.rows import BadRow, Example
 PROCESSOR_REJECTED = "processor_rejected"
 """Bad-row reason: the processor could not turn the row's text and images into model inputs."""
 
+IMAGE_IN_COMPLETION = "image_in_completion"
+"""Bad-row reason: a preference pair's chosen or rejected messages hold an image (only prompts may)."""
+
 # Attributes of processors and tokenizers that name image markup tokens (never trained).
 _IMAGE_TOKEN_NAMES = (
     "image_token",
@@ -78,6 +81,29 @@ def chat_examples(
             ids, labels = expanded
         rows.append((ids, labels, {"images": imgs}))
     return rows
+
+
+def pair_images(
+    shared: list[dict[str, Any]], completions: list[list[dict[str, Any]]], enc: Encoder, field: str
+) -> list[bytes] | BadRow:
+    """The images of a preference pair's (or kto example's) shared prompt, opened and checked: both
+    completions are scored given them. An image inside a completion is a bad row (the pair would compare
+    completions that see different pictures), and so is any image when the model reads only text."""
+    if not any(m.get("images") for c in (shared, *completions) for m in c):
+        return []
+    if enc.processor is None:
+        detail = (
+            "the row has images, but the model reads only text; for a vision-language model set model.kind: "
+            "vlm (its processor then reads the images), or remove the image parts"
+        )
+        return BadRow(field, images.IMAGES_NEED_VLM, detail)
+    if any(m.get("images") for c in completions for m in c):
+        detail = (
+            "an image is in a completion, not in the prompt: chosen and rejected are scored given the same "
+            "prompt and its images, so put the images in the prompt's messages"
+        )
+        return BadRow(field, IMAGE_IN_COMPLETION, detail)
+    return _load_images(shared, enc, field)
 
 
 def _load_images(conv: list[dict[str, Any]], enc: Encoder, field: str) -> list[bytes] | BadRow:
@@ -164,4 +190,47 @@ def collate_vlm(rows: list[dict], *, pad_token_id: int, pad_to_multiple_of: int 
         types = processor.create_mm_token_type_ids(batch["input_ids"].tolist())
         name = "token_type_ids" if "token_type_ids" in processor.model_input_names else "mm_token_type_ids"
         batch[name] = torch.tensor(types, dtype=torch.long)
+    return batch
+
+
+def collate_vlm_pairs(
+    rows: list[dict], *, pad_token_id: int, pad_to_multiple_of: int = 1, processor: Any
+) -> dict:
+    """Batch prepared preference rows with images (one pair per row, chosen then rejected, and the
+    prompt's images) as unpacked rows chosen_0, rejected_0, chosen_1, ...: each sequence its own padded
+    row with its pixels (`collate_vlm`), so the model places image features and positions per sequence.
+
+    The images of a pair are processed once and their tensors repeated for its two rows where every
+    tensor is per row (Idefics3's pixel_values and pixel_attention_mask; Gemma 3's with one image a pair);
+    otherwise (Qwen2-VL's flat patches) the pair's images are processed for each row. `num_units` (one
+    per pair) and `row_index` come along as for packed preference batches.
+    """
+    sequences = []
+    for row in rows:
+        if row["num_units"] != 1:
+            raise ValueError("rows with images hold one pair each (they are never packed)")
+        chosen_len, total = row["seq_lens"][0], sum(row["seq_lens"][:2])
+        for part in (slice(0, chosen_len), slice(chosen_len, total)):
+            sequences.append({"input_ids": row["input_ids"][part], "labels": row["labels"][part]})
+    batch = collate_vlm(
+        sequences, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of, processor=processor
+    )
+    per_pair = [[images.decode(b) for b in row.get("images") or []] for row in rows]
+    per_pair = [imgs for imgs in per_pair if imgs]
+    if per_pair:
+        pixels = {
+            k: v
+            for k, v in processor.image_processor(images=per_pair, return_tensors="pt").items()
+            if isinstance(v, torch.Tensor)
+        }
+        if all(v.shape[0] == len(per_pair) for v in pixels.values()):
+            pixels = {k: v.repeat_interleave(2, dim=0) for k, v in pixels.items()}
+        else:
+            twice = [imgs for imgs in per_pair for _ in range(2)]
+            pixels = processor.image_processor(images=twice, return_tensors="pt")
+            pixels = {k: v for k, v in pixels.items() if isinstance(v, torch.Tensor)}
+        batch |= pixels
+    batch["num_units"] = torch.tensor([row["num_units"] for row in rows], dtype=torch.long)
+    if "row_index" in rows[0]:
+        batch["row_index"] = torch.tensor([row["row_index"] for row in rows], dtype=torch.long)
     return batch

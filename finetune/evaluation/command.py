@@ -84,13 +84,19 @@ def _sft_split(recipe, prepared) -> dict[str, Any]:
 
 def _preference_split(recipe, prepared) -> dict[str, Any]:
     """Preference objectives: the held-out pairs (kto: examples) scored with training's batches,
-    forwards and losses; the base is every model's reference where the objective has one."""
+    forwards and losses; the base is every model's reference where the objective has one (a
+    vision-language recipe's pairs collated with their pixels by the recipe's processor)."""
     import finetune.objectives.preference as preference
     from finetune.evaluation.preference import preference_scorer
     from finetune.model import inference_device
+    from finetune.vlm import load_processor
+
+    processor = load_processor(recipe.model) if recipe.model.kind == "vlm" else None
 
     def batches(tokenizer):
-        return preference.loader(recipe.data, recipe.train, prepared.eval, tokenizer, training=False)
+        return preference.loader(
+            recipe.data, recipe.train, prepared.eval, tokenizer, training=False, processor=processor
+        )
 
     name = recipe.train.objective
     score = preference_scorer(batches, name=name, settings=recipe.preference, device=inference_device())

@@ -19,6 +19,11 @@ a table computed once before training and cached next to the prepared data.
 Each objective's loss is one function in LOSSES, looked up by name, on the per-sequence log-prob
 sums of a micro-batch (`SequenceScores`) and the `preference` section.
 
+A vision-language model (model.kind vlm) trains on pairs whose prompt holds images: its batches are
+not packed but one padded row per sequence (chosen_0, rejected_0, ...) with the pixels of the pair's
+images in both rows (finetune.data.vision.collate_vlm_pairs), so the same per-sequence sums come from
+per-row sums, and the policy, the reference and the precomputed log-probs all see the images.
+
 KTO's reference point is TRL's: the KL estimate from mismatched completions (each packed row's KL
 row, finetune.data.preference.kto_kl_row), detached, averaged over processes and clamped at 0.
 """
@@ -78,6 +83,7 @@ class PreferenceObjective:
         self.unit = self.spec.unit
         self.summary_keys = (self.unit,)
         self.prepared: Any = None
+        self.processor = None  # a vision-language model's (model.kind vlm): its collator processes the images
         source = reference_source(
             needed=self.spec.reference,
             precompute=self.settings.precompute_ref_log_probs,
@@ -94,9 +100,12 @@ class PreferenceObjective:
     def build(self, accelerator) -> Parts:
         from finetune.data.prepare import prepare_on_main_process
         from finetune.model import load_tokenizer
+        from finetune.vlm import load_processor
 
         self.accelerator = accelerator
-        self.tokenizer = load_tokenizer(self.model_settings)
+        if self.model_settings.kind == "vlm":
+            self.processor = load_processor(self.model_settings)
+        self.tokenizer = self.processor.tokenizer if self.processor else load_tokenizer(self.model_settings)
         # One process per machine prepares; the others wait, however long it takes, then read the cache.
         self.prepared = prepare_on_main_process(self.recipe, accelerator)
         self.manifest = self.prepared.manifest
@@ -108,6 +117,7 @@ class PreferenceObjective:
             self.train,
             self.tokenizer,
             accelerator,
+            self.processor,
             init_loader=lambda: self._loader(train_rows, training=True),
         )
         self.reference.attach(model, accelerator)
@@ -134,7 +144,13 @@ class PreferenceObjective:
 
     def _loader(self, rows, *, training: bool):
         return loader(
-            self.data, self.train, rows, self.tokenizer, training=training, accelerator=self.accelerator
+            self.data,
+            self.train,
+            rows,
+            self.tokenizer,
+            training=training,
+            accelerator=self.accelerator,
+            processor=self.processor,
         )
 
     def on_prepared(self, accelerator, model) -> None:
@@ -243,7 +259,7 @@ class PreferenceObjective:
         from finetune.data.loader import seq_stats
 
         seq_sq, seq = seq_stats(batch)
-        real = _real_tokens(batch["position_ids"], self._sequences_per_row(batch))
+        real = _real_tokens(batch, self._sequences_per_row(batch))
         return {
             "tokens": int(real.sum()),
             "seq_sq": seq_sq,
@@ -321,29 +337,42 @@ class PreferenceObjective:
 # exactly the numbers training logs.
 
 
-def loader(data, train, rows, tokenizer, *, training: bool, accelerator=None):
+def loader(data, train, rows, tokenizer, *, training: bool, accelerator=None, processor=None):
     """The loader of prepared preference rows (pairs, or kto examples with their KL rows), always
-    packed (one pair per row without sample_packing); training's and `finetune eval`'s."""
+    packed (one pair per row without sample_packing); training's and `finetune eval`'s. With a
+    vision-language `processor`, pairs with images come as one padded row per sequence, with pixels
+    (finetune.data.vision.collate_vlm_pairs)."""
     from finetune.data.collate import collate_preference
+    from finetune.data.vision import collate_vlm_pairs
     from finetune.model import pad_token_id
 
     pad_id = pad_token_id(tokenizer)
+    columns = COLUMNS
     collate = partial(collate_preference, pad_token_id=pad_id, pad_to_multiple_of=data.pad_to_multiple_of)
+    if processor is not None:
+        columns = (*COLUMNS, "images")
+        collate = partial(
+            collate_vlm_pairs,
+            pad_token_id=pad_id,
+            pad_to_multiple_of=data.pad_to_multiple_of,
+            processor=processor,
+        )
     return lm.make_loader(
         data, train, rows, pad_id,
-        packed=True, training=training, accelerator=accelerator, columns=COLUMNS, collate=collate,
+        packed=True, training=training, accelerator=accelerator, columns=columns, collate=collate,
     )  # fmt: skip
 
 
 def policy_logps(model, batch: dict, *, name: str, settings) -> tuple:
-    """A forward of `model` on a packed batch: (per-sequence completion log-prob sums, their token
-    counts, ORPO's batch-NLL sums and counts over every token of the chosen sequences, or None)."""
-    labels, position_ids = batch["labels"], batch["position_ids"]
+    """A forward of `model` on a packed batch (or a vision-language batch, one sequence per row):
+    (per-sequence completion log-prob sums, their token counts, ORPO's batch-NLL sums and counts over
+    every token of the chosen sequences, or None)."""
+    labels, position_ids = batch["labels"], batch.get("position_ids")  # None: one sequence per row
     num_sequences = batch["num_units"] * (2 if OBJECTIVES[name].kind == "paired" else 1)
     logits = forward(model, _model_inputs(batch)).logits
     orpo_batch_nll = name == "orpo" and settings.orpo_nll_reduction == "batch"
     if orpo_batch_nll:  # TRL's NLL term scores the prompt too: one log-prob per real token
-        real = _real_tokens(position_ids, num_sequences)
+        real = _real_tokens(batch, num_sequences)
         token_logps = losses.token_logps(logits, batch["input_ids"].masked_fill(~real, -100))
     else:
         token_logps = losses.token_logps(logits, labels)
@@ -478,7 +507,13 @@ def eval_means(sums: dict[str, float], *, paired: bool, unit: str) -> dict[str, 
 # ------------------------------------------------------------------------------------------ helpers
 
 
+# Batch keys that are not model inputs (a vision-language batch passes every other key: pixels, masks).
+_NOT_MODEL_INPUTS = {"labels", "num_units", "row_index", "desirable", "seq_lens"}
+
+
 def _model_inputs(batch: dict) -> dict:
+    if "position_ids" not in batch:  # a vision-language batch: padded rows, attention mask and pixels
+        return {k: v for k, v in batch.items() if k not in _NOT_MODEL_INPUTS and not k.startswith("kl_")}
     return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
 
 
@@ -491,11 +526,15 @@ def _completion_sums(logits: torch.Tensor, inputs: dict, num_sequences: int) -> 
     """Per-sequence sums of the completion tokens' log-probs of a packed batch (row-major)."""
     token_logps = losses.token_logps(logits, inputs["labels"])
     mask = inputs["labels"] != -100
-    return losses.sequence_sums(token_logps, mask, inputs["position_ids"], num_sequences=num_sequences)[0]
+    return losses.sequence_sums(token_logps, mask, inputs.get("position_ids"), num_sequences=num_sequences)[0]
 
 
-def _real_tokens(position_ids: torch.Tensor, num_sequences: torch.Tensor) -> torch.Tensor:
-    """Tokens of a row's real sequences (not its padding, which forms segments after them)."""
+def _real_tokens(batch: dict, num_sequences: torch.Tensor) -> torch.Tensor:
+    """Tokens of a row's real sequences (not its padding, which forms segments after them; a
+    vision-language batch's rows are one sequence each, its attention mask says which tokens are real)."""
+    if "position_ids" not in batch:
+        return batch["attention_mask"].bool()
+    position_ids = batch["position_ids"]
     starts = position_ids == 0
     starts[:, 0] = True
     segment = torch.cumsum(starts, dim=1) - 1

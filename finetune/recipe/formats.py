@@ -292,6 +292,14 @@ class PreferenceEntry(_ScoredEntry):
         "a string prompt as a user turn, chosen and rejected each as an assistant turn (rows whose fields are "
         "lists of messages are always rendered with the template)"
     )
+    field_images: str = Field(
+        "images",
+        description="LLaVA style: column holding a pair's images (paths relative to the data file, bytes, or "
+        "datasets Image values), one per `<image>` placeholder in the prompt's text, in order; chosen and "
+        "rejected both see them. Read when the data has it or it is set; the prompt's messages may instead "
+        "hold images as parts ({type: image, image: PATH}). Images need model.kind: vlm (see docs/objectives.md, "
+        "Preference pairs with images).",
+    )
 
 
 class KtoEntry(_ScoredEntry):

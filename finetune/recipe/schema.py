@@ -305,8 +305,8 @@ VLM_NO_PACKING = (
 
 def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
     """What a vision-language recipe (model.kind vlm) cannot do yet: packing, another data type than
-    chat_template, another objective than sft, QLoRA, generation sets; and image settings in a recipe
-    without images."""
+    chat_template (sft) or preference (the paired preference objectives), kto and online objectives,
+    QLoRA, generation sets; and image settings in a recipe without images."""
     problems: list[Problem] = []
     if not ok("model.kind"):
         return problems
@@ -321,19 +321,18 @@ def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
             problems.append((f"data.{name}", True, VLM_NO_PACKING))
     for key in ("datasets", "test_datasets"):
         for i, entry in enumerate(getattr(recipe.data, key) if ok(f"data.{key}") else []):
-            if entry is not None and entry.type != "chat_template":
+            if entry is not None and entry.type not in VLM_DATASET_TYPES:
                 problems.append(
                     (
                         f"data.{key}.{i}.type",
                         entry.type,
                         "a vision-language recipe reads chat_template rows (messages with image parts, or "
-                        "<image> placeholders and field_images); other types are not supported yet",
+                        "<image> placeholders and field_images), or preference pairs whose prompt holds the "
+                        "images; other types are not supported yet",
                     )
                 )
-    if ok("train.objective") and recipe.train.objective != "sft":
-        problems.append(
-            ("train.objective", recipe.train.objective, "vision-language models train with sft only for now")
-        )
+    if ok("train.objective"):
+        problems += _vision_objective_problems(recipe.train.objective)
     if ok("lora.enable_qlora") and recipe.lora.enable_qlora:
         problems.append(("lora.enable_qlora", True, "QLoRA of vision-language models is not supported yet"))
     if ok("eval.generation_sets") and recipe.eval.generation_sets:
@@ -347,6 +346,26 @@ def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
             )
         )
     return problems
+
+
+VLM_DATASET_TYPES = ("chat_template", "preference")
+"""Data types a vision-language recipe reads: chats for sft, pairs for the paired preference objectives."""
+
+
+def _vision_objective_problems(name: str) -> list[Problem]:
+    """sft and the paired preference objectives train vision-language models; kto and online RL not yet."""
+    spec = OBJECTIVES[name]
+    if spec.name == "sft" or spec.kind == "paired":
+        return []
+    if spec.kind == "unpaired":
+        reason = (
+            "kto is not supported for vision-language models yet: its KL reference point comes from "
+            "mismatched completions within each packed row, and rows with images are not packed; use dpo, "
+            "ipo, simpo or orpo on preference pairs"
+        )
+    else:
+        reason = "vision-language models train with sft, dpo, ipo, simpo or orpo for now"
+    return [("train.objective", name, reason)]
 
 
 def objective_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:

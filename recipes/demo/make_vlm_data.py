@@ -13,6 +13,16 @@ pixels::
                                                {"type": "text", "text": "What colour is the shape?"}]},
                   {"role": "assistant", "content": [{"type": "text", "text": "blue"}]}]}
 
+``data/vlm/pairs_{train,eval}.jsonl``: preference pairs on the same pictures for the DPO demo
+(recipes/demo/tiny_vlm_dpo_cpu.yaml): "What colour is the shape?", chosen the right colour, rejected a
+wrong one. The training pairs hold the image as a part of the prompt's message, the held-out pairs in
+LLaVA style (an ``images`` column and an ``<image>`` placeholder), so the demo reads both shapes::
+
+    {"prompt": [{"role": "user", "content": [{"type": "image", "image": "images/00007.png"},
+                                             {"type": "text", "text": "What colour is the shape?"}]}],
+     "chosen": [{"role": "assistant", "content": "blue"}], "rejected": [{"role": "assistant", "content": "red"}]}
+    {"prompt": "<image>What colour is the shape?", "images": ["images/00500.png"], "chosen": "red", "rejected": "green"}
+
 Synthetic, produced here; byte-identical for the same --seed.
 
     python recipes/demo/make_vlm_data.py
@@ -67,17 +77,25 @@ def draw(shape: str, colour: str, rng: random.Random):
     return image
 
 
+def pictures(count: int, seed: int):
+    """(image number, shape, colour, image, question asked) of the demo's pictures, in order (the
+    same sequence for the SFT rows and the preference pairs)."""
+    rng = random.Random(seed)
+    for k in range(count):
+        shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
+        image = draw(shape, colour, rng)
+        yield k, shape, colour, image, rng.choice(list(QUESTIONS))
+
+
 def write_data(out: Path, *, num_train: int, num_eval: int, seed: int) -> None:
     """The two splits and their images under `out` (relative image paths, as users write them)."""
-    rng = random.Random(seed)
     (out / "images").mkdir(parents=True, exist_ok=True)
-    for split, count, start in (("train", num_train, 0), ("eval", num_eval, num_train)):
+    made = pictures(num_train + num_eval, seed)
+    for split, count in (("train", num_train), ("eval", num_eval)):
         lines = []
-        for k in range(start, start + count):
-            shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
+        for k, shape, colour, image, asked in (next(made) for _ in range(count)):
             name = f"images/{k:05d}.png"
-            draw(shape, colour, rng).save(out / name, optimize=True)
-            asked = rng.choice(list(QUESTIONS))
+            image.save(out / name, optimize=True)
             answer = colour if asked == "colour" else shape
             user = [{"type": "image", "image": name}, {"type": "text", "text": QUESTIONS[asked]}]
             messages = [
@@ -86,6 +104,35 @@ def write_data(out: Path, *, num_train: int, num_eval: int, seed: int) -> None:
             ]
             lines.append(json.dumps({"messages": messages}))
         (out / f"{split}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def write_pairs(out: Path, *, num_train: int, num_eval: int, seed: int) -> None:
+    """Preference pairs on the pictures write_data made (their images must exist under `out`): the
+    colour question, chosen the right colour, rejected another one (see the module docstring)."""
+    wrong = random.Random(seed + 1)
+    question = QUESTIONS["colour"]
+    made = pictures(num_train + num_eval, seed)
+    for split, count in (("train", num_train), ("eval", num_eval)):
+        lines = []
+        for k, _, colour, _, _ in (next(made) for _ in range(count)):
+            name = f"images/{k:05d}.png"
+            rejected = wrong.choice([c for c in COLOURS if c != colour])
+            if split == "train":
+                user = [{"type": "image", "image": name}, {"type": "text", "text": question}]
+                row = {
+                    "prompt": [{"role": "user", "content": user}],
+                    "chosen": [{"role": "assistant", "content": colour}],
+                    "rejected": [{"role": "assistant", "content": rejected}],
+                }
+            else:
+                row = {
+                    "prompt": f"<image>{question}",
+                    "images": [name],
+                    "chosen": colour,
+                    "rejected": rejected,
+                }
+            lines.append(json.dumps(row))
+        (out / f"pairs_{split}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def write_processor(out: Path, tokenizer_dir: Path = HERE / "tokenizer") -> None:
@@ -116,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     write_processor(args.processor)
     write_data(args.data, num_train=args.num_train, num_eval=args.num_eval, seed=args.seed)
+    write_pairs(args.data, num_train=args.num_train, num_eval=args.num_eval, seed=args.seed)
     print(f"wrote {args.processor} and {args.num_train} + {args.num_eval} rows to {args.data}")
 
 

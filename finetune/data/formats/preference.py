@@ -7,6 +7,10 @@ with the chat template, as every row is with ``apply_chat_template``); without a
 shared start of chosen and rejected is the prompt (finetune.data.completions). The length limit
 applies to the pair, the unit that is packed and never split (finetune.data.preference).
 
+For a vision-language model (model.kind vlm) the prompt may hold images: image parts in its messages,
+or an ``images`` column (``field_images``) with one ``<image>`` placeholder per image in its text.
+Chosen and rejected share them: both sequences get the images' tokens (finetune.data.vision.pair_images).
+
 >>> from types import SimpleNamespace as NS
 >>> e = NS(field_prompt="prompt", field_chosen="chosen", field_rejected="rejected", role_map={},
 ...        message_field_role="role", message_field_content="content")
@@ -18,14 +22,16 @@ applies to the pair, the unit that is packed and never split (finetune.data.pref
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import datasets
 
-from finetune.data import completions
+from finetune.data import completions, images
 from finetune.data.completions import CompletionsRow
 from finetune.data.encode import Encoder
+from finetune.data.formats.chat_template import with_row_images
 from finetune.data.rows import IDENTICAL_COMPLETIONS, BadRow, Example, optional_column
 
 FEATURES = {"chosen_len": datasets.Value("int32")}
@@ -36,7 +42,11 @@ def columns(entry: Any, column_names: Sequence[str]) -> dict[str, str]:
     """{entry field: column} of the columns read; the prompt only when the data has it, unless the
     recipe names it."""
     cols = {"field_chosen": entry.field_chosen, "field_rejected": entry.field_rejected}
-    return cols | optional_column(entry, "field_prompt", column_names)
+    return (
+        cols
+        | optional_column(entry, "field_prompt", column_names)
+        | optional_column(entry, "field_images", column_names)
+    )
 
 
 def rows(batch: dict[str, list], entry: Any) -> list[CompletionsRow | BadRow]:
@@ -56,7 +66,37 @@ def renders_chat(entry: Any, features: datasets.Features) -> bool:
 
 
 def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example | BadRow]:
-    """Each pair as one example, chosen then rejected (completions.completion_examples)."""
+    """Each pair as one example, chosen then rejected (completions.completion_examples); with a
+    vision-language processor, the images column (when the data has it) placed in the prompts."""
+    parsed = rows(batch, entry)
+    # Read for a vision-language model, or when the recipe names it (as the chat_template type does).
+    named = "field_images" in getattr(entry, "model_fields_set", set())
+    if entry.field_images in batch and (enc.processor is not None or named):
+        parsed = [
+            row_images(row, refs, entry.field_images, entry.field_prompt)
+            for row, refs in zip(parsed, batch[entry.field_images], strict=True)
+        ]
     return completions.completion_examples(
-        rows(batch, entry), enc, entry, field=entry.field_chosen, mismatch_field=entry.field_rejected
+        parsed, enc, entry, field=entry.field_chosen, mismatch_field=entry.field_rejected
     )
+
+
+def row_images(
+    row: CompletionsRow | BadRow, refs: Any, field: str, prompt_field: str
+) -> CompletionsRow | BadRow:
+    """LLaVA style: a pair's image list (column `field`) put where its prompt's ``<image>`` placeholders
+    are (a string prompt becomes a user turn, so the chat template places the images); a row without a
+    prompt, or with a different number of placeholders than images, is a bad row.
+
+    >>> row = row_images(CompletionsRow("<image>Colour?", ("red", "blue")), ["a.png"], "images", "prompt")
+    >>> row.prompt
+    [{'role': 'user', 'content': '\ue002Colour?', 'images': ['a.png']}]
+    """
+    if isinstance(row, BadRow) or refs is None:
+        return row
+    if row.prompt is None:
+        detail = f"the row has images in {field!r} but no {prompt_field!r} column to place them in"
+        return BadRow(field, images.IMAGE_COUNT_MISMATCH, detail)
+    prompt = [{"role": "user", "content": row.prompt}] if isinstance(row.prompt, str) else row.prompt
+    placed = with_row_images(prompt, refs, field)
+    return placed if isinstance(placed, BadRow) else dataclasses.replace(row, prompt=placed)
