@@ -305,7 +305,7 @@ VLM_NO_PACKING = (
 
 def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
     """What a vision-language recipe (model.kind vlm) cannot do yet: packing, another data type than
-    chat_template, another objective than sft, QLoRA, generation sets; and image settings in a recipe
+    chat_template, another objective than sft, generation sets; and image settings in a recipe
     without images."""
     problems: list[Problem] = []
     if not ok("model.kind"):
@@ -334,8 +334,6 @@ def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
         problems.append(
             ("train.objective", recipe.train.objective, "vision-language models train with sft only for now")
         )
-    if ok("lora.enable_qlora") and recipe.lora.enable_qlora:
-        problems.append(("lora.enable_qlora", True, "QLoRA of vision-language models is not supported yet"))
     if ok("eval.generation_sets") and recipe.eval.generation_sets:
         problems.append(
             (
