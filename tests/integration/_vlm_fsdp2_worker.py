@@ -28,9 +28,9 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from finetune import vlm  # noqa: E402
-from finetune.data.vision import collate_vlm  # noqa: E402
-from finetune.losses.causal_lm import token_loss_sums  # noqa: E402
+from finetune import vlm
+from finetune.data.vision import collate_vlm
+from finetune.losses.causal_lm import token_loss_sums
 
 ROWS, STEPS = 16, 2
 
