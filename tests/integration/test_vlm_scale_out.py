@@ -16,6 +16,7 @@ saved as a pretrained folder with its processor) and the demo's rows:
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ from tests.integration._run import REPO, cli, env, progress, run, short_run, ste
 
 pytestmark = pytest.mark.slow
 RECIPE = REPO / "recipes" / "demo" / "tiny_vlm_cpu.yaml"
+DEMO_DATA = REPO / "recipes" / "demo" / "data" / "vlm"
 WORKER = REPO / "tests" / "integration" / "_vlm_fsdp2_worker.py"
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
@@ -58,8 +60,21 @@ def prepared(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("vlm-prepared")
 
 
-def train(out: Path, prepared: Path, pretrained: Path, *args: str, zero: bool = False):
-    cmd = [sys.executable, "-m", "finetune.cli", "train", str(RECIPE)]
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> list[str]:
+    """Overrides for the demo's first 64 training and 16 held-out rows (its images where they are)."""
+    folder = tmp_path_factory.mktemp("vlm-data")
+    (folder / "images").symlink_to(DEMO_DATA / "images")
+    entries = []
+    for name, count in (("train", 64), ("eval", 16)):
+        rows = (DEMO_DATA / f"{name}.jsonl").read_text().splitlines()[:count]
+        (folder / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
+        entries.append(json.dumps([{"path": str(folder / f"{name}.jsonl"), "type": "chat_template"}]))
+    return ["--data.datasets", entries[0], "--data.test_datasets", entries[1]]
+
+
+def train(out: Path, prepared: Path, pretrained: Path, data: list[str], *args: str, zero: bool = False):
+    cmd = [sys.executable, "-m", "finetune.cli", "train", str(RECIPE), *data]
     cmd += ["--model.model_path", str(pretrained), "--model.config_path", "null"]
     cmd += ["--model.tokenizer_path", str(pretrained), *short_run("--train.max_steps", "4"), *args]
     cmd += ["--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared)]
@@ -76,10 +91,12 @@ def eval_loss(model, processor, split) -> float:
     return float(sums.sum() / counts.sum())
 
 
-def test_qlora_quantizes_the_language_model_and_its_adapter_loads(tmp_path, pretrained, prepared):
+def test_qlora_quantizes_the_language_model_and_its_adapter_loads(tmp_path, pretrained, prepared, data):
     out = tmp_path / "qlora"
     vision = ["--model.train_vision_tower", "true", "--model.train_projector", "true"]
-    train(out, prepared, pretrained, "--lora.enable_lora", "true", "--lora.enable_qlora", "true", *vision)
+    train(
+        out, prepared, pretrained, data, "--lora.enable_lora", "true", "--lora.enable_qlora", "true", *vision
+    )
     losses = step_losses(progress(out))
     assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1], losses
     saved = load_file(out / "adapter_model.safetensors")
@@ -95,15 +112,15 @@ def test_qlora_quantizes_the_language_model_and_its_adapter_loads(tmp_path, pret
 
 
 @needs_deepspeed
-def test_zero3_full_fine_tuning_resumes_and_saves_whole_weights(tmp_path, pretrained, prepared):
+def test_zero3_full_fine_tuning_resumes_and_saves_whole_weights(tmp_path, pretrained, prepared, data):
     args = ("--accelerate-config", "zero3", "--num-processes", "1", "--train.save_steps", "2")
     out = tmp_path / "zero3"
-    train(out, prepared, pretrained, *args, "--train.lr", "1e-3", zero=True)
+    train(out, prepared, pretrained, data, *args, "--train.lr", "1e-3", zero=True)
     losses = step_losses(progress(out))
     assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1], losses
     resumed = tmp_path / "resumed"
     checkpoint = out / "checkpoints" / "step-2"
-    train(resumed, prepared, pretrained, *args, "--train.lr", "1e-3", "--train.load_checkpoint_path",
+    train(resumed, prepared, pretrained, data, *args, "--train.lr", "1e-3", "--train.load_checkpoint_path",
           str(checkpoint), zero=True)  # fmt: skip
     again = step_losses(progress(resumed))
     assert sorted(again) == [3, 4]
@@ -127,9 +144,9 @@ def torchrun(processes: int, pretrained: Path, split: Path, out: Path) -> dict:
     return torch.load(out)
 
 
-def test_fsdp2_two_processes_match_one(tmp_path, pretrained, prepared):
+def test_fsdp2_two_processes_match_one(tmp_path, pretrained, prepared, data):
     if not any(prepared.glob("*/train")):
-        result = cli("prepare-dataset", str(RECIPE), "--model.tokenizer_path", str(pretrained),
+        result = cli("prepare-dataset", str(RECIPE), *data, "--model.tokenizer_path", str(pretrained),
                      "--data.dataset_prepared_path", str(prepared))  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
     split = next(prepared.glob("*/train"))
@@ -148,18 +165,18 @@ def test_fsdp2_two_processes_match_one(tmp_path, pretrained, prepared):
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (Accelerate's FSDP does not start on CPU)"
 )
-def test_gpu_vlm_fsdp2(tmp_path, pretrained, prepared):
+def test_gpu_vlm_fsdp2(tmp_path, pretrained, prepared, data):
     """The CLI under accelerate_configs/fsdp2.yaml on one GPU: LoRA with the tower frozen trains, its
     sharded checkpoint resumes, and the adapter loads."""
     args = ("--accelerate-config", "fsdp2", "--num-processes", "1", "--train.save_steps", "2")
     args += ("--train.mixed_precision", "bf16", "--lora.enable_lora", "true")
     out = tmp_path / "fsdp2"
-    train(out, prepared, pretrained, *args, zero=True)
+    train(out, prepared, pretrained, data, *args, zero=True)
     losses = step_losses(progress(out))
     assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1], losses
     resumed = tmp_path / "resumed"
     checkpoint = str(out / "checkpoints" / "step-2")
-    train(resumed, prepared, pretrained, *args, "--train.load_checkpoint_path", checkpoint, zero=True)
+    train(resumed, prepared, pretrained, data, *args, "--train.load_checkpoint_path", checkpoint, zero=True)
     again = step_losses(progress(resumed))
     assert all(abs(again[k] - losses[k]) <= 1e-3 * abs(losses[k]) for k in (3, 4)), (again, losses)
     load_vlm_for_inference(str(out))
