@@ -4,9 +4,10 @@ weights and trainable adapters), two AdamW steps on the same 16 prepared rows.
 
 With 2 processes the model is sharded by FSDP2 (torch's fully_shard) into the units Accelerate's own
 FSDP2 auto-wrap policy picks once finetune.vlm.scale_out_settings has named the wrap classes, each rank
-taking 8 rows; with 1 process it runs unsharded, the reference. Accelerate's FSDP itself does not start
-on CPU (it enables FSDP only for GPU-like distributed types), so this drives the same policy and
-torch's FSDP2 directly. Rank 0 writes the losses and the trained LoRA weights (gathered) to OUT.
+taking 8 rows; `steps` with world 1 runs it unsharded, the reference (the test calls it in-process).
+Accelerate's FSDP itself does not start on CPU (it enables FSDP only for GPU-like distributed types), so
+this drives the same policy and torch's FSDP2 directly. Rank 0 writes the losses and the trained LoRA
+weights (gathered) to OUT.
 
     torchrun --nproc_per_node N tests/integration/_vlm_fsdp2_worker.py PRETRAINED PREPARED_SPLIT OUT
 """
@@ -61,9 +62,9 @@ def shard(net) -> list[str]:
     return wrapped
 
 
-def main(pretrained: str, prepared: str, out: str) -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def steps(pretrained: str, prepared: str, rank: int = 0, world: int = 1) -> dict:
+    """The two steps on this rank's share of the rows: losses (global), trained LoRA weights (whole)
+    and the wrapped classes. World 1 (no process group needed) is the unsharded reference."""
     net = lora_model(pretrained)
     wrapped = shard(net) if world > 1 else []
     processor = AutoProcessor.from_pretrained(pretrained)
@@ -76,7 +77,8 @@ def main(pretrained: str, prepared: str, out: str) -> None:
     for _ in range(STEPS):
         sums, counts = token_loss_sums(net, batch)
         totals = torch.stack([sums.sum().detach(), counts.sum().float()])
-        dist.all_reduce(totals)  # the global token count: a sync point
+        if world > 1:
+            dist.all_reduce(totals)  # the global token count: a sync point
         # FSDP2 averages gradients over ranks: scale so they are those of the global token mean.
         (sums.sum() * world / totals[1]).backward()
         optimizer.step()
@@ -87,8 +89,14 @@ def main(pretrained: str, prepared: str, out: str) -> None:
         for name, p in net.named_parameters()
         if p.requires_grad
     }
-    if rank == 0:
-        torch.save({"losses": losses, "weights": weights, "wrapped": wrapped}, out)
+    return {"losses": losses, "weights": weights, "wrapped": wrapped}
+
+
+def main(pretrained: str, prepared: str, out: str) -> None:
+    dist.init_process_group("gloo")
+    result = steps(pretrained, prepared, dist.get_rank(), dist.get_world_size())
+    if dist.get_rank() == 0:
+        torch.save(result, out)
     dist.destroy_process_group()
 
 

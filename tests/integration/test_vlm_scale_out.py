@@ -137,8 +137,8 @@ def test_zero3_full_fine_tuning_resumes_and_saves_whole_weights(tmp_path, pretra
 
 
 def torchrun(processes: int, pretrained: Path, split: Path, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
-    cmd += ["--master_port", str(29600 + processes), str(WORKER), str(pretrained), str(split), str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    cmd += [str(WORKER), str(pretrained), str(split), str(out)]  # --standalone: a free port
     result = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return torch.load(out)
@@ -150,7 +150,9 @@ def test_fsdp2_two_processes_match_one(tmp_path, pretrained, prepared, data):
                      "--data.dataset_prepared_path", str(prepared))  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
     split = next(prepared.glob("*/train"))
-    one = torchrun(1, pretrained, split, tmp_path / "one.pt")
+    from tests.integration._vlm_fsdp2_worker import steps
+
+    one = steps(str(pretrained), str(split))  # one process, unsharded
     two = torchrun(2, pretrained, split, tmp_path / "two.pt")
     assert two["wrapped"] == ["Idefics3EncoderLayer", "LlamaDecoderLayer"]
     # fp32 on CPU: the sharded run differs from one process by reduction order only.
