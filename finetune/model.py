@@ -133,8 +133,14 @@ def build_model(
     dtype = weight_dtype(model, lora, mixed_precision)
     common: dict[str, Any] = {"attn_implementation": model.attn_implementation, "dtype": dtype}
     if lora.enable_qlora:
+        # A VLM's vision tower and projector stay unquantized (finetune.vlm.unquantized_modules).
+        skip = (
+            vlm.unquantized_modules(_load_config(model), trust_remote_code=model.trust_remote_code)
+            if model.kind == "vlm" and model.model_path is not None
+            else None
+        )
         common["quantization_config"] = qlora_config(
-            lora, compute_dtype=DTYPES.get(mixed_precision, torch.float32)
+            lora, compute_dtype=DTYPES.get(mixed_precision, torch.float32), skip_modules=skip
         )
     if model.model_path is not None:
         net = auto.from_pretrained(
@@ -176,8 +182,9 @@ def build_model(
     return net
 
 
-def qlora_config(lora: LoraSection, *, compute_dtype: torch.dtype):
-    """bitsandbytes 4-bit config for QLoRA."""
+def qlora_config(lora: LoraSection, *, compute_dtype: torch.dtype, skip_modules: list[str] | None = None):
+    """bitsandbytes 4-bit config for QLoRA; `skip_modules` (module names) stay unquantized (None:
+    transformers' default, the output head and tied weights)."""
     if importlib.util.find_spec("bitsandbytes") is None:
         raise FinetuneError("lora.enable_qlora needs bitsandbytes: pip install -e '.[qlora]'")
     from transformers import BitsAndBytesConfig
@@ -188,6 +195,7 @@ def qlora_config(lora: LoraSection, *, compute_dtype: torch.dtype):
         bnb_4bit_use_double_quant=lora.double_quant,
         bnb_4bit_compute_dtype=compute_dtype,
         bnb_4bit_quant_storage=compute_dtype,
+        llm_int8_skip_modules=skip_modules,
     )
 
 

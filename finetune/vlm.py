@@ -70,6 +70,22 @@ def parts(net: torch.nn.Module) -> tuple[list[str], list[str]]:
     return towers, projectors
 
 
+def unquantized_modules(config: Any, *, trust_remote_code: bool = False) -> list[str]:
+    """Module names QLoRA leaves unquantized in the VLM of `config`: the vision tower and the projector,
+    plus what transformers leaves by default (the output head, tied weights), which a skip list
+    replaces. Only the language model is 4-bit: the tower and projector are a small share of the
+    weights, their image features feed every answer, and LoRA (train_vision_tower) or full training
+    (train_projector) then works on ordinary weights. The names come from the model built on the meta
+    device (no memory, no weights)."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    with torch.device("meta"):
+        net = AutoModelForImageTextToText.from_config(config, trust_remote_code=trust_remote_code)
+    towers, projectors = parts(net)
+    return sorted(set(towers + projectors + get_keys_to_not_convert(net)))
+
+
 def _under(name: str, prefixes: list[str]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
@@ -137,3 +153,71 @@ def with_recipe_tokens(tokenizer: Any, model: Any):
         added = tokenizer.add_special_tokens({**named, **extra})
         logger.info("special tokens set; %d new token(s) added to the vocabulary", added)
     return tokenizer
+
+
+def block_classes(net: torch.nn.Module) -> list[str]:
+    """Class names of a VLM's repeated blocks, the vision tower's encoder layers and the language model's
+    decoder layers: what FSDP wraps as its units.
+
+    transformers' ``_no_split_modules`` (what Accelerate wraps by default) is a device-map hint, not this
+    list: Idefics3's names the vision attention rather than its encoder layer, and Gemma 3's and LLaVA's
+    name SigLIP text-tower classes their models do not hold, which Accelerate refuses. The blocks are the
+    items of the model's ModuleLists (one class each, with submodules) under the tower and the language
+    model.
+    """
+    towers, projectors = parts(net)
+    found: dict[str, set[str]] = {"tower": set(), "language model": set()}
+    for name, module in net.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) == 0 or _under(name, projectors):
+            continue
+        kinds = {type(item) for item in module}
+        if len(kinds) == 1 and any(True for _ in module[0].children()):
+            found["tower" if _under(name, towers) else "language model"].add(kinds.pop().__name__)
+    missing = [where for where, classes in found.items() if not classes]
+    if missing:
+        raise FinetuneError(
+            f"FSDP: no repeated blocks found in the {' and the '.join(missing)} of {type(net).__name__} to wrap; "
+            "name them in your accelerate config's fsdp_config.fsdp_transformer_layer_cls_to_wrap"
+        )
+    return sorted(found["tower"] | found["language model"])
+
+
+def scale_out_settings(net: torch.nn.Module, accelerator: Any) -> None:
+    """Fill what Accelerate derives from a causal LM and gets wrong or cannot find on a VLM, before
+    `accelerator.prepare`: FSDP's wrap classes (`block_classes`, unless the accelerate config names
+    them) and DeepSpeed's hidden-size based ``auto`` buckets (a VLM's config keeps its hidden sizes in
+    text_config and vision_config, where Accelerate does not look). A value the user set is kept."""
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind == DistributedType.FSDP:
+        plugin = accelerator.state.fsdp_plugin
+        if plugin.transformer_cls_names_to_wrap is None and _transformer_policy(plugin.auto_wrap_policy):
+            plugin.transformer_cls_names_to_wrap = block_classes(net)
+        logger.info(
+            "FSDP wraps %s", ", ".join(plugin.transformer_cls_names_to_wrap or ["(its policy's units)"])
+        )
+    elif kind == DistributedType.DEEPSPEED:
+        zero = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+        hidden = max(
+            getattr(getattr(net.config, key, None), "hidden_size", 0) or 0
+            for key in ("text_config", "vision_config")
+        )
+        # The same sizes Accelerate gives a causal LM from its config.hidden_size.
+        sizes = {
+            "reduce_bucket_size": hidden * hidden,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden,
+        }
+        for key, value in sizes.items():
+            if zero.get(key) == "auto" and hidden:
+                zero[key] = value
+
+
+def _transformer_policy(policy: Any) -> bool:
+    import functools
+
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    policy = policy.func if isinstance(policy, functools.partial) else policy
+    return policy is transformer_auto_wrap_policy

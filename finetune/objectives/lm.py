@@ -144,6 +144,10 @@ def build_lm(
             save_initial_adapter(
                 model, output_dir / INITIAL_ADAPTER, is_main_process=accelerator.is_main_process
             )
+    if model_settings.kind == "vlm":
+        from finetune.vlm import scale_out_settings
+
+        scale_out_settings(model, accelerator)
     if train.neftune_noise_alpha is not None:
         enable_neftune(model, train.neftune_noise_alpha)
     if train.mixed_precision == "fp16":

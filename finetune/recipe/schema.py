@@ -306,7 +306,7 @@ VLM_NO_PACKING = (
 def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
     """What a vision-language recipe (model.kind vlm) cannot do yet: packing, another data type than
     chat_template (sft) or preference (the paired preference objectives), kto and online objectives,
-    QLoRA, generation sets; and image settings in a recipe without images."""
+    generation sets; and image settings in a recipe without images."""
     problems: list[Problem] = []
     if not ok("model.kind"):
         return problems
@@ -333,8 +333,6 @@ def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
                 )
     if ok("train.objective"):
         problems += _vision_objective_problems(recipe.train.objective)
-    if ok("lora.enable_qlora") and recipe.lora.enable_qlora:
-        problems.append(("lora.enable_qlora", True, "QLoRA of vision-language models is not supported yet"))
     if ok("eval.generation_sets") and recipe.eval.generation_sets:
         problems.append(
             (
