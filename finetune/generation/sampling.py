@@ -14,6 +14,11 @@ rows: without the tokenizer's special tokens, its own prefix (bos) prepended whe
 does not start with it. ``use_chat_template=False`` tokenizes a string prompt as it is (plus that
 prefix), for models trained on alpaca or completion text.
 
+A vision-language model's prompts (its `processor` given) carry images: each is rendered as training
+renders such rows (`vlm_prompt_inputs`: the chat template with image parts, the processor expanding each
+image into its tokens), and a batch's pixels are made as training's collate makes them
+(finetune.data.vision.image_inputs).
+
 Works on a plain transformers model and on a PEFT model; the model is put in eval mode for the
 call and given back in the mode it was in, so the in-training evaluation can call it between steps
 (with `accelerator.unwrap_model(model)`: DDP's wrapper has no `generate`). Each process generates

@@ -2,7 +2,9 @@
 
 `eval.generation_sets` are scored by `finetune eval` (`score_generation_sets` on each model) and,
 with eval.during_training, at every evaluation of a training run (`generation_metrics`: the main
-process generates, the scores go to progress.jsonl and the trackers).
+process generates, the scores go to progress.jsonl and the trackers). A vision-language model's sets
+may carry images in their prompts, in the SFT data's shapes (`image_prompt`): they are opened and
+checked when the set loads, and generated with the recipe's processor (sampling.generate).
 """
 
 from __future__ import annotations

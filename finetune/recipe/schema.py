@@ -350,6 +350,10 @@ def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
         )
     if ok("lora.enable_qlora") and recipe.lora.enable_qlora:
         problems.append(("lora.enable_qlora", True, "QLoRA of vision-language models is not supported yet"))
+    for i, gen_set in enumerate(recipe.eval.generation_sets if ok("eval.generation_sets") else []):
+        if gen_set is not None and not gen_set.use_chat_template:
+            reason = "a vision-language model's prompts are rendered with its chat template (where the images go); remove it"
+            problems.append((f"eval.generation_sets.{i}.use_chat_template", False, reason))
     return problems
 
 

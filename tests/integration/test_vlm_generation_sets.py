@@ -85,7 +85,8 @@ def test_a_missing_image_is_an_error_before_any_model_loads(run, tmp_path):
     root, base = run
     rows = SET.read_text().splitlines()
     broken = tmp_path / "colours.jsonl"
-    broken.write_text("\n".join([rows[0], rows[1].replace("images/", "gone/")]) + "\n")
+    first = rows[0].replace('"images/', f'"{SET.parent}/images/')  # absolute: the copy is elsewhere
+    broken.write_text("\n".join([first, rows[1].replace("images/", "gone/")]) + "\n")
     sets = json.dumps([{"name": "colours", "path": str(broken), "metric": "contains"}])
     result = cli("eval", str(RECIPE), *base, "--model", str(root / "out"), "--eval.generation_sets", sets)
     assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -159,6 +159,9 @@ def test_recipe_rules():
     assert validate_recipe(_recipe("vlm", field_images="pics")).eval.generation_sets[0].field_images == "pics"
     assert validate_recipe(_recipe("llm")).eval.generation_sets[0].name == "colours"
     with pytest.raises(ValidationError) as info:
+        validate_recipe(_recipe("vlm", use_chat_template=False))
+    assert "rendered with its chat template" in format_validation_error(info.value, Recipe)
+    with pytest.raises(ValidationError) as info:
         validate_recipe(_recipe("llm", field_images="pics"))
     message = format_validation_error(info.value, Recipe)
     assert "eval.generation_sets[0].field_images: got 'pics'" in message and "set model.kind: vlm" in message
