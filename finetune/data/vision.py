@@ -180,17 +180,28 @@ def collate_vlm(rows: list[dict], *, pad_token_id: int, pad_to_multiple_of: int 
     batch = collate_rows(rows, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of, packed=False)
     del batch["position_ids"]
     per_row = [[images.decode(b) for b in row.get("images") or []] for row in rows]
+    return batch | image_inputs(processor, per_row, batch["input_ids"])
+
+
+def image_inputs(
+    processor: Any, per_row: list[list[Any]], input_ids: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The processor's tensors for a batch's images (`per_row`: each row's PIL images, in order) beside
+    its padded `input_ids`: pixel_values and image_grid_thw or pixel_attention_mask as the model needs,
+    and the image-token types the model reads. Training's collate and generation share it, so a
+    generation set's prompts reach the model as training rows do."""
+    out: dict[str, torch.Tensor] = {}
     per_row = [imgs for imgs in per_row if imgs]  # the models match image features to tokens in order
     if per_row:
         pixels = processor.image_processor(images=per_row, return_tensors="pt")
-        batch |= {k: v for k, v in pixels.items() if isinstance(v, torch.Tensor)}
+        out |= {k: v for k, v in pixels.items() if isinstance(v, torch.Tensor)}
     if getattr(processor, "return_mm_token_type_ids", False):
         # Which tokens are image tokens, as the processor marks them: Qwen2-VL's multimodal RoPE needs it
         # (mm_token_type_ids), Gemma 3 attends bidirectionally within an image by it (token_type_ids).
-        types = processor.create_mm_token_type_ids(batch["input_ids"].tolist())
+        types = processor.create_mm_token_type_ids(input_ids.tolist())
         name = "token_type_ids" if "token_type_ids" in processor.model_input_names else "mm_token_type_ids"
-        batch[name] = torch.tensor(types, dtype=torch.long)
-    return batch
+        out[name] = torch.tensor(types, dtype=torch.long)
+    return out
 
 
 def collate_vlm_pairs(

@@ -209,6 +209,11 @@ def run_eval(recipe, args) -> int:
     for label, target in zip(model_labels(targets), targets, strict=True):
         # Merged into the base for generation (faster); the weights are the same function.
         models[label] = lambda target=target: load(target, merge=True)
+    processor = None
+    if vision:  # the recipe's processor reads every model's images, as in training
+        from finetune.vlm import load_processor
+
+        processor = load_processor(recipe.model)
     results = evaluate_models(
         models,
         eval_batches=held_out.get("eval_batches"),
@@ -218,6 +223,8 @@ def run_eval(recipe, args) -> int:
         say=_say,
         score=held_out.get("score"),
         device=inference_device(),
+        processor=processor,
+        image_max_pixels=recipe.data.image_max_pixels,
     )
     default = Path(targets[-1] if targets else recipe.train.output_dir) / "eval.json"
     path = Path(args.output) if args.output else default
@@ -229,9 +236,9 @@ def run_eval(recipe, args) -> int:
 
 
 def _load_vlm(path: str, *, tokenizer=None, merge: bool = False):
-    """(model, tokenizer) of a vision-language model or adapter for `finetune eval`'s held-out loss: the
-    held-out batches are the recipe's (its processor and `tokenizer`), so the saved processor is not used;
-    an adapter stays unmerged (`merge` speeds up generation, which is not done for these models)."""
+    """(model, tokenizer) of a vision-language model or adapter for `finetune eval`: the held-out batches
+    and the generation sets' images go through the recipe's processor (and `tokenizer`), as in training,
+    so the saved processor is not used; an adapter stays unmerged (load_vlm_for_inference does not merge)."""
     from finetune.model import load_vlm_for_inference
 
     net, processor = load_vlm_for_inference(path)

@@ -40,6 +40,8 @@ def evaluate_models(
     say: Callable[[str], None] = print,
     score: Callable[[str, Any, Any], dict[str, Any]] | None = None,
     device: torch.device | None = None,
+    processor=None,
+    image_max_pixels: int | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Evaluate each model: eval loss on the eval split when `eval_batches(tokenizer)` gives batches,
     `score(name, model, tokenizer)`'s results (preference recipes: the held-out pairs), and every
@@ -50,10 +52,13 @@ def evaluate_models(
     memory is the largest model's, not their sum. Before that, every model after the first is loaded
     once and freed, so one that does not load (an adapter PEFT refuses) fails in seconds rather than
     after the others' evaluation: a load is seconds, an evaluation with generation sets minutes.
+    A vision-language recipe's `processor` (the same for every model, as in training) reads the sets'
+    images (opened and checked before any model loads, resized to `image_max_pixels`).
     """
     from finetune.generation.sets import load_generation_rows, score_generation_sets
 
-    rows = {s.name: load_generation_rows(s) for s in sets}
+    vision = processor is not None
+    rows = {s.name: load_generation_rows(s, vision=vision, image_max_pixels=image_max_pixels) for s in sets}
     for name, load in list(models.items())[1:]:  # the first loads next anyway
         say(f"checking that {name} loads")
         load()  # and dropped at once: only one model is in memory at any time
@@ -71,7 +76,7 @@ def evaluate_models(
         if score is not None:
             result.update(score(name, model, tokenizer))
         result["generation"] = score_generation_sets(
-            model, tokenizer, sets, rows, batch_size=batch_size, progress=progress
+            model, tokenizer, sets, rows, batch_size=batch_size, progress=progress, processor=processor
         )
         results[name] = result
         del model
@@ -157,6 +162,8 @@ def format_table(results: dict[str, dict[str, Any]], *, samples: int = 2, width:
     for set_name, summary in first["generation"].items():
         for k, sample in enumerate(summary["samples"][:samples]):
             lines += ["", f"{set_name} sample {k + 1}: {_short(sample['prompt'], width)}"]
+            if sample.get("images"):
+                lines.append(f"  images: {_short(', '.join(sample['images']), width)}")
             if sample.get("expected") is not None:
                 lines.append(f"  expected: {_short(sample['expected'], width)}")
             for n in names:
@@ -172,5 +179,17 @@ def _percent(value: float | None) -> str:
 
 def _short(text: Any, width: int) -> str:
     if not isinstance(text, str):
-        text = " / ".join(f"{m.get('role')}: {m.get('content')}" for m in text)
+        text = " / ".join(f"{m.get('role')}: {_content(m.get('content'))}" for m in text)
     return textwrap.shorten(" ".join(text.split()), width=width, placeholder=" ...")
+
+
+def _content(content: Any) -> Any:
+    """A message content as text: a list of parts as its texts, each image as <image>."""
+    if not isinstance(content, list):
+        return content
+    return "".join(
+        "<image>"
+        if isinstance(p, dict) and p.get("type") == "image"
+        else str(p.get("text", "") if isinstance(p, dict) else p)
+        for p in content
+    )

@@ -14,6 +14,11 @@ rows: without the tokenizer's special tokens, its own prefix (bos) prepended whe
 does not start with it. ``use_chat_template=False`` tokenizes a string prompt as it is (plus that
 prefix), for models trained on alpaca or completion text.
 
+A vision-language model's prompts (its `processor` given) carry images: each is rendered as training
+renders such rows (`vlm_prompt_inputs`: the chat template with image parts, the processor expanding each
+image into its tokens), and a batch's pixels are made as training's collate makes them
+(finetune.data.vision.image_inputs).
+
 Works on a plain transformers model and on a PEFT model; the model is put in eval mode for the
 call and given back in the mode it was in, so the in-training evaluation can call it between steps
 (with `accelerator.unwrap_model(model)`: DDP's wrapper has no `generate`). Each process generates
@@ -204,6 +209,8 @@ def generate_ids(
     num_return_sequences: int = 1,
     seeds: Sequence[Sequence[int]] | None = None,
     progress: bool = False,
+    processor=None,
+    images: Sequence[Sequence[Any]] | None = None,
 ) -> list[list[Completion]]:
     """For each prompt (token ids, e.g. from `prompt_ids`), its `num_return_sequences` completions.
 
@@ -211,7 +218,9 @@ def generate_ids(
     prompt k is sampled with the generator seeded `seeds[k][j]` (required). Prompts go in
     left-padded batches of `batch_size` prompts (longest first, so a batch holds prompts of similar
     length), each expanded to its completions; the model is in eval mode without autograd inside and
-    given back in its mode.
+    given back in its mode. A vision-language model's prompts (ids with their image tokens expanded,
+    `vlm_prompt_ids`) come with `images[k]`, prompt k's images (bytes or PIL images, in order), which
+    its `processor` turns into the batch's pixels as training's collate does.
     """
     from tqdm.auto import tqdm
 
@@ -234,7 +243,14 @@ def generate_ids(
                 ]
                 sampler = SeededSampler(generators, temperature=temperature, top_p=top_p, top_k=top_k)
                 extra["logits_processor"] = [sampler]
-            new_ids = _generate_batch(model, rows, {**kwargs, **extra})
+            pictures = None
+            if processor is not None:
+                pictures = [
+                    _pictures(images[k] if images else ()) for k in batch for _ in range(num_return_sequences)
+                ]
+            new_ids = _generate_batch(
+                model, rows, {**kwargs, **extra}, processor=processor, pictures=pictures
+            )
             for r, row in enumerate(new_ids.tolist()):
                 end = next((t for t, token in enumerate(row) if token in stops), None)
                 completion = Completion(row if end is None else row[: end + 1], end is not None)
@@ -251,25 +267,64 @@ def generate(
     batch_size: int = 8,
     use_chat_template: bool = True,
     progress: bool = True,
+    processor=None,
+    images: Sequence[Sequence[Any]] | None = None,
 ) -> list[str]:
     """Greedy answers to `prompts`, in order (see `generate_ids`), stopping at eos / end of turn or
-    after max_new_tokens; only the new tokens are decoded, special tokens removed."""
-    encoded = [prompt_ids(tokenizer, p, use_chat_template=use_chat_template) for p in prompts]
+    after max_new_tokens; only the new tokens are decoded, special tokens removed. With a
+    vision-language model's `processor`, prompt k's images are `images[k]` (bytes or PIL images, one
+    per ``finetune.data.images.SENTINEL`` in its text)."""
+    if processor is not None:
+        encoded = [
+            vlm_prompt_ids(processor, p, _pictures(images[k] if images else ()))
+            for k, p in enumerate(prompts)
+        ]
+    else:
+        encoded = [prompt_ids(tokenizer, p, use_chat_template=use_chat_template) for p in prompts]
     completions = generate_ids(
-        model, tokenizer, encoded, max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress
+        model,
+        tokenizer,
+        encoded,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        progress=progress,
+        processor=processor,
+        images=images,
     )
     stops = stop_token_ids(tokenizer, model)
     return [decode_completion(tokenizer, c[0].ids, stops=stops) for c in completions]
 
 
-def _generate_batch(model, batch: list[list[int]], kwargs: dict[str, Any]) -> torch.Tensor:
-    """The generated ids (batch x new tokens) of left-padded prompts."""
+def vlm_prompt_ids(processor, prompt: Prompt, pictures: Sequence[Any]) -> list[int]:
+    """Token ids of one vision-language prompt (a string or messages, an image a SENTINEL in the text),
+    each image expanded into the model's image tokens (`vlm_prompt_inputs`)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    return vlm_prompt_inputs(processor, messages, pictures)["input_ids"][0].tolist()
+
+
+def _pictures(values: Sequence[Any]) -> list[Any]:
+    """RGB PIL images of prepared image bytes (PIL images pass through)."""
+    from finetune.data.images import decode
+
+    return [decode(v) if isinstance(v, (bytes, bytearray)) else v for v in values]
+
+
+def _generate_batch(
+    model, batch: list[list[int]], kwargs: dict[str, Any], *, processor=None, pictures=None
+) -> torch.Tensor:
+    """The generated ids (batch x new tokens) of left-padded prompts; with a vision-language model's
+    `processor`, `pictures` holds each row's PIL images (finetune.data.vision.image_inputs)."""
     width = max(len(ids) for ids in batch)
     pad = kwargs["pad_token_id"]
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if processor is not None:
+        from finetune.data.vision import image_inputs
+
+        inputs |= image_inputs(processor, pictures, input_ids)
     device = _device(model)
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs)
+    out = model.generate(**{k: _on(v, device, model) for k, v in inputs.items()}, **kwargs)
     return out[:, width:].cpu()
 
 

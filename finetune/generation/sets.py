@@ -2,15 +2,19 @@
 
 `eval.generation_sets` are scored by `finetune eval` (`score_generation_sets` on each model) and,
 with eval.during_training, at every evaluation of a training run (`generation_metrics`: the main
-process generates, the scores go to progress.jsonl and the trackers).
+process generates, the scores go to progress.jsonl and the trackers). A vision-language model's sets
+may carry images in their prompts, in the SFT data's shapes (`image_prompt`): they are opened and
+checked when the set loads, and generated with the recipe's processor (sampling.generate).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from finetune import trackers
+from finetune.data.rows import BadRow
 from finetune.errors import FinetuneError
 from finetune.generation.metrics import GSM8K_ANSWER_PATTERN, METRICS, require_math_verify, score
 from finetune.generation.sampling import generate
@@ -29,13 +33,16 @@ def evaluate_generations(
     case_sensitive: bool = False,
     use_chat_template: bool = True,
     progress: bool = True,
+    processor=None,
 ) -> dict[str, Any]:
     """Generate an answer for every row and score it.
 
     rows: mappings with "prompt" (a string or a list of chat messages) and, unless metric is none,
     "expected" (the reference answer; for exact_match a GSM8K answer with "#### 42" works as is).
     Returns {"metric", "score" (fraction correct; None for none), "n" (rows), "samples"}: the
-    first `num_samples` rows (all of them when None) as {"prompt", "output", "expected", "correct"}.
+    first `num_samples` rows (all of them when None) as {"prompt", "output", "expected", "correct"},
+    plus "images" (where each came from) for rows with images. With a vision-language model's
+    `processor`, rows from `load_generation_rows(..., vision=True)` are answered with their images.
     """
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
@@ -45,18 +52,23 @@ def evaluate_generations(
     if missing:
         need = "prompt" if metric == "none" else "prompt and expected"
         raise ValueError(f"rows {missing[:5]} have no {need}; every row needs them for metric {metric}")
+    vision = {}  # a vision-language model's prompts: the rows' messages, with their images
+    if processor is not None:
+        vision = {"processor": processor, "images": [row.get("image_bytes") or [] for row in rows]}
     outputs = generate(
         model,
         tokenizer,
-        [row["prompt"] for row in rows],
+        [row.get("messages", row["prompt"]) if vision else row["prompt"] for row in rows],
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
         use_chat_template=use_chat_template,
         progress=progress,
+        **vision,
     )
     results = [
         {
             "prompt": row["prompt"],
+            **({"images": row["images"]} if row.get("images") else {}),
             "output": output,
             "expected": row.get("expected"),
             "correct": score(
@@ -83,12 +95,19 @@ def summarize(
     return {"metric": metric, "score": value, "n": len(results), "samples": [dict(s) for s in samples]}
 
 
-def load_generation_rows(gen_set) -> list[dict[str, Any]]:
+def load_generation_rows(
+    gen_set, *, vision: bool = False, image_max_pixels: int | None = None
+) -> list[dict[str, Any]]:
     """The rows of one generation set as {"prompt", "expected"} (its first num_rows rows).
 
     Loaded with the data layer's own loader (local files, Hub ids, damaged-file errors that name the
-    file and line), then reduced to the two columns the set names.
+    file and line), then reduced to the columns the set names. For a vision-language model (`vision`)
+    the prompts may carry images as the SFT data does (`image_prompt`): each row then also holds
+    "messages" (the prompt, an image a SENTINEL in its text), "images" (where each image came from,
+    for the samples) and "image_bytes" (each opened and checked now, resized to `image_max_pixels`).
+    A text model's set with images is an error: the images would be lost.
     """
+    from finetune.data.images import base_dir
     from finetune.data.sources import load_source
     from finetune.recipe import dataset_entry
 
@@ -106,19 +125,117 @@ def load_generation_rows(gen_set) -> list[dict[str, Any]]:
         )
     if gen_set.num_rows is not None:
         ds = ds.select(range(min(gen_set.num_rows, len(ds))))
-    return [
-        {
+    field_images = gen_set.field_images if gen_set.field_images in ds.column_names else None
+    root = base_dir(gen_set.path)
+    rows = []
+    for k, row in enumerate(ds):
+        out = {
             "prompt": row[gen_set.field_prompt],
             "expected": row.get(gen_set.field_expected) if gen_set.field_expected else None,
         }
-        for row in ds
-    ]
+        if not vision:
+            if has_image_parts(out["prompt"]):
+                raise FinetuneError(
+                    f"{label}: {gen_set.path} row {k} has image parts, but the model reads only text "
+                    "(model.kind is not vlm), so they would be lost; use a vision-language model "
+                    "(model.kind: vlm) or a set without images"
+                )
+            rows.append(out)
+            continue
+        refs = row.get(field_images) if field_images else None
+        found = image_prompt(out["prompt"], refs, gen_set, root=root, max_pixels=image_max_pixels)
+        if isinstance(found, BadRow):
+            raise FinetuneError(f"{label}: {gen_set.path} row {k}: {found.detail}; {IMAGE_ROW_FIX}")
+        rows.append(out | found)
+    return rows
+
+
+def has_image_parts(prompt: Any) -> bool:
+    """Whether a prompt's messages hold image parts.
+
+    >>> has_image_parts([{"role": "user", "content": [{"type": "image", "image": "a.png"}]}]), has_image_parts("Hi")
+    (True, False)
+    """
+    if isinstance(prompt, str) or not isinstance(prompt, list):
+        return False
+    contents = [m.get("content") for m in prompt if isinstance(m, dict)]
+    return any(
+        isinstance(part, dict) and (part.get("type") == "image" or part.get("image") is not None)
+        for content in contents
+        if isinstance(content, list)
+        for part in content
+    )
+
+
+def image_prompt(prompt: Any, refs: Any, gen_set, *, root, max_pixels: int | None) -> dict[str, Any] | BadRow:
+    """A prompt's images, in the shapes the SFT data reads: image parts in its messages
+    ({"type": "image", "image": path relative to the set's file, or bytes}), or "<image>"
+    placeholders in its text with the images in the row's `field_images` column (a string prompt is
+    one user turn). Returns {"messages" (an image a SENTINEL in the text), "images" (where each came
+    from), "image_bytes" (opened and checked: finetune.data.images.load_image)}, or the bad row."""
+    from finetune.data import images
+    from finetune.data.chat import conversation
+    from finetune.data.formats.chat_template import with_row_images
+
+    field = gen_set.field_prompt
+    if isinstance(prompt, str):
+        conv = [{"role": "user", "content": prompt}]
+    else:
+        conv = conversation(prompt, field)
+    if refs is None and not isinstance(conv, BadRow):
+        # Placeholders without an images column: the count check says what is missing.
+        refs = [] if any(images.IMAGE_PLACEHOLDER in m["content"] for m in conv) else None
+    conv = with_row_images(conv, refs, gen_set.field_images)
+    if isinstance(conv, BadRow):
+        return conv
+    where, loaded = [], []
+    for j, message in enumerate(conv):
+        for i, ref in enumerate(message.get("images") or []):
+            at = f"{field}[{j}] (image {i})" if not isinstance(prompt, str) else f"{field} (image {i})"
+            data = images.load_image(ref, at, root, max_pixels)
+            if isinstance(data, BadRow):
+                return data
+            where.append(_image_name(ref, root))
+            loaded.append(data)
+    messages = [{k: v for k, v in m.items() if k != "images"} for m in conv]
+    return {"messages": messages, "images": where, "image_bytes": loaded}
+
+
+def _image_name(ref: Any, root) -> str:
+    """How a sample names its image: the file's path (as found from the current folder), else what
+    it is (an image stored in the set: its size)."""
+    from PIL import Image
+
+    from finetune.data.images import describe
+
+    path = ref if isinstance(ref, str) else (ref.get("path") if isinstance(ref, dict) else None)
+    if isinstance(ref, Image.Image):  # a datasets Image feature, decoded by the loader
+        path = getattr(ref, "filename", None) or None
+        if path is None:
+            return f"{ref.width}x{ref.height} image stored in the set"
+    if isinstance(path, str) and not (isinstance(ref, dict) and ref.get("bytes")):
+        return str(root / path) if root is not None and not Path(path).is_absolute() else path
+    return f"{describe(ref)} stored in the set"
+
+
+IMAGE_ROW_FIX = (
+    "fix the row: image paths are relative to the set's file, an image part is "
+    '{"type": "image", "image": PATH}, and each <image> placeholder needs one image in field_images'
+)
 
 
 def score_generation_sets(
-    model, tokenizer, sets: Sequence, rows: dict[str, list[dict]], *, batch_size: int, progress: bool = True
+    model,
+    tokenizer,
+    sets: Sequence,
+    rows: dict[str, list[dict]],
+    *,
+    batch_size: int,
+    progress: bool = True,
+    processor=None,
 ) -> dict[str, dict[str, Any]]:
-    """{set name: {"metric", "score", "n", "samples"}} for every generation set."""
+    """{set name: {"metric", "score", "n", "samples"}} for every generation set (a vision-language
+    model's `processor`: the prompts with their images)."""
     results = {}
     for gen_set in sets:
         results[gen_set.name] = evaluate_generations(
@@ -133,12 +250,16 @@ def score_generation_sets(
             case_sensitive=gen_set.case_sensitive,
             use_chat_template=gen_set.use_chat_template,
             progress=progress,
+            processor=processor,
         )
     return results
 
 
-def training_generation_rows(eval_settings, accelerator) -> dict[str, list[dict]]:
-    """The eval.generation_sets' rows by set name, when they are scored during training ({} otherwise)."""
+def training_generation_rows(
+    eval_settings, accelerator, *, vision: bool = False, image_max_pixels: int | None = None
+) -> dict[str, list[dict]]:
+    """The eval.generation_sets' rows by set name, when they are scored during training ({} otherwise);
+    a vision-language model's (`vision`) with their images (`load_generation_rows`)."""
     from accelerate.utils import DistributedType
 
     if not (eval_settings.generation_sets and eval_settings.during_training):
@@ -152,17 +273,23 @@ def training_generation_rows(eval_settings, accelerator) -> dict[str, list[dict]
             "eval.generation_sets during training: generation with a sharded model (FSDP, ZeRO-3) is not "
             "supported; set eval.during_training: false and run `finetune eval` on the saved model"
         )
-    return {s.name: load_generation_rows(s) for s in eval_settings.generation_sets}
+    return {
+        s.name: load_generation_rows(s, vision=vision, image_max_pixels=image_max_pixels)
+        for s in eval_settings.generation_sets
+    }
 
 
 SAMPLE_COLUMNS = ["prompt", "output", "expected", "correct"]
+IMAGE_SAMPLE_COLUMNS = ["images", *SAMPLE_COLUMNS]
 
 
 def generation_metrics(
-    accelerator, model, tokenizer, eval_settings, rows: dict, *, step: int
+    accelerator, model, tokenizer, eval_settings, rows: dict, *, step: int, processor=None
 ) -> dict[str, Any]:
     """Generation sets scored on the main process (greedy decoding of the unwrapped model); the
-    others wait. Scores and samples go to progress.jsonl, and to the trackers as scalars and tables."""
+    others wait. Scores and samples go to progress.jsonl, and to the trackers as scalars and tables;
+    a vision-language model's samples (`processor`) name their images, and trackers that take images
+    get each sample's images captioned with its answer."""
     acc, fields = accelerator, {}
     if acc.is_main_process:
         results = score_generation_sets(
@@ -172,13 +299,46 @@ def generation_metrics(
             rows,
             batch_size=eval_settings.batch_size,
             progress=False,
+            processor=processor,
         )
         for name, result in results.items():
             if result["score"] is not None:
                 fields[f"eval_{name}_{result['metric']}"] = result["score"]
                 trackers.log_scalars(acc, {f"eval/{name}_{result['metric']}": result["score"]}, step)
             fields[f"eval_{name}_samples"] = result["samples"]
-            table = [[sample.get(c) for c in SAMPLE_COLUMNS] for sample in result["samples"]]
-            trackers.log_table(acc, f"eval/{name}_samples", SAMPLE_COLUMNS, table, step)
+            _log_samples(acc, name, result["samples"], rows[name], step)
     acc.wait_for_everyone()
     return fields
+
+
+def _log_samples(acc, name: str, samples: list[dict], rows: list[dict], step: int) -> None:
+    """A set's samples as a tracker table (with an images column when they have images), and the
+    samples' images to the trackers that take images, each captioned with its prompt and answer."""
+    columns = IMAGE_SAMPLE_COLUMNS if any("images" in s for s in samples) else SAMPLE_COLUMNS
+    table = [[_cell(sample, c) for c in columns] for sample in samples]
+    trackers.log_table(acc, f"eval/{name}_samples", columns, table, step)
+    shown = [(s, row) for s, row in zip(samples, rows, strict=False) if row.get("image_bytes")]
+    if shown and acc.trackers:
+        from finetune.data.images import decode
+
+        pictures = [[decode(b) for b in row["image_bytes"]] for _, row in shown]
+        captions = [f"{_text(s['prompt'])} -> {s['output']}" for s, _ in shown]
+        trackers.log_images(acc, f"eval/{name}_images", pictures, captions, step)
+
+
+def _cell(sample: dict, column: str) -> Any:
+    value = sample.get(column)
+    return ", ".join(value) if column == "images" and value else value
+
+
+def _text(prompt: Any) -> str:
+    """A prompt as one line of text (its messages' text contents joined)."""
+    if isinstance(prompt, str):
+        return prompt
+    pieces = []
+    for message in prompt:
+        content = message.get("content") if isinstance(message, dict) else message
+        if isinstance(content, list):
+            content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+        pieces.append(str(content or ""))
+    return " / ".join(p for p in pieces if p)

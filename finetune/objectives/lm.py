@@ -48,7 +48,12 @@ def finish_build(objective, accelerator, *, held_out: bool) -> None:
     checkpoints of the trained tensors only, and whether (and how often) it evaluates."""
     from finetune.generation.sets import training_generation_rows
 
-    objective.generation_rows = training_generation_rows(objective.eval_settings, accelerator)
+    objective.generation_rows = training_generation_rows(
+        objective.eval_settings,
+        accelerator,
+        vision=objective.model_settings.kind == "vlm",
+        image_max_pixels=objective.data.image_max_pixels,
+    )
     if objective.lora.enable_lora:  # checkpoints hold the adapters, not the frozen base
         checkpoint_trainable_only(accelerator)
     objective.can_evaluate = held_out or bool(objective.generation_rows)
@@ -63,8 +68,18 @@ def evaluate_lm(objective, model, step: int, held_out=None) -> dict[str, Any]:
     metrics: dict[str, Any] = held_out(model, step) if held_out is not None else {}
     if objective.generation_rows:
         rows, settings = objective.generation_rows, objective.eval_settings
+        # A vision-language objective's processor (SFT's) turns the sets' images into pixels.
+        processor = getattr(objective, "processor", None)
         metrics.update(
-            generation_metrics(objective.accelerator, model, objective.tokenizer, settings, rows, step=step)
+            generation_metrics(
+                objective.accelerator,
+                model,
+                objective.tokenizer,
+                settings,
+                rows,
+                step=step,
+                processor=processor,
+            )
         )
     return metrics
 

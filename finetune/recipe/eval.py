@@ -21,7 +21,16 @@ class GenerationSet(_Section):
     path: str = Field(description="A local json/jsonl/csv/parquet file or a Hub dataset id.")
     split: str = Field("train", description="Split to read (Hub datasets and multi-split files).")
     field_prompt: str = Field(
-        "prompt", description="Column with the prompt (a string or a list of messages)."
+        "prompt",
+        description="Column with the prompt (a string or a list of messages). A vision-language model's "
+        "(model.kind vlm) prompts may carry images as its SFT data does: image parts "
+        "({type: image, image: PATH relative to the set's file}), or <image> placeholders with the images "
+        "in field_images.",
+    )
+    field_images: str = Field(
+        "images",
+        description="model.kind vlm: column with each row's images (paths relative to the set's file, or "
+        "Parquet / datasets Image bytes), one per <image> placeholder in the prompt; read when present.",
     )
     field_expected: str | None = Field(
         "expected", description="Column with the expected answer; null with metric none."

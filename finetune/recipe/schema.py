@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field, PrivateAttr
 from finetune.recipe.base import Problem, _Section
 from finetune.recipe.data import IMAGE_DATASET_TYPES, DataSection
 from finetune.recipe.diffusion import DiffusionSection
-from finetune.recipe.eval import EvalSection
+from finetune.recipe.eval import EvalSection, GenerationSet
 from finetune.recipe.grpo import GrpoSection
 from finetune.recipe.hub import HubSection
 from finetune.recipe.lora import DATA_DRIVEN, LoraSection, modifies_base
@@ -306,7 +306,8 @@ VLM_NO_PACKING = (
 def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
     """What a vision-language recipe (model.kind vlm) cannot do yet: packing, another data type than
     chat_template (sft) or preference (the paired preference objectives), kto and online objectives,
-    generation sets; and image settings in a recipe without images."""
+    a generation set without its chat template; and image settings in a recipe without images
+    (data.image_max_pixels, a generation set's field_images)."""
     problems: list[Problem] = []
     if not ok("model.kind"):
         return problems
@@ -315,6 +316,20 @@ def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
             problems.append(
                 ("data.image_max_pixels", recipe.data.image_max_pixels, "applies to model.kind: vlm")
             )
+        for i, gen_set in enumerate(recipe.eval.generation_sets if ok("eval.generation_sets") else []):
+            # Compared with the default, not "was it set": a resolved recipe spells every default out.
+            if (
+                gen_set is not None
+                and gen_set.field_images != GenerationSet.model_fields["field_images"].default
+            ):
+                problems.append(
+                    (
+                        f"eval.generation_sets.{i}.field_images",
+                        gen_set.field_images,
+                        "images are read by vision-language models only: set model.kind: vlm, or remove "
+                        "field_images (a text model's prompts cannot carry images)",
+                    )
+                )
         return problems
     for name in ("sample_packing", "eval_sample_packing"):
         if ok(f"data.{name}") and getattr(recipe.data, name):
@@ -333,16 +348,10 @@ def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
                 )
     if ok("train.objective"):
         problems += _vision_objective_problems(recipe.train.objective)
-    if ok("eval.generation_sets") and recipe.eval.generation_sets:
-        problems.append(
-            (
-                "eval.generation_sets",
-                [s.name for s in recipe.eval.generation_sets],
-                "generation sets are not run with vision-language models yet (neither in training nor by "
-                "finetune eval, which scores their held-out loss); remove them, and talk to the model with "
-                "finetune chat DIR --image PATH",
-            )
-        )
+    for i, gen_set in enumerate(recipe.eval.generation_sets if ok("eval.generation_sets") else []):
+        if gen_set is not None and not gen_set.use_chat_template:
+            reason = "a vision-language model's prompts are rendered with its chat template (where the images go); remove it"
+            problems.append((f"eval.generation_sets.{i}.use_chat_template", False, reason))
     return problems
 
 

@@ -23,6 +23,13 @@ LLaVA style (an ``images`` column and an ``<image>`` placeholder), so the demo r
      "chosen": [{"role": "assistant", "content": "blue"}], "rejected": [{"role": "assistant", "content": "red"}]}
     {"prompt": "<image>What colour is the shape?", "images": ["images/00500.png"], "chosen": "red", "rejected": "green"}
 
+``data/vlm/colours.jsonl``: a generation set (eval.generation_sets) of the first held-out pictures,
+each asked "What colour is the shape?", with its colour expected::
+
+    {"prompt": [{"role": "user", "content": [{"type": "image", "image": "images/00480.png"},
+                                             {"type": "text", "text": "What colour is the shape?"}]}],
+     "expected": "purple"}
+
 Synthetic, produced here; byte-identical for the same --seed.
 
     python recipes/demo/make_vlm_data.py
@@ -47,6 +54,7 @@ COLOURS = {
 SHAPES = ("circle", "square", "triangle")
 QUESTIONS = {"colour": "What colour is the shape?", "shape": "What shape is it?"}
 IMAGE_SIZE = 32
+NUM_COLOUR_PROMPTS = 16  # the generation set: few, so scoring it during training stays cheap
 # SmolVLM-Instruct's chat template (HuggingFaceTB/SmolVLM-Instruct, chat_template.json; also in
 # tests/unit/data/templates/HuggingFaceTB-SmolVLM-Instruct.jinja).
 SMOLVLM_TEMPLATE = (
@@ -91,6 +99,7 @@ def write_data(out: Path, *, num_train: int, num_eval: int, seed: int) -> None:
     """The two splits and their images under `out` (relative image paths, as users write them)."""
     (out / "images").mkdir(parents=True, exist_ok=True)
     made = pictures(num_train + num_eval, seed)
+    held_out = []  # (image, colour) of the eval pictures: the generation set asks their colour
     for split, count in (("train", num_train), ("eval", num_eval)):
         lines = []
         for k, shape, colour, image, asked in (next(made) for _ in range(count)):
@@ -103,7 +112,19 @@ def write_data(out: Path, *, num_train: int, num_eval: int, seed: int) -> None:
                 {"role": "assistant", "content": [{"type": "text", "text": answer}]},
             ]
             lines.append(json.dumps({"messages": messages}))
+            if split == "eval":
+                held_out.append((name, colour))
         (out / f"{split}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_colour_prompts(out / "colours.jsonl", held_out[:NUM_COLOUR_PROMPTS])
+
+
+def write_colour_prompts(path: Path, held_out: list[tuple[str, str]]) -> None:
+    """The generation set: each held-out picture asked its colour, the colour expected (metric contains)."""
+    lines = []
+    for name, colour in held_out:
+        user = [{"type": "image", "image": name}, {"type": "text", "text": QUESTIONS["colour"]}]
+        lines.append(json.dumps({"prompt": [{"role": "user", "content": user}], "expected": colour}))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def write_pairs(out: Path, *, num_train: int, num_eval: int, seed: int) -> None:
