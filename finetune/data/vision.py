@@ -211,10 +211,9 @@ def collate_vlm_pairs(
     prompt's images) as unpacked rows chosen_0, rejected_0, chosen_1, ...: each sequence its own padded
     row with its pixels (`collate_vlm`), so the model places image features and positions per sequence.
 
-    The images of a pair are processed once and their tensors repeated for its two rows where every
-    tensor is per row (Idefics3's pixel_values and pixel_attention_mask; Gemma 3's with one image a pair);
-    otherwise (Qwen2-VL's flat patches) the pair's images are processed for each row. `num_units` (one
-    per pair) and `row_index` come along as for packed preference batches.
+    The images of a pair are processed once and their tensors repeated for its two rows (`_pixels_twice`:
+    per-pair tensors as Idefics3's and Gemma 3's, or Qwen2-VL's flat patches split per pair). `num_units`
+    (one per pair) and `row_index` come along as for packed preference batches.
     """
     sequences = []
     for row in rows:
@@ -234,14 +233,35 @@ def collate_vlm_pairs(
             for k, v in processor.image_processor(images=per_pair, return_tensors="pt").items()
             if isinstance(v, torch.Tensor)
         }
-        if all(v.shape[0] == len(per_pair) for v in pixels.values()):
-            pixels = {k: v.repeat_interleave(2, dim=0) for k, v in pixels.items()}
-        else:
-            twice = [imgs for imgs in per_pair for _ in range(2)]
-            pixels = processor.image_processor(images=twice, return_tensors="pt")
-            pixels = {k: v for k, v in pixels.items() if isinstance(v, torch.Tensor)}
-        batch |= pixels
+        batch |= _pixels_twice(pixels, per_pair, processor)
     batch["num_units"] = torch.tensor([row["num_units"] for row in rows], dtype=torch.long)
     if "row_index" in rows[0]:
         batch["row_index"] = torch.tensor([row["row_index"] for row in rows], dtype=torch.long)
     return batch
+
+
+def _pixels_twice(pixels: dict[str, torch.Tensor], per_pair: list[list], processor: Any) -> dict:
+    """The image processor's tensors of each pair's images, repeated for its chosen and rejected rows.
+
+    Tensors with one entry per pair (Idefics3, Gemma 3) repeat as they are. Qwen2-VL's family holds the
+    patches of every image flat, one image_grid_thw row per image (its t*h*w patches), so its tensors are
+    split per pair and each pair's slices repeated; any other layout is processed again for the second
+    row of each pair (correct, twice the work).
+    """
+    if all(v.shape[0] == len(per_pair) for v in pixels.values()):
+        return {k: v.repeat_interleave(2, dim=0) for k, v in pixels.items()}
+    counts = [len(imgs) for imgs in per_pair]
+    grid = pixels.get("image_grid_thw")
+    if set(pixels) == {"pixel_values", "image_grid_thw"} and grid.shape[0] == sum(counts):
+        patches = grid.prod(dim=-1).tolist()
+        if sum(patches) == pixels["pixel_values"].shape[0]:
+            ends = [sum(counts[: i + 1]) for i in range(len(counts))]
+            out = {}
+            for key, per_image in (("pixel_values", patches), ("image_grid_thw", [1] * len(patches))):
+                of_image = pixels[key].split(per_image)
+                of_pair = [torch.cat(of_image[end - n : end]) for n, end in zip(counts, ends, strict=True)]
+                out[key] = torch.cat([part for part in of_pair for _ in range(2)])
+            return out
+    twice = [imgs for imgs in per_pair for _ in range(2)]
+    again = processor.image_processor(images=twice, return_tensors="pt")
+    return {k: v for k, v in again.items() if isinstance(v, torch.Tensor)}

@@ -178,6 +178,21 @@ def test_collated_pairs_are_one_row_per_sequence_with_the_pairs_pixels(processor
     assert batch["input_ids"].shape[0] == 4
 
 
+def test_a_pairs_images_are_processed_once(processor, root, monkeypatch):
+    """One image-processor call a batch, for every layout (Qwen2-VL's flat patches too): chosen and
+    rejected reuse the pair's tensors instead of processing its images again."""
+    name, proc, _ = processor
+    rows = [parts_row("images/red.png"), parts_row("images/blue.png", "Blue it is.", "Red, no.")]
+    prepared = prepared_rows(datasets.concatenate_datasets([tokenize([r], root, proc).dataset for r in rows]))
+    calls = []
+    real = proc.image_processor.__call__
+    monkeypatch.setattr(
+        type(proc.image_processor), "__call__", lambda self, *a, **k: calls.append(1) or real(*a, **k)
+    )
+    collate_vlm_pairs(prepared, pad_token_id=0, pad_to_multiple_of=8, processor=proc)
+    assert len(calls) == 1, name
+
+
 def test_a_datasets_image_column_reads_as_the_same_images(root):
     """An `images` column of datasets' Image feature (as a Parquet or Hub dataset holds it)."""
     proc, _ = PROCESSORS["smolvlm"]()
