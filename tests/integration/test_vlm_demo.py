@@ -3,7 +3,8 @@ it trains, saves a model that loads with its processor, and uses the pixels: on 
 with the right images is clearly below the loss with the images shuffled across rows. Resumed from a
 checkpoint in the last epoch (into another output_dir), it gives the same losses step for step;
 `finetune chat --image` on the trained model answers with colours from held-out pictures, `finetune eval`
-gives the run's held-out loss, and 2-process DDP gives the losses of one process."""
+gives the run's held-out loss, and 2-process DDP gives the losses of one process. The demo's generation set
+(held-out pictures asked their colour) is scored during training and by `finetune eval` base vs tuned."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import json
 import datasets
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor
+import yaml
+from transformers import AutoModelForImageTextToText, AutoProcessor, Idefics3Config
 
 from finetune.data.vision import collate_vlm
 from finetune.losses.causal_lm import token_loss_sums
@@ -20,22 +22,32 @@ from tests.integration._run import REPO, accelerate_cmd, cli, progress, run, ste
 
 pytestmark = pytest.mark.slow
 RECIPE = REPO / "recipes" / "demo" / "tiny_vlm_cpu.yaml"
+COLOURS = REPO / "recipes" / "demo" / "data" / "vlm" / "colours.jsonl"  # the demo's generation set
 STEPS, RESUME_AT = 180, 170  # 480 rows / 16 a step = 30 steps an epoch, 6 epochs
+
+
+def base_overrides(root) -> tuple[str, ...]:
+    """The demo pointed at its random init saved under `root` (see `trained`) and the run's prepared data."""
+    return ("--model.model_path", str(root / "base"), "--model.config_path", "null",
+            "--data.dataset_prepared_path", str(root / "prepared"))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
+    """The demo's 180 steps, evaluated at 90 and 180, from its random init (torch seed = train.seed) saved
+    as a model folder with the processor: `finetune eval` then has that folder as the base to compare
+    against (a config is no loadable base). The DDP test below trains from the recipe's config itself."""
     root = tmp_path_factory.mktemp("vlm-demo")
-    overrides = (
-        "--train.output_dir",
-        str(root / "out"),
-        "--data.dataset_prepared_path",
-        str(root / "prepared"),
-    )
+    recipe = yaml.safe_load(RECIPE.read_text())
+    torch.manual_seed(recipe["train"]["seed"])
+    model = AutoModelForImageTextToText.from_config(Idefics3Config(**recipe["model"]["config_path"]))
+    model.save_pretrained(root / "base")
+    AutoProcessor.from_pretrained(REPO / "recipes" / "demo" / "vlm_processor").save_pretrained(root / "base")
     checkpoints = ("--train.save_steps", str(RESUME_AT), "--train.save_total_limit", "null")
     result = run(
-        accelerate_cmd(RECIPE, *overrides, *checkpoints, "--train.eval_steps", "90", "--train.log_steps", "1")
-    )
+        accelerate_cmd(RECIPE, *base_overrides(root), "--train.output_dir", str(root / "out"), *checkpoints,
+                       "--train.eval_steps", "90", "--train.log_steps", "1")
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     return root
 
@@ -89,8 +101,7 @@ def test_resume_in_the_last_epoch_gives_the_same_losses(trained):
     resumed = run(
         accelerate_cmd(
             RECIPE,
-            "--train.output_dir", str(trained / "resumed"),
-            "--data.dataset_prepared_path", str(trained / "prepared"),
+            *base_overrides(trained), "--train.output_dir", str(trained / "resumed"),
             "--train.load_checkpoint_path", str(checkpoint),
             "--train.save_steps", str(RESUME_AT), "--train.save_total_limit", "null",
             "--train.eval_steps", "90", "--train.log_steps", "1",
@@ -124,23 +135,72 @@ def test_chat_with_an_image_answers_with_a_colour(trained):
     assert "error: --image no/such.png:" in missing.stderr and "cannot be read" in missing.stderr
 
 
-def test_eval_scores_the_held_out_loss_of_the_trained_vlm(trained):
-    """`finetune eval RECIPE --model OUT --no-base` (the demo's base is a random-init config): the
-    held-out rows collated with their pixels give the run's own final eval_loss, and the demo's
-    generation set is scored with its images."""
-    prepared = ("--data.dataset_prepared_path", str(trained / "prepared"))
+def test_training_scores_the_generation_set_with_its_images(trained):
+    """The demo's set (held-out pictures asked their colour, metric contains) scored at each evaluation,
+    its samples naming their images."""
+    evals = [r for r in progress(trained / "out") if r.get("event") == "eval"]
+    assert [r["step"] for r in evals] == [90, 180]
+    assert evals[-1]["eval_colours_contains"] >= 0.5, evals  # the demo learns the colours (~0 at init)
+    rows = [json.loads(line) for line in COLOURS.read_text().splitlines()]
+    samples = evals[-1]["eval_colours_samples"]
+    assert len(samples) == 3  # the set's num_samples (default 3)
+    for sample, row in zip(samples, rows, strict=False):
+        assert sample["images"] == [f"recipes/demo/data/vlm/{row['prompt'][0]['content'][0]['image']}"]
+        assert sample["expected"] == row["expected"] and sample["correct"] == (
+            row["expected"] in sample["output"]
+        )
+
+
+def test_eval_base_vs_tuned_loss_and_generation_set_with_images(trained):
+    """`finetune eval RECIPE --model OUT` against the saved random init: the held-out rows collated with
+    their pixels give the run's own final eval_loss, and on the generation set with images the tuned
+    model answers clearly better than its base, with the run's own greedy answers."""
     report = trained / "eval.json"
-    result = cli("eval", str(RECIPE), "--model", str(trained / "out"), "--no-base", "--no-progress",
-                 "--output", str(report), *prepared)  # fmt: skip
+    sets = json.dumps([{"name": "colours", "path": str(COLOURS), "metric": "contains", "max_new_tokens": 4,
+                        "num_samples": 16}])  # fmt: skip
+    result = cli("eval", str(RECIPE), *base_overrides(trained), "--model", str(trained / "out"), "--no-progress",
+                 "--output", str(report), "--eval.generation_sets", sets)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     final = [r for r in progress(trained / "out") if r.get("event") == "eval"][-1]
-    tuned = json.loads(report.read_text())["results"]["tuned"]
+    results = json.loads(report.read_text())["results"]
+    tuned = results["tuned"]
     assert tuned["eval_loss"] == pytest.approx(final["eval_loss"], rel=1e-4)
-    assert tuned["eval_tokens"] == final["eval_tokens"]
-    # The demo's generation set (colours of held-out pictures) is scored too, each sample with its image:
-    # tests/integration/test_vlm_generation_sets.py checks the scores against the base.
-    colours = tuned["generation"]["colours"]
-    assert colours["n"] == 16 and all(len(s["images"]) == 1 for s in colours["samples"])
+    assert tuned["eval_tokens"] == final["eval_tokens"] and tuned["eval_loss"] < results["base"]["eval_loss"]
+    scored, untrained = tuned["generation"]["colours"], results["base"]["generation"]["colours"]
+    assert scored["n"] == untrained["n"] == 16
+    assert untrained["score"] <= 0.2 and scored["score"] >= untrained["score"] + 0.4, (untrained, scored)
+    assert [s["output"] for s in scored["samples"][:3]] == [
+        s["output"] for s in final["eval_colours_samples"]
+    ]
+    rows = [json.loads(line) for line in COLOURS.read_text().splitlines()]
+    for model in ("base", "tuned"):
+        samples = results[model]["generation"]["colours"]["samples"]
+        assert [s["images"] for s in samples] == [
+            [str(COLOURS.parent / r["prompt"][0]["content"][0]["image"])] for r in rows
+        ]
+    assert "colours contains (n=16)" in result.stdout and "images: " in result.stdout
+
+
+def test_a_missing_image_in_a_generation_set_is_an_error_before_any_model_loads(trained, tmp_path):
+    rows = COLOURS.read_text().splitlines()
+    broken = tmp_path / "colours.jsonl"
+    first = rows[0].replace('"images/', f'"{COLOURS.parent}/images/')  # absolute: the copy is elsewhere
+    broken.write_text("\n".join([first, rows[1].replace("images/", "gone/")]) + "\n")
+    sets = json.dumps([{"name": "colours", "path": str(broken), "metric": "contains"}])
+    result = cli(
+        "eval",
+        str(RECIPE),
+        *base_overrides(trained),
+        "--model",
+        str(trained / "out"),
+        "--eval.generation_sets",
+        sets,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"error: eval.generation_sets[colours]: {broken} row 1:" in result.stderr
+    assert (
+        "image file 'gone/00481.png' cannot be read" in result.stderr and "loading base" not in result.stderr
+    )
 
 
 def test_two_process_ddp_matches_one_process(trained):
