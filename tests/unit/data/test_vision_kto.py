@@ -155,6 +155,8 @@ def test_bad_images_are_bad_rows_counted_or_raised(root):
     ]
     result = tokenize([completion_image], root, proc, on_bad_row="skip")
     assert len(result.dataset) == 0 and result.dropped == {"bad_row:image_in_completion": 1}
+    with pytest.raises(DataError, match=r"row 0.*kto example's completion.*put the images in the prompt"):
+        tokenize([completion_image], root, proc)
 
 
 def test_a_datasets_image_column_reads_as_the_same_images(root):
