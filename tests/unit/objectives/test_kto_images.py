@@ -312,3 +312,9 @@ def test_kto_loss_is_the_pure_loss_of_image_conditioned_sums(
         torch.testing.assert_close(loss, expected.losses.mean().detach(), **LOSS_TOL)
         torch.testing.assert_close(metrics["kl"] / 2, z0, **LOSS_TOL)
         assert z0.item() >= 0 and not z0.requires_grad
+        with torch.no_grad():  # per example: losses, and the rewards of the desirable and undesirable ones
+            out, batch_z0 = obj._losses(policy, batch, split="train")
+        torch.testing.assert_close(out.losses, expected.losses.detach(), **LOSS_TOL)
+        torch.testing.assert_close(out.chosen_rewards, expected.chosen_rewards.detach(), **LOSS_TOL)
+        torch.testing.assert_close(out.rejected_rewards, expected.rejected_rewards.detach(), **LOSS_TOL)
+        torch.testing.assert_close(batch_z0, z0, **LOSS_TOL)
