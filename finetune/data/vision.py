@@ -99,8 +99,9 @@ def pair_images(
         return BadRow(field, images.IMAGES_NEED_VLM, detail)
     if any(m.get("images") for c in completions for m in c):
         detail = (
-            "an image is in a completion, not in the prompt: chosen and rejected are scored given the same "
-            "prompt and its images, so put the images in the prompt's messages"
+            "an image is in a completion, not in the prompt: completions (a pair's chosen and rejected, a kto "
+            "example's completion) are scored given the prompt and its images, so put the images in the prompt's "
+            "messages"
         )
         return BadRow(field, IMAGE_IN_COMPLETION, detail)
     return _load_images(shared, enc, field)

@@ -22,10 +22,14 @@ sums of a micro-batch (`SequenceScores`) and the `preference` section.
 A vision-language model (model.kind vlm) trains on pairs whose prompt holds images: its batches are
 not packed but one padded row per sequence (chosen_0, rejected_0, ...) with the pixels of the pair's
 images in both rows (finetune.data.vision.collate_vlm_pairs), so the same per-sequence sums come from
-per-row sums, and the policy, the reference and the precomputed log-probs all see the images.
+per-row sums, and the policy, the reference and the precomputed log-probs all see the images. Its kto
+examples come the same way, one padded row each, with their KL rows beside them (`kl_` keys, the same
+pixels: finetune.data.vision_kto).
 
 KTO's reference point is TRL's: the KL estimate from mismatched completions (each packed row's KL
-row, finetune.data.preference.kto_kl_row), detached, averaged over processes and clamped at 0.
+row, finetune.data.preference.kto_kl_row; with images, each example's prompt and the previous
+example's completion in the prepared split, finetune.data.vision_kto), detached, averaged over
+processes and clamped at 0.
 """
 
 from __future__ import annotations
@@ -341,9 +345,11 @@ def loader(data, train, rows, tokenizer, *, training: bool, accelerator=None, pr
     """The loader of prepared preference rows (pairs, or kto examples with their KL rows), always
     packed (one pair per row without sample_packing); training's and `finetune eval`'s. With a
     vision-language `processor`, pairs with images come as one padded row per sequence, with pixels
-    (finetune.data.vision.collate_vlm_pairs)."""
+    (finetune.data.vision.collate_vlm_pairs), and kto examples as one padded row each beside their KL
+    rows (finetune.data.vision_kto)."""
     from finetune.data.collate import collate_preference
     from finetune.data.vision import collate_vlm_pairs
+    from finetune.data.vision_kto import KL_COLUMNS, collate_vlm_kto, with_kl_rows
     from finetune.model import pad_token_id
 
     pad_id = pad_token_id(tokenizer)
@@ -351,8 +357,12 @@ def loader(data, train, rows, tokenizer, *, training: bool, accelerator=None, pr
     collate = partial(collate_preference, pad_token_id=pad_id, pad_to_multiple_of=data.pad_to_multiple_of)
     if processor is not None:
         columns = (*COLUMNS, "images")
+        kto = "prompt_lens" in rows.column_names
+        if kto:  # the KL rows rotate completions over the whole split: built before it is shuffled or sharded
+            rows = with_kl_rows(rows, max_len=data.sequence_len)
+            columns = (*columns, *KL_COLUMNS)
         collate = partial(
-            collate_vlm_pairs,
+            collate_vlm_kto if kto else collate_vlm_pairs,
             pad_token_id=pad_id,
             pad_to_multiple_of=data.pad_to_multiple_of,
             processor=processor,
@@ -518,7 +528,10 @@ def _model_inputs(batch: dict) -> dict:
 
 
 def _kl_inputs(batch: dict) -> dict:
-    """Kto's KL rows in place of the rows (same layout: one KL sequence per example)."""
+    """Kto's KL rows in place of the rows (same layout: one KL sequence per example); a vision-language
+    batch's KL rows bring their attention mask, pixels and image-token types (every `kl_` key)."""
+    if "position_ids" not in batch:
+        return {k.removeprefix("kl_"): v for k, v in batch.items() if k.startswith("kl_")}
     return {k: batch[f"kl_{k}"] for k in ("input_ids", "labels", "position_ids")}
 
 

@@ -317,6 +317,13 @@ class KtoEntry(_ScoredEntry):
         "a string prompt as a user turn, the completion as an assistant turn (rows whose fields are lists of "
         "messages are always rendered with the template)"
     )
+    field_images: str = Field(
+        "images",
+        description="LLaVA style: column holding an example's images (paths relative to the data file, bytes, "
+        "or datasets Image values), one per `<image>` placeholder in the prompt's text, in order. Read when the "
+        "data has it or it is set; the prompt's messages may instead hold images as parts ({type: image, "
+        "image: PATH}). Images need model.kind: vlm (see docs/objectives.md, KTO with images).",
+    )
 
 
 class PromptEntry(_Entry):

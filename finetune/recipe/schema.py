@@ -305,7 +305,7 @@ VLM_NO_PACKING = (
 
 def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
     """What a vision-language recipe (model.kind vlm) cannot do yet: packing, another data type than
-    chat_template (sft) or preference (the paired preference objectives), kto and online objectives,
+    chat_template (sft), preference (the paired preference objectives) or kto, online objectives,
     a generation set without its chat template; and image settings in a recipe without images
     (data.image_max_pixels, a generation set's field_images)."""
     problems: list[Problem] = []
@@ -342,8 +342,8 @@ def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
                         f"data.{key}.{i}.type",
                         entry.type,
                         "a vision-language recipe reads chat_template rows (messages with image parts, or "
-                        "<image> placeholders and field_images), or preference pairs whose prompt holds the "
-                        "images; other types are not supported yet",
+                        "<image> placeholders and field_images), or preference pairs or kto examples whose "
+                        "prompt holds the images; other types are not supported yet",
                     )
                 )
     if ok("train.objective"):
@@ -355,23 +355,18 @@ def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
     return problems
 
 
-VLM_DATASET_TYPES = ("chat_template", "preference")
-"""Data types a vision-language recipe reads: chats for sft, pairs for the paired preference objectives."""
+VLM_DATASET_TYPES = ("chat_template", "preference", "kto")
+"""Data types a vision-language recipe reads: chats for sft, pairs for the paired preference objectives,
+labelled examples for kto."""
 
 
 def _vision_objective_problems(name: str) -> list[Problem]:
-    """sft and the paired preference objectives train vision-language models; kto and online RL not yet."""
+    """sft and the offline preference objectives (paired, and kto) train vision-language models; online
+    RL not yet."""
     spec = OBJECTIVES[name]
-    if spec.name == "sft" or spec.kind == "paired":
+    if spec.name == "sft" or spec.kind in ("paired", "unpaired"):
         return []
-    if spec.kind == "unpaired":
-        reason = (
-            "kto is not supported for vision-language models yet: its KL reference point comes from "
-            "mismatched completions within each packed row, and rows with images are not packed; use dpo, "
-            "ipo, simpo or orpo on preference pairs"
-        )
-    else:
-        reason = "vision-language models train with sft, dpo, ipo, simpo or orpo for now"
+    reason = "vision-language models train with sft, dpo, ipo, simpo, orpo or kto for now"
     return [("train.objective", name, reason)]
 
 
@@ -381,7 +376,8 @@ def objective_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
 
     sft trains on any text type; every other objective on its own data type (dpo, ipo, simpo and orpo
     on `preference` pairs, kto on `kto` examples, packed: its KL reference point comes from mismatched
-    completions within each packed row).
+    completions within each packed row; a vision-language model's kto rows are never packed, their KL
+    rows are built over the split instead, finetune.data.vision_kto).
     """
     if not ok("train.objective", "model.kind"):
         return []
@@ -414,7 +410,7 @@ def objective_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
                     )
                 )
     packing = ("data.sample_packing", "data.eval_sample_packing", "data.test_datasets", "data.val_set_size")
-    if spec.kind == "unpaired" and ok(*packing):
+    if spec.kind == "unpaired" and recipe.model.kind != "vlm" and ok(*packing):
         has_eval = bool(recipe.data.test_datasets) or bool(recipe.data.val_set_size)
         for name in ("sample_packing", "eval_sample_packing"):
             if not getattr(recipe.data, name) and (name == "sample_packing" or has_eval):

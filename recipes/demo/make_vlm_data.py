@@ -23,6 +23,13 @@ LLaVA style (an ``images`` column and an ``<image>`` placeholder), so the demo r
      "chosen": [{"role": "assistant", "content": "blue"}], "rejected": [{"role": "assistant", "content": "red"}]}
     {"prompt": "<image>What colour is the shape?", "images": ["images/00500.png"], "chosen": "red", "rejected": "green"}
 
+``data/vlm/kto_{train,eval}.jsonl``: kto examples on the same pictures for the KTO demo
+(recipes/demo/tiny_vlm_kto_cpu.yaml): the colour question and one answer, desirable when it is the
+picture's colour, undesirable when it is a wrong one (about half each); image parts in training, LLaVA
+style held out, as for the pairs::
+
+    {"prompt": "<image>What colour is the shape?", "images": ["images/00500.png"], "completion": "red", "label": false}
+
 ``data/vlm/colours.jsonl``: a generation set (eval.generation_sets) of the first held-out pictures,
 each asked "What colour is the shape?", with its colour expected::
 
@@ -156,6 +163,28 @@ def write_pairs(out: Path, *, num_train: int, num_eval: int, seed: int) -> None:
         (out / f"pairs_{split}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+def write_kto(out: Path, *, num_train: int, num_eval: int, seed: int) -> None:
+    """Kto examples on the pictures write_data made: the colour question, the right colour (desirable)
+    or a wrong one (undesirable), picked by a seeded coin (see the module docstring)."""
+    coin = random.Random(seed + 2)
+    question = QUESTIONS["colour"]
+    made = pictures(num_train + num_eval, seed)
+    for split, count in (("train", num_train), ("eval", num_eval)):
+        lines = []
+        for k, _, colour, _, _ in (next(made) for _ in range(count)):
+            name = f"images/{k:05d}.png"
+            desirable = coin.random() < 0.5
+            answer = colour if desirable else coin.choice([c for c in COLOURS if c != colour])
+            if split == "train":
+                user = [{"type": "image", "image": name}, {"type": "text", "text": question}]
+                row = {"prompt": [{"role": "user", "content": user}]}
+                row["completion"] = [{"role": "assistant", "content": answer}]
+            else:
+                row = {"prompt": f"<image>{question}", "images": [name], "completion": answer}
+            lines.append(json.dumps(row | {"label": desirable}))
+        (out / f"kto_{split}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
 def write_processor(out: Path, tokenizer_dir: Path = HERE / "tokenizer") -> None:
     """An Idefics3 processor for the demo model, saved to `out` (AutoProcessor loads it)."""
     from transformers import AutoTokenizer, Idefics3Processor
@@ -185,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     write_processor(args.processor)
     write_data(args.data, num_train=args.num_train, num_eval=args.num_eval, seed=args.seed)
     write_pairs(args.data, num_train=args.num_train, num_eval=args.num_eval, seed=args.seed)
+    write_kto(args.data, num_train=args.num_train, num_eval=args.num_eval, seed=args.seed)
     print(f"wrote {args.processor} and {args.num_train} + {args.num_eval} rows to {args.data}")
 
 

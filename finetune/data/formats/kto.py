@@ -6,6 +6,11 @@ be lists of messages instead (then the row is rendered with the chat template, a
 ``apply_chat_template``); without a prompt column a conversation's last message is the completion.
 The label must be a boolean (or 0/1).
 
+For a vision-language model (model.kind vlm) the prompt may hold images, as a preference pair's does
+(finetune.data.formats.preference): image parts in its messages, or an ``images`` column
+(``field_images``) with one ``<image>`` placeholder per image in its text; an image in the completion
+is a bad row (finetune.data.vision.pair_images).
+
 >>> from types import SimpleNamespace as NS
 >>> e = NS(field_prompt="prompt", field_completion="completion", field_label="label", role_map={},
 ...        message_field_role="role", message_field_content="content")
@@ -25,6 +30,7 @@ import datasets
 from finetune.data import completions
 from finetune.data.completions import CompletionsRow
 from finetune.data.encode import Encoder
+from finetune.data.formats.preference import row_images
 from finetune.data.rows import MISSING_FIELD, NOT_A_BOOLEAN, BadRow, Example, optional_column
 
 FEATURES = {"desirable": datasets.Value("bool"), "prompt_len": datasets.Value("int32")}
@@ -35,7 +41,11 @@ def columns(entry: Any, column_names: Sequence[str]) -> dict[str, str]:
     """{entry field: column} of the columns read; the prompt only when the data has it, unless the
     recipe names it."""
     cols = {"field_completion": entry.field_completion, "field_label": entry.field_label}
-    return cols | optional_column(entry, "field_prompt", column_names)
+    return (
+        cols
+        | optional_column(entry, "field_prompt", column_names)
+        | optional_column(entry, "field_images", column_names)
+    )
 
 
 def rows(batch: dict[str, list], entry: Any) -> list[CompletionsRow | BadRow]:
@@ -69,8 +79,17 @@ def renders_chat(entry: Any, features: datasets.Features) -> bool:
 
 
 def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example | BadRow]:
-    """Each example (completions.completion_examples)."""
+    """Each example (completions.completion_examples); with a vision-language processor, the images
+    column (when the data has it) placed in the prompts, as for preference pairs."""
+    parsed = rows(batch, entry)
+    # Read for a vision-language model, or when the recipe names it (as the preference type does).
+    named = "field_images" in getattr(entry, "model_fields_set", set())
+    if entry.field_images in batch and (enc.processor is not None or named):
+        parsed = [
+            row_images(row, refs, entry.field_images, entry.field_prompt)
+            for row, refs in zip(parsed, batch[entry.field_images], strict=True)
+        ]
     # One completion: no shared prefix to mismatch, so mismatch_field is never named.
     return completions.completion_examples(
-        rows(batch, entry), enc, entry, field=entry.field_completion, mismatch_field=entry.field_completion
+        parsed, enc, entry, field=entry.field_completion, mismatch_field=entry.field_completion
     )

@@ -380,7 +380,7 @@ def test_precomputed_reference_log_probs_see_the_images(tmp_path, processor, pai
             )
 
 
-def test_vision_language_recipes_take_the_paired_objectives_and_refuse_kto():
+def test_vision_language_recipes_take_the_offline_preference_objectives_and_refuse_online_rl():
     from pydantic import ValidationError
 
     from finetune.recipe import Recipe
@@ -396,10 +396,12 @@ def test_vision_language_recipes_take_the_paired_objectives_and_refuse_kto():
 
     for name in ("dpo", "ipo", "simpo", "orpo"):
         assert validate_recipe(recipe(name)).data.sample_packing is False
+    # kto too, unpacked: its KL rows are built over the split (finetune.data.vision_kto).
+    assert validate_recipe(recipe("kto", "kto")).data.sample_packing is False
     with pytest.raises(ValidationError) as info:
-        validate_recipe(recipe("kto", "kto"))
+        validate_recipe(recipe("grpo", "prompt"))
     message = format_validation_error(info.value, Recipe)
-    assert "train.objective" in message and "kto is not supported for vision-language models" in message
+    assert "train.objective" in message and "train with sft, dpo, ipo, simpo, orpo or kto" in message
     with pytest.raises(ValidationError) as info:
         validate_recipe(
             {

@@ -1,0 +1,36 @@
+"""recipes/demo/make_vlm_data.py's kto examples (the tiny VLM KTO demo): the shipped files are what it writes,
+and an example is desirable exactly when its answer is the picture's colour (only the pixels tell)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("make_vlm_data", REPO / "recipes" / "demo" / "make_vlm_data.py")
+make_vlm_data = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(make_vlm_data)
+SHIPPED = REPO / "recipes" / "demo" / "data" / "vlm"
+
+
+def test_shipped_kto_examples_are_generated_and_labelled_by_the_pictures_colour(tmp_path):
+    make_vlm_data.write_kto(tmp_path, num_train=480, num_eval=60, seed=0)
+    for split in ("train", "eval"):
+        name = f"kto_{split}.jsonl"
+        assert (tmp_path / name).read_text() == (SHIPPED / name).read_text(), name
+    train = [json.loads(line) for line in (SHIPPED / "kto_train.jsonl").read_text().splitlines()[:40]]
+    held_out = [json.loads(line) for line in (SHIPPED / "kto_eval.jsonl").read_text().splitlines()]
+    examples = [
+        (row["prompt"][0]["content"][0]["image"], row["completion"][0]["content"], row["label"])
+        for row in train
+    ] + [(row["images"][0], row["completion"], row["label"]) for row in held_out]
+    assert all(row["prompt"].startswith("<image>") for row in held_out)
+    assert {label for *_, label in examples} == {True, False}
+    for image, answer, label in examples:
+        colours = {
+            c for _, c in Image.open(SHIPPED / image).convert("RGB").getcolors() if c != (255, 255, 255)
+        }
+        assert (make_vlm_data.COLOURS[answer] in colours) is label, (image, answer, label)
