@@ -1,5 +1,5 @@
-"""Peak CPU memory of a piece of torch code, for tests that check memory formulas (the planner's
-activation terms, the chunked loss) against what really happens.
+"""Peak CPU memory of a piece of torch code, and the bytes a forward saves for backward, for tests that
+check memory formulas (the planner's activation terms, the chunked loss) against what really happens.
 
 torch has no CPU counterpart of `torch.cuda.max_memory_allocated`, but its CPU allocator reports every
 allocation and free to the profiler when `profile_memory=True`: the running sum of those sizes is
@@ -10,7 +10,10 @@ unlike the process RSS it is exact and does not depend on glibc's allocator or o
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+
+import torch
 
 
 def peak_allocated_bytes(fn: Callable[[], object]) -> int:
@@ -43,3 +46,21 @@ def peak_allocated_bytes(fn: Callable[[], object]) -> int:
             total -= live.pop(ptr, 0)
         peak = max(peak, total)
     return peak
+
+
+def saved_tensor_bytes(model: torch.nn.Module, batch: dict, *, autocast: bool = False) -> int:
+    """Bytes of the unique storages autograd saves in `model(**batch)`, parameters excluded (bf16
+    autocast on CPU with `autocast`)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
+        model(**batch, use_cache=False)
+    return sum(storages.values())

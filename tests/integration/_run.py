@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "recipes" / "demo" / "tiny_sft_cpu.yaml"
 
@@ -116,3 +118,42 @@ def demo_overrides(tmp: Path, *extra: str) -> list[str]:
 def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """`finetune ARGS` (python -m finetune.cli) in a subprocess, from the repository root."""
     return run([sys.executable, "-m", "finetune.cli", *args], timeout=timeout)
+
+
+def train_into(recipe: Path, root: Path, *overrides: str, out: str = "out") -> subprocess.CompletedProcess:
+    """`accelerate launch finetune/train.py RECIPE` writing into root / out, with its prepared data in
+    root / "prepared" (shared by a test module's runs); it must succeed."""
+    prepared = ("--data.dataset_prepared_path", str(root / "prepared"))
+    result = run(accelerate_cmd(recipe, "--train.output_dir", str(root / out), *prepared, *overrides))
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def assert_resumes_exactly(
+    recipe: Path, root: Path, *overrides: str, steps: int, resume_at: int
+) -> subprocess.CompletedProcess:
+    """Resume the run in root / "out" (steps 1..steps logged) from its checkpoint at step `resume_at` into
+    root / "resumed": it logs steps resume_at + 1..steps, each with the first run's loss (to 1e-6)."""
+    first = step_losses(progress(root / "out"))
+    assert sorted(first) == list(range(1, steps + 1))
+    checkpoint = root / "out" / "checkpoints" / f"step-{resume_at}"
+    resumed = train_into(
+        recipe, root, "--train.load_checkpoint_path", str(checkpoint), *overrides, out="resumed"
+    )
+    again = step_losses(progress(root / "resumed"))
+    assert sorted(again) == list(range(resume_at + 1, steps + 1))
+    for step in again:
+        assert again[step] == pytest.approx(first[step], abs=1e-6), step
+    return resumed
+
+
+def ddp_and_single(recipe: Path, root: Path, micro_batch_size: int, *overrides: str) -> None:
+    """`finetune train RECIPE` on the prepared data in root / "prepared": on 2 gloo DDP processes
+    (--accelerate-config multi_cpu: torchrun) at `micro_batch_size` into root / "ddp", and on one process
+    at twice that (the same global batches) into root / "single"; both must succeed."""
+    prepared = ("--data.dataset_prepared_path", str(root / "prepared"))
+    for name, launch, size in (("ddp", ("--accelerate-config", "multi_cpu"), micro_batch_size),
+                               ("single", (), 2 * micro_batch_size)):  # fmt: skip
+        result = cli("train", str(recipe), *prepared, *overrides, *launch, "--train.micro_batch_size", str(size),
+                     "--train.output_dir", str(root / name), timeout=600)  # fmt: skip
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]

@@ -20,7 +20,8 @@ from finetune.data.images import SENTINEL
 from finetune.generation.sampling import vlm_prompt_inputs
 from finetune.model import load_vlm_for_inference
 from tests.integration._run import REPO, cli, progress, step_losses
-from tests.unit.data.test_vlm_masking import PROCESSORS, tiny_config
+from tests.unit.data.test_vlm_masking import tiny_config
+from tests.vlm_processors import PROCESSORS
 
 pytestmark = pytest.mark.slow
 DEMO_DATA = REPO / "recipes" / "demo" / "data" / "vlm"

@@ -18,18 +18,34 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, Idefics3Con
 
 from finetune.data.vision import collate_vlm
 from finetune.losses.causal_lm import token_loss_sums
-from tests.integration._run import REPO, accelerate_cmd, cli, progress, run, step_grad_norms, step_losses
+from tests.integration._run import (
+    REPO,
+    assert_resumes_exactly,
+    cli,
+    ddp_and_single,
+    progress,
+    step_grad_norms,
+    step_losses,
+    train_into,
+)
+from tests.vlm_processors import shuffled_images
 
 pytestmark = pytest.mark.slow
 RECIPE = REPO / "recipes" / "demo" / "tiny_vlm_cpu.yaml"
 COLOURS = REPO / "recipes" / "demo" / "data" / "vlm" / "colours.jsonl"  # the demo's generation set
 STEPS, RESUME_AT = 180, 170  # 480 rows / 16 a step = 30 steps an epoch, 6 epochs
+CHECKPOINTS_AND_LOGS = ("--train.save_steps", str(RESUME_AT), "--train.save_total_limit", "null",
+                        "--train.eval_steps", "90", "--train.log_steps", "1")  # fmt: skip
+
+
+def from_base(root) -> tuple[str, ...]:
+    """The demo pointed at its random init saved under `root` (see `trained`)."""
+    return "--model.model_path", str(root / "base"), "--model.config_path", "null"
 
 
 def base_overrides(root) -> tuple[str, ...]:
-    """The demo pointed at its random init saved under `root` (see `trained`) and the run's prepared data."""
-    return ("--model.model_path", str(root / "base"), "--model.config_path", "null",
-            "--data.dataset_prepared_path", str(root / "prepared"))  # fmt: skip
+    """`from_base` and the run's prepared data (for `finetune eval`)."""
+    return *from_base(root), "--data.dataset_prepared_path", str(root / "prepared")
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +59,7 @@ def trained(tmp_path_factory):
     model = AutoModelForImageTextToText.from_config(Idefics3Config(**recipe["model"]["config_path"]))
     model.save_pretrained(root / "base")
     AutoProcessor.from_pretrained(REPO / "recipes" / "demo" / "vlm_processor").save_pretrained(root / "base")
-    checkpoints = ("--train.save_steps", str(RESUME_AT), "--train.save_total_limit", "null")
-    result = run(
-        accelerate_cmd(RECIPE, *base_overrides(root), "--train.output_dir", str(root / "out"), *checkpoints,
-                       "--train.eval_steps", "90", "--train.log_steps", "1")
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
+    train_into(RECIPE, root, *from_base(root), *CHECKPOINTS_AND_LOGS)
     return root
 
 
@@ -74,10 +85,7 @@ def test_the_model_uses_the_pixels(trained):
     # The run's own final eval_loss is the same computation on the same rows.
     final = [r for r in progress(out) if r.get("event") == "eval"][-1]["eval_loss"]
     assert right == pytest.approx(final, rel=1e-4)
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
-    shuffled = eval_loss(
-        model, processor, [{**r, "images": rows[k]["images"]} for r, k in zip(rows, order, strict=False)]
-    )
+    shuffled = eval_loss(model, processor, shuffled_images(rows))
     assert right < 0.7 * shuffled, (right, shuffled)
 
 
@@ -95,24 +103,11 @@ def test_prepared_rows_and_outputs(trained):
 def test_resume_in_the_last_epoch_gives_the_same_losses(trained):
     """Exact resume of a VLM run: the checkpoint's position in the epoch (its sampler), model, optimizer
     and RNG states restored, the pixels processed again at collate time as in the first run."""
-    first = step_losses(progress(trained / "out"))
-    assert sorted(first) == list(range(1, STEPS + 1))
+    resumed = assert_resumes_exactly(
+        RECIPE, trained, *from_base(trained), *CHECKPOINTS_AND_LOGS, steps=STEPS, resume_at=RESUME_AT
+    )
     checkpoint = trained / "out" / "checkpoints" / f"step-{RESUME_AT}"
-    resumed = run(
-        accelerate_cmd(
-            RECIPE,
-            *base_overrides(trained), "--train.output_dir", str(trained / "resumed"),
-            "--train.load_checkpoint_path", str(checkpoint),
-            "--train.save_steps", str(RESUME_AT), "--train.save_total_limit", "null",
-            "--train.eval_steps", "90", "--train.log_steps", "1",
-        )
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"resumed from {checkpoint}" in resumed.stdout + resumed.stderr
-    again = step_losses(progress(trained / "resumed"))
-    assert sorted(again) == list(range(RESUME_AT + 1, STEPS + 1))
-    for step in again:
-        assert again[step] == pytest.approx(first[step], abs=1e-6), step
 
 
 def test_chat_with_an_image_answers_with_a_colour(trained):
@@ -207,14 +202,8 @@ def test_two_process_ddp_matches_one_process(trained):
     """DDP on 2 gloo processes (finetune train --accelerate-config multi_cpu, torchrun) of the VLM demo:
     each process collates its own rows' pixels; the same global batches give the same losses and
     gradient norms as one process, up to float summation order."""
-    common = ("--data.dataset_prepared_path", str(trained / "prepared"), "--train.max_steps", "4",
-              "--train.log_steps", "1", "--train.eval_steps", "null", "--train.save_epochs", "0",
-              "--train.save_hf_weights", "false")  # fmt: skip
-    ddp = cli("train", str(RECIPE), *common, "--accelerate-config", "multi_cpu", "--train.micro_batch_size", "8",
-              "--train.output_dir", str(trained / "ddp"), timeout=600)  # fmt: skip
-    assert ddp.returncode == 0, ddp.stdout[-2000:] + ddp.stderr[-4000:]
-    single = cli("train", str(RECIPE), *common, "--train.output_dir", str(trained / "single"), timeout=600)
-    assert single.returncode == 0, single.stderr[-4000:]
+    ddp_and_single(RECIPE, trained, 8, "--train.max_steps", "4", "--train.log_steps", "1", "--train.eval_steps", "null",
+                   "--train.save_epochs", "0", "--train.save_hf_weights", "false")  # fmt: skip
     ddp_log, single_log = progress(trained / "ddp"), progress(trained / "single")
     assert sorted(step_losses(ddp_log)) == [1, 2, 3, 4]
     for measure in (step_losses, step_grad_norms):

@@ -3,7 +3,8 @@ finetune/train.py`: pairs whose prompt holds a picture (image parts in training,
 images column held out). The held-out reward accuracy and margin rise from the start; the saved adapter
 loads and uses the pixels (its reward accuracy with the right pictures beats the same pairs with the pictures
 shuffled across pairs); a checkpoint resumes to the same losses; `finetune eval --adapter` scores base and
-tuned on the held-out pairs with the run's own numbers."""
+tuned on the held-out pairs with the run's own numbers; 2-process DDP gives the losses and rewards of one
+process."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ import json
 
 import datasets
 import pytest
-import torch
 import yaml
 
 from finetune.data.vision import collate_vlm_pairs
 from finetune.evaluation.preference import score_batches, summarize
 from finetune.model import load_vlm_for_inference
 from finetune.recipe import validate_recipe
-from tests.integration._run import REPO, accelerate_cmd, cli, progress, run, step_losses
+from tests.integration._run import REPO, assert_resumes_exactly, cli, ddp_and_single, progress, train_into
+from tests.vlm_processors import shuffled_images
 
 pytestmark = pytest.mark.slow
 RECIPE = REPO / "recipes" / "demo" / "tiny_vlm_dpo_cpu.yaml"
@@ -29,20 +30,18 @@ SHORT = ("--train.num_train_epochs", "1", "--train.save_epochs", "1", "--train.l
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("vlm-dpo")
-    result = run(
-        accelerate_cmd(
-            RECIPE,
-            "--train.output_dir", str(root / "out"),
-            "--data.dataset_prepared_path", str(root / "prepared"),
-            "--train.save_steps", str(RESUME_AT), "--train.save_total_limit", "null", *SHORT,
-        )
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
+    train_into(RECIPE, root, "--train.save_steps", str(RESUME_AT), "--train.save_total_limit", "null", *SHORT)
     return root
 
 
-def evals(root) -> list[dict]:
-    return [r for r in progress(root / "out") if r.get("event") == "eval"]
+def evals(root, name: str = "out") -> list[dict]:
+    """The eval records of the run in root / name."""
+    return [r for r in progress(root / name) if r.get("event") == "eval"]
+
+
+def steps(root, name: str) -> list[dict]:
+    """The step records (loss, rewards, log-probs) of the run in root / name."""
+    return [r for r in progress(root / name) if r.get("event") is None and r.get("loss") is not None]
 
 
 def test_held_out_reward_accuracy_and_margin_rise(trained):
@@ -65,8 +64,7 @@ def test_the_saved_adapter_loads_and_uses_the_pixels(trained):
     base, _ = load_vlm_for_inference(str(trained / "out" / "base_model"))
     split = datasets.load_from_disk(next((trained / "prepared").glob("*/eval")))
     rows = [{**split[i], "row_index": i} for i in range(len(split))]
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
-    shuffled = [{**row, "images": rows[k]["images"]} for row, k in zip(rows, order, strict=True)]
+    shuffled = shuffled_images(rows)
 
     def accuracy(pairs) -> dict:
         batches = [
@@ -88,22 +86,9 @@ def test_the_saved_adapter_loads_and_uses_the_pixels(trained):
 
 
 def test_resume_from_a_checkpoint_gives_the_same_losses(trained):
-    first = step_losses(progress(trained / "out"))
-    assert sorted(first) == list(range(1, STEPS + 1))
-    checkpoint = trained / "out" / "checkpoints" / f"step-{RESUME_AT}"
-    resumed = run(
-        accelerate_cmd(
-            RECIPE,
-            "--train.output_dir", str(trained / "resumed"),
-            "--data.dataset_prepared_path", str(trained / "prepared"),
-            "--train.load_checkpoint_path", str(checkpoint), "--train.eval_on_start", "false", *SHORT,
-        )
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    again = step_losses(progress(trained / "resumed"))
-    assert sorted(again) == list(range(RESUME_AT + 1, STEPS + 1))
-    for step in again:
-        assert again[step] == pytest.approx(first[step], abs=1e-6), step
+    assert_resumes_exactly(
+        RECIPE, trained, "--train.eval_on_start", "false", *SHORT, steps=STEPS, resume_at=RESUME_AT
+    )
 
 
 def test_eval_scores_base_and_tuned_on_the_held_out_pairs(trained):
@@ -117,3 +102,30 @@ def test_eval_scores_base_and_tuned_on_the_held_out_pairs(trained):
         figures = results[model]["preference"]
         for key in ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins", "eval_logps/chosen"):
             assert figures[key] == pytest.approx(logged[key], rel=1e-4, abs=1e-6), (model, key)
+
+
+def test_two_process_ddp_matches_one_process(trained):
+    """DDP on 2 gloo processes (finetune train --accelerate-config multi_cpu: torchrun) of the DPO demo, 8 pairs
+    a process against 16 in one process: each process collates its own pairs' pictures, and the policy and
+    its reference (the unwrapped model with the adapters disabled) both see them. At step 1 the policy is
+    its reference on every pair of both processes (no pair's reward margin above 0, and their mean 0: a
+    reference forward without the pixels would score the pairs differently); then the losses, rewards and
+    log-probs of each step, and the held-out figures (the eval pairs split between the processes), are one
+    process's up to float summation order (rel 1e-5)."""
+    ddp_and_single(RECIPE, trained, 8, "--train.max_steps", "2", "--train.log_steps", "1", "--train.eval_steps", "2",
+                   "--train.eval_on_start", "false", "--train.save_epochs", "0", "--train.save_hf_weights", "false",
+                   "--lora.lora_dropout", "0.0")  # fmt: skip
+    for name in ("ddp", "single"):
+        first = steps(trained, name)[0]
+        assert [r["step"] for r in steps(trained, name)] == [1, 2] and first["pairs"] == 16
+        assert [e["step"] for e in evals(trained, name)] == [2]
+        assert first["loss"] == pytest.approx(0.693147, abs=1e-6) and first["rewards/accuracies"] == 0.0
+        assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-7), first
+    keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+    for a, b in zip(steps(trained, "ddp"), steps(trained, "single"), strict=True):
+        for key in (*keys, "rewards/accuracies"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key, a[key], b[key])
+    (ddp,), (single,) = evals(trained, "ddp"), evals(trained, "single")
+    assert ddp["eval_pairs"] == single["eval_pairs"] == 60 and single["eval_rewards/margins"] != 0.0
+    for key in ("eval_rewards/accuracies", *(f"eval_{k}" for k in keys)):
+        assert ddp[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), (key, ddp[key], single[key])

@@ -3,7 +3,6 @@ the micro-batch suggestion, and `finetune plan` on the shipped recipes."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from pathlib import Path
@@ -32,7 +31,7 @@ from finetune.plan import (
     suggest,
 )
 from finetune.recipe import LoraSection, Recipe, validate_recipe
-from tests.memory import peak_allocated_bytes
+from tests.memory import peak_allocated_bytes, saved_tensor_bytes
 from tests.tiny import tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -251,23 +250,6 @@ def test_activations_checkpointing_and_batch_scaling():
     assert long_eager.per_layer > 2 * long_sdpa.per_layer  # the s^2 attention probabilities
 
 
-def _measured_saved_bytes(model: torch.nn.Module, batch: dict, *, autocast: bool) -> int:
-    """Bytes of the unique storages autograd saves in the forward, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
-        model(**batch, use_cache=False)
-    return sum(storages.values())
-
-
 def _packed_batch(rows: int, seq: int, vocab: int) -> dict:
     """Packed rows as training sees them: two sequences per row, position_ids restarting."""
     torch.manual_seed(1)
@@ -306,7 +288,7 @@ def test_predicted_activations_match_saved_tensors(attn, train, lora, model):
         net = apply_lora(net, recipe.lora, gradient_checkpointing=False)
     net.train()
     micro, seq = 2, 512
-    measured = _measured_saved_bytes(
+    measured = saved_tensor_bytes(
         net, _packed_batch(micro, seq, inv.vocab_size), autocast=train["mixed_precision"] != "no"
     )
     recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"sequence_len": seq})})

@@ -22,6 +22,7 @@ from finetune.plan.images import image_input
 from finetune.plan.inventory import adapter_counts, inspect_model, inventory_of
 from finetune.plan.states import model_states
 from finetune.recipe import Recipe, validate_recipe
+from tests.memory import saved_tensor_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "recipes/demo/tiny_vlm_cpu.yaml"
@@ -157,22 +158,6 @@ def test_trainable_splits_equal_vlm_freeze_and_peft(model_type, tower, projector
 # ------------------------------------------------------------------------------------------ activations
 
 
-def _measured_saved_bytes(net: torch.nn.Module, batch: dict) -> int:
-    """Bytes of the unique storages autograd saves in the forward, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        net(**batch, use_cache=False)
-    return sum(storages.values())
-
-
 @pytest.fixture(scope="module")
 def demo():
     """The tiny demo VLM's recipe and a batch as collate_vlm makes it: 4 rows of 64 tokens (one padded),
@@ -233,7 +218,7 @@ def test_predicted_activations_match_saved_tensors(demo, tower, projector, lora)
             inv, recipe, DistributedSetup(), micro_batch_size=rows, checkpointing=False,
             images=image_input(inv.vision, recipe),
         )  # fmt: skip
-        return _measured_saved_bytes(net.train(), batch), est.activations
+        return saved_tensor_bytes(net.train(), batch), est.activations
 
     measured, acts = run(tower, projector)
     assert acts.saved == pytest.approx(measured, rel=0.01)

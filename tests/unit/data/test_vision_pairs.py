@@ -18,25 +18,12 @@ from finetune.data.tokenize import tokenize_dataset
 from finetune.data.vision import collate_vlm, collate_vlm_pairs, image_token_ids
 from finetune.errors import DataError
 from finetune.recipe import dataset_entry
-from tests.unit.data.test_vlm_masking import PROCESSORS, png
-
-
-@pytest.fixture(scope="module", params=list(PROCESSORS))
-def processor(request):
-    made, end_of_turn = PROCESSORS[request.param]()
-    made.tokenizer.chat_template = made.chat_template
-    return request.param, made, end_of_turn
+from tests.vlm_processors import image_folder, png, ready, tokenize_image_feature
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pairs")
-    (root / "images").mkdir()
-    for name, colour in (("red", (220, 20, 20)), ("blue", (20, 20, 220))):
-        (root / "images" / f"{name}.png").write_bytes(png(colour))
-    (root / "images" / "notes.png").write_text("not an image")
-    (root / "pairs.jsonl").write_text("")  # where relative image paths start
-    return root
+    return image_folder(tmp_path_factory.mktemp("pairs"), "pairs.jsonl")
 
 
 def parts_row(image: str, chosen: str = "It is red.", rejected: str = "It is blue.") -> dict:
@@ -109,8 +96,7 @@ def test_llava_style_images_column_gives_the_same_rows_as_image_parts(processor,
 
 
 def test_bad_images_are_bad_rows_counted_or_raised(root):
-    _, proc, _ = (None, *PROCESSORS["smolvlm"]())
-    proc.tokenizer.chat_template = proc.chat_template
+    proc, _ = ready("smolvlm")
     completion_image = parts_row("images/red.png")
     completion_image["chosen"] = [
         {
@@ -135,7 +121,7 @@ def test_bad_images_are_bad_rows_counted_or_raised(root):
 def test_a_text_model_refuses_pairs_with_images(root):
     from transformers import AutoTokenizer
 
-    from tests.unit.data.test_vlm_masking import DEMO_TOKENIZER
+    from tests.vlm_processors import DEMO_TOKENIZER
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
     entry = dataset_entry(path=str(root / "pairs.jsonl"), type="preference")
@@ -195,26 +181,17 @@ def test_a_pairs_images_are_processed_once(processor, root, monkeypatch):
 
 def test_a_datasets_image_column_reads_as_the_same_images(root):
     """An `images` column of datasets' Image feature (as a Parquet or Hub dataset holds it)."""
-    proc, _ = PROCESSORS["smolvlm"]()
-    proc.tokenizer.chat_template = proc.chat_template
+    proc, _ = ready("smolvlm")
     data = (root / "images" / "red.png").read_bytes()
     row = {"prompt": "<image>What colour is it?", "chosen": "It is red.", "rejected": "It is blue."}
     plain = tokenize([{**row, "images": [data]}], root, proc).dataset[0]
-    features = datasets.Features(
-        {**{k: datasets.Value("string") for k in row}, "images": datasets.List(datasets.Image())}
-    )
-    ds = datasets.Dataset.from_dict(
-        {**{k: [v] for k, v in row.items()}, "images": [[{"bytes": data, "path": None}]]}, features=features
-    )
-    entry = dataset_entry(path=str(root / "pairs.jsonl"), type="preference")
-    result = tokenize_dataset(
-        ds,
-        entry,
-        proc.tokenizer,
-        sequence_len=512,
-        excess_length_strategy="drop",
-        on_bad_row="raise",
-        processor=proc,
+    rows = {**{k: [v] for k, v in row.items()}, "images": [[{"bytes": data, "path": None}]]}
+    result = tokenize_image_feature(
+        {k: datasets.Value("string") for k in row},
+        rows,
+        data_type="preference",
+        path=root / "pairs.jsonl",
+        proc=proc,
     )
     got = result.dataset[0]
     assert (got["input_ids"], got["labels"], got["chosen_len"]) == (

@@ -15,11 +15,7 @@ from pathlib import Path
 import datasets
 import pytest
 from PIL import Image
-from transformers import AutoTokenizer, Gemma3Processor, Idefics3Processor, Qwen2VLProcessor
-from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
-from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers.processing_utils import ProcessorMixin
+from transformers import AutoTokenizer
 
 from finetune.constants import IGNORE_INDEX
 from finetune.data.tokenize import tokenize_dataset
@@ -27,88 +23,22 @@ from finetune.data.vision import collate_vlm, image_token_ids
 from finetune.errors import DataError
 from finetune.recipe import dataset_entry
 from finetune.vlm import parts
-
-REPO = Path(__file__).resolve().parents[3]
-TEMPLATES = Path(__file__).resolve().parent / "templates"
-DEMO_TOKENIZER = REPO / "recipes" / "demo" / "tokenizer"
-
-
-class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
-    """Qwen2-VL's processor without its video processor: transformers' video processors need torchvision,
-    which cannot be installed beside this torch. Images go through the real __call__ and image processor."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
-
-
-def _tokenizer(additional=(), **kwargs):
-    tokenizer = AutoTokenizer.from_pretrained(DEMO_TOKENIZER, **kwargs)
-    if additional:
-        tokenizer.add_special_tokens({"additional_special_tokens": list(additional)})
-    return tokenizer
-
-
-def qwen():
-    tokenizer = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
-    template = (TEMPLATES / "Qwen-Qwen2.5-VL-3B-Instruct.jinja").read_text()
-    return ImageOnlyQwen2VLProcessor(image_processor, tokenizer, chat_template=template), "<|im_end|>"
-
-
-def smolvlm():
-    tokenizer = _tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"])
-    image_processor = Idefics3ImageProcessorPil(
-        do_image_splitting=False, size={"longest_edge": 32}, max_image_size={"longest_edge": 32}
-    )
-    template = (TEMPLATES / "HuggingFaceTB-SmolVLM-Instruct.jinja").read_text()
-    return Idefics3Processor(
-        image_processor, tokenizer, image_seq_len=4, chat_template=template
-    ), "<end_of_utterance>"
-
-
-def gemma3():
-    special = {
-        "image_token": "<image_soft_token>",
-        "boi_token": "<start_of_image>",
-        "eoi_token": "<end_of_image>",
-    }
-    tokenizer = _tokenizer(extra_special_tokens=special)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
-    image_processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
-    template = (TEMPLATES / "google-gemma-3-4b-it.jinja").read_text()
-    return Gemma3Processor(
-        image_processor, tokenizer, chat_template=template, image_seq_length=4
-    ), "<end_of_turn>"
-
-
-PROCESSORS = {"qwen2.5-vl": qwen, "smolvlm": smolvlm, "gemma3": gemma3}
-
-
-@pytest.fixture(scope="module", params=list(PROCESSORS))
-def processor(request):
-    made, end_of_turn = PROCESSORS[request.param]()
-    made.tokenizer.chat_template = made.chat_template
-    return request.param, made, end_of_turn
-
-
-def png(colour, size=(40, 30)) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", size, colour).save(buffer, format="PNG")
-    return buffer.getvalue()
+from tests.vlm_processors import (
+    DEMO_TOKENIZER,
+    PROCESSORS,
+    REPO,
+    image_folder,
+    png,
+    ready,
+    smolvlm,
+    tokenize_image_feature,
+)
 
 
 @pytest.fixture(scope="module")
 def image_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vlm")
-    (root / "images").mkdir()
-    for name, colour in (("red", (220, 20, 20)), ("blue", (20, 20, 220))):
-        (root / "images" / f"{name}.png").write_bytes(png(colour))
+    root = image_folder(tmp_path_factory.mktemp("vlm"), "data.jsonl")
     (root / "images" / "cut.png").write_bytes(png((0, 200, 0), size=(64, 64))[:60])  # truncated
-    (root / "images" / "notes.png").write_text("not an image")
-    (root / "data.jsonl").write_text("")  # where relative image paths start
     return root
 
 
@@ -205,8 +135,7 @@ def test_llava_style_placeholders_and_bytes(processor, image_dir):
     ],
 )
 def test_bad_images_are_errors_or_counted_drops(image_dir, path, reason):
-    _, proc, _ = (lambda p: (None, *p))(smolvlm())
-    proc.tokenizer.chat_template = proc.chat_template
+    proc, _ = ready("smolvlm")
     rows = [
         {
             "messages": [
@@ -225,8 +154,7 @@ def test_bad_images_are_errors_or_counted_drops(image_dir, path, reason):
 
 
 def test_placeholder_count_and_long_rows(image_dir):
-    proc, _ = smolvlm()
-    proc.tokenizer.chat_template = proc.chat_template
+    proc, _ = ready("smolvlm")
     mismatch = [
         {
             "messages": [
@@ -261,34 +189,16 @@ def test_images_for_a_text_model_are_an_error_whatever_on_bad_row(image_dir):
 
 
 def test_datasets_image_feature(image_dir):
-    proc, end_of_turn = smolvlm()
-    proc.tokenizer.chat_template = proc.chat_template
-    features = datasets.Features(
-        {
-            "messages": datasets.List(
-                {"role": datasets.Value("string"), "content": datasets.Value("string")}
-            ),
-            "images": datasets.List(datasets.Image()),
-        }
-    )
-    ds = datasets.Dataset.from_dict(
-        {
-            "messages": [
-                [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Red."}]
-            ],
-            "images": [[Image.new("RGB", (20, 20), (200, 0, 0))]],
-        },
-        features=features,
-    )
-    entry = dataset_entry(path=str(image_dir / "data.jsonl"), type="chat_template")
-    result = tokenize_dataset(
-        ds,
-        entry,
-        proc.tokenizer,
-        sequence_len=512,
-        excess_length_strategy="drop",
-        on_bad_row="raise",
-        processor=proc,
+    proc, end_of_turn = ready("smolvlm")
+    turn = {"role": datasets.Value("string"), "content": datasets.Value("string")}
+    conversation = [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Red."}]
+    rows = {"messages": [conversation], "images": [[Image.new("RGB", (20, 20), (200, 0, 0))]]}
+    result = tokenize_image_feature(
+        {"messages": datasets.List(turn)},
+        rows,
+        data_type="chat_template",
+        path=image_dir / "data.jsonl",
+        proc=proc,
     )
     row = result.dataset[0]
     assert Image.open(io.BytesIO(row["images"][0])).getpixel((5, 5)) == (200, 0, 0)

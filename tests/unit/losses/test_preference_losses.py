@@ -21,6 +21,7 @@ from finetune.data.collate import collate_rows
 from finetune.errors import FinetuneError
 from finetune.losses import preference as pref
 from finetune.losses.causal_lm import forward
+from tests.preference_checks import assert_grads_close, assert_metrics_match, loss_and_grads, trl_metrics
 from tests.tiny import loss_test_model
 
 VOCAB = 64
@@ -102,23 +103,6 @@ def padded_logps(model, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
 def reference_logps(model, rows: list[dict]) -> torch.Tensor:
     with torch.no_grad():
         return padded_logps(model, rows)[0]
-
-
-def loss_and_grads(model, compute) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    loss = compute()
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_grads_close(ours: dict, theirs: dict, **tol) -> None:
-    assert ours.keys() == theirs.keys()
-    for name in theirs:
-        torch.testing.assert_close(ours[name], theirs[name], msg=name, **(tol or GRAD_TOL))
-
-
-def trl_metrics(trainer, model) -> dict[str, float]:
-    return {k: v[-1] for k, v in trainer._metrics["train" if model.training else "eval"].items()}
 
 
 # ------------------------------------------------------------------------------ token_logps
@@ -403,16 +387,9 @@ def test_dpo_trainer_losses_match_trl(tmp_path, loss_type, options):
 
     loss, grads = loss_and_grads(policy, ours)
     torch.testing.assert_close(loss, trl_loss, **LOSS_TOL)
-    assert_grads_close(grads, trl_grads)
+    assert_grads_close(grads, trl_grads, **GRAD_TOL)
     metrics = pref.preference_metrics(outputs["out"])
-    for key in (
-        "rewards/chosen",
-        "rewards/rejected",
-        "rewards/margins",
-        "rewards/accuracies",
-        "logps/chosen",
-    ):
-        assert metrics[key].item() == pytest.approx(expected_metrics[key], rel=1e-5, abs=1e-6), key
+    assert_metrics_match({k: v.item() for k, v in metrics.items()}, expected_metrics)
 
 
 def _cpo_family_trainer(trl_trainer, config, tmp_path, **options):
@@ -464,7 +441,7 @@ def test_simpo_matches_trl_cpo_trainer(tmp_path):
 
     loss, grads = loss_and_grads(policy, ours)
     torch.testing.assert_close(loss, trl_loss, **LOSS_TOL)
-    assert_grads_close(grads, trl_grads)
+    assert_grads_close(grads, trl_grads, **GRAD_TOL)
     metrics = pref.preference_metrics(outputs["out"])
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
         assert metrics[key].item() == pytest.approx(trl_out["metrics"][key], rel=1e-5, abs=1e-6), key
@@ -537,7 +514,7 @@ def test_orpo_matches_trl_orpo_trainer(tmp_path):
 
     loss, grads = loss_and_grads(policy, ours)
     torch.testing.assert_close(loss, trl_loss, **LOSS_TOL)
-    assert_grads_close(grads, trl_grads)
+    assert_grads_close(grads, trl_grads, **GRAD_TOL)
     metrics = pref.preference_metrics(outputs["out"])
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
         assert metrics[key].item() == pytest.approx(trl_out["metrics"][key], rel=1e-5, abs=1e-6), key
@@ -596,11 +573,11 @@ def test_kto_matches_trl_kto_trainer(tmp_path):
 
     loss, grads = loss_and_grads(policy, ours)
     torch.testing.assert_close(loss, trl_loss, **LOSS_TOL)
-    assert_grads_close(grads, trl_grads)
+    assert_grads_close(grads, trl_grads, **GRAD_TOL)
     assert outputs["z0"].item() == pytest.approx(expected_metrics["kl"], rel=1e-4, abs=1e-6)
     metrics = pref.preference_metrics(outputs["out"])
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
-        assert metrics[key].item() == pytest.approx(expected_metrics[key], rel=1e-5, abs=1e-6), key
+    keys = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+    assert_metrics_match({k: v.item() for k, v in metrics.items()}, expected_metrics, keys)
 
 
 # ------------------------------------------------------------------------------ packed vs padded

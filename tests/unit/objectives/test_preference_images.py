@@ -30,6 +30,7 @@ from finetune.losses import preference as pref
 from finetune.objectives.preference import PreferenceObjective, policy_logps
 from finetune.recipe import dataset_entry, validate_recipe
 from tests.fakes import cpu_accelerator
+from tests.preference_checks import assert_grads_close, assert_metrics_match, loss_and_grads, trl_metrics
 
 REPO = Path(__file__).resolve().parents[3]
 PROCESSOR_DIR = REPO / "recipes" / "demo" / "vlm_processor"
@@ -99,13 +100,6 @@ def prepared(pairs: list[tuple[list[int], list[int], list[int], list[int], bytes
     ]
 
 
-def loss_and_grads(model, compute) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    loss = compute()
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 # ------------------------------------------------------------------------------------- against TRL
 
 
@@ -156,7 +150,7 @@ def test_dpo_on_images_matches_trl_dpo_trainer(tmp_path, processor, loss_type, o
     )
     theirs = trainer.data_collator(list(trainer.train_dataset))
     trl_loss, trl_grads = loss_and_grads(policy, lambda: trainer.compute_loss(policy, theirs))
-    trl_metrics = {k: v[-1] for k, v in trainer._metrics["train" if policy.training else "eval"].items()}
+    logged = trl_metrics(trainer, policy)
 
     obj = objective("dpo" if loss_type == "sigmoid" else "ipo", lora=False, **options)
     obj.reference.copy = reference  # full fine-tuning: the frozen copy of the initial model
@@ -173,18 +167,8 @@ def test_dpo_on_images_matches_trl_dpo_trainer(tmp_path, processor, loss_type, o
 
     loss, grads = loss_and_grads(policy, ours)
     torch.testing.assert_close(loss, trl_loss, **LOSS_TOL)
-    assert grads.keys() == trl_grads.keys()
-    for name, grad in trl_grads.items():
-        torch.testing.assert_close(grads[name], grad, msg=name, **GRAD_TOL)
-    for key in (
-        "rewards/chosen",
-        "rewards/rejected",
-        "rewards/margins",
-        "rewards/accuracies",
-        "logps/chosen",
-    ):
-        mean = out["metrics"][key].item() / n
-        assert mean == pytest.approx(trl_metrics[key], rel=1e-5, abs=1e-6), key
+    assert_grads_close(grads, trl_grads, **GRAD_TOL)
+    assert_metrics_match({k: v.item() / n for k, v in out["metrics"].items()}, logged)
 
 
 # ------------------------------------------------------------------ log-probs = a direct forward
