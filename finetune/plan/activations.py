@@ -27,6 +27,9 @@ class Activations:
     layer_backward: float = 0.0  # a recomputed layer's backward beyond what it saved (the MLP's gradients)
     vision_backward: float = 0.0  # the vision tower's checkpointed backward (`vision_backward_bytes`)
     rotary: float = 0.0  # the rotary cos/sin tables (part of `head`): every layer reads them, to the end
+    # checkpointing with frozen embeddings: enable_input_require_grads makes their output a leaf that
+    # requires grad, alive (as is its gradient, which replaces the layers' kept inputs at the end) to the end
+    embedding_leaf: float = 0.0
 
     @property
     def saved(self) -> float:
@@ -47,6 +50,7 @@ class Activations:
             return self.saved + self.mask + self.loss_held + self.loss_transient
         loss_step = self.head + self.loss_saved + self.loss_transient
         kept = self.num_layers * self.layer_input + self.mask + self.loss_held + self.vision_checkpointed
+        kept += self.embedding_leaf
         layer_step = self.rotary + self.per_layer + self.layer_backward
         language = kept + max(loss_step, layer_step)
         # the merged input embeddings' gradient (layer_input's size) lives until the tower's backward ends
@@ -71,6 +75,7 @@ def activation_bytes(
     loss_chunk: int = 0,
     lm_head_plain: bool = True,
     rotary_rows: int | None = None,
+    embedding_frozen: bool = False,
 ) -> Activations:
     """Bytes autograd saves in a Llama-style decoder layer for b rows of s tokens.
 
@@ -100,6 +105,8 @@ def activation_bytes(
     Gradient checkpointing keeps r*bs*h per layer and recomputes one layer at a time; that layer's
     backward holds what it saves again plus 2c*bs*i (down_proj's input gradient and the gate product's
     two gradients, less the product down_proj saved; measured on CPU in tests/unit/test_plan_ckpt_vlm.py).
+    The rotary tables stay alive through it, and, with frozen embeddings (`embedding_frozen`), their
+    r*bs*h output: checkpointing's enable_input_require_grads makes it a leaf that requires grad.
     Loss, full logits (model(...).loss; V vocabulary; measured on CPU, tests/unit/test_plan.py):
     the cross entropy saves its fp32 log-softmax (4*bs*V). The logits themselves are not kept: the
     log-softmax does not save its input, and the model output that holds them (and Accelerate's
@@ -169,6 +176,7 @@ def activation_bytes(
         # down_proj saved, freed by its backward
         layer_backward=2 * (linear_out_bytes or c) * bs * i,
         rotary=rotary,
+        embedding_leaf=r * bs * h if embedding_frozen else 0,
         head=head,
         mask=(1 if attn_implementation == "sdpa" else r if eager else 0) * b * s * s,
         **loss,

@@ -105,6 +105,7 @@ def estimate(
         loss_chunk=chunk,
         lm_head_plain=full or not head_adapted,
         rotary_rows=_rotary_rows(inv, micro_batch_size),
+        embedding_frozen=not (full or embedding in trained),
     )
     if inv.vision is not None:
         acts = _with_vision(acts, inv, recipe, layout, micro_batch_size, images)
