@@ -28,7 +28,7 @@ class Activations:
     vision_backward: float = 0.0  # the vision tower's checkpointed backward (`vision_backward_bytes`)
     rotary: float = 0.0  # the rotary cos/sin tables (part of `head`): every layer reads them, to the end
     # checkpointing with frozen embeddings: enable_input_require_grads makes their output a leaf that
-    # requires grad, alive (as is its gradient, which replaces the layers' kept inputs at the end) to the end
+    # requires grad, which the graph keeps alive to the end of the backward
     embedding_leaf: float = 0.0
 
     @property
