@@ -24,6 +24,12 @@ class Activations:
     loss_transient: float  # alive only at the loss's own peak (gradient buffers, one chunk's logits)
     vision: float = 0.0  # a VLM's vision tower and projector: saved without checkpointing (`vision_bytes`)
     vision_checkpointed: float = 0.0  # what they keep with gradient checkpointing
+    layer_backward: float = 0.0  # a recomputed layer's backward beyond what it saved (the MLP's gradients)
+    vision_backward: float = 0.0  # the vision tower's checkpointed backward (`vision_backward_bytes`)
+    rotary: float = 0.0  # the rotary cos/sin tables (part of `head`): every layer reads them, to the end
+    # checkpointing with frozen embeddings: enable_input_require_grads makes their output a leaf that
+    # requires grad, which the graph keeps alive to the end of the backward
+    embedding_leaf: float = 0.0
 
     @property
     def saved(self) -> float:
@@ -36,13 +42,19 @@ class Activations:
 
     def peak(self, checkpointing: bool) -> float:
         """Peak bytes: the start of the backward (the loss's backward, every activation still saved),
-        or with checkpointing the larger of the loss backward and one layer's recomputation."""
+        or with checkpointing the larger of the loss backward and one layer's recomputation and
+        backward (what it saves again, its input being a kept one and the gradient from the layer above
+        taking that input's place, plus its MLP's gradients), the vision tower's kept inputs alive
+        throughout; or, last, the vision tower's own recomputation, once the language model's are freed."""
         if not checkpointing:
             return self.saved + self.mask + self.loss_held + self.loss_transient
         loss_step = self.head + self.loss_saved + self.loss_transient
         kept = self.num_layers * self.layer_input + self.mask + self.loss_held + self.vision_checkpointed
-        # The vision tower's own recomputation comes last, once the language model's are freed.
-        return kept + max(loss_step, self.per_layer)
+        kept += self.embedding_leaf
+        layer_step = self.rotary + self.per_layer + self.layer_backward
+        language = kept + max(loss_step, layer_step)
+        # the merged input embeddings' gradient (layer_input's size) lives until the tower's backward ends
+        return max(language, self.layer_input + self.vision_backward if self.vision_backward else 0.0)
 
 
 def activation_bytes(
@@ -63,6 +75,7 @@ def activation_bytes(
     loss_chunk: int = 0,
     lm_head_plain: bool = True,
     rotary_rows: int | None = None,
+    embedding_frozen: bool = False,
 ) -> Activations:
     """Bytes autograd saves in a Llama-style decoder layer for b rows of s tokens.
 
@@ -89,7 +102,11 @@ def activation_bytes(
     once with `rotary_rows` 1); minus the
     first norm when the embeddings are frozen (its input needs no grad). Transformers' mask (bool
     b*s^2 for sdpa, r*b*s^2 float for eager) is shared by all layers.
-    Gradient checkpointing keeps r*bs*h per layer and recomputes one layer at a time.
+    Gradient checkpointing keeps r*bs*h per layer and recomputes one layer at a time; that layer's
+    backward holds what it saves again plus 2c*bs*i (down_proj's input gradient and the gate product's
+    two gradients, less the product down_proj saved; measured on CPU in tests/unit/test_plan_ckpt_vlm.py).
+    The rotary tables stay alive through it, and, with frozen embeddings (`embedding_frozen`), their
+    r*bs*h output: checkpointing's enable_input_require_grads makes it a leaf that requires grad.
     Loss, full logits (model(...).loss; V vocabulary; measured on CPU, tests/unit/test_plan.py):
     the cross entropy saves its fp32 log-softmax (4*bs*V). The logits themselves are not kept: the
     log-softmax does not save its input, and the model output that holds them (and Accelerate's
@@ -155,6 +172,11 @@ def activation_bytes(
         num_layers=inv.num_layers,
         per_layer=2 * norm + attention + 3 * (linear_out_bytes or c) * bs * i + inputs,
         layer_input=r * bs * h,
+        # down_proj's input gradient and the gate product's two (silu output, up): three, less the product
+        # down_proj saved, freed by its backward
+        layer_backward=2 * (linear_out_bytes or c) * bs * i,
+        rotary=rotary,
+        embedding_leaf=r * bs * h if embedding_frozen else 0,
         head=head,
         mask=(1 if attn_implementation == "sdpa" else r if eager else 0) * b * s * s,
         **loss,
@@ -232,28 +254,87 @@ def vision_bytes(
     Only what the backward needs is saved: a frozen tower (model.train_vision_tower false) saves
     nothing, since neither its input nor its weights need a gradient; a trained projector then saves
     only its input (c*p*h, before any merge of patches). With checkpointing a trained tower keeps
-    one r*p*h input per layer (its one-layer recomputation runs after the language model's).
+    one r*p*h input per layer (its one-layer recomputation runs after the language model's), and so
+    does a frozen one whose input embeddings checkpointing makes require grad
+    (`VisionInventory.checkpointing_input_grad`): its layers are checkpointed, the final norm saves its
+    input and mean/rstd (r*p*h + 8*p), and the tower runs a backward that updates nothing.
     LoRA on the tower (`lora_rank`): the frozen patch embedding saves no pixels and the first norm
     nothing (its input needs no gradient); each adapted linear adds lora_A's output (c*p*rank) and,
     with lora_dropout, the dropout's output and mask ((c+1)*p*in_features).
     """
     p = micro_batch_size * images.images_per_row * images.patches_per_image
     pixels = micro_batch_size * images.images_per_row * images.pixel_bytes_per_image
-    if not tower_trains:
-        return compute_bytes * p * vision.hidden_size if projector_trains else 0.0
-    r, c, h, i = residual_bytes, compute_bytes, vision.hidden_size, vision.intermediate_size
-    gated = any(m.name.endswith("gate_proj") for m in vision.tower_linears)
+    r, c, h = residual_bytes, compute_bytes, vision.hidden_size
+    projector = c * p * h if projector_trains else 0
     norm = r * p * h + 8 * p
-    attention = 4 * c * p * h + 4 * vision.num_heads * p
-    mlp = c * p * h + (3 if gated else 2) * c * p * i
-    per_layer = 2 * norm + r * p * h + attention + mlp
-    fixed = pixels + 8 * p + norm + (c * p * h if projector_trains else 0)
-    if lora_rank:
-        per_linear = len(vision.tower_linears) / vision.num_layers
-        per_layer += per_linear * c * p * lora_rank
-        if lora_dropout > 0:
-            per_layer += sum((c + 1) * p * m.in_features for m in vision.tower_linears) / vision.num_layers
-        fixed -= pixels + norm
+    if not tower_trains:
+        if checkpointing and vision.checkpointing_input_grad:
+            return projector + vision.num_layers * r * p * h + norm
+        return projector
+    per_layer = _tower_layer_bytes(vision, p, r, c, lora_rank, lora_dropout)
+    fixed = pixels + 8 * p + norm + projector
+    if lora_rank:  # with checkpointing the final norm's input needs a gradient: it stays
+        fixed -= pixels + (0 if checkpointing else norm)
     if checkpointing:
         return fixed + vision.num_layers * r * p * h
     return fixed + vision.num_layers * per_layer
+
+
+def _tower_layer_bytes(
+    vision: VisionInventory, p: float, r: int, c: int, lora_rank: int = 0, lora_dropout: float = 0.0
+) -> float:
+    """What one trained vision tower layer saves for p patches (see `vision_bytes`)."""
+    h, i = vision.hidden_size, vision.intermediate_size
+    norm = r * p * h + 8 * p
+    attention = 4 * c * p * h + 4 * vision.num_heads * p
+    mlp = c * p * h + (3 if _gated(vision) else 2) * c * p * i
+    per_layer = 2 * norm + r * p * h + attention + mlp
+    if lora_rank:
+        per_layer += len(vision.tower_linears) / vision.num_layers * c * p * lora_rank
+        if lora_dropout > 0:
+            per_layer += sum((c + 1) * p * m.in_features for m in vision.tower_linears) / vision.num_layers
+    return per_layer
+
+
+def _gated(vision: VisionInventory) -> bool:
+    return any(m.name.endswith("gate_proj") for m in vision.tower_linears)
+
+
+def vision_backward_bytes(
+    vision: VisionInventory,
+    images: ImageInput,
+    *,
+    micro_batch_size: int,
+    tower_trains: bool,
+    residual_bytes: int,
+    compute_bytes: int,
+    lora_rank: int = 0,
+    lora_dropout: float = 0.0,
+) -> float:
+    """The vision tower's backward under gradient checkpointing, which comes last (0 when the tower runs
+    none): its kept layer inputs (L*r*p*h; a trained tower's patch embedding also its pixels and
+    position ids) and one layer recomputed and differentiated: what it saves again (a frozen layer: its
+    norms, attention and the activation's input, c*p*i, 3c*p*i gated, as its linears save nothing), its
+    input being a kept one and the gradient from above taking its place, plus its MLP's input gradients
+    (c*p*i, 2c*p*i gated: fc2's input gradient and the activation's, less fc2's saved input, as for a
+    decoder layer; a trained fc2's weight gradient at its own backward; a frozen fc2 saved none, so one
+    c*p*i more). The final norm's and the projector's
+    saved tensors are freed by then (measured on CPU in tests/unit/test_plan_ckpt_vlm.py)."""
+    if not (tower_trains or vision.checkpointing_input_grad):
+        return 0.0
+    p = micro_batch_size * images.images_per_row * images.patches_per_image
+    r, c, h, i = residual_bytes, compute_bytes, vision.hidden_size, vision.intermediate_size
+    gated = _gated(vision)
+    kept = vision.num_layers * r * p * h
+    mlp_grads = (2 if gated else 1) * c * p * i
+    if tower_trains:
+        pixels = micro_batch_size * images.images_per_row * images.pixel_bytes_per_image
+        kept += 0 if lora_rank else pixels + 8 * p
+        # A trained fc2 also makes its weight's gradient (r*i*h, the weights' dtype) while its input
+        # gradient is alive, before the activation's backward frees fc2's input.
+        weight_grad = 0 if lora_rank else r * i * h
+        mlp_grads = max(mlp_grads, c * p * i + weight_grad)
+        return kept + _tower_layer_bytes(vision, p, r, c, lora_rank, lora_dropout) + mlp_grads
+    norm = r * p * h + 8 * p
+    attention = 4 * c * p * h + 4 * vision.num_heads * p
+    return kept + 2 * norm + attention + (3 if gated else 1) * c * p * i + mlp_grads + c * p * i

@@ -52,6 +52,9 @@ class VisionInventory:
     image_size: int  # the tower's input side (0 when it takes any size, as Qwen2-VL's)
     model_type: str
     merge: int  # patches per image token: Idefics3's scale_factor^2, Qwen2-VL's spatial_merge_size^2
+    # Gradient checkpointing makes the tower's input require grad (transformers' enable_input_require_grads
+    # hooks every sub-model's input embeddings, the tower's too), so even a frozen tower runs a backward.
+    checkpointing_input_grad: bool = True
 
     def frozen_params(self, train_vision_tower: bool, train_projector: bool) -> int:
         """Parameters full fine-tuning leaves frozen (finetune.vlm.freeze)."""
@@ -251,8 +254,27 @@ def _vision_inventory(net) -> tuple[VisionInventory, list[str]]:
         image_size=getattr(vc, "image_size", 0) or 0,
         model_type=getattr(vc, "model_type", "") or "",
         merge=merge,
+        checkpointing_input_grad=_input_embeddings_hooked(net, towers),
     )
     return vision, towers + projectors
+
+
+def _input_embeddings_hooked(net, towers: list[str]) -> bool:
+    """Whether gradient checkpointing makes a vision tower's output need a gradient: transformers'
+    activation_checkpointing_enable (and PEFT's) calls enable_input_require_grads, which hooks the
+    input embeddings of every PreTrainedModel inside the model, a tower that is one included."""
+    from transformers import PreTrainedModel
+
+    for name in towers:
+        for module in net.get_submodule(name).modules():
+            if not isinstance(module, PreTrainedModel):
+                continue
+            try:
+                if module.get_input_embeddings() is not None:
+                    return True
+            except (NotImplementedError, AttributeError):
+                continue
+    return False
 
 
 def _count(module) -> int:

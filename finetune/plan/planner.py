@@ -13,7 +13,13 @@ from finetune.accelerate_config import (
     resolve_accelerate_config,
 )
 from finetune.errors import FinetuneError
-from finetune.plan.activations import Activations, ImageInput, activation_bytes, vision_bytes
+from finetune.plan.activations import (
+    Activations,
+    ImageInput,
+    activation_bytes,
+    vision_backward_bytes,
+    vision_bytes,
+)
 from finetune.plan.inventory import (
     _MEMORY_UNITS,
     CUDA_ALLOWANCE_BYTES,
@@ -99,6 +105,7 @@ def estimate(
         loss_chunk=chunk,
         lm_head_plain=full or not head_adapted,
         rotary_rows=_rotary_rows(inv, micro_batch_size),
+        embedding_frozen=not (full or embedding in trained),
     )
     if inv.vision is not None:
         acts = _with_vision(acts, inv, recipe, layout, micro_batch_size, images)
@@ -147,10 +154,12 @@ def _with_vision(
         "lora_rank": recipe.lora.lora_rank if recipe.lora.enable_lora else 0,
         "lora_dropout": recipe.lora.lora_dropout if recipe.lora.enable_lora else 0.0,
     }
+    recompute = {k: v for k, v in common.items() if k != "projector_trains"}
     return replace(
         acts,
         vision=vision_bytes(inv.vision, images, checkpointing=False, **common),
         vision_checkpointed=vision_bytes(inv.vision, images, checkpointing=True, **common),
+        vision_backward=vision_backward_bytes(inv.vision, images, **recompute),
     )
 
 
@@ -278,9 +287,10 @@ def _alternatives(
         path = ACCELERATE_CONFIGS / f"{name}.yaml"
         where = f"accelerate_configs/{name}.yaml" if path.is_file() else f"no {name}.yaml shipped: write one"
         out.append((name, eng, recipe, f"--accelerate-config {name} ({where})"))
-    # Not offered for vision-language models yet: the 4-bit accounting has not been checked against a VLM
-    # whose vision tower and projector stay unquantized (finetune.vlm.unquantized_modules).
-    if not recipe.lora.enable_qlora and recipe.model.kind != "vlm":
+    # A VLM's language model alone is 4-bit (finetune.vlm.unquantized_modules keeps the vision tower,
+    # projector and head whole): the inventory's linears are the language model's, the rest is counted
+    # in fp32 as prepare_model_for_kbit_training leaves it (tests/unit/test_plan_qlora_vlm.py).
+    if not recipe.lora.enable_qlora:
         lora = recipe.lora.model_copy(update={"enable_lora": True, "enable_qlora": True})
         model = recipe.model
         if model.torch_dtype == "fp32":
