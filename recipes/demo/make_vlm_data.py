@@ -25,10 +25,10 @@ LLaVA style (an ``images`` column and an ``<image>`` placeholder), so the demo r
 
 ``data/vlm/kto_{train,eval}.jsonl``: kto examples on the same pictures for the KTO demo
 (recipes/demo/tiny_vlm_kto_cpu.yaml): the colour question and one answer, desirable when it is the
-picture's colour, undesirable when it is a wrong one (about half each); image parts in training, LLaVA
-style held out, as for the pairs::
+picture's colour, undesirable when it is a wrong one (about half each); LLaVA style in training, image
+parts held out (the reverse of the pairs, so the demo's files stay under their size limit)::
 
-    {"prompt": "<image>What colour is the shape?", "images": ["images/00500.png"], "completion": "red", "label": false}
+    {"prompt": "<image>What colour is the shape?", "images": ["images/00007.png"], "completion": "red", "label": false}
 
 ``data/vlm/colours.jsonl``: a generation set (eval.generation_sets) of the first held-out pictures,
 each asked "What colour is the shape?", with its colour expected::
@@ -175,7 +175,7 @@ def write_kto(out: Path, *, num_train: int, num_eval: int, seed: int) -> None:
             name = f"images/{k:05d}.png"
             desirable = coin.random() < 0.5
             answer = colour if desirable else coin.choice([c for c in COLOURS if c != colour])
-            if split == "train":
+            if split == "eval":  # the longer shape on the short split: the demo's files stay small
                 user = [{"type": "image", "image": name}, {"type": "text", "text": question}]
                 row = {"prompt": [{"role": "user", "content": user}]}
                 row["completion"] = [{"role": "assistant", "content": answer}]

@@ -23,11 +23,11 @@ def test_shipped_kto_examples_are_generated_and_labelled_by_the_pictures_colour(
         assert (tmp_path / name).read_text() == (SHIPPED / name).read_text(), name
     train = [json.loads(line) for line in (SHIPPED / "kto_train.jsonl").read_text().splitlines()[:40]]
     held_out = [json.loads(line) for line in (SHIPPED / "kto_eval.jsonl").read_text().splitlines()]
-    examples = [
+    examples = [(row["images"][0], row["completion"], row["label"]) for row in train] + [
         (row["prompt"][0]["content"][0]["image"], row["completion"][0]["content"], row["label"])
-        for row in train
-    ] + [(row["images"][0], row["completion"], row["label"]) for row in held_out]
-    assert all(row["prompt"].startswith("<image>") for row in held_out)
+        for row in held_out
+    ]
+    assert all(row["prompt"].startswith("<image>") for row in train)
     assert {label for *_, label in examples} == {True, False}
     for image, answer, label in examples:
         colours = {
