@@ -25,9 +25,9 @@ import pytest
 from tests.hub_server import HubServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# The most pytest-xdist workers `-n auto` (pyproject's addopts) starts: two is what was measured on CI's
-# 2-core machine (benchmarks/RESULTS.md); more run as many training subprocesses side by side, each
-# holding a model, for no measured gain. PYTEST_XDIST_AUTO_NUM_WORKERS or `-n N` override it.
+# The most pytest-xdist workers `-n auto` starts: two, for CI's 2-core machine (docs/CONTRIBUTING.md);
+# more would run as many training subprocesses side by side, each holding a model, and none was
+# measured. PYTEST_XDIST_AUTO_NUM_WORKERS or `-n N` override it.
 MAX_AUTO_WORKERS = 2
 
 
