@@ -289,10 +289,21 @@ def launch_command(
         # about unset launcher values.
         launch.setdefault("num_processes", 1)
         cmd += ["--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", mixed_precision]
+    if config is not None and _needs_a_free_port(launch, data):
+        # accelerate launch binds 29500 unless told otherwise, so two single-machine runs at once
+        # (two jobs on one box, or a parallel test suite) would collide; port 0 is accelerate's own
+        # "pick a free port" (accelerate.utils.launch.prepare_multi_gpu_env / prepare_deepspeed_cmd_env).
+        launch["main_process_port"] = 0
     for key in LAUNCH_OPTIONS:
         if key in launch:
             cmd += [f"--{key}", str(launch[key])]
     return [*cmd, str(TRAIN_SCRIPT), recipe_path, *overrides]
+
+
+def _needs_a_free_port(launch: dict, config: dict) -> bool:
+    """One machine and no port given (command line or config): any free port will do."""
+    machines = int(launch.get("num_machines", config.get("num_machines", 1)))
+    return machines <= 1 and "main_process_port" not in launch and "main_process_port" not in config
 
 
 def print_checkpoints(output_dir: str) -> int:

@@ -25,6 +25,36 @@ import pytest
 from tests.hub_server import HubServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The most pytest-xdist workers `-n auto` starts: two, for CI's 2-core machine (docs/CONTRIBUTING.md);
+# more would run as many training subprocesses side by side, each holding a model, and none was
+# measured. PYTEST_XDIST_AUTO_NUM_WORKERS or `-n N` override it.
+MAX_AUTO_WORKERS = 2
+
+
+def _usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _cap_threads_per_xdist_worker() -> None:
+    """Under xdist, give each worker (and the subprocesses it starts, which inherit the environment)
+    its share of the CPUs: torch would otherwise start one thread per CPU in every worker, and the
+    workers' threads would fight over the cores. Set before torch is imported; a value the user set wins."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, _usable_cpus() // workers))
+
+
+_cap_threads_per_xdist_worker()
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest -p no:xdist has no such hook
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: one worker per usable CPU, at most MAX_AUTO_WORKERS (PYTEST_XDIST_AUTO_NUM_WORKERS wins)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    return max(1, min(MAX_AUTO_WORKERS, _usable_cpus()))
+
+
 # Variables that would send the clients elsewhere (real Hub, user caches, offline mode).
 _HUB_ENV_TO_UNSET = (
     "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_ASSETS_CACHE", "HUGGINGFACE_ASSETS_CACHE", "HF_XET_CACHE",

@@ -18,6 +18,7 @@ def test_zero3_losses_match_the_models_own_loss():
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
         "--use_deepspeed", "--zero_stage", "3", "--mixed_precision", "no",
+        "--main_process_port", "0",  # a free port: not 29500, which a parallel run may hold
         str(REPO / "tests" / "integration" / "_chunked_ce_zero3.py"),
     ]  # fmt: skip
     # DeepSpeed picks its CPU accelerator itself; ACCELERATE_USE_CPU would turn the engine off.

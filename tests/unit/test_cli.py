@@ -296,8 +296,17 @@ def test_launch_command_with_config() -> None:
     cmd = launch_command("r.yaml", ["--train.lr", "1e-4", "--train.seed=3"], config_path)
     assert cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
     assert cmd[3:5] == ["--config_file", str(config_path)]
-    assert cmd[5:] == [str(TRAIN_SCRIPT), "r.yaml", "--train.lr", "1e-4", "--train.seed=3"]
+    # One machine, no port given: accelerate picks a free one (not 29500), so runs side by side do not collide.
+    assert cmd[5:7] == ["--main_process_port", "0"]
+    assert cmd[7:] == [str(TRAIN_SCRIPT), "r.yaml", "--train.lr", "1e-4", "--train.seed=3"]
     assert TRAIN_SCRIPT.is_file()
+
+
+def test_launch_command_keeps_a_given_port() -> None:
+    given = launch_command("r.yaml", [], ACCELERATE_CONFIGS / "zero2.yaml", {"main_process_port": 29501})
+    assert given[given.index("--main_process_port") + 1] == "29501"
+    multi_node = launch_command("r.yaml", [], ACCELERATE_CONFIGS / "multi_node.yaml")
+    assert "--main_process_port" not in multi_node  # the config's port: every machine must agree on it
 
 
 def test_launch_command_without_config_is_one_process() -> None:
