@@ -147,3 +147,23 @@ def test_planner_sees_the_released_tower():
     tower = AutoModelForImageTextToText.from_config(idefics3()).model.vision_model
     assert vlm.keeps_input_grad(tower, trains=True)
     assert not vlm.keeps_input_grad(tower, trains=False)
+
+
+def test_qwen2_vl_tower_hooks_are_removed_after_peft():
+    """Qwen2-VL's `visual` (its merger inside) is hooked by checkpointing and again by PEFT; the release
+    removes every such hook from its patch embedding, none from the language model's embeddings."""
+    from transformers import Qwen2VLConfig
+
+    text = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    text |= {"num_key_value_heads": 1, "vocab_size": 64}
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    vision = {"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "patch_size": 14}
+    net = AutoModelForImageTextToText.from_config(Qwen2VLConfig(vision_config=vision, text_config=text))
+    net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    settings = vlm.lora_settings(net, "all-linear", [], train_vision_tower=False, train_projector=False)
+    net = get_peft_model(net, LoraConfig(r=2, **settings))
+    (patches,) = vlm.hooked_input_embeddings(net.get_submodule("base_model.model.model.visual"))
+    assert len(patches._forward_hooks) == 2  # activation_checkpointing_enable's and PeftModel's
+    assert vlm.release_frozen_towers(net) == ["base_model.model.model.visual"]
+    assert len(patches._forward_hooks) == 0
+    assert len(net.get_input_embeddings()._forward_hooks) == 2
