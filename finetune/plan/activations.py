@@ -46,7 +46,8 @@ class Activations:
         or with checkpointing the larger of the loss backward and one layer's recomputation and
         backward (what it saves again, its input being a kept one and the gradient from the layer above
         taking that input's place, plus its MLP's gradients), the vision tower's kept inputs alive
-        throughout; or, last, the vision tower's own recomputation, once the language model's are freed."""
+        throughout; or, last, the vision tower's own recomputation, once the language model's are freed;
+        or, first, a frozen vision tower's forward (either setting)."""
         if not checkpointing:
             return max(self.saved + self.mask + self.loss_held + self.loss_transient, self.vision_forward)
         loss_step = self.head + self.loss_saved + self.loss_transient
