@@ -100,6 +100,67 @@ def freeze(net: torch.nn.Module, *, train_vision_tower: bool, train_projector: b
             param.requires_grad_(False)
 
 
+def hooked_input_embeddings(tower: torch.nn.Module) -> list[torch.nn.Module]:
+    """The input embeddings inside a vision tower that transformers' enable_input_require_grads hooks (it
+    hooks those of every PreTrainedModel in the model, so a tower that is one gets hooked too)."""
+    from transformers import PreTrainedModel
+
+    found: list[torch.nn.Module] = []
+    for module in tower.modules():
+        if not isinstance(module, PreTrainedModel):
+            continue
+        try:
+            embeddings = module.get_input_embeddings()
+        except (NotImplementedError, AttributeError):
+            continue
+        if isinstance(embeddings, torch.nn.Module) and all(e is not embeddings for e in found):
+            found.append(embeddings)
+    return found
+
+
+def keeps_input_grad(tower: torch.nn.Module, *, trains: bool) -> bool:
+    """Whether training under gradient checkpointing leaves the tower's input embeddings hooked to make
+    their output require grad: only a tower that trains (a trainable parameter in it, LoRA's included)
+    keeps the hook, for its own gradients. A frozen tower's is removed (`release_frozen_towers`): with
+    non-reentrant checkpointing nothing needs it, and it would make the tower keep every layer's input
+    and recompute and differentiate itself in the backward for no gradient. The planner asks the same
+    question (finetune.plan.inventory)."""
+    return trains and bool(hooked_input_embeddings(tower))
+
+
+# The names of the hooks transformers' enable_input_require_grads and PEFT's fallback register. Removed by
+# name, not through the model's `_require_grads_hooks` handles (disable_input_require_grads): those
+# handles are the last call's only, and PEFT calls enable_input_require_grads again on a model that has
+# it (PeftModel.__init__, prepare_model_for_kbit_training), so earlier hooks have no handle left.
+_REQUIRE_GRADS_HOOKS = ("make_inputs_require_grads", "make_inputs_require_grad")
+
+
+def release_frozen_towers(net: torch.nn.Module) -> list[str]:
+    """Remove gradient checkpointing's input-require-grads hooks from each vision tower that trains
+    nothing (`keeps_input_grad`); call it after checkpointing is enabled and PEFT wraps the model (both
+    add the hook). The language model's hook stays. Returns the released towers' module names."""
+    towers, _ = parts(net)
+    released = []
+    for name in towers:
+        tower = net.get_submodule(name)
+        trains = any(p.requires_grad for p in tower.parameters())
+        if keeps_input_grad(tower, trains=trains):
+            continue
+        removed = 0
+        for embeddings in hooked_input_embeddings(tower):
+            hooks = embeddings._forward_hooks  # torch keeps no public listing of a module's hooks
+            for key in [k for k, h in hooks.items() if getattr(h, "__name__", "") in _REQUIRE_GRADS_HOOKS]:
+                del hooks[key]
+                embeddings._forward_hooks_with_kwargs.pop(key, None)  # as RemovableHandle.remove does
+                embeddings._forward_hooks_always_called.pop(key, None)
+                removed += 1
+        if removed:
+            released.append(name)
+    if released:
+        logger.info("frozen vision tower(s) %s run no backward under checkpointing", ", ".join(released))
+    return released
+
+
 def lora_settings(
     net: torch.nn.Module,
     targets: Any,

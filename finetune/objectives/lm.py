@@ -160,8 +160,10 @@ def build_lm(
                 model, output_dir / INITIAL_ADAPTER, is_main_process=accelerator.is_main_process
             )
     if model_settings.kind == "vlm":
-        from finetune.vlm import scale_out_settings
+        from finetune.vlm import release_frozen_towers, scale_out_settings
 
+        if train.gradient_checkpointing:  # after PEFT, which hooks the input embeddings again
+            release_frozen_towers(model)
         scale_out_settings(model, accelerator)
     if train.neftune_noise_alpha is not None:
         enable_neftune(model, train.neftune_noise_alpha)

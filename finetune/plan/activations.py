@@ -26,6 +26,7 @@ class Activations:
     vision_checkpointed: float = 0.0  # what they keep with gradient checkpointing
     layer_backward: float = 0.0  # a recomputed layer's backward beyond what it saved (the MLP's gradients)
     vision_backward: float = 0.0  # the vision tower's checkpointed backward (`vision_backward_bytes`)
+    vision_forward: float = 0.0  # a frozen vision tower's forward, first (`frozen_tower_forward_bytes`)
     rotary: float = 0.0  # the rotary cos/sin tables (part of `head`): every layer reads them, to the end
     # checkpointing with frozen embeddings: enable_input_require_grads makes their output a leaf that
     # requires grad, which the graph keeps alive to the end of the backward
@@ -45,16 +46,18 @@ class Activations:
         or with checkpointing the larger of the loss backward and one layer's recomputation and
         backward (what it saves again, its input being a kept one and the gradient from the layer above
         taking that input's place, plus its MLP's gradients), the vision tower's kept inputs alive
-        throughout; or, last, the vision tower's own recomputation, once the language model's are freed."""
+        throughout; or, last, the vision tower's own recomputation, once the language model's are freed;
+        or, first, a frozen vision tower's forward (either setting)."""
         if not checkpointing:
-            return self.saved + self.mask + self.loss_held + self.loss_transient
+            return max(self.saved + self.mask + self.loss_held + self.loss_transient, self.vision_forward)
         loss_step = self.head + self.loss_saved + self.loss_transient
         kept = self.num_layers * self.layer_input + self.mask + self.loss_held + self.vision_checkpointed
         kept += self.embedding_leaf
         layer_step = self.rotary + self.per_layer + self.layer_backward
         language = kept + max(loss_step, layer_step)
         # the merged input embeddings' gradient (layer_input's size) lives until the tower's backward ends
-        return max(language, self.layer_input + self.vision_backward if self.vision_backward else 0.0)
+        tower = self.layer_input + self.vision_backward if self.vision_backward else 0.0
+        return max(language, tower, self.vision_forward)
 
 
 def activation_bytes(
@@ -255,9 +258,10 @@ def vision_bytes(
     nothing, since neither its input nor its weights need a gradient; a trained projector then saves
     only its input (c*p*h, before any merge of patches). With checkpointing a trained tower keeps
     one r*p*h input per layer (its one-layer recomputation runs after the language model's), and so
-    does a frozen one whose input embeddings checkpointing makes require grad
+    would a frozen one whose input embeddings checkpointing makes require grad
     (`VisionInventory.checkpointing_input_grad`): its layers are checkpointed, the final norm saves its
-    input and mean/rstd (r*p*h + 8*p), and the tower runs a backward that updates nothing.
+    input and mean/rstd (r*p*h + 8*p), and the tower runs a backward that updates nothing. Training
+    removes that hook from a frozen tower (finetune.vlm.release_frozen_towers), so it saves nothing.
     LoRA on the tower (`lora_rank`): the frozen patch embedding saves no pixels and the first norm
     nothing (its input needs no gradient); each adapted linear adds lora_A's output (c*p*rank) and,
     with lora_dropout, the dropout's output and mask ((c+1)*p*in_features).
@@ -278,6 +282,32 @@ def vision_bytes(
     if checkpointing:
         return fixed + vision.num_layers * r * p * h
     return fixed + vision.num_layers * per_layer
+
+
+def frozen_tower_forward_bytes(
+    vision: VisionInventory,
+    images: ImageInput,
+    *,
+    micro_batch_size: int,
+    tower_trains: bool,
+    residual_bytes: int,
+    compute_bytes: int,
+    text_embeddings: float,
+) -> float:
+    """The peak of a frozen vision tower's forward, which saves nothing for a backward (its hook removed
+    under checkpointing, finetune.vlm.release_frozen_towers) and so runs like inference: the text
+    embeddings (`text_embeddings`, made first), a copy of the pixels (the real images picked out),
+    four p*h tensors in the last layer (the patch embeddings' sum, the residual, the norm's output
+    and fc1's input) and the MLP's intermediates, fc1's and the activation's outputs (2c*p*i; gated,
+    3c*p*i). Measured on CPU in tests/unit/test_plan_ckpt_vlm.py (a wide-MLP tower, where it is the
+    step's peak). 0 for a tower that trains: its backward comes later and is larger."""
+    if tower_trains:
+        return 0.0
+    p = micro_batch_size * images.images_per_row * images.patches_per_image
+    pixels = micro_batch_size * images.images_per_row * images.pixel_bytes_per_image
+    r, c = residual_bytes, compute_bytes
+    mlp = (3 if _gated(vision) else 2) * c * p * vision.intermediate_size
+    return text_embeddings + pixels + 4 * r * p * vision.hidden_size + mlp
 
 
 def _tower_layer_bytes(

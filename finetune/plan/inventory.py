@@ -52,8 +52,9 @@ class VisionInventory:
     image_size: int  # the tower's input side (0 when it takes any size, as Qwen2-VL's)
     model_type: str
     merge: int  # patches per image token: Idefics3's scale_factor^2, Qwen2-VL's spatial_merge_size^2
-    # Gradient checkpointing makes the tower's input require grad (transformers' enable_input_require_grads
-    # hooks every sub-model's input embeddings, the tower's too), so even a frozen tower runs a backward.
+    # Whether a frozen tower's input requires grad under gradient checkpointing (transformers'
+    # enable_input_require_grads hooks every sub-model's input embeddings, the tower's too), which would
+    # make it run a backward; training removes that hook (finetune.vlm.release_frozen_towers).
     checkpointing_input_grad: bool = True
 
     def frozen_params(self, train_vision_tower: bool, train_projector: bool) -> int:
@@ -260,21 +261,13 @@ def _vision_inventory(net) -> tuple[VisionInventory, list[str]]:
 
 
 def _input_embeddings_hooked(net, towers: list[str]) -> bool:
-    """Whether gradient checkpointing makes a vision tower's output need a gradient: transformers'
-    activation_checkpointing_enable (and PEFT's) calls enable_input_require_grads, which hooks the
-    input embeddings of every PreTrainedModel inside the model, a tower that is one included."""
-    from transformers import PreTrainedModel
+    """Whether gradient checkpointing leaves a frozen vision tower's output needing a gradient in training:
+    transformers' activation_checkpointing_enable (and PEFT's) hooks the input embeddings of every
+    PreTrainedModel inside the model, a tower that is one included, and training removes a frozen
+    tower's hook again (finetune.vlm.release_frozen_towers): the same `keeps_input_grad` decides."""
+    from finetune.vlm import keeps_input_grad
 
-    for name in towers:
-        for module in net.get_submodule(name).modules():
-            if not isinstance(module, PreTrainedModel):
-                continue
-            try:
-                if module.get_input_embeddings() is not None:
-                    return True
-            except (NotImplementedError, AttributeError):
-                continue
-    return False
+    return any(keeps_input_grad(net.get_submodule(name), trains=False) for name in towers)
 
 
 def _count(module) -> int:

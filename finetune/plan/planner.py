@@ -17,6 +17,7 @@ from finetune.plan.activations import (
     Activations,
     ImageInput,
     activation_bytes,
+    frozen_tower_forward_bytes,
     vision_backward_bytes,
     vision_bytes,
 )
@@ -160,6 +161,12 @@ def _with_vision(
         vision=vision_bytes(inv.vision, images, checkpointing=False, **common),
         vision_checkpointed=vision_bytes(inv.vision, images, checkpointing=True, **common),
         vision_backward=vision_backward_bytes(inv.vision, images, **recompute),
+        vision_forward=frozen_tower_forward_bytes(
+            inv.vision,
+            images,
+            **{k: v for k, v in recompute.items() if not k.startswith("lora")},
+            text_embeddings=acts.layer_input,
+        ),
     )
 
 

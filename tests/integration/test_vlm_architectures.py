@@ -92,6 +92,8 @@ def write_recipe(root: Path, name: str) -> Path:
             "output_dir": str(root / "out"),
             "seed": 0,
             "micro_batch_size": 8,
+            # the frozen tower's checkpointing hook removed (finetune.vlm.release_frozen_towers)
+            "gradient_checkpointing": True,
             "max_steps": STEPS,
             "mixed_precision": "no",
             "lr": 1.0e-2,

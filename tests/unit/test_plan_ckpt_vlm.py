@@ -5,9 +5,10 @@ CPU allocator's peak (tests/memory.py) of one forward and backward of the demo V
 Measured in a later micro step of gradient accumulation, when the weights' gradients exist already:
 the plan counts them in full beside the activations, and the peak of the micro step is then the
 activations' alone (in a first micro step it lies between the two, as only some gradients exist).
-Checkpointing makes even a frozen vision tower run a backward (transformers hooks the tower's input
-embeddings to require grad), so its layer inputs stay alive; the peak is a decoder layer's
-recomputation and backward, or, with a large tower, the tower's own, last."""
+Checkpointing would make even a frozen vision tower run a backward (transformers hooks the tower's input
+embeddings to require grad); training removes that hook (finetune.vlm.release_frozen_towers), so a frozen
+tower saves nothing. The peak is a decoder layer's recomputation and backward, or, with a large trained
+tower, the tower's own, last."""
 
 from __future__ import annotations
 
@@ -77,6 +78,8 @@ def _vlm_case(tower: bool, checkpointing: bool, vision: dict, *, lora: bool = Fa
         net = apply_lora(net, recipe.lora, gradient_checkpointing=checkpointing, **settings)
     else:
         vlm.freeze(net, train_vision_tower=tower, train_projector=tower)
+    if checkpointing:  # after PEFT, as finetune.objectives.lm does
+        vlm.release_frozen_towers(net)
     side, patch = config["vision_config"]["image_size"], config["vision_config"]["patch_size"]
     patches = (side // patch) ** 2
     images = image_input(inv.vision, recipe, images_per_row=1, patches_per_image=patches)
@@ -113,8 +116,8 @@ def test_lora_checkpointed_peak(tower):
 
 @pytest.mark.parametrize("tower", [False, True], ids=["frozen", "trained"])
 def test_large_tower_backward_sets_the_checkpointed_peak(tower):
-    """64 patches per image and a wide MLP: the tower's own recomputation and backward, last, is the
-    peak; a frozen tower's too, since checkpointing makes it run a backward."""
+    """64 patches per image and a wide MLP: a trained tower's own recomputation and backward, last, is
+    the peak; a frozen tower runs none (its checkpointing hook removed), and a decoder layer's sets it."""
     vision = {"num_hidden_layers": 2, "image_size": 64, "intermediate_size": 2048}
     planned, measured = _vlm_case(tower, True, vision)
     assert planned == pytest.approx(measured, rel=0.01)
@@ -141,8 +144,9 @@ def test_text_model_checkpointed_peak():
     assert est.activations.peak(True) == pytest.approx(_micro_step_peak(net, batch), rel=0.01)
 
 
-def test_inventory_sees_the_towers_hooked_input_embeddings():
-    """The demo's Idefics3 tower exposes its input embeddings, which checkpointing hooks."""
+def test_inventory_sees_the_frozen_towers_hook_removed():
+    """The demo's Idefics3 tower exposes its input embeddings, which checkpointing hooks and training
+    removes again from a frozen tower (tests/unit/test_vlm_tower_release.py)."""
     raw = yaml.safe_load(DEMO.read_text())
     inv = inspect_model(validate_recipe(raw).model)
-    assert inv.vision.checkpointing_input_grad
+    assert not inv.vision.checkpointing_input_grad
