@@ -127,10 +127,7 @@ def write_data(out: Path, *, num_train: int, num_eval: int, seed: int) -> None:
 
 def write_colour_prompts(path: Path, held_out: list[tuple[str, str]]) -> None:
     """The generation set: each held-out picture asked its colour, the colour expected (metric contains)."""
-    lines = []
-    for name, colour in held_out:
-        user = [{"type": "image", "image": name}, {"type": "text", "text": QUESTIONS["colour"]}]
-        lines.append(json.dumps({"prompt": [{"role": "user", "content": user}], "expected": colour}))
+    lines = [json.dumps({"prompt": parts_prompt(name), "expected": colour}) for name, colour in held_out]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
@@ -138,51 +135,59 @@ def write_pairs(out: Path, *, num_train: int, num_eval: int, seed: int) -> None:
     """Preference pairs on the pictures write_data made (their images must exist under `out`): the
     colour question, chosen the right colour, rejected another one (see the module docstring)."""
     wrong = random.Random(seed + 1)
-    question = QUESTIONS["colour"]
-    made = pictures(num_train + num_eval, seed)
-    for split, count in (("train", num_train), ("eval", num_eval)):
-        lines = []
-        for k, _, colour, _, _ in (next(made) for _ in range(count)):
-            name = f"images/{k:05d}.png"
-            rejected = wrong.choice([c for c in COLOURS if c != colour])
-            if split == "train":
-                user = [{"type": "image", "image": name}, {"type": "text", "text": question}]
-                row = {
-                    "prompt": [{"role": "user", "content": user}],
-                    "chosen": [{"role": "assistant", "content": colour}],
-                    "rejected": [{"role": "assistant", "content": rejected}],
-                }
-            else:
-                row = {
-                    "prompt": f"<image>{question}",
-                    "images": [name],
-                    "chosen": colour,
-                    "rejected": rejected,
-                }
-            lines.append(json.dumps(row))
-        (out / f"pairs_{split}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+    def pair(split: str, name: str, colour: str) -> dict:
+        rejected = wrong.choice([c for c in COLOURS if c != colour])
+        if split == "train":
+            return {"prompt": parts_prompt(name), "chosen": [{"role": "assistant", "content": colour}],
+                    "rejected": [{"role": "assistant", "content": rejected}]}  # fmt: skip
+        return {
+            "prompt": f"<image>{QUESTIONS['colour']}",
+            "images": [name],
+            "chosen": colour,
+            "rejected": rejected,
+        }
+
+    write_colour_rows(out / "pairs", pair, num_train=num_train, num_eval=num_eval, seed=seed)
 
 
 def write_kto(out: Path, *, num_train: int, num_eval: int, seed: int) -> None:
     """Kto examples on the pictures write_data made: the colour question, the right colour (desirable)
     or a wrong one (undesirable), picked by a seeded coin (see the module docstring)."""
     coin = random.Random(seed + 2)
-    question = QUESTIONS["colour"]
+
+    def example(split: str, name: str, colour: str) -> dict:
+        desirable = coin.random() < 0.5
+        answer = colour if desirable else coin.choice([c for c in COLOURS if c != colour])
+        if split == "eval":  # the longer shape on the short split: the demo's files stay small
+            row = {"prompt": parts_prompt(name), "completion": [{"role": "assistant", "content": answer}]}
+        else:
+            row = {"prompt": f"<image>{QUESTIONS['colour']}", "images": [name], "completion": answer}
+        return row | {"label": desirable}
+
+    write_colour_rows(out / "kto", example, num_train=num_train, num_eval=num_eval, seed=seed)
+
+
+def parts_prompt(name: str) -> list[dict]:
+    """The colour question about image `name` as one user message with an image part."""
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": name}, {"type": "text", "text": QUESTIONS["colour"]}],
+        }
+    ]
+
+
+def write_colour_rows(stem: Path, make_row, *, num_train: int, num_eval: int, seed: int) -> None:
+    """`{stem}_train.jsonl` and `{stem}_eval.jsonl`: `make_row(split, image name, colour)` for each of the
+    demo's pictures in order (the same pictures as write_data's splits)."""
     made = pictures(num_train + num_eval, seed)
     for split, count in (("train", num_train), ("eval", num_eval)):
-        lines = []
-        for k, _, colour, _, _ in (next(made) for _ in range(count)):
-            name = f"images/{k:05d}.png"
-            desirable = coin.random() < 0.5
-            answer = colour if desirable else coin.choice([c for c in COLOURS if c != colour])
-            if split == "eval":  # the longer shape on the short split: the demo's files stay small
-                user = [{"type": "image", "image": name}, {"type": "text", "text": question}]
-                row = {"prompt": [{"role": "user", "content": user}]}
-                row["completion"] = [{"role": "assistant", "content": answer}]
-            else:
-                row = {"prompt": f"<image>{question}", "images": [name], "completion": answer}
-            lines.append(json.dumps(row | {"label": desirable}))
-        (out / f"kto_{split}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        lines = [
+            json.dumps(make_row(split, f"images/{k:05d}.png", colour))
+            for k, _, colour, _, _ in (next(made) for _ in range(count))
+        ]
+        stem.with_name(f"{stem.name}_{split}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def write_processor(out: Path, tokenizer_dir: Path = HERE / "tokenizer") -> None:

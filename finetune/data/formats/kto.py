@@ -30,7 +30,7 @@ import datasets
 from finetune.data import completions
 from finetune.data.completions import CompletionsRow
 from finetune.data.encode import Encoder
-from finetune.data.formats.preference import row_images
+from finetune.data.formats.preference import with_images
 from finetune.data.rows import MISSING_FIELD, NOT_A_BOOLEAN, BadRow, Example, optional_column
 
 FEATURES = {"desirable": datasets.Value("bool"), "prompt_len": datasets.Value("int32")}
@@ -81,14 +81,7 @@ def renders_chat(entry: Any, features: datasets.Features) -> bool:
 def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example | BadRow]:
     """Each example (completions.completion_examples); with a vision-language processor, the images
     column (when the data has it) placed in the prompts, as for preference pairs."""
-    parsed = rows(batch, entry)
-    # Read for a vision-language model, or when the recipe names it (as the preference type does).
-    named = "field_images" in getattr(entry, "model_fields_set", set())
-    if entry.field_images in batch and (enc.processor is not None or named):
-        parsed = [
-            row_images(row, refs, entry.field_images, entry.field_prompt)
-            for row, refs in zip(parsed, batch[entry.field_images], strict=True)
-        ]
+    parsed = with_images(rows(batch, entry), batch, entry, enc)
     # One completion: no shared prefix to mismatch, so mismatch_field is never named.
     return completions.completion_examples(
         parsed, enc, entry, field=entry.field_completion, mismatch_field=entry.field_completion

@@ -68,17 +68,23 @@ def renders_chat(entry: Any, features: datasets.Features) -> bool:
 def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example | BadRow]:
     """Each pair as one example, chosen then rejected (completions.completion_examples); with a
     vision-language processor, the images column (when the data has it) placed in the prompts."""
-    parsed = rows(batch, entry)
-    # Read for a vision-language model, or when the recipe names it (as the chat_template type does).
-    named = "field_images" in getattr(entry, "model_fields_set", set())
-    if entry.field_images in batch and (enc.processor is not None or named):
-        parsed = [
-            row_images(row, refs, entry.field_images, entry.field_prompt)
-            for row, refs in zip(parsed, batch[entry.field_images], strict=True)
-        ]
+    parsed = with_images(rows(batch, entry), batch, entry, enc)
     return completions.completion_examples(
         parsed, enc, entry, field=entry.field_chosen, mismatch_field=entry.field_rejected
     )
+
+
+def with_images(parsed: list, batch: dict[str, list], entry: Any, enc: Encoder) -> list:
+    """The parsed rows with the images column (when the data has it) placed in their prompts
+    (`row_images`): read for a vision-language model, or when the recipe names field_images (as the
+    chat_template type does). Shared by the preference and kto types."""
+    named = "field_images" in getattr(entry, "model_fields_set", set())
+    if entry.field_images not in batch or (enc.processor is None and not named):
+        return parsed
+    return [
+        row_images(row, refs, entry.field_images, entry.field_prompt)
+        for row, refs in zip(parsed, batch[entry.field_images], strict=True)
+    ]
 
 
 def row_images(
