@@ -24,6 +24,19 @@ def loss_and_grads(
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def objective_loss_and_grads(obj, model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
+    """A preference objective's loss on `batch` after one backward (`loss_and_grads`), the gradients by
+    parameter name, and the objective's metrics."""
+    out = {}
+
+    def compute():
+        loss, out["metrics"] = obj.loss(model, batch, obj.units(batch))
+        return loss
+
+    loss, grads = loss_and_grads(model, compute)
+    return loss, grads, out["metrics"]
+
+
 def assert_grads_close(ours: dict, theirs: dict, *, rtol: float, atol: float) -> None:
     """The same parameters have gradients, each close to theirs."""
     assert ours.keys() == theirs.keys()

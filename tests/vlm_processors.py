@@ -105,21 +105,40 @@ def image_folder(root: Path, data_file: str) -> Path:
     return root
 
 
-def tokenize_image_feature(columns: dict[str, datasets.FeatureType], rows: dict[str, list], *, data_type: str, path,
-                           proc):  # fmt: skip
-    """tokenize_dataset (on_bad_row raise) on a dataset whose `images` column has datasets' Image feature, as
-    a Parquet or Hub dataset holds it: `columns` are the other columns' features, `rows` the values by
-    column, `path` the data file an entry of type `data_type` names."""
-    features = datasets.Features({**columns, "images": datasets.List(datasets.Image())})
+def tokenize_rows(ds: datasets.Dataset, *, data_type: str, path, proc, on_bad_row: str = "raise"):
+    """tokenize_dataset of `ds` for an entry of type `data_type` naming the data file `path` (where relative
+    image paths start), with the VLM processor `proc`, at sequence_len 512 (long rows dropped)."""
     return tokenize_dataset(
-        datasets.Dataset.from_dict(rows, features=features),
+        ds,
         dataset_entry(path=str(path), type=data_type),
         proc.tokenizer,
         sequence_len=512,
         excess_length_strategy="drop",
-        on_bad_row="raise",
+        on_bad_row=on_bad_row,
         processor=proc,
     )
+
+
+def tokenize_image_feature(columns: dict[str, datasets.FeatureType], rows: dict[str, list], *, data_type: str, path,
+                           proc):  # fmt: skip
+    """`tokenize_rows` (on_bad_row raise) on a dataset whose `images` column has datasets' Image feature, as
+    a Parquet or Hub dataset holds it: `columns` are the other columns' features, `rows` the values by
+    column, `path` the data file an entry of type `data_type` names."""
+    features = datasets.Features({**columns, "images": datasets.List(datasets.Image())})
+    return tokenize_rows(
+        datasets.Dataset.from_dict(rows, features=features), data_type=data_type, path=path, proc=proc
+    )
+
+
+def demo_generator():
+    """recipes/demo/make_vlm_data.py loaded as a module (it is a script, not a package module)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "demo" / "make_vlm_data.py"
+    spec = importlib.util.spec_from_file_location("make_vlm_data", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def shuffled_images(rows: list[dict]) -> list[dict]:

@@ -3,16 +3,15 @@ writes, the chosen colour is the picture's and the rejected one is not (only the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 from PIL import Image
 
+from tests.vlm_processors import demo_generator
+
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("make_vlm_data", REPO / "recipes" / "demo" / "make_vlm_data.py")
-make_vlm_data = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(make_vlm_data)
+make_vlm_data = demo_generator()
 SHIPPED = REPO / "recipes" / "demo" / "data" / "vlm"
 
 

@@ -14,12 +14,10 @@ import torch
 
 from finetune.constants import IGNORE_INDEX
 from finetune.data.preference import pack_examples
-from finetune.data.tokenize import tokenize_dataset
 from finetune.data.vision import collate_vlm, image_token_ids
 from finetune.data.vision_kto import collate_vlm_kto, kl_rows, with_kl_rows
 from finetune.errors import DataError
-from finetune.recipe import dataset_entry
-from tests.unit.data.test_vlm_masking import PROCESSORS, png
+from tests.vlm_processors import PROCESSORS, png, tokenize_rows
 
 QUESTION = "What colour is it?"
 
@@ -52,16 +50,8 @@ def parts_row(image: str, completion: str = "It is red.", label: bool = True) ->
 
 
 def tokenize(rows, root, proc, *, on_bad_row="raise", ds=None):
-    entry = dataset_entry(path=str(root / "kto.jsonl"), type="kto")
-    return tokenize_dataset(
-        ds if ds is not None else datasets.Dataset.from_list(rows),
-        entry,
-        proc.tokenizer,
-        sequence_len=512,
-        excess_length_strategy="drop",
-        on_bad_row=on_bad_row,
-        processor=proc,
-    )
+    ds = ds if ds is not None else datasets.Dataset.from_list(rows)
+    return tokenize_rows(ds, data_type="kto", path=root / "kto.jsonl", proc=proc, on_bad_row=on_bad_row)
 
 
 def test_the_prompt_images_get_their_tokens_and_only_the_completion_trains(processor, root):

@@ -18,7 +18,7 @@ from finetune.data.tokenize import tokenize_dataset
 from finetune.data.vision import collate_vlm, collate_vlm_pairs, image_token_ids
 from finetune.errors import DataError
 from finetune.recipe import dataset_entry
-from tests.vlm_processors import image_folder, png, ready, tokenize_image_feature
+from tests.vlm_processors import image_folder, png, ready, tokenize_image_feature, tokenize_rows
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +36,9 @@ def parts_row(image: str, chosen: str = "It is red.", rejected: str = "It is blu
 
 
 def tokenize(rows, root, proc, *, on_bad_row="raise"):
-    entry = dataset_entry(path=str(root / "pairs.jsonl"), type="preference")
-    return tokenize_dataset(
-        datasets.Dataset.from_list(rows),
-        entry,
-        proc.tokenizer,
-        sequence_len=512,
-        excess_length_strategy="drop",
-        on_bad_row=on_bad_row,
-        processor=proc,
+    ds = datasets.Dataset.from_list(rows)
+    return tokenize_rows(
+        ds, data_type="preference", path=root / "pairs.jsonl", proc=proc, on_bad_row=on_bad_row
     )
 
 

@@ -27,6 +27,7 @@ from finetune.losses import preference as pref
 from finetune.objectives.preference import PreferenceObjective, completion_logps, policy_logps
 from finetune.recipe import dataset_entry, validate_recipe
 from tests.fakes import cpu_accelerator
+from tests.preference_checks import assert_grads_close, objective_loss_and_grads
 from tests.unit.objectives.test_preference_images import (
     COLOURS,
     GRAD_TOL,
@@ -155,18 +156,9 @@ def test_kto_on_images_matches_trl_kto_trainer(tmp_path, processor):
         assert rows[k]["kl_labels"] == expected
     torch.testing.assert_close(batch["pixel_values"], theirs["pixel_values"])
     torch.testing.assert_close(batch["kl_pixel_values"], theirs["pixel_values"])
-    out = {}
-
-    def ours():
-        loss, out["metrics"] = obj.loss(policy, batch, obj.units(batch))
-        return loss
-
-    loss, grads = loss_and_grads(policy, ours)
+    loss, grads, metrics = objective_loss_and_grads(obj, policy, batch)
     torch.testing.assert_close(loss, trl_loss, **LOSS_TOL)
-    assert grads.keys() == trl_grads.keys()
-    for name, grad in trl_grads.items():
-        torch.testing.assert_close(grads[name], grad, msg=name, **GRAD_TOL)
-    metrics = out["metrics"]
+    assert_grads_close(grads, trl_grads, **GRAD_TOL)
     assert metrics["kl"].item() / len(EXAMPLES) == pytest.approx(trl_metrics["kl"], rel=1e-4, abs=1e-6)
     for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
         mean = metrics[key].item() / metrics[f"count:{key}"].item()

@@ -30,7 +30,13 @@ from finetune.losses import preference as pref
 from finetune.objectives.preference import PreferenceObjective, policy_logps
 from finetune.recipe import dataset_entry, validate_recipe
 from tests.fakes import cpu_accelerator
-from tests.preference_checks import assert_grads_close, assert_metrics_match, loss_and_grads, trl_metrics
+from tests.preference_checks import (
+    assert_grads_close,
+    assert_metrics_match,
+    loss_and_grads,
+    objective_loss_and_grads,
+    trl_metrics,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 PROCESSOR_DIR = REPO / "recipes" / "demo" / "vlm_processor"
@@ -159,16 +165,10 @@ def test_dpo_on_images_matches_trl_dpo_trainer(tmp_path, processor, loss_type, o
     n = len(PAIRS)
     torch.testing.assert_close(batch["pixel_values"][0::2], theirs["pixel_values"][:n])
     torch.testing.assert_close(batch["pixel_values"][1::2], theirs["pixel_values"][n:])
-    out = {}
-
-    def ours():
-        loss, out["metrics"] = obj.loss(policy, batch, obj.units(batch))
-        return loss
-
-    loss, grads = loss_and_grads(policy, ours)
+    loss, grads, metrics = objective_loss_and_grads(obj, policy, batch)
     torch.testing.assert_close(loss, trl_loss, **LOSS_TOL)
     assert_grads_close(grads, trl_grads, **GRAD_TOL)
-    assert_metrics_match({k: v.item() / n for k, v in out["metrics"].items()}, logged)
+    assert_metrics_match({k: v.item() / n for k, v in metrics.items()}, logged)
 
 
 # ------------------------------------------------------------------ log-probs = a direct forward
