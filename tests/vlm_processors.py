@@ -105,14 +105,16 @@ def image_folder(root: Path, data_file: str) -> Path:
     return root
 
 
-def tokenize_rows(ds: datasets.Dataset, *, data_type: str, path, proc, on_bad_row: str = "raise"):
+def tokenize_rows(
+    ds: datasets.Dataset, *, data_type: str, path, proc, on_bad_row: str = "raise", sequence_len: int = 512
+):
     """tokenize_dataset of `ds` for an entry of type `data_type` naming the data file `path` (where relative
-    image paths start), with the VLM processor `proc`, at sequence_len 512 (long rows dropped)."""
+    image paths start), with the VLM processor `proc`, at `sequence_len` (long rows dropped)."""
     return tokenize_dataset(
         ds,
         dataset_entry(path=str(path), type=data_type),
         proc.tokenizer,
-        sequence_len=512,
+        sequence_len=sequence_len,
         excess_length_strategy="drop",
         on_bad_row=on_bad_row,
         processor=proc,

@@ -21,11 +21,10 @@ from PIL import Image
 
 from finetune.constants import IGNORE_INDEX
 from finetune.data.preference import pack_examples
-from finetune.data.tokenize import tokenize_dataset
 from finetune.data.vision_kto import collate_vlm_kto, with_kl_rows
 from finetune.losses import preference as pref
 from finetune.objectives.preference import PreferenceObjective, completion_logps, policy_logps
-from finetune.recipe import dataset_entry, validate_recipe
+from finetune.recipe import validate_recipe
 from tests.fakes import cpu_accelerator
 from tests.preference_checks import assert_grads_close, objective_loss_and_grads
 from tests.unit.objectives.test_preference_images import (
@@ -40,6 +39,7 @@ from tests.unit.objectives.test_preference_images import (
     tiny_vlm,
     with_lora,
 )
+from tests.vlm_processors import tokenize_rows
 
 # (the picture's colour, the completion, desirable): right colour desirable, a wrong one not.
 EXAMPLES = [("red", "red", True), ("blue", "green", False), ("green", "green", True), ("red", "blue", False)]
@@ -190,17 +190,14 @@ def examples_from_files(tmp_path_factory, processor):
         shapes[bool(k % 2)].append(
             row | {"completion": [{"role": "assistant", "content": answer}], "label": label}
         )
-    entry = dataset_entry(path=str(root / "kto.jsonl"), type="kto")
     prepared_shapes = {
         llava: iter(
-            tokenize_dataset(
+            tokenize_rows(
                 datasets.Dataset.from_list(rows),
-                entry,
-                processor.tokenizer,
+                data_type="kto",
+                path=root / "kto.jsonl",
+                proc=processor,
                 sequence_len=256,
-                excess_length_strategy="drop",
-                on_bad_row="raise",
-                processor=processor,
             ).dataset
         )
         for llava, rows in shapes.items()

@@ -24,11 +24,10 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, Idefics3Con
 
 from finetune.constants import IGNORE_INDEX
 from finetune.data.preference import pack_examples
-from finetune.data.tokenize import tokenize_dataset
 from finetune.data.vision import collate_vlm_pairs
 from finetune.losses import preference as pref
 from finetune.objectives.preference import PreferenceObjective, policy_logps
-from finetune.recipe import dataset_entry, validate_recipe
+from finetune.recipe import validate_recipe
 from tests.fakes import cpu_accelerator
 from tests.preference_checks import (
     assert_grads_close,
@@ -37,6 +36,7 @@ from tests.preference_checks import (
     objective_loss_and_grads,
     trl_metrics,
 )
+from tests.vlm_processors import tokenize_rows
 
 REPO = Path(__file__).resolve().parents[3]
 PROCESSOR_DIR = REPO / "recipes" / "demo" / "vlm_processor"
@@ -190,16 +190,10 @@ def pairs_from_files(tmp_path_factory, processor):
         }
         for chosen, rejected in PAIRS
     ]
-    entry = dataset_entry(path=str(root / "pairs.jsonl"), type="preference")
-    result = tokenize_dataset(
-        datasets.Dataset.from_list(rows),
-        entry,
-        processor.tokenizer,
+    result = tokenize_rows(
+        datasets.Dataset.from_list(rows), data_type="preference", path=root / "pairs.jsonl", proc=processor,
         sequence_len=256,
-        excess_length_strategy="drop",
-        on_bad_row="raise",
-        processor=processor,
-    )
+    )  # fmt: skip
     out = []
     for row in result.dataset:
         n = row["chosen_len"]
