@@ -12,7 +12,7 @@ Measured in one process, after the imports, with a throwaway conversion cache:
    (sha256 of every converted file);
 3. loading the converted folder with plain from_pretrained, and its first forward (which pages the
    memory-mapped weights in);
-4. greedy generation with finetune.generation.sampling: new tokens per second at each batch size,
+4. greedy generation with finetune.generation.transformers_backend: new tokens per second at each batch size,
    max_new_tokens new tokens per prompt (eos ignored so every row generates them all).
 """
 
@@ -71,7 +71,8 @@ def main() -> None:
     os.environ["FINETUNE_GGUF_CACHE"] = tempfile.mkdtemp(prefix="bench-gguf-")
     from transformers import AutoModelForCausalLM
 
-    from finetune.generation.sampling import _generate_batch, _generation_kwargs, eval_mode, prompt_ids
+    from finetune.generation.prompts import prompt_ids
+    from finetune.generation.transformers_backend import eval_mode, generate_batch, generation_kwargs
     from finetune.gguf import cache_damage, converted_folder, file_sha256, gguf_path, load_gguf
 
     gguf = gguf_path(REF)
@@ -95,14 +96,14 @@ def main() -> None:
     ids = torch.tensor([prompt_ids(tokenizer, PROMPTS[0])])
     with torch.no_grad():
         timed("converted folder: first forward (pages weights in)", lambda: net(ids), rows)
-    kwargs = {**_generation_kwargs(tokenizer, net, args.new_tokens), "eos_token_id": None}
+    kwargs = {**generation_kwargs(tokenizer, net, args.new_tokens), "eos_token_id": None}
     speeds = []
     with eval_mode(net):
-        _generate_batch(net, [prompt_ids(tokenizer, PROMPTS[0])], {**kwargs, "max_new_tokens": 4})  # warm-up
+        generate_batch(net, [prompt_ids(tokenizer, PROMPTS[0])], {**kwargs, "max_new_tokens": 4})  # warm-up
         for batch_size in args.batch_sizes:
             batch = [prompt_ids(tokenizer, p) for p in (PROMPTS * batch_size)[:batch_size]]
             start = time.perf_counter()
-            new = _generate_batch(net, batch, kwargs)
+            new = generate_batch(net, batch, kwargs)
             seconds = time.perf_counter() - start
             speeds.append((batch_size, new.numel(), seconds))
     print(

@@ -165,7 +165,7 @@ def write_prompts(args, folder: Path, work: Path) -> tuple[Path, Path, float]:
     prompt gives finetune's prompt ids. Returns both files and the mean prompt length in tokens."""
     from transformers import AutoTokenizer
 
-    from finetune.generation.sampling import prompt_ids
+    from finetune.generation.prompts import prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     needed = args.steps * args.prompts_per_step
@@ -315,7 +315,7 @@ def trl_child(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
 
-    from finetune.generation.sampling import stop_token_ids
+    from finetune.generation.prompts import stop_token_ids
 
     out = Path(args.trl_child)
     torch.manual_seed(0)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from finetune.constants import IGNORE_INDEX
 from finetune.data.collate import collate_rows
 from finetune.data.sampler import RankBatchSampler
 
@@ -97,7 +98,7 @@ def make_dataloader(
 
 def count_trainable(batch: dict) -> torch.Tensor:
     """Tokens that contribute to the loss: labels shifted by one (the model predicts t+1 from t)."""
-    return (batch["labels"][:, 1:] != -100).sum()
+    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 
 def count_tokens(batch: dict) -> int:

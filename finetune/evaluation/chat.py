@@ -31,35 +31,36 @@ def open_image(path: str, flag: str = "--image"):
 
 
 def chat(
-    model,
-    tokenizer,
+    backend,
     *,
     prompt: str | None = None,
     system: str | None = None,
     max_new_tokens: int = 512,
     read: Callable[[str], str] = input,
     out: TextIO | None = None,
-    processor=None,
     pictures: list[Any] | None = None,
 ) -> int:
-    """One answer to `prompt`, or a conversation read line by line from `read` until /exit or EOF.
+    """One answer to `prompt`, or a conversation read line by line from `read` until /exit or EOF,
+    each answer streamed by `backend` (finetune.generation.protocol) as it is generated.
 
     The whole conversation so far is the prompt of each answer (rendered with the chat template, with
     `system` as the system turn when given, else the template's default). With a vision-language
-    model's `processor`, `pictures` (PIL images) go with the first message, and `/image PATH` lines
-    attach images to the next one.
+    model's backend (it has a processor), `pictures` (PIL images) go with the first message, and
+    `/image PATH` lines attach images to the next one.
     """
     from finetune.data.images import SENTINEL
-    from finetune.generation.sampling import stream_chat
+    from finetune.generation.prompts import chat_inputs
+    from finetune.generation.protocol import SamplingParams
+
+    processor = backend.processor
 
     out = out or sys.stdout  # looked up now: a default bound at import would keep a replaced stream
     shown: list[Any] = []  # every image of the conversation so far, in order
 
     def answer(messages: list[dict[str, Any]]) -> str:
         pieces = []
-        stream = stream_chat(
-            model, tokenizer, messages, max_new_tokens=max_new_tokens, processor=processor, pictures=shown
-        )
+        inputs = chat_inputs(backend.tokenizer, messages, processor=processor, pictures=shown)
+        stream = backend.stream(inputs, SamplingParams(max_new_tokens=max_new_tokens))
         for piece in stream:
             out.write(piece)
             out.flush()

@@ -1,22 +1,21 @@
 """The `finetune eval` and `finetune chat` commands (finetune/cli.py parses and calls these).
 
 `finetune eval` compares models side by side (the recipe's base and a tuned adapter or model) on:
-* the recipe's held-out split, scored the way the objective scores it in training (EVAL_PATHS, by
-  the objective table's kind): SFT's token loss and perplexity, the preference objectives' loss,
-  rewards and `preferred` on held-out pairs with the base as the reference;
+* the recipe's held-out split, scored the way the objective scores it in training (the objective
+  class's `held_out`, finetune.objectives): SFT's token loss and perplexity, the preference
+  objectives' loss, rewards and `preferred` on held-out pairs with the base as the reference, the
+  online objectives' rewards of greedy completions;
 * its `eval.generation_sets` (finetune.generation.sets).
-The held-out batches are built by the objective modules' own loaders, as training builds them.
+The held-out batches are built by the objectives' own loaders, as training builds them.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from finetune.errors import FinetuneError
-from finetune.recipe.objectives import OBJECTIVES
 
 
 def run_chat(
@@ -31,6 +30,7 @@ def run_chat(
     """`finetune chat`: load the model once, then one answer (`prompt`) or a conversation; a
     vision-language model (with its processor) also takes `images` (paths) for the first message."""
     from finetune.evaluation.chat import chat, open_image
+    from finetune.generation.backends import backend_for
     from finetune.model import (
         inference_device,
         is_vision_language,
@@ -51,91 +51,17 @@ def run_chat(
     else:
         model, tokenizer = load_for_inference(model_dir, base=base)
     model.to(inference_device())
-    return chat(
-        model,
-        tokenizer,
-        prompt=prompt,
-        system=system,
-        max_new_tokens=max_new_tokens,
-        processor=processor,
-        pictures=pictures,
-    )
+    backend = backend_for("transformers", model, tokenizer, processor=processor)
+    return chat(backend, prompt=prompt, system=system, max_new_tokens=max_new_tokens, pictures=pictures)
 
 
 def _say(text: str) -> None:
     print(text, file=sys.stderr)
 
 
-def _sft_split(recipe, prepared) -> dict[str, Any]:
-    """SFT: token loss and perplexity over the held-out rows (a vision-language recipe's collated with
-    their pixels by the recipe's processor, as training evaluates them)."""
-    import finetune.objectives.sft as sft
-    from finetune.vlm import load_processor
-
-    processor = load_processor(recipe.model) if recipe.model.kind == "vlm" else None
-
-    def batches(tokenizer):
-        return sft.loader(
-            recipe.data, recipe.train, prepared.eval, tokenizer, training=False, processor=processor
-        )
-
-    return {"eval_batches": batches}
-
-
-def _preference_split(recipe, prepared) -> dict[str, Any]:
-    """Preference objectives: the held-out pairs (kto: examples) scored with training's batches,
-    forwards and losses; the base is every model's reference where the objective has one (a
-    vision-language recipe's pairs collated with their pixels by the recipe's processor)."""
-    import finetune.objectives.preference as preference
-    from finetune.evaluation.preference import preference_scorer
-    from finetune.model import inference_device
-    from finetune.vlm import load_processor
-
-    processor = load_processor(recipe.model) if recipe.model.kind == "vlm" else None
-
-    def batches(tokenizer):
-        return preference.loader(
-            recipe.data, recipe.train, prepared.eval, tokenizer, training=False, processor=processor
-        )
-
-    name = recipe.train.objective
-    score = preference_scorer(batches, name=name, settings=recipe.preference, device=inference_device())
-    return {"score": score, "needs_reference": OBJECTIVES[name].reference}
-
-
-def _reward_split(recipe, prepared) -> dict[str, Any]:
-    """Online RL: greedy completions of the held-out prompts, scored by the recipe's rewards."""
-    from finetune.objectives.grpo import eval_rewards, rewards_for
-
-    settings = recipe.grpo
-    rows = list(prepared.eval)
-
-    def score(model_name: str, model, tokenizer) -> dict[str, Any]:
-        rewards = rewards_for(recipe, tokenizer)
-        fields = eval_rewards(
-            model,
-            tokenizer,
-            rows,
-            rewards,
-            max_new_tokens=settings.max_new_tokens,
-            batch_size=recipe.eval.batch_size,
-        )
-        return {"rewards": fields}
-
-    return {"score": score}
-
-
-EVAL_PATHS: dict[str, Callable[[Any, Any], dict[str, Any]]] = {
-    "sft": _sft_split,
-    "paired": _preference_split,
-    "unpaired": _preference_split,
-    "online": _reward_split,
-}
-"""How `finetune eval` scores each objective kind's held-out split (a test checks every kind has one)."""
-
-
 def _held_out(recipe) -> dict[str, Any]:
-    """The objective's eval path on the prepared eval split ({} without one)."""
+    """What the objective scores on the prepared eval split ({} without one): its class's `held_out`
+    (token-loss batches, or a per-model `score` hook, and whether the base is the reference)."""
     from finetune.data.prepare import prepare
 
     if not (recipe.data.val_set_size or recipe.data.test_datasets):
@@ -143,7 +69,9 @@ def _held_out(recipe) -> dict[str, Any]:
     prepared = prepare(recipe, log=_say)
     if prepared.eval is None or len(prepared.eval) == 0:
         return {}
-    return EVAL_PATHS[OBJECTIVES[recipe.train.objective].kind](recipe, prepared)
+    from finetune.objectives import objective_class
+
+    return objective_class(recipe).held_out(recipe, prepared)
 
 
 def model_labels(targets: list[str]) -> list[str]:
@@ -171,12 +99,12 @@ def run_eval(recipe, args) -> int:
     Several adapters (`--adapter A --adapter B`, e.g. an SFT run and a GRPO run on top of it) are
     scored side by side with the base, each in its own column. Every adapter or model is checked
     against the recipe's base before anything runs; then the models load, are evaluated and are freed
-    one at a time (evaluation.report.evaluate_models, which first checks that each tuned one loads), so
+    one at a time (evaluation.compare.evaluate_models, which first checks that each tuned one loads), so
     peak memory is one model's."""
     adapters, model, no_base = args.adapter, args.model, args.no_base
     vision = recipe.model.kind == "vlm"
+    from finetune.evaluation.compare import evaluate_models, format_table, write_report
     from finetune.evaluation.fit import check_fits_recipe
-    from finetune.evaluation.report import evaluate_models, format_table, write_report
     from finetune.model import (
         base_model_source,
         check_model_location,

@@ -4,7 +4,9 @@
 with eval.during_training, at every evaluation of a training run (`generation_metrics`: the main
 process generates, the scores go to progress.jsonl and the trackers). A vision-language model's sets
 may carry images in their prompts, in the SFT data's shapes (`image_prompt`): they are opened and
-checked when the set loads, and generated with the recipe's processor (sampling.generate).
+checked when the set loads, and generated with the recipe's processor. Answers come from a generation
+backend (finetune.generation.backends.answers; the transformers backend with the model being trained or
+evaluated).
 """
 
 from __future__ import annotations
@@ -16,13 +18,12 @@ from typing import Any
 from finetune import trackers
 from finetune.data.rows import BadRow
 from finetune.errors import FinetuneError
+from finetune.generation.backends import answers, backend_for
 from finetune.generation.metrics import GSM8K_ANSWER_PATTERN, METRICS, require_math_verify, score
-from finetune.generation.sampling import generate
 
 
 def evaluate_generations(
-    model,
-    tokenizer,
+    backend,
     rows: Sequence[Mapping[str, Any]],
     *,
     metric: str = "exact_match",
@@ -33,16 +34,16 @@ def evaluate_generations(
     case_sensitive: bool = False,
     use_chat_template: bool = True,
     progress: bool = True,
-    processor=None,
 ) -> dict[str, Any]:
-    """Generate an answer for every row and score it.
+    """Generate an answer for every row with `backend` (finetune.generation.protocol) and score it.
 
     rows: mappings with "prompt" (a string or a list of chat messages) and, unless metric is none,
     "expected" (the reference answer; for exact_match a GSM8K answer with "#### 42" works as is).
     Returns {"metric", "score" (fraction correct; None for none), "n" (rows), "samples"}: the
     first `num_samples` rows (all of them when None) as {"prompt", "output", "expected", "correct"},
-    plus "images" (where each came from) for rows with images. With a vision-language model's
-    `processor`, rows from `load_generation_rows(..., vision=True)` are answered with their images.
+    plus "images" (where each came from) for rows with images. With a vision-language model's backend
+    (it has a processor), rows from `load_generation_rows(..., vision=True)` are answered with their
+    images.
     """
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
@@ -53,11 +54,10 @@ def evaluate_generations(
         need = "prompt" if metric == "none" else "prompt and expected"
         raise ValueError(f"rows {missing[:5]} have no {need}; every row needs them for metric {metric}")
     vision = {}  # a vision-language model's prompts: the rows' messages, with their images
-    if processor is not None:
-        vision = {"processor": processor, "images": [row.get("image_bytes") or [] for row in rows]}
-    outputs = generate(
-        model,
-        tokenizer,
+    if backend.processor is not None:
+        vision = {"images": [row.get("image_bytes") or [] for row in rows]}
+    outputs = answers(
+        backend,
         [row.get("messages", row["prompt"]) if vision else row["prompt"] for row in rows],
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
@@ -225,22 +225,19 @@ IMAGE_ROW_FIX = (
 
 
 def score_generation_sets(
-    model,
-    tokenizer,
+    backend,
     sets: Sequence,
     rows: dict[str, list[dict]],
     *,
     batch_size: int,
     progress: bool = True,
-    processor=None,
 ) -> dict[str, dict[str, Any]]:
-    """{set name: {"metric", "score", "n", "samples"}} for every generation set (a vision-language
-    model's `processor`: the prompts with their images)."""
+    """{set name: {"metric", "score", "n", "samples"}} for every generation set, answered by `backend`
+    (a vision-language model's: the prompts with their images)."""
     results = {}
     for gen_set in sets:
         results[gen_set.name] = evaluate_generations(
-            model,
-            tokenizer,
+            backend,
             rows[gen_set.name],
             metric=gen_set.metric,
             max_new_tokens=gen_set.max_new_tokens,
@@ -250,7 +247,6 @@ def score_generation_sets(
             case_sensitive=gen_set.case_sensitive,
             use_chat_template=gen_set.use_chat_template,
             progress=progress,
-            processor=processor,
         )
     return results
 
@@ -286,20 +282,15 @@ IMAGE_SAMPLE_COLUMNS = ["images", *SAMPLE_COLUMNS]
 def generation_metrics(
     accelerator, model, tokenizer, eval_settings, rows: dict, *, step: int, processor=None
 ) -> dict[str, Any]:
-    """Generation sets scored on the main process (greedy decoding of the unwrapped model); the
-    others wait. Scores and samples go to progress.jsonl, and to the trackers as scalars and tables;
+    """Generation sets scored on the main process (greedy decoding of the unwrapped model, through the
+    transformers backend); the others wait. Scores and samples go to progress.jsonl, and to the trackers as scalars and tables;
     a vision-language model's samples (`processor`) name their images, and trackers that take images
     get each sample's images captioned with its answer."""
     acc, fields = accelerator, {}
     if acc.is_main_process:
+        backend = backend_for("transformers", acc.unwrap_model(model), tokenizer, processor=processor)
         results = score_generation_sets(
-            acc.unwrap_model(model),
-            tokenizer,
-            eval_settings.generation_sets,
-            rows,
-            batch_size=eval_settings.batch_size,
-            progress=False,
-            processor=processor,
+            backend, eval_settings.generation_sets, rows, batch_size=eval_settings.batch_size, progress=False
         )
         for name, result in results.items():
             if result["score"] is not None:

@@ -27,6 +27,12 @@ what the engine normalises by, its `unit`:
 `policy_loss_sums` returns the micro-batch's sum over its units; the engine divides by the units of
 the whole accumulation window on all processes, so the window's loss is TRL's for equal micro-batches.
 
+Advantage estimators turn each completion's reward into its advantage, from the rewards of its
+group (the num_generations completions of one prompt). `ESTIMATORS` names them; an online objective
+picks one by its row in the objective table (finetune.recipe.objectives: `estimator`):
+
+* ``group``: the reward against its group's mean, scaled by a std (GRPO; `group_advantages`).
+
 >>> import torch
 >>> out = per_token_loss(torch.zeros(2), torch.zeros(2), torch.tensor([1.0, -1.0]), epsilon_low=0.2, epsilon_high=0.2)
 >>> out.losses.tolist()
@@ -35,6 +41,7 @@ the whole accumulation window on all processes, so the window's loss is TRL's fo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -162,3 +169,12 @@ def group_advantages(
     elif scale_rewards != "none":
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}; choose group, batch or none")
     return advantages, torch.isclose(group_std, torch.zeros_like(group_std))
+
+
+Estimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+ESTIMATORS: dict[str, Estimator] = {
+    "group": group_advantages,
+}
+"""Advantage estimators by name: each is called as fn(rewards, num_generations=..., scale_rewards=...,
+batch_std=...) on rewards laid out group after group, and returns (advantages, whether each
+completion's group has zero reward spread)."""

@@ -2,15 +2,17 @@
 
 * `sft`: SFT of a causal LM on prepared token rows (full, LoRA, QLoRA).
 * `preference`: DPO, IPO, SimPO, ORPO and KTO of a causal LM on prepared pairs (examples).
-* `grpo`: online RL (GRPO, DAPO, Dr. GRPO) of a causal LM on prompts, with rewards.
+* `online`: online RL (GRPO and its DAPO / Dr. GRPO / BNPO loss types) of a causal LM on prompts, with
+  rewards; `rollout`, its sample / score / pack / log-prob parts, open to any objective.
 * `diffusion`: LoRA / DreamBooth on a diffusers pipeline's denoiser, from cached latents
   (model.kind: diffusion).
 * `lm`: the causal-LM toolkit the LM objectives share (build, loader, save); `reference`: the
   reference model any objective can compare its policy with.
 
 Which objectives exist, what they train on and what they read is the objective table,
-finetune.recipe.objectives; each is a class implementing the interface in
-finetune/engine/objective.py, built by `objective_for` from the whole recipe.
+finetune.recipe.objectives; each kind is one class implementing the interface in
+finetune/engine/objective.py (built by `objective_for` from the whole recipe), which also owns its
+held-out evaluation for `finetune eval` (`held_out(recipe, prepared)`, a static method).
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ def _preference():
     return PreferenceObjective
 
 
-def _grpo():
-    from finetune.objectives.grpo import GRPOObjective
+def _online():
+    from finetune.objectives.online import OnlineObjective
 
-    return GRPOObjective
+    return OnlineObjective
 
 
 def _diffusion():
@@ -48,12 +50,17 @@ IMPLEMENTATIONS = {
     "sft": _sft,
     "paired": _preference,
     "unpaired": _preference,
-    "online": _grpo,
+    "online": _online,
     "diffusion": _diffusion,
 }
 
 
-def objective_for(recipe):
-    """The objective a recipe asks for: model.kind diffusion, else train.objective's kind."""
+def objective_class(recipe):
+    """The class of the objective a recipe asks for: model.kind diffusion, else train.objective's kind."""
     kind = "diffusion" if recipe.model.kind == "diffusion" else OBJECTIVES[recipe.train.objective].kind
-    return IMPLEMENTATIONS[kind]()(recipe)
+    return IMPLEMENTATIONS[kind]()
+
+
+def objective_for(recipe):
+    """The objective a recipe asks for, built from the whole recipe."""
+    return objective_class(recipe)(recipe)

@@ -214,6 +214,22 @@ class SFTObjective:
         trackers.log_scalars(acc, metrics, step)
         return metrics
 
+    @staticmethod
+    def held_out(recipe, prepared) -> dict[str, Any]:
+        """`finetune eval`'s batches of the held-out rows for every model's token loss and perplexity (a
+        vision-language recipe's collated with their pixels by the recipe's processor, as training
+        evaluates them)."""
+        from finetune.vlm import load_processor
+
+        processor = load_processor(recipe.model) if recipe.model.kind == "vlm" else None
+
+        def batches(tokenizer):
+            return loader(
+                recipe.data, recipe.train, prepared.eval, tokenizer, training=False, processor=processor
+            )
+
+        return {"eval_batches": batches}
+
     # ------------------------------------------------------------------------------------ save
 
     def save(self, model, metrics: dict[str, Any]) -> list[Path]:

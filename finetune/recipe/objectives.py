@@ -31,7 +31,9 @@ class ObjectiveSpec:
     the policy with a reference model (the base with adapters disabled, a frozen copy, or
     precomputed log-probs; grpo: only with grpo.beta > 0). `settings` are the recipe fields
     (section.field) only it reads: a non-default value under another objective is an error.
-    `section` is the recipe section that holds all of its settings and that only it may have.
+    `section` is the recipe section that holds all of its settings; only objectives that name it may
+    have it (the online objectives share theirs). `estimator` (online objectives) names the advantage
+    estimator of finetune.losses.policy_gradient.ESTIMATORS that turns rewards into advantages.
     """
 
     name: str
@@ -42,6 +44,7 @@ class ObjectiveSpec:
     settings: tuple[str, ...]
     summary: str
     section: str | None = None
+    estimator: str | None = None
 
 
 _PREFERENCE = "preference"
@@ -83,7 +86,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
             "grpo", "online", "prompt", "completions", False, (),
             "Group Relative Policy Optimization with verifiable rewards (Shao et al. 2024), and TRL's "
             "DAPO / Dr. GRPO / BNPO loss types",
-            section="grpo",
+            section="grpo", estimator="group",
         ),
     )
 }  # fmt: skip
@@ -110,6 +113,11 @@ def describe(names: tuple[str, ...] | list[str]) -> str:
     """
     names = list(names)
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def sharing_section(section: str) -> tuple[str, ...]:
+    """The objectives whose settings live in recipe section `section`."""
+    return tuple(name for name, spec in OBJECTIVES.items() if spec.section == section)
 
 
 def trained_on(data_type: str) -> tuple[str, ...]:

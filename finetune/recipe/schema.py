@@ -15,7 +15,14 @@ from finetune.recipe.grpo import GrpoSection
 from finetune.recipe.hub import HubSection
 from finetune.recipe.lora import DATA_DRIVEN, LoraSection, modifies_base
 from finetune.recipe.model import ModelSection
-from finetune.recipe.objectives import OBJECTIVES, describe, objective_settings, readers, trained_on
+from finetune.recipe.objectives import (
+    OBJECTIVES,
+    describe,
+    objective_settings,
+    readers,
+    sharing_section,
+    trained_on,
+)
 from finetune.recipe.preference import PreferenceSection
 from finetune.recipe.streaming import streaming_problems
 from finetune.recipe.train import TrainSection
@@ -492,9 +499,10 @@ def residual_reference_problems(recipe: Recipe, ok: Callable[..., bool]) -> list
     if recipe.model.kind == "diffusion" or not modifies_base(recipe.lora):
         return []
     spec = OBJECTIVES[recipe.train.objective]
-    if spec.section == "grpo" and ok("grpo") and recipe.grpo is not None and recipe.grpo.beta > 0:
-        fix = "set grpo.beta: 0 (no KL term)"
-    elif spec.reference and spec.section != "grpo" and not recipe.preference.precompute_ref_log_probs:
+    online = getattr(recipe, spec.section) if spec.kind == "online" and ok(spec.section) else None
+    if online is not None and online.beta > 0:
+        fix = f"set {spec.section}.beta: 0 (no KL term)"
+    elif spec.reference and spec.kind != "online" and not recipe.preference.precompute_ref_log_probs:
         fix = "set preference.precompute_ref_log_probs: true (taken before the first step, adapters on)"
     else:
         return []
@@ -510,41 +518,45 @@ def residual_reference_problems(recipe: Recipe, ok: Callable[..., bool]) -> list
 
 
 def online_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
-    """An objective's own section (grpo) present exactly when it is the objective, and what sampling
-    groups need of the batch: each process's completions per step hold whole groups."""
+    """An objective's own section present exactly when an objective that reads it is chosen (the
+    online objectives share one), and what sampling groups need of the batch: each process's
+    completions per step hold whole groups."""
     if not ok("train.objective"):
         return []
     spec, problems = OBJECTIVES[recipe.train.objective], []
-    for other in OBJECTIVES.values():
-        if other.section is None or not ok(other.section):
+    for section in dict.fromkeys(other.section for other in OBJECTIVES.values() if other.section):
+        if not ok(section):
             continue
-        present = getattr(recipe, other.section) is not None
-        if other is spec and not present:
+        present = getattr(recipe, section) is not None
+        if section == spec.section and not present:
             problems.append(
                 (
-                    other.section,
+                    section,
                     None,
-                    f"train.objective {spec.name} needs a {other.section} section (at least its rewards)",
+                    f"train.objective {spec.name} needs a {section} section (at least its rewards)",
                 )
             )
-        elif other is not spec and present:
+        elif section != spec.section and present:
+            readers_of = describe(sharing_section(section))
             problems.append(
                 (
-                    other.section,
+                    section,
                     "...",
-                    f"is read by train.objective {other.name} only; remove it or set that objective",
+                    f"is read by train.objective {readers_of} only; remove it or set that objective",
                 )
             )
-    grpo = recipe.grpo
-    if spec.name != "grpo" or grpo is None:
+    settings = getattr(recipe, spec.section) if spec.kind == "online" else None
+    if settings is None:
         return problems
-    fields = ("train.micro_batch_size", "train.gradient_accumulation_steps", "grpo.num_generations")
+    group = f"{spec.section}.num_generations"
     per_step = recipe.train.micro_batch_size * recipe.train.gradient_accumulation_steps
-    if ok(*fields) and per_step % grpo.num_generations:
+    if ok("train.micro_batch_size", "train.gradient_accumulation_steps", group) and (
+        per_step % settings.num_generations
+    ):
         problems.append(
             (
-                "grpo.num_generations",
-                grpo.num_generations,
+                group,
+                settings.num_generations,
                 f"must divide the completions each process trains on per step, train.micro_batch_size x "
                 f"gradient_accumulation_steps = {per_step} (every prompt's group is sampled and trained on one "
                 "process): change one of them",

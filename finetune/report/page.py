@@ -195,7 +195,7 @@ def runs_section(runs: list[RunData], colors: dict[str, str]) -> str:
 
 def eval_section(runs: list[RunData]) -> str:
     """Each run's eval.json: the base-vs-tuned table and every sample, side by side."""
-    from finetune.evaluation.report import comparison_rows
+    from finetune.evaluation.compare import comparison_rows
 
     parts = ['<section id="eval"><h2>Base vs tuned (<code>finetune eval</code>)</h2>']
     for run in runs:

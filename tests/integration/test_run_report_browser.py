@@ -102,7 +102,7 @@ def test_training_records_the_planner_prediction_and_the_data_fingerprint(report
 def test_the_report_renders_in_chromium_with_every_logged_point(report):
     from playwright.sync_api import sync_playwright
 
-    from finetune.evaluation.report import comparison_rows
+    from finetune.evaluation.compare import comparison_rows
 
     page_file, shot = report["tmp"] / "report.html", report["tmp"] / "report.png"
     problems: list[str] = []

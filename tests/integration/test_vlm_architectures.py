@@ -17,7 +17,7 @@ import yaml
 from PIL import Image
 
 from finetune.data.images import SENTINEL
-from finetune.generation.sampling import vlm_prompt_inputs
+from finetune.generation.prompts import vlm_prompt_inputs
 from finetune.model import load_vlm_for_inference
 from tests.integration._run import REPO, cli, progress, step_losses
 from tests.unit.data.test_vlm_masking import tiny_config

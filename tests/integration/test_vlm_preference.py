@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from finetune.data.vision import collate_vlm_pairs
-from finetune.evaluation.preference import score_batches, summarize
 from finetune.model import load_vlm_for_inference
+from finetune.objectives.preference_eval import score_batches, summarize
 from finetune.recipe import validate_recipe
 from tests.integration._run import REPO, assert_resumes_exactly, cli, ddp_and_single, progress, train_into
 from tests.vlm_processors import shuffled_images

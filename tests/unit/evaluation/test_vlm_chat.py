@@ -21,7 +21,8 @@ from finetune.data.tokenize import tokenize_dataset
 from finetune.errors import FinetuneError
 from finetune.evaluation.chat import chat, open_image
 from finetune.evaluation.command import run_chat
-from finetune.generation.sampling import vlm_prompt_inputs
+from finetune.generation.prompts import vlm_prompt_inputs
+from finetune.generation.transformers_backend import TransformersBackend
 from finetune.model import is_vision_language, load_vlm_for_inference
 from finetune.recipe import dataset_entry
 
@@ -76,41 +77,35 @@ def test_a_vlm_folder_chats_about_its_image(saved, folder):
     model, processor = load_vlm_for_inference(str(saved / folder))
     assert (type(model).__name__ == "PeftModel") == (folder == "adapter")
     red, blue = (open_image(str(saved / f"{c}.png")) for c in ("red", "blue"))
+    backend = TransformersBackend(model, processor.tokenizer, processor=processor)
     answers = []
     for pictures in ([red], [blue]):
         out = io.StringIO()
-        assert chat(model, processor.tokenizer, prompt="Colour?", max_new_tokens=6, out=out,
-                    processor=processor, pictures=pictures) == 0  # fmt: skip
+        assert chat(backend, prompt="Colour?", max_new_tokens=6, out=out, pictures=pictures) == 0
         answers.append(out.getvalue())
     # Greedy and deterministic: the same image gives the same answer; random weights answer
     # something else for another image (the pixels reach the model).
     again = io.StringIO()
-    chat(
-        model,
-        processor.tokenizer,
-        prompt="Colour?",
-        max_new_tokens=6,
-        out=again,
-        processor=processor,
-        pictures=[red],
-    )
+    chat(backend, prompt="Colour?", max_new_tokens=6, out=again, pictures=[red])
     assert again.getvalue() == answers[0] and answers[0] != answers[1]
 
 
 def test_images_attach_to_the_next_message_in_a_conversation(saved, monkeypatch):
     model, processor = load_vlm_for_inference(str(saved / "full"))
     seen = []
-    import finetune.generation.sampling as sampling
+    import finetune.generation.prompts as prompts
 
-    def fake_stream(model, tokenizer, messages, **kwargs):
-        seen.append(([m["content"].count(SENTINEL) for m in messages], len(kwargs["pictures"])))
-        yield "ok"
+    def fake_inputs(tokenizer, messages, *, processor, pictures):
+        seen.append(([m["content"].count(SENTINEL) for m in messages], len(pictures)))
+        return {}
 
-    monkeypatch.setattr(sampling, "stream_chat", fake_stream)
+    monkeypatch.setattr(prompts, "chat_inputs", fake_inputs)
+    backend = TransformersBackend(model, processor.tokenizer, processor=processor)
+    monkeypatch.setattr(backend, "stream", lambda inputs, params: iter(["ok"]))
     lines = iter(["/image " + str(saved / "red.png"), "/image " + str(saved / "nope.png"), "first", "second",
                   "/image " + str(saved / "blue.png"), "third", "/exit"])  # fmt: skip
     out = io.StringIO()
-    chat(model, processor.tokenizer, read=lambda _: next(lines), out=out, processor=processor)
+    chat(backend, read=lambda _: next(lines), out=out)
     assert "/image PATH attaches" in out.getvalue() and "nope.png" in out.getvalue()  # said, not fatal
     assert seen == [([1], 1), ([1, 0, 0], 1), ([1, 0, 0, 0, 1], 2)]
 

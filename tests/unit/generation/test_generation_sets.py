@@ -18,9 +18,18 @@ ROWS = [
 ANSWERS = ["He has 7 apples.", "10 - 12 = 2", "The answer is $1,001."]
 
 
+class _TextBackend:
+    """A backend stand-in: evaluate_generations reads its processor (None: a text model)."""
+
+    processor = None
+
+
+BACKEND = _TextBackend()
+
+
 def _evaluate(rows=ROWS, answers=ANSWERS, **kwargs):
-    with mock.patch.object(run, "generate", return_value=list(answers)) as generate:
-        result = evaluate_generations("model", "tokenizer", rows, progress=False, **kwargs)
+    with mock.patch.object(run, "answers", return_value=list(answers)) as generate:
+        result = evaluate_generations(BACKEND, rows, progress=False, **kwargs)
     return result, generate
 
 
@@ -30,7 +39,7 @@ def test_doctests() -> None:
 
 def test_exact_match_summary_with_samples() -> None:
     result, generate = _evaluate(num_samples=2, max_new_tokens=64, batch_size=4)
-    assert generate.call_args.args == ("model", "tokenizer", [r["prompt"] for r in ROWS])
+    assert generate.call_args.args == (BACKEND, [r["prompt"] for r in ROWS])
     assert generate.call_args.kwargs == {
         "max_new_tokens": 64, "batch_size": 4, "use_chat_template": True, "progress": False,
     }  # fmt: skip

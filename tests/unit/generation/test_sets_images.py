@@ -22,13 +22,14 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, Idefics3Con
 
 from finetune.data.images import SENTINEL
 from finetune.errors import FinetuneError
-from finetune.generation.sampling import vlm_prompt_ids, vlm_prompt_inputs
+from finetune.generation.prompts import vlm_prompt_ids, vlm_prompt_inputs
 from finetune.generation.sets import (
     IMAGE_SAMPLE_COLUMNS,
     evaluate_generations,
     generation_metrics,
     load_generation_rows,
 )
+from finetune.generation.transformers_backend import TransformersBackend
 from finetune.recipe import Recipe, validate_recipe
 from finetune.recipe.errors import format_validation_error
 from finetune.recipe.eval import GenerationSet
@@ -189,9 +190,10 @@ def test_prompt_ids_are_training_ids_and_batches_answer_as_one_by_one(vlm, folde
     rows = load_generation_rows(GenerationSet(name="m", path=path, metric="contains"), vision=True)
 
     def run(batch_size):
+        backend = TransformersBackend(model, processor.tokenizer, processor=processor)
         return evaluate_generations(
-            model, processor.tokenizer, rows, metric="contains", max_new_tokens=5, batch_size=batch_size,
-            num_samples=None, progress=False, processor=processor,
+            backend, rows, metric="contains", max_new_tokens=5, batch_size=batch_size, num_samples=None,
+            progress=False,
         )  # fmt: skip
 
     together, alone = run(4), run(1)

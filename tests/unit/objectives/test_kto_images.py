@@ -23,7 +23,8 @@ from finetune.constants import IGNORE_INDEX
 from finetune.data.preference import pack_examples
 from finetune.data.vision_kto import collate_vlm_kto, with_kl_rows
 from finetune.losses import preference as pref
-from finetune.objectives.preference import PreferenceObjective, completion_logps, policy_logps
+from finetune.objectives.preference import PreferenceObjective
+from finetune.objectives.preference_scores import completion_logps, policy_logps
 from finetune.recipe import validate_recipe
 from tests.fakes import cpu_accelerator
 from tests.preference_checks import assert_grads_close, objective_loss_and_grads

@@ -1,5 +1,6 @@
 """The objective table (finetune.recipe.objectives) against what implements it: every entry has an
-implementation, a loss, a data type the recipe knows, an eval path, and settings the schema has."""
+implementation (one class per kind, which owns its `finetune eval` path), a loss, a data type the recipe
+knows, an advantage estimator where it is online, and settings the schema has."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ import typing
 import pytest
 from pydantic import ValidationError
 
-from finetune.evaluation.command import EVAL_PATHS
 from finetune.losses import policy_gradient as pg
 from finetune.objectives import IMPLEMENTATIONS
-from finetune.objectives.preference import LOSSES
+from finetune.objectives.preference_scores import LOSSES
 from finetune.recipe import DataSection, Recipe, TrainSection, validate_recipe
 from finetune.recipe.grpo import GrpoSection
 from finetune.recipe.objectives import OBJECTIVES, objective_settings, readers
@@ -45,13 +45,17 @@ def test_every_objective_has_an_implementation_a_loss_data_and_an_eval_path(spec
     assert spec.kind in IMPLEMENTATIONS
     implementation = IMPLEMENTATIONS[spec.kind]()
     assert callable(getattr(implementation, "loss", None))
+    assert callable(getattr(implementation, "held_out", None)), f"{spec.name}: `finetune eval` has no path"
     if spec.kind in ("paired", "unpaired"):
-        assert spec.name in LOSSES, f"{spec.name}: no loss in finetune.objectives.preference.LOSSES"
+        assert spec.name in LOSSES, f"{spec.name}: no loss in finetune.objectives.preference_scores.LOSSES"
     if spec.kind == "online":  # every loss type the section offers is one of the policy-gradient losses
         offered = typing.get_args(GrpoSection.model_fields["loss_type"].annotation)
         assert set(offered) == set(pg.UNITS)
+        assert spec.estimator in pg.ESTIMATORS, f"{spec.name}: no advantage estimator {spec.estimator!r}"
+        assert spec.section is not None
+    else:
+        assert spec.estimator is None
     assert spec.data_type is None or spec.data_type in _dataset_types()
-    assert spec.kind in EVAL_PATHS, f"{spec.name}: `finetune eval` has no path for kind {spec.kind}"
 
 
 @pytest.mark.parametrize("setting", objective_settings())

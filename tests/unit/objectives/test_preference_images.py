@@ -26,7 +26,8 @@ from finetune.constants import IGNORE_INDEX
 from finetune.data.preference import pack_examples
 from finetune.data.vision import collate_vlm_pairs
 from finetune.losses import preference as pref
-from finetune.objectives.preference import PreferenceObjective, policy_logps
+from finetune.objectives.preference import PreferenceObjective
+from finetune.objectives.preference_scores import policy_logps
 from finetune.recipe import validate_recipe
 from tests.fakes import cpu_accelerator
 from tests.preference_checks import (

@@ -17,7 +17,8 @@ from finetune.data.preference import pack_examples
 from finetune.engine.step import train_step
 from finetune.losses import preference as pref
 from finetune.losses.causal_lm import forward
-from finetune.objectives.preference import PreferenceObjective, completion_logps
+from finetune.objectives.preference import PreferenceObjective
+from finetune.objectives.preference_scores import completion_logps
 from finetune.objectives.reference import cache_path, load_or_compute, reference_key
 from finetune.recipe import validate_recipe
 from tests.fakes import cpu_accelerator, fake_run

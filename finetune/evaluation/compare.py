@@ -55,6 +55,7 @@ def evaluate_models(
     A vision-language recipe's `processor` (the same for every model, as in training) reads the sets'
     images (opened and checked before any model loads, resized to `image_max_pixels`).
     """
+    from finetune.generation.backends import backend_for
     from finetune.generation.sets import load_generation_rows, score_generation_sets
 
     vision = processor is not None
@@ -75,11 +76,12 @@ def evaluate_models(
             result.update(token_loss(model, eval_batches(tokenizer)))
         if score is not None:
             result.update(score(name, model, tokenizer))
+        backend = backend_for("transformers", model, tokenizer, processor=processor)
         result["generation"] = score_generation_sets(
-            model, tokenizer, sets, rows, batch_size=batch_size, progress=progress, processor=processor
+            backend, sets, rows, batch_size=batch_size, progress=progress
         )
         results[name] = result
-        del model
+        del model, backend  # the backend holds the model too
         _free_memory(device)
     return results
 
@@ -100,7 +102,7 @@ def write_report(results: dict[str, dict[str, Any]], path: Path, **context: Any)
     path.write_text(json.dumps({**context, "results": results}, indent=2, default=str) + "\n")
 
 
-# Preference recipes: the held-out pairs' metrics (finetune.evaluation.preference), named as training
+# Preference recipes: the held-out pairs' metrics (finetune.objectives.preference_eval), named as training
 # logs them in progress.jsonl, in this order.
 PREFERENCE_ROWS = (
     "eval_loss",

@@ -1,4 +1,4 @@
-"""finetune.evaluation.preference.summarize on hand-worked log-prob sums."""
+"""finetune.objectives.preference_eval.summarize on hand-worked log-prob sums."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune.evaluation.preference import summarize
+from finetune.objectives.preference_eval import summarize
 
 SETTINGS = SimpleNamespace(beta=0.5, label_smoothing=0.0, dpo_smoothing="conservative")
 

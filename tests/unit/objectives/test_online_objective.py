@@ -1,4 +1,4 @@
-"""The GRPO objective's parts: packed rollouts, their loss against the padded layout, seeds, the
+"""The online objective (GRPO) and its rollout's parts: packed rollouts, their loss against the padded layout, seeds, the
 rollout buffer that num_iterations reuses and checkpoints, and the repeating prompt sampler."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from finetune.engine.extra_state import load_extra, save_extra
 from finetune.losses import policy_gradient as pg
 from finetune.losses.causal_lm import forward
 from finetune.losses.preference import token_logps
-from finetune.objectives.grpo import GRPOObjective, RolloutBuffer, completion_seed, pack_completions
+from finetune.objectives.online import OnlineObjective
+from finetune.objectives.rollout import RolloutBuffer, completion_seed, pack_completions
 from finetune.recipe.grpo import GrpoSection
 from tests.tiny import loss_test_model
 
@@ -35,8 +36,8 @@ def sequences(n: int = 6, seed: int = 0) -> list[tuple[list[int], list[int], boo
     return out
 
 
-def objective(loss_type: str, **settings) -> GRPOObjective:
-    obj = GRPOObjective.__new__(GRPOObjective)  # the parts `loss` and `units` read, without a build
+def objective(loss_type: str, **settings) -> OnlineObjective:
+    obj = OnlineObjective.__new__(OnlineObjective)  # the parts `loss` and `units` read, without a build
     obj.settings = GrpoSection(
         loss_type=loss_type, max_new_tokens=8, rewards=[{"name": "length"}], **settings
     )
@@ -178,14 +179,91 @@ def test_generation_under_sharded_weights_is_refused_clearly(kind, stage):
     from accelerate.utils import DistributedType
 
     from finetune.errors import FinetuneError
-    from finetune.objectives.grpo import _refuse_sharded_generation
+    from finetune.objectives.online import _refuse_sharded_generation
 
     plugin = SimpleNamespace(zero_stage=stage)
     acc = SimpleNamespace(
         distributed_type=getattr(DistributedType, kind), state=SimpleNamespace(deepspeed_plugin=plugin)
     )
     with pytest.raises(FinetuneError, match="use DDP, ZeRO-1/2, or LoRA"):
-        _refuse_sharded_generation(acc)
+        _refuse_sharded_generation(acc, "grpo")
     plugin.zero_stage = 2
     if kind == "DEEPSPEED":
-        _refuse_sharded_generation(acc)  # ZeRO-2 keeps whole weights on every process: generation works
+        _refuse_sharded_generation(
+            acc, "grpo"
+        )  # ZeRO-2 keeps whole weights on every process: generation works
+
+
+class RecordingBackend:
+    """A generation backend that answers every prompt with fixed completions and records its calls."""
+
+    name = "recording"
+    processor = None
+    stops = (2,)
+
+    def __init__(self, tokenizer, completions):
+        self.tokenizer, self.completions, self.calls, self.synced = tokenizer, completions, [], []
+
+    def generate(self, prompts, params, *, seeds=None, batch_size=8, images=None, progress=False):
+        from finetune.generation.protocol import Completion
+
+        self.calls.append((prompts, params, seeds, batch_size))
+        return [[Completion(list(ids), ids[-1:] == [2]) for ids in self.completions] for _ in prompts]
+
+    def sync_weights(self, model):
+        self.synced.append(model)
+
+
+def test_the_rollout_samples_scores_and_packs_through_the_backend():
+    """The online objective's rollout through the generation-backend seam: prompts go in as ids with
+    the section's sampling settings and one seed per completion; rewards of the decoded completions
+    become group advantages; an update syncs the backend with the unwrapped model."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from finetune.generation.protocol import SamplingParams
+    from finetune.objectives.rollout import completion_seed
+
+    tokenizer = AutoTokenizer.from_pretrained("recipes/demo/tokenizer")
+    digits = [tokenizer(f" {n}", add_special_tokens=False)["input_ids"] for n in (7, 13, 7)]
+    obj = objective(
+        "grpo", num_generations=3, temperature=0.7, top_k=5, log_completions=0, generation_batch_size=4
+    )
+    obj.settings = obj.settings.model_copy(update={"rewards": []})
+    obj.estimator = pg.ESTIMATORS["group"]
+    obj.train = SimpleNamespace(seed=11, micro_batch_size=3)
+    obj.data = SimpleNamespace(pad_to_multiple_of=1)
+    obj.tokenizer = tokenizer
+    obj.buffer = RolloutBuffer()
+    obj.accelerator = SimpleNamespace(
+        num_processes=1, device=torch.device("cpu"), unwrap_model=lambda m: ("unwrapped", m)
+    )
+    obj.backend = RecordingBackend(tokenizer, [[*ids, 2] for ids in digits])
+
+    def is_seven(completions, rows):
+        return [float(text.strip() == "7") for text in completions]
+
+    from finetune.generation.rewards import Reward
+
+    obj.rewards = [Reward("seven", 1.0, is_seven)]
+    prompts = [
+        {"input_ids": [1, 5, 6], "row_index": 4, "row": '{"q": "a"}'},
+        {"input_ids": [1, 9], "row_index": 8, "row": '{"q": "b"}'},
+    ]
+    batches, stats = obj.rollout(torch.nn.Identity(), [prompts], step=3)
+    ((ids, params, seeds, batch_size),) = obj.backend.calls
+    assert ids == [[1, 5, 6], [1, 9]] and batch_size == 4
+    assert params == SamplingParams(
+        max_new_tokens=8, temperature=0.7, top_p=1.0, top_k=5, num_return_sequences=3
+    )
+    assert seeds == [[completion_seed(11, 3, row, j) for j in range(3)] for row in (4, 8)]
+    assert stats["reward_sum"] == 4.0 and stats["completions"] == 6.0
+    advantages, _ = pg.group_advantages(
+        torch.tensor([1.0, 0, 1, 1, 0, 1]), num_generations=3, scale_rewards="group"
+    )
+    trained = torch.cat([b["advantages"][b["seq_index"] >= 0] for b in batches])
+    lengths = [len(ids) + 1 for ids in digits] * 2
+    torch.testing.assert_close(trained, advantages.repeat_interleave(torch.tensor(lengths)))
+    obj.after_update("model")
+    assert obj.backend.synced == [("unwrapped", "model")]

@@ -1,5 +1,5 @@
 """finetune eval's table and generation-set loading; finetune chat's conversation loop (with a fake
-streamer: generation itself is tested in test_generate.py)."""
+backend: generation itself is tested in tests/unit/generation/test_transformers_backend.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-import finetune.generation.sampling as generate_mod
+import finetune.generation.prompts as prompts_mod
 from finetune.errors import FinetuneError
 from finetune.evaluation.chat import chat
-from finetune.evaluation.report import format_table
+from finetune.evaluation.compare import format_table
 from finetune.generation.sets import load_generation_rows
 from finetune.recipe import GenerationSet
 
@@ -56,23 +56,31 @@ def test_generation_rows_come_from_the_named_columns(tmp_path):
         )
 
 
+class EchoBackend:
+    """A generation backend that answers with how many turns it saw, in two pieces (its inputs are the
+    messages themselves: chat_inputs is replaced in the `echo` fixture)."""
+
+    tokenizer = processor = None
+
+    def __init__(self, seen: list):
+        self.seen = seen
+
+    def stream(self, inputs, params):
+        self.seen.append([dict(m) for m in inputs["messages"]])
+        yield "turns="
+        yield str(len(inputs["messages"]))
+
+
 @pytest.fixture
 def echo(monkeypatch):
-    """stream_chat replaced by one that answers with how many turns it saw, in two pieces."""
-    seen = []
-
-    def stream(model, tokenizer, messages, **kwargs):
-        seen.append([dict(m) for m in messages])
-        yield "turns="
-        yield str(len(messages))
-
-    monkeypatch.setattr(generate_mod, "stream_chat", stream)
-    return seen
+    """The turns each answer saw (see EchoBackend)."""
+    monkeypatch.setattr(prompts_mod, "chat_inputs", lambda tokenizer, messages, **kw: {"messages": messages})
+    return []
 
 
 def test_one_prompt_is_answered_and_streamed(echo):
     out = io.StringIO()
-    assert chat(None, None, prompt="hi", system="be brief", out=out) == 0
+    assert chat(EchoBackend(echo), prompt="hi", system="be brief", out=out) == 0
     assert out.getvalue() == "turns=2\n"
     assert echo == [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]]
 
@@ -80,7 +88,7 @@ def test_one_prompt_is_answered_and_streamed(echo):
 def test_a_conversation_keeps_its_history_until_reset(echo):
     lines = iter(["hello", "", "again", "/reset", "fresh", "/exit", "never read"])
     out = io.StringIO()
-    assert chat(None, None, read=lambda _: next(lines), out=out) == 0
+    assert chat(EchoBackend(echo), read=lambda _: next(lines), out=out) == 0
     assert [len(turns) for turns in echo] == [1, 3, 1]  # user; user+assistant+user; after /reset
     assert echo[1][1] == {"role": "assistant", "content": "turns=1"}
     assert "(new conversation)" in out.getvalue()
@@ -90,7 +98,7 @@ def test_end_of_input_ends_the_conversation(echo):
     def read(_):
         raise EOFError
 
-    assert chat(None, None, read=read, out=io.StringIO()) == 0
+    assert chat(EchoBackend(echo), read=read, out=io.StringIO()) == 0
 
 
 def test_math_verify_set_is_scored_in_the_eval_table(tmp_path, monkeypatch):
@@ -98,13 +106,13 @@ def test_math_verify_set_is_scored_in_the_eval_table(tmp_path, monkeypatch):
     answers equal in math but not as text score as correct (generation replaced by fixed answers)."""
     pytest.importorskip("math_verify", reason="math-verify is in the test extra")
     import finetune.generation.sets as sets_mod
-    from finetune.evaluation.report import evaluate_models
+    from finetune.evaluation.compare import evaluate_models
 
     path = tmp_path / "math.jsonl"
     rows = [{"q": "Half of 1?", "a": "0.5"}, {"q": "Solve x+1=3.", "a": "$2$"}, {"q": "1/3?", "a": "0.5"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     answers = {"base": ["1", "x = 5", "0.3"], "tuned": ["\\frac{1}{2}", "so $x = 2$", "1/3"]}
-    monkeypatch.setattr(sets_mod, "generate", lambda model, tok, prompts, **kw: answers[model])
+    monkeypatch.setattr(sets_mod, "answers", lambda backend, prompts, **kw: answers[backend.model])
     gen_set = GenerationSet(
         name="math", path=str(path), field_prompt="q", field_expected="a", metric="math_verify"
     )

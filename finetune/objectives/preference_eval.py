@@ -1,7 +1,7 @@
 """`finetune eval` for preference recipes: did the tuned model learn to prefer the chosen answers?
 
 Every model is scored on the recipe's held-out pairs (kto: labelled examples) with the same packed
-batches, forwards and loss functions as training (finetune.objectives.preference), and with the base
+batches, forwards and loss functions as training (finetune.objectives.preference_scores), and with the base
 model as the reference, which is what training uses for LoRA (adapters disabled) and for full
 fine-tuning (a frozen copy of the initial weights). So the tuned model's figures are the `eval_`
 metrics training logs at its end, and the base model's are those of step 0 (its rewards are 0: it is
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-import finetune.objectives.preference as objective
+import finetune.objectives.preference_scores as objective
 from finetune.losses.preference import kto_reference_point
 from finetune.recipe.objectives import OBJECTIVES
 
@@ -87,7 +87,7 @@ def summarize(scored: list[dict], reference: list[dict] | None, *, name: str, se
 def preference_scorer(
     batches: Callable[[Any], Iterable[dict]], *, name: str, settings, device
 ) -> Callable[[str, Any, Any], dict[str, Any]]:
-    """A per-model hook for evaluation.report.evaluate_models: {"preference": eval_ metrics}. Models
+    """A per-model hook for finetune.evaluation.compare.evaluate_models: {"preference": eval_ metrics}. Models
     come in order and "base" first when the objective has a reference (it is every model's reference)."""
     reference: dict[str, list[dict]] = {}
 

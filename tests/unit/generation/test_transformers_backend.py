@@ -1,4 +1,5 @@
-"""finetune.generation.sampling: batched greedy generation and streaming, on a tiny random Llama with
+"""finetune.generation.prompts and the transformers backend (finetune.generation.transformers_backend):
+prompt rendering, batched greedy generation, seeded sampling and streaming, on a tiny random Llama with
 the demo tokenizer (ChatML), and once on the real SmolLM2."""
 
 from __future__ import annotations
@@ -9,17 +10,17 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from finetune.generation.sampling import (
-    SeededSampler,
+from finetune.generation.backends import answers
+from finetune.generation.prompts import (
+    chat_inputs,
     decode_completion,
     decode_new_tokens,
-    generate,
-    generate_ids,
     prompt_ids,
     stop_token_ids,
-    stream_chat,
 )
+from finetune.generation.protocol import SamplingParams
 from finetune.generation.sets import evaluate_generations
+from finetune.generation.transformers_backend import SeededSampler, TransformersBackend, generate_ids
 from finetune.model import apply_lora, load_for_inference
 from finetune.recipe import LoraSection
 from tests.tiny import tiny_model
@@ -33,6 +34,17 @@ PROMPTS = [
     "Hi",
     "Reverse the list: one two three four five six seven eight nine ten eleven twelve.",
 ]
+
+
+def generate(model, tokenizer, prompts, **options):
+    """Greedy answers through the transformers backend (what generation sets call)."""
+    return answers(TransformersBackend(model, tokenizer), prompts, **options)
+
+
+def stream_chat(model, tokenizer, prompt, *, max_new_tokens=512):
+    """One streamed answer through the transformers backend (what `finetune chat` calls)."""
+    inputs = chat_inputs(tokenizer, prompt)
+    return TransformersBackend(model, tokenizer).stream(inputs, SamplingParams(max_new_tokens=max_new_tokens))
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +144,7 @@ def test_real_model_answers(smollm2: SmolLM2) -> None:
         {"prompt": "What is 2+3?", "expected": "Paris"},
     ]
     result = evaluate_generations(
-        model, tokenizer, rows, metric="contains", max_new_tokens=12, progress=False
+        TransformersBackend(model, tokenizer), rows, metric="contains", max_new_tokens=12, progress=False
     )
     first, second = result["samples"]
     assert first["output"] and second["output"] and "<|im_end|>" not in first["output"]

@@ -1,25 +1,26 @@
-"""GRPO: online RL of a causal LM with verifiable rewards (and TRL's DAPO / Dr. GRPO / BNPO losses).
+"""Online RL of a causal LM on prompts with rewards: every objective of kind `online` (GRPO and the
+variants of the objective table: its loss types DAPO / Dr. GRPO / BNPO, and its advantage estimator).
 
 Each optimizer step, every process takes its share of the step's prompts (a loader item), and the
-rollout (`rollout`, the engine's seam for online objectives):
+rollout (`rollout`, the engine's seam for online objectives; its parts are finetune.objectives.rollout):
 
-1. samples `grpo.num_generations` completions per prompt with the training model
-   (finetune.generation.sampling.generate_ids), each from a generator seeded by (train.seed, the
-   step, the prompt's row, the completion's index): a resumed run samples the same completions,
-   whatever the batching;
-2. scores them with the rewards (finetune.generation.rewards), summed by weight;
-3. turns rewards into advantages within each prompt's group (every group lives on one process);
-   `scale_rewards: batch` divides by the std of the step's rewards on all processes;
+1. samples `num_generations` completions per prompt through the generation backend named by the
+   section's generation_backend (finetune.generation.backends), each from its own seed;
+2. scores them with the rewards, summed by weight;
+3. turns rewards into advantages within each prompt's group (every group lives on one process) with
+   the objective's estimator (finetune.losses.policy_gradient.ESTIMATORS, named by its row in the
+   objective table); `scale_rewards: batch` divides by the std of the step's rewards on all processes;
 4. packs the completions into the window's micro-batches: train.micro_batch_size completions per
    micro-batch, each micro-batch one row, padding-free (position_ids restart at every sequence), with
-   per-token advantages, and the reference's log-probs (grpo.beta > 0) and the sampling policy's
-   (grpo.num_iterations > 1) computed now, without gradient.
+   per-token advantages, and the reference's log-probs (beta > 0) and the sampling policy's
+   (num_iterations > 1) computed now, without gradient.
 
 The engine then runs the usual accumulation window over those micro-batches: the per-token clipped
 policy-gradient loss (finetune.losses.policy_gradient) summed over the window's units (completions,
-tokens or micro-batches, by grpo.loss_type) and divided by their number on all processes. With
+tokens or micro-batches, by loss_type) and divided by their number on all processes. With
 num_iterations > 1 the loader gives each step's prompts num_iterations times in a row and the rollout
-is reused (it is checkpointed with the run, so a resume continues it).
+is reused (it is checkpointed with the run, so a resume continues it). After every applied update the
+backend syncs its weights from the trained model (`after_update`).
 
 What was simplified, and why: the sampling policy's log-probs of num_iterations == 1 are the
 policy's own, detached (ratio 1, as TRL does); generation under FSDP or ZeRO-3 is refused (the
@@ -28,35 +29,29 @@ weights would have to be gathered for every generated token) rather than run slo
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import finetune.objectives.lm as lm
+import finetune.objectives.rollout as ro
 from finetune import trackers
+from finetune.constants import IGNORE_INDEX
 from finetune.data.loader import seq_stats
 from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
-from finetune.generation.rewards import build_rewards, score_rewards
-from finetune.generation.sampling import decode_completion, generate_ids, stop_token_ids
+from finetune.generation.backends import backend_for
+from finetune.generation.protocol import SamplingParams
 from finetune.losses import policy_gradient as pg
-from finetune.losses.causal_lm import forward
-from finetune.losses.preference import token_logps
 from finetune.objectives.reference import Reference, reference_source
-
-IGNORE = -100
-# Per-token tensors of a rollout micro-batch besides the model inputs (see `pack_completions`).
-TOKEN_FIELDS = ("advantages", "seq_index", "old_logps", "ref_logps")
+from finetune.recipe.objectives import OBJECTIVES
 
 
-class GRPOObjective:
-    """GRPO of a transformers causal LM (full, LoRA, QLoRA) on prompts, with rewards."""
+class OnlineObjective:
+    """An online objective of the table (GRPO, ...) on a transformers causal LM (full, LoRA, QLoRA)."""
 
-    name = "grpo"
     summary_keys = ("trained_completions",)
     batches_per_window = 1  # one loader item per step: this process's prompts (see `rollout`)
 
@@ -64,6 +59,9 @@ class GRPOObjective:
         from finetune.model import check_attention_backend
 
         check_attention_backend(recipe.model.attn_implementation)
+        spec = OBJECTIVES[recipe.train.objective]
+        self.name, self.section = spec.name, spec.section
+        self.estimator = pg.ESTIMATORS[spec.estimator]
         self.recipe = recipe
         self.model_settings, self.lora, self.data, self.train = (
             recipe.model,
@@ -71,14 +69,14 @@ class GRPOObjective:
             recipe.data,
             recipe.train,
         )
-        self.settings, self.eval_settings = recipe.grpo, recipe.eval
+        self.settings, self.eval_settings = getattr(recipe, spec.section), recipe.eval
         per_process = self.train.micro_batch_size * self.train.gradient_accumulation_steps
         self.prompts_per_step = per_process // self.settings.num_generations  # on each process
         source = reference_source(needed=self.settings.beta > 0, precompute=False, lora=self.lora.enable_lora)
         self.reference = Reference(source, objective=self.name, lora=self.lora.enable_lora)
-        self.buffer = RolloutBuffer()
+        self.buffer = ro.RolloutBuffer()
+        self.backend = None  # the generation backend, made once the model is prepared
         self.rewards: list = []
-        self.stops: list[int] = []
         self.eval_rows: list[dict] = []
         self.samples: list[dict] = []  # the last rollout's logged completions
 
@@ -89,23 +87,22 @@ class GRPOObjective:
         from finetune.model import load_tokenizer
 
         self.accelerator = accelerator
-        _refuse_sharded_generation(accelerator)
+        _refuse_sharded_generation(accelerator, self.name)
         self.tokenizer = load_tokenizer(self.model_settings)
         prepared = prepare_on_main_process(self.recipe, accelerator)
         self.manifest = prepared.manifest
         if self.manifest.get("kind") != "prompt":
             raise FinetuneError(
                 f"the prepared dataset at {prepared.path} holds {self.manifest.get('kind', 'sft')} rows, but "
-                "train.objective grpo trains on prompts: use data entries of type prompt and prepare again"
+                f"train.objective {self.name} trains on prompts: use data entries of type prompt and prepare again"
             )
         model, self.flops = lm.build_lm(
             self.model_settings, self.lora, self.train, self.tokenizer, accelerator
         )
         self.reference.attach(model, accelerator)
-        self.stops = stop_token_ids(self.tokenizer, model)
-        self.rewards = rewards_for(self.recipe, self.tokenizer)
-        check_reward_columns(self.settings.rewards, prepared.train)
-        train_loader = prompt_loader(
+        self.rewards = ro.rewards_for(self.settings, self.tokenizer, recipe_path=_recipe_path(self.recipe))
+        ro.check_reward_columns(self.settings.rewards, prepared.train, section=self.section)
+        train_loader = ro.prompt_loader(
             prepared.train,
             prompts_per_step=self.prompts_per_step,
             repeat=self.settings.num_iterations,
@@ -126,13 +123,16 @@ class GRPOObjective:
         )
 
     def on_prepared(self, accelerator, model) -> dict[str, Any] | None:
-        self.flops["config"] = accelerator.unwrap_model(model).config
+        unwrapped = accelerator.unwrap_model(model)
+        self.flops["config"] = unwrapped.config
         self.reference.to(accelerator.device)
+        self.backend = backend_for(self.settings.generation_backend, unwrapped, self.tokenizer)
         # A rollout reused over num_iterations steps is part of the run's state: a resume continues it.
         return {"rollout": self.buffer} if self.settings.num_iterations > 1 else None
 
     def after_update(self, model) -> None:
-        """Nothing to do after an applied update."""
+        """The generation backend generates with the updated weights from the next rollout on."""
+        self.backend.sync_weights(self.accelerator.unwrap_model(model))
 
     # --------------------------------------------------------------------------------- rollout
 
@@ -143,21 +143,18 @@ class GRPOObjective:
         reused = self.buffer.take(key, self.settings.num_iterations)
         if reused is not None:
             return reused, {}
-        settings, acc = self.settings, self.accelerator
-        group = settings.num_generations
-        seeds = [[completion_seed(self.train.seed, step, k, j) for j in range(group)] for k in key]
-        completions = generate_ids(
-            acc.unwrap_model(model), self.tokenizer, [list(row["input_ids"]) for row in prompts],
-            max_new_tokens=settings.max_new_tokens, batch_size=settings.generation_batch_size,
-            temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-            num_return_sequences=group, seeds=seeds,
+        settings, group = self.settings, self.settings.num_generations
+        params = SamplingParams(
+            max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+            top_p=settings.top_p, top_k=settings.top_k, num_return_sequences=group,
         )  # fmt: skip
-        flat = [c for row in completions for c in row]
-        texts = [decode_completion(self.tokenizer, c.ids, stops=self.stops) for c in flat]
+        completions = ro.sample(
+            self.backend, prompts, params, seed=self.train.seed, step=step,
+            batch_size=settings.generation_batch_size,
+        )  # fmt: skip
         rows = [json.loads(row["row"]) for row in prompts for _ in range(group)]
-        per_reward = score_rewards(self.rewards, texts, rows)
-        total = per_reward @ torch.tensor([r.weight for r in self.rewards])
-        advantages, flat_groups = pg.group_advantages(
+        texts, per_reward, total = ro.score(self.rewards, self.backend, completions, rows)
+        advantages, flat_groups = self.estimator(
             total,
             num_generations=group,
             scale_rewards=settings.scale_rewards,
@@ -165,9 +162,9 @@ class GRPOObjective:
         )
         sequences = [
             (list(prompts[k // group]["input_ids"]), c.ids, c.finished, float(a))
-            for k, (c, a) in enumerate(zip(flat, advantages.tolist(), strict=True))
+            for k, (c, a) in enumerate(zip(completions, advantages.tolist(), strict=True))
         ]
-        batches = pack_completions(
+        batches = ro.pack_completions(
             sequences,
             per_batch=self.train.micro_batch_size,
             pad_token_id=self._pad_id(),
@@ -178,7 +175,7 @@ class GRPOObjective:
         if settings.num_iterations > 1:  # reused on the next steps (and checkpointed)
             self.buffer.keep(key, batches)
         self._keep_samples(prompts, texts, per_reward, total, step)
-        return batches, self._rollout_stats(per_reward, total, flat_groups, flat)
+        return batches, self._rollout_stats(per_reward, total, flat_groups, completions)
 
     def _pad_id(self) -> int:
         from finetune.model import pad_token_id
@@ -209,13 +206,7 @@ class GRPOObjective:
                     batch["ref_logps"] = self._token_logps(reference, inputs).detach().cpu()
 
     def _token_logps(self, model, batch: dict) -> torch.Tensor:
-        """log p(token) of every position of a packed row at the sampling temperature (0 where not trained)."""
-        logits = forward(
-            model, {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
-        ).logits
-        if self.settings.temperature != 1.0:
-            logits = logits / self.settings.temperature
-        return token_logps(logits, batch["labels"])
+        return ro.token_logps_at(model, batch, temperature=self.settings.temperature)
 
     def _rollout_stats(self, per_reward, total, flat_groups, completions) -> dict[str, float]:
         """Sums over all processes (one reduce): the logging interval averages them in log_fields."""
@@ -246,7 +237,7 @@ class GRPOObjective:
         return stats
 
     def _keep_samples(self, prompts, texts, per_reward, total, step: int) -> None:
-        """The first grpo.log_completions completions with their rewards, for progress.jsonl and the
+        """The first log_completions completions with their rewards, for progress.jsonl and the
         trackers (this process's; the main process logs)."""
         count = self.settings.log_completions
         if not count:
@@ -273,12 +264,12 @@ class GRPOObjective:
         if unit == "completions":
             return batch["num_sequences"].sum()
         if unit == "tokens":
-            return (batch["labels"] != IGNORE).sum()
+            return (batch["labels"] != IGNORE_INDEX).sum()
         return torch.ones((), dtype=torch.long)
 
     def loss(self, model, batch: dict, num_units: torch.Tensor) -> tuple[torch.Tensor, dict]:
         settings = self.settings
-        mask = batch["labels"] != IGNORE
+        mask = batch["labels"] != IGNORE_INDEX
         logps = self._token_logps(model, batch)[mask]
         old = batch["old_logps"][mask] if settings.num_iterations > 1 else logps.detach()
         out = pg.per_token_loss(
@@ -321,7 +312,7 @@ class GRPOObjective:
         fields |= {"rollout_seconds": rollout_seconds, "train_seconds": train_seconds}
         return (
             fields
-            | rollout_fields(interval, self.rewards)
+            | ro.rollout_fields(interval, self.rewards)
             | ({"completions_sample": self.samples} if self.samples else {})
         )
 
@@ -335,13 +326,34 @@ class GRPOObjective:
     def _eval_rewards(self, model, step: int) -> dict[str, Any]:
         acc, metrics = self.accelerator, {}
         if acc.is_main_process:
-            metrics = eval_rewards(
-                acc.unwrap_model(model), self.tokenizer, self.eval_rows, self.rewards,
+            metrics = ro.eval_rewards(
+                self.backend, self.eval_rows, self.rewards,
                 max_new_tokens=self.settings.max_new_tokens, batch_size=self.eval_settings.batch_size,
             )  # fmt: skip
             trackers.log_scalars(acc, metrics, step)
         acc.wait_for_everyone()
         return metrics
+
+    @staticmethod
+    def held_out(recipe, prepared) -> dict[str, Any]:
+        """`finetune eval`'s score of the held-out prompts: greedy completions of every model, scored by
+        the recipe's rewards (transformers generation: evaluation has no training model to sync from)."""
+        settings = getattr(recipe, OBJECTIVES[recipe.train.objective].section)
+        rows = list(prepared.eval)
+
+        def score(model_name: str, model, tokenizer) -> dict[str, Any]:
+            rewards = ro.rewards_for(settings, tokenizer, recipe_path=_recipe_path(recipe))
+            backend = backend_for("transformers", model, tokenizer)
+            fields = ro.eval_rewards(
+                backend,
+                rows,
+                rewards,
+                max_new_tokens=settings.max_new_tokens,
+                batch_size=recipe.eval.batch_size,
+            )
+            return {"rewards": fields}
+
+        return {"score": score}
 
     # ------------------------------------------------------------------------------------ save
 
@@ -351,218 +363,18 @@ class GRPOObjective:
         return []
 
 
-# ------------------------------------------------------------------------- module functions
+def _recipe_path(recipe) -> str | None:
+    """The recipe file's path, if known (relative reward files are looked up beside it)."""
+    return getattr(recipe, "source_path", None)
 
 
-def completion_seed(seed: int, step: int, row: int, index: int) -> int:
-    """The seed of completion `index` of prompt row `row` at optimizer step `step` (63 bits).
-
-    >>> completion_seed(42, 3, 17, 0) == completion_seed(42, 3, 17, 0) != completion_seed(42, 3, 17, 1)
-    True
-    """
-    digest = hashlib.blake2b(f"{seed}:{step}:{row}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def pack_completions(
-    sequences: list[tuple[list[int], list[int], bool, float]],
-    *,
-    per_batch: int,
-    pad_token_id: int,
-    pad_to_multiple_of: int = 1,
-    mask_truncated: bool = False,
-) -> list[dict[str, torch.Tensor]]:
-    """Micro-batches of `per_batch` (prompt ids, completion ids, finished, advantage) sequences, each
-    one packed row: position_ids restart at every sequence, labels are the completion tokens (-100 on
-    prompts, on padding, and on truncated completions with `mask_truncated`), and per token the
-    completion's advantage and index in the micro-batch (-1 outside completions). Padding up to a
-    multiple of pad_to_multiple_of forms its own segment.
-
-    >>> b = pack_completions([([1, 2], [3, 4], True, 0.5), ([1], [5], False, -1.0)], per_batch=2, pad_token_id=0)
-    >>> b[0]["labels"].tolist(), b[0]["seq_index"].tolist(), b[0]["position_ids"].tolist()
-    ([[-100, -100, 3, 4, -100, 5]], [[-1, -1, 0, 0, -1, 1]], [[0, 1, 2, 3, 0, 1]])
-    """
-    batches = []
-    for start in range(0, len(sequences), per_batch):
-        ids, labels, positions, advantages, owners = [], [], [], [], []
-        prompt_tokens = completion_tokens = 0
-        chunk = sequences[start : start + per_batch]
-        for k, (prompt, completion, finished, advantage) in enumerate(chunk):
-            trained = finished or not mask_truncated
-            ids += prompt + completion
-            labels += [IGNORE] * len(prompt) + (completion if trained else [IGNORE] * len(completion))
-            positions += list(range(len(prompt) + len(completion)))
-            advantages += [0.0] * len(prompt) + [advantage] * len(completion)
-            owners += [-1] * len(prompt) + ([k] if trained else [-1]) * len(completion)
-            prompt_tokens += len(prompt)
-            completion_tokens += len(completion)
-        pad = -len(ids) % pad_to_multiple_of
-        ids += [pad_token_id] * pad
-        labels += [IGNORE] * pad
-        positions += list(range(pad))
-        advantages += [0.0] * pad
-        owners += [-1] * pad
-        batch = {
-            "input_ids": torch.tensor([ids]),
-            "labels": torch.tensor([labels]),
-            "position_ids": torch.tensor([positions]),
-            "advantages": torch.tensor([advantages]),
-            "seq_index": torch.tensor([owners]),
-            "num_sequences": torch.tensor([len(chunk)]),
-            "prompt_tokens": torch.tensor([prompt_tokens]),
-            "completion_tokens": torch.tensor([completion_tokens]),
-        }
-        batch["old_logps"] = torch.zeros_like(batch["advantages"])
-        batch["ref_logps"] = torch.zeros_like(batch["advantages"])
-        batches.append(batch)
-    return batches
-
-
-def rollout_fields(interval: dict[str, float], rewards) -> dict[str, float]:
-    """Means and stds of an interval's rollout sums (see GRPOObjective._rollout_stats).
-
-    >>> fields = rollout_fields({"completions": 4, "reward_sum": 2, "reward_sq_sum": 2, "groups": 2,
-    ...     "zero_std_groups": 1, "completion_length_sum": 40, "clipped_completions": 1, "max:completion_length": 16}, [])
-    >>> {k: round(v, 4) for k, v in fields.items()}
-    {'reward': 0.5, 'reward_std': 0.5774, 'frac_reward_zero_std': 0.5, 'completion_length': 10.0, 'completion_length_max': 16, 'clipped_ratio': 0.25}
-    """
-    n = interval.get("completions", 0)
-    if not n:
-        return {}
-    fields = {
-        "reward": interval["reward_sum"] / n,
-        "reward_std": _std(interval["reward_sum"], interval["reward_sq_sum"], n),
-    }
-    for reward in rewards:
-        total, squares = interval[f"reward/{reward.name}_sum"], interval[f"reward/{reward.name}_sq_sum"]
-        fields[f"reward/{reward.name}"] = total / n
-        fields[f"reward/{reward.name}_std"] = _std(total, squares, n)
-    fields["frac_reward_zero_std"] = interval["zero_std_groups"] / max(interval["groups"], 1)
-    fields["completion_length"] = interval["completion_length_sum"] / n
-    fields["completion_length_max"] = interval["max:completion_length"]
-    fields["clipped_ratio"] = interval["clipped_completions"] / n
-    return fields
-
-
-def _std(total: float, squares: float, n: float) -> float:
-    """Sample std (Bessel-corrected, as torch.std) from a sum and a sum of squares."""
-    if n < 2:
-        return 0.0
-    return math.sqrt(max(squares - total * total / n, 0.0) / (n - 1))
-
-
-def eval_rewards(
-    model, tokenizer, rows: list[dict], rewards, *, max_new_tokens: int, batch_size: int
-) -> dict[str, float]:
-    """Greedy completions of held-out prompt rows scored by the rewards: eval_reward (weighted total),
-    eval_reward/<name> and eval_completion_length, averaged over the rows."""
-    stops = stop_token_ids(tokenizer, model)
-    completions = generate_ids(
-        model,
-        tokenizer,
-        [list(r["input_ids"]) for r in rows],
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-    )
-    texts = [decode_completion(tokenizer, c[0].ids, stops=stops) for c in completions]
-    per_reward = score_rewards(rewards, texts, [json.loads(r["row"]) for r in rows])
-    total = per_reward @ torch.tensor([r.weight for r in rewards])
-    fields = {"eval_reward": float(total.mean())}
-    fields |= {f"eval_reward/{r.name}": float(per_reward[:, i].mean()) for i, r in enumerate(rewards)}
-    fields["eval_completion_length"] = sum(len(c[0].ids) for c in completions) / max(len(completions), 1)
-    fields["eval_prompts"] = len(rows)
-    return fields
-
-
-def prompt_loader(
-    rows, *, prompts_per_step: int, repeat: int, seed: int, shuffle: bool, drop_last: bool, accelerator
-):
-    """Loader items of this process's prompts for one step (a list of prepared prompt rows), each
-    given `repeat` times in a row (grpo.num_iterations: the rollout is reused)."""
-    from finetune.data.sampler import RankBatchSampler, RepeatBatchSampler
-
-    sampler = RankBatchSampler(
-        len(rows),
-        micro_batch_size=prompts_per_step,
-        num_replicas=accelerator.num_processes,
-        rank=accelerator.process_index,
-        seed=seed,
-        shuffle=shuffle,
-        drop_last=drop_last,
-    )
-    return torch.utils.data.DataLoader(
-        lm.with_row_index(rows).select_columns(["input_ids", "row", "row_index"]),
-        batch_sampler=RepeatBatchSampler(sampler, repeat),
-        collate_fn=list,
-        generator=torch.Generator().manual_seed(seed),
-    )
-
-
-def check_reward_columns(specs, rows) -> None:
-    """Each built-in reward's field_expected is a column of the prompt rows (checked on the first)."""
-    if len(rows) == 0:
-        return
-    columns = set(json.loads(rows[0]["row"]))
-    for i, spec in enumerate(specs):
-        if spec.field_expected is not None and spec.field_expected not in columns:
-            raise FinetuneError(
-                f"grpo.rewards.{i}.field_expected: the prompt data has no column {spec.field_expected!r} "
-                f"(columns: {', '.join(sorted(columns))})"
-            )
-
-
-def _refuse_sharded_generation(accelerator) -> None:
+def _refuse_sharded_generation(accelerator, name: str) -> None:
     from accelerate.utils import DistributedType
 
     kind = accelerator.distributed_type
     zero3 = kind == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3
     if kind == DistributedType.FSDP or zero3:
         raise FinetuneError(
-            "train.objective grpo samples with the training model, which FSDP and ZeRO-3 shard (every generated "
-            "token would gather all weights): use DDP, ZeRO-1/2, or LoRA on one device per process"
+            f"train.objective {name} samples with the training model, which FSDP and ZeRO-3 shard (every "
+            "generated token would gather all weights): use DDP, ZeRO-1/2, or LoRA on one device per process"
         )
-
-
-def rewards_for(recipe, tokenizer) -> list:
-    """The recipe's grpo.rewards, ready to score: functions imported (beside the recipe first), the
-    length reward counting tokens with `tokenizer`."""
-    settings = recipe.grpo
-    return build_rewards(
-        settings.rewards,
-        max_new_tokens=settings.max_new_tokens,
-        count_tokens=lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
-        base=recipe_folder(recipe),
-    )
-
-
-def recipe_folder(recipe) -> Path | None:
-    """Where the recipe file lives (relative reward files are looked up there), if known."""
-    source = getattr(recipe, "source_path", None)
-    return Path(source).parent if source else None
-
-
-class RolloutBuffer:
-    """The last rollout's micro-batches, reused for grpo.num_iterations steps; checkpointed (tensors
-    and JSON only, finetune.engine.extra_state) so a resumed run continues the same rollout."""
-
-    def __init__(self):
-        self.key: list[int] | None = None
-        self.uses = 0
-        self.batches: list[dict] = []
-
-    def take(self, key: list[int], limit: int) -> list[dict] | None:
-        """The kept micro-batches when `key` (the window's prompt rows) is the kept rollout's and it
-        was used fewer than `limit` times; None: roll out anew."""
-        if self.key == key and 0 < self.uses < limit:
-            self.uses += 1
-            return [dict(b) for b in self.batches]
-        return None
-
-    def keep(self, key: list[int], batches: list[dict]) -> None:
-        self.key, self.uses, self.batches = list(key), 1, batches
-
-    def state_dict(self) -> dict:
-        return {"key": self.key, "uses": self.uses, "batches": self.batches}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.key, self.uses, self.batches = state["key"], state["uses"], state["batches"]

@@ -1,0 +1,267 @@
+"""The transformers generation backend: the model being trained (or evaluated) generates itself.
+
+Left-padded batches with the KV cache (transformers' `generate`), stop tokens, greedy decoding
+(temperature 0) or sampling (temperature, top_p, top_k, num_return_sequences), where every returned
+sequence draws from its own seeded generator (`SeededSampler`). It runs wherever the model runs (CPU
+or GPU), and needs no weight sync: it holds the training model itself, so `sync_weights` only
+re-binds the module it was given.
+
+Works on a plain transformers model and on a PEFT model; the model is put in eval mode for the
+call and given back in the mode it was in, so the in-training evaluation can call it between steps
+(with `accelerator.unwrap_model(model)`: DDP's wrapper has no `generate`). Each process generates
+for the prompts it is given; a sharded model (FSDP, ZeRO-3) would need every rank in each step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor
+
+from finetune.generation.prompts import pictures_of, stop_token_ids
+from finetune.generation.protocol import Completion, SamplingParams
+
+
+class TransformersBackend:
+    """Generation with `model` (a transformers causal LM or image-text-to-text model, PEFT or not);
+    see finetune.generation.protocol for the interface."""
+
+    name = "transformers"
+
+    def __init__(self, model, tokenizer, *, processor=None):
+        self.model, self.tokenizer, self.processor = model, tokenizer, processor
+
+    @property
+    def stops(self) -> list[int]:
+        return stop_token_ids(self.tokenizer, self.model)
+
+    def generate(
+        self,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        *,
+        seeds: Sequence[Sequence[int]] | None = None,
+        batch_size: int = 8,
+        images: Sequence[Sequence[Any]] | None = None,
+        progress: bool = False,
+    ) -> list[list[Completion]]:
+        return generate_ids(
+            self.model,
+            self.tokenizer,
+            prompts,
+            max_new_tokens=params.max_new_tokens,
+            batch_size=batch_size,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            num_return_sequences=params.num_return_sequences,
+            seeds=seeds,
+            progress=progress,
+            processor=self.processor,
+            images=images,
+        )
+
+    def stream(self, inputs: Mapping[str, torch.Tensor], params: SamplingParams) -> Iterator[str]:
+        return stream_answer(self.model, self.tokenizer, inputs, max_new_tokens=params.max_new_tokens)
+
+    def sync_weights(self, model) -> None:
+        """Nothing to copy: the backend generates with the training model's own parameters."""
+        self.model = model
+
+
+def _pad_id(tokenizer, stops: list[int]) -> int:
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    return stops[0] if stops else 0
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """Eval mode and no autograd inside; the model's training mode is given back on exit."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        model.train(was_training)
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _on(tensor: torch.Tensor, device: torch.device, model) -> torch.Tensor:
+    """`tensor` on `device`; pixel values (floating point) in the model's dtype, as its vision tower wants."""
+    if tensor.is_floating_point():
+        return tensor.to(device, dtype=getattr(model, "dtype", tensor.dtype))
+    return tensor.to(device)
+
+
+def generation_kwargs(tokenizer, model, max_new_tokens: int) -> dict[str, Any]:
+    """transformers `generate` arguments for greedy decoding up to max_new_tokens, stopping at the
+    stop tokens."""
+    stops = stop_token_ids(tokenizer, model)
+    # Greedy, whatever sampling the model's generation_config asks for; the cache is on even where
+    # training turned it off for gradient checkpointing.
+    return {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": False,
+        "temperature": None,
+        "top_p": None,
+        "top_k": None,
+        "eos_token_id": stops or None,
+        "pad_token_id": _pad_id(tokenizer, stops),
+        "use_cache": True,
+    }
+
+
+class SeededSampler(LogitsProcessor):
+    """Sampling inside `generate` with one torch.Generator per sequence of the batch.
+
+    transformers' own sampling draws every row from the global RNG, so a completion would depend on
+    the other rows of its batch. Here the logits are tempered and filtered with transformers' own
+    warpers, each row draws its token from its generator, and every other token gets -inf: greedy
+    decoding then picks exactly the drawn token. Rows that already stopped keep drawing (their draws
+    are discarded), which changes nothing for the rows still running.
+    """
+
+    def __init__(self, generators: list[torch.Generator], *, temperature: float, top_p: float, top_k: int):
+        from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.generators = generators
+        self.warpers = [TemperatureLogitsWarper(temperature)]
+        if top_k:
+            self.warpers.append(TopKLogitsWarper(top_k))
+        if top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p))
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = scores.float()
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        probs = torch.softmax(scores, dim=-1)
+        picked = torch.cat(
+            [torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.generators)]
+        )
+        out = torch.full_like(scores, float("-inf"))
+        out[torch.arange(len(picked), device=out.device), picked] = 0.0
+        return out
+
+
+def generate_ids(
+    model,
+    tokenizer,
+    prompts: Sequence[list[int]],
+    *,
+    max_new_tokens: int,
+    batch_size: int = 8,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    num_return_sequences: int = 1,
+    seeds: Sequence[Sequence[int]] | None = None,
+    progress: bool = False,
+    processor=None,
+    images: Sequence[Sequence[Any]] | None = None,
+) -> list[list[Completion]]:
+    """For each prompt (token ids, e.g. from `prompt_ids`), its `num_return_sequences` completions.
+
+    temperature 0 is greedy (one distinct answer; `seeds` unused); above 0 each completion j of
+    prompt k is sampled with the generator seeded `seeds[k][j]` (required). Prompts go in
+    left-padded batches of `batch_size` prompts (longest first, so a batch holds prompts of similar
+    length), each expanded to its completions; the model is in eval mode without autograd inside and
+    given back in its mode. A vision-language model's prompts (ids with their image tokens expanded,
+    `vlm_prompt_ids`) come with `images[k]`, prompt k's images (bytes or PIL images, in order), which
+    its `processor` turns into the batch's pixels as training's collate does.
+    """
+    from tqdm.auto import tqdm
+
+    sampling = temperature > 0
+    if sampling and (seeds is None or any(len(s) != num_return_sequences for s in seeds)):
+        raise ValueError("sampling needs one seed per completion: seeds[k] holds num_return_sequences seeds")
+    order = sorted(range(len(prompts)), key=lambda k: -len(prompts[k]))
+    kwargs = generation_kwargs(tokenizer, model, max_new_tokens)
+    stops = set(kwargs["eos_token_id"] or [])
+    outputs: list[list[Completion]] = [[] for _ in prompts]
+    batches = [order[k : k + batch_size] for k in range(0, len(order), batch_size)]
+    device = _device(model)
+    with eval_mode(model):
+        for batch in tqdm(batches, desc="generating", unit="batch", disable=not progress):
+            rows = [prompts[k] for k in batch for _ in range(num_return_sequences)]
+            extra = {}
+            if sampling:
+                generators = [
+                    torch.Generator(device=device).manual_seed(int(seed)) for k in batch for seed in seeds[k]
+                ]
+                sampler = SeededSampler(generators, temperature=temperature, top_p=top_p, top_k=top_k)
+                extra["logits_processor"] = [sampler]
+            pictures = None
+            if processor is not None:
+                pictures = [
+                    pictures_of(images[k] if images else ())
+                    for k in batch
+                    for _ in range(num_return_sequences)
+                ]
+            new_ids = generate_batch(model, rows, {**kwargs, **extra}, processor=processor, pictures=pictures)
+            for r, row in enumerate(new_ids.tolist()):
+                end = next((t for t, token in enumerate(row) if token in stops), None)
+                completion = Completion(row if end is None else row[: end + 1], end is not None)
+                outputs[batch[r // num_return_sequences]].append(completion)
+    return outputs
+
+
+def generate_batch(
+    model, batch: list[list[int]], kwargs: dict[str, Any], *, processor=None, pictures=None
+) -> torch.Tensor:
+    """The generated ids (batch x new tokens) of left-padded prompts; with a vision-language model's
+    `processor`, `pictures` holds each row's PIL images (finetune.data.vision.image_inputs)."""
+    width = max(len(ids) for ids in batch)
+    pad = kwargs["pad_token_id"]
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if processor is not None:
+        from finetune.data.vision import image_inputs
+
+        inputs |= image_inputs(processor, pictures, input_ids)
+    device = _device(model)
+    out = model.generate(**{k: _on(v, device, model) for k, v in inputs.items()}, **kwargs)
+    return out[:, width:].cpu()
+
+
+def stream_answer(
+    model, tokenizer, inputs: Mapping[str, torch.Tensor], *, max_new_tokens: int = 512
+) -> Iterator[str]:
+    """Greedy answer to `inputs` (a batch of one: finetune.generation.prompts.chat_inputs), yielded in
+    pieces of text as they are generated, for an interactive chat. Errors in generation are raised here."""
+    from transformers import TextIteratorStreamer
+
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    kwargs = generation_kwargs(tokenizer, model, max_new_tokens)
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        # Grad mode is per thread: eval_mode's no_grad must be entered here.
+        try:
+            with eval_mode(model):
+                device = _device(model)
+                model.generate(
+                    **{k: _on(v, device, model) for k, v in inputs.items()},
+                    streamer=streamer,
+                    **kwargs,
+                )
+        except BaseException as exc:
+            failure.append(exc)
+            streamer.end()  # else the loop below would wait forever for text
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    yield from streamer
+    thread.join()
+    if failure:
+        raise failure[0]

@@ -1,0 +1,274 @@
+"""The rollout of online RL, shared by every online objective (finetune.objectives.online) and open to
+any objective that trains on sampled completions.
+
+One step's rollout, in the order the objective runs it:
+
+1. `sample`: `num_return_sequences` completions per prompt through a generation backend
+   (finetune.generation.protocol), each from a generator seeded by `completion_seed(train.seed, step,
+   prompt row, index)`: a resumed run samples the same completions, whatever the batching;
+2. `score`: the rewards (finetune.generation.rewards) of every completion, and their weighted total;
+3. advantages: an estimator of finetune.losses.policy_gradient (`ESTIMATORS`) on the totals;
+4. `pack_completions`: the window's micro-batches, each one padding-free packed row with per-token
+   advantages and the completion each token belongs to;
+5. `token_logps_at`: log-probs of every trained token of a packed row (the reference's, the sampling
+   policy's), without gradient, before any update on the rollout.
+
+Around it: the prompts' loader (`prompt_loader`), the rewards of a recipe (`rewards_for`), the
+held-out rewards of greedy completions (`eval_rewards`), the logged figures (`rollout_fields`), and
+the buffer that keeps a rollout for grpo.num_iterations steps (`RolloutBuffer`, checkpointed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from finetune.constants import IGNORE_INDEX
+from finetune.generation.prompts import decode_completion
+from finetune.generation.protocol import Completion, GenerationBackend, SamplingParams
+from finetune.generation.rewards import build_rewards, score_rewards
+from finetune.losses.causal_lm import forward
+from finetune.losses.preference import token_logps
+
+# Per-token tensors of a rollout micro-batch besides the model inputs (see `pack_completions`).
+TOKEN_FIELDS = ("advantages", "seq_index", "old_logps", "ref_logps")
+
+
+def completion_seed(seed: int, step: int, row: int, index: int) -> int:
+    """The seed of completion `index` of prompt row `row` at optimizer step `step` (63 bits).
+
+    >>> completion_seed(42, 3, 17, 0) == completion_seed(42, 3, 17, 0) != completion_seed(42, 3, 17, 1)
+    True
+    """
+    digest = hashlib.blake2b(f"{seed}:{step}:{row}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def sample(
+    backend: GenerationBackend,
+    prompts: Sequence[dict],
+    params: SamplingParams,
+    *,
+    seed: int,
+    step: int,
+    batch_size: int,
+) -> list[Completion]:
+    """`params.num_return_sequences` completions of each prompt row (its `input_ids` and `row_index`),
+    flat, group after group, each drawn with its `completion_seed`."""
+    group = params.num_return_sequences
+    seeds = [[completion_seed(seed, step, int(row["row_index"]), j) for j in range(group)] for row in prompts]
+    completions = backend.generate(
+        [list(row["input_ids"]) for row in prompts], params, seeds=seeds, batch_size=batch_size
+    )
+    return [c for row in completions for c in row]
+
+
+def score(
+    rewards: list, backend: GenerationBackend, completions: Sequence[Completion], rows: Sequence[dict]
+) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """(decoded texts, every reward of every completion [N, R], their weighted totals [N]); `rows` are
+    the data rows the completions answer, one per completion."""
+    texts = [decode_completion(backend.tokenizer, c.ids, stops=backend.stops) for c in completions]
+    per_reward = score_rewards(rewards, texts, list(rows))
+    total = per_reward @ torch.tensor([r.weight for r in rewards])
+    return texts, per_reward, total
+
+
+def pack_completions(
+    sequences: list[tuple[list[int], list[int], bool, float]],
+    *,
+    per_batch: int,
+    pad_token_id: int,
+    pad_to_multiple_of: int = 1,
+    mask_truncated: bool = False,
+) -> list[dict[str, torch.Tensor]]:
+    """Micro-batches of `per_batch` (prompt ids, completion ids, finished, advantage) sequences, each
+    one packed row: position_ids restart at every sequence, labels are the completion tokens (-100 on
+    prompts, on padding, and on truncated completions with `mask_truncated`), and per token the
+    completion's advantage and index in the micro-batch (-1 outside completions). Padding up to a
+    multiple of pad_to_multiple_of forms its own segment.
+
+    >>> b = pack_completions([([1, 2], [3, 4], True, 0.5), ([1], [5], False, -1.0)], per_batch=2, pad_token_id=0)
+    >>> b[0]["labels"].tolist(), b[0]["seq_index"].tolist(), b[0]["position_ids"].tolist()
+    ([[-100, -100, 3, 4, -100, 5]], [[-1, -1, 0, 0, -1, 1]], [[0, 1, 2, 3, 0, 1]])
+    """
+    batches = []
+    for start in range(0, len(sequences), per_batch):
+        ids, labels, positions, advantages, owners = [], [], [], [], []
+        prompt_tokens = completion_tokens = 0
+        chunk = sequences[start : start + per_batch]
+        for k, (prompt, completion, finished, advantage) in enumerate(chunk):
+            trained = finished or not mask_truncated
+            ids += prompt + completion
+            labels += [IGNORE_INDEX] * len(prompt) + (
+                completion if trained else [IGNORE_INDEX] * len(completion)
+            )
+            positions += list(range(len(prompt) + len(completion)))
+            advantages += [0.0] * len(prompt) + [advantage] * len(completion)
+            owners += [-1] * len(prompt) + ([k] if trained else [-1]) * len(completion)
+            prompt_tokens += len(prompt)
+            completion_tokens += len(completion)
+        pad = -len(ids) % pad_to_multiple_of
+        ids += [pad_token_id] * pad
+        labels += [IGNORE_INDEX] * pad
+        positions += list(range(pad))
+        advantages += [0.0] * pad
+        owners += [-1] * pad
+        batch = {
+            "input_ids": torch.tensor([ids]),
+            "labels": torch.tensor([labels]),
+            "position_ids": torch.tensor([positions]),
+            "advantages": torch.tensor([advantages]),
+            "seq_index": torch.tensor([owners]),
+            "num_sequences": torch.tensor([len(chunk)]),
+            "prompt_tokens": torch.tensor([prompt_tokens]),
+            "completion_tokens": torch.tensor([completion_tokens]),
+        }
+        batch["old_logps"] = torch.zeros_like(batch["advantages"])
+        batch["ref_logps"] = torch.zeros_like(batch["advantages"])
+        batches.append(batch)
+    return batches
+
+
+def token_logps_at(model, batch: dict, *, temperature: float = 1.0) -> torch.Tensor:
+    """log p(token) of every position of a packed row (input_ids, position_ids, labels) at the
+    sampling temperature, 0 where the label is -100."""
+    logits = forward(model, {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}).logits
+    if temperature != 1.0:
+        logits = logits / temperature
+    return token_logps(logits, batch["labels"])
+
+
+def rollout_fields(interval: dict[str, float], rewards) -> dict[str, float]:
+    """Means and stds of an interval's rollout sums (see OnlineObjective._rollout_stats).
+
+    >>> fields = rollout_fields({"completions": 4, "reward_sum": 2, "reward_sq_sum": 2, "groups": 2,
+    ...     "zero_std_groups": 1, "completion_length_sum": 40, "clipped_completions": 1, "max:completion_length": 16}, [])
+    >>> {k: round(v, 4) for k, v in fields.items()}
+    {'reward': 0.5, 'reward_std': 0.5774, 'frac_reward_zero_std': 0.5, 'completion_length': 10.0, 'completion_length_max': 16, 'clipped_ratio': 0.25}
+    """
+    n = interval.get("completions", 0)
+    if not n:
+        return {}
+    fields = {
+        "reward": interval["reward_sum"] / n,
+        "reward_std": _std(interval["reward_sum"], interval["reward_sq_sum"], n),
+    }
+    for reward in rewards:
+        total, squares = interval[f"reward/{reward.name}_sum"], interval[f"reward/{reward.name}_sq_sum"]
+        fields[f"reward/{reward.name}"] = total / n
+        fields[f"reward/{reward.name}_std"] = _std(total, squares, n)
+    fields["frac_reward_zero_std"] = interval["zero_std_groups"] / max(interval["groups"], 1)
+    fields["completion_length"] = interval["completion_length_sum"] / n
+    fields["completion_length_max"] = interval["max:completion_length"]
+    fields["clipped_ratio"] = interval["clipped_completions"] / n
+    return fields
+
+
+def _std(total: float, squares: float, n: float) -> float:
+    """Sample std (Bessel-corrected, as torch.std) from a sum and a sum of squares."""
+    if n < 2:
+        return 0.0
+    return math.sqrt(max(squares - total * total / n, 0.0) / (n - 1))
+
+
+def eval_rewards(
+    backend: GenerationBackend, rows: list[dict], rewards, *, max_new_tokens: int, batch_size: int
+) -> dict[str, float]:
+    """Greedy completions of held-out prompt rows scored by the rewards: eval_reward (weighted total),
+    eval_reward/<name> and eval_completion_length, averaged over the rows."""
+    completions = backend.generate(
+        [list(r["input_ids"]) for r in rows],
+        SamplingParams(max_new_tokens=max_new_tokens),
+        batch_size=batch_size,
+    )
+    flat = [c[0] for c in completions]
+    _, per_reward, total = score(rewards, backend, flat, [json.loads(r["row"]) for r in rows])
+    fields = {"eval_reward": float(total.mean())}
+    fields |= {f"eval_reward/{r.name}": float(per_reward[:, i].mean()) for i, r in enumerate(rewards)}
+    fields["eval_completion_length"] = sum(len(c.ids) for c in flat) / max(len(flat), 1)
+    fields["eval_prompts"] = len(rows)
+    return fields
+
+
+def prompt_loader(
+    rows, *, prompts_per_step: int, repeat: int, seed: int, shuffle: bool, drop_last: bool, accelerator
+):
+    """Loader items of this process's prompts for one step (a list of prepared prompt rows), each
+    given `repeat` times in a row (grpo.num_iterations: the rollout is reused)."""
+    from finetune.data.sampler import RankBatchSampler, RepeatBatchSampler
+    from finetune.objectives.lm import with_row_index
+
+    sampler = RankBatchSampler(
+        len(rows),
+        micro_batch_size=prompts_per_step,
+        num_replicas=accelerator.num_processes,
+        rank=accelerator.process_index,
+        seed=seed,
+        shuffle=shuffle,
+        drop_last=drop_last,
+    )
+    return torch.utils.data.DataLoader(
+        with_row_index(rows).select_columns(["input_ids", "row", "row_index"]),
+        batch_sampler=RepeatBatchSampler(sampler, repeat),
+        collate_fn=list,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def check_reward_columns(specs, rows, *, section: str = "grpo") -> None:
+    """Each built-in reward's field_expected is a column of the prompt rows (checked on the first)."""
+    from finetune.errors import FinetuneError
+
+    if len(rows) == 0:
+        return
+    columns = set(json.loads(rows[0]["row"]))
+    for i, spec in enumerate(specs):
+        if spec.field_expected is not None and spec.field_expected not in columns:
+            raise FinetuneError(
+                f"{section}.rewards.{i}.field_expected: the prompt data has no column {spec.field_expected!r} "
+                f"(columns: {', '.join(sorted(columns))})"
+            )
+
+
+def rewards_for(settings, tokenizer, *, recipe_path: str | None) -> list:
+    """An online section's rewards, ready to score: functions imported (beside the recipe file at
+    `recipe_path` first), the length reward counting tokens with `tokenizer`."""
+    return build_rewards(
+        settings.rewards,
+        max_new_tokens=settings.max_new_tokens,
+        count_tokens=lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
+        base=Path(recipe_path).parent if recipe_path else None,
+    )
+
+
+class RolloutBuffer:
+    """The last rollout's micro-batches, reused for grpo.num_iterations steps; checkpointed (tensors
+    and JSON only, finetune.engine.extra_state) so a resumed run continues the same rollout."""
+
+    def __init__(self):
+        self.key: list[int] | None = None
+        self.uses = 0
+        self.batches: list[dict] = []
+
+    def take(self, key: list[int], limit: int) -> list[dict] | None:
+        """The kept micro-batches when `key` (the window's prompt rows) is the kept rollout's and it
+        was used fewer than `limit` times; None: roll out anew."""
+        if self.key == key and 0 < self.uses < limit:
+            self.uses += 1
+            return [dict(b) for b in self.batches]
+        return None
+
+    def keep(self, key: list[int], batches: list[dict]) -> None:
+        self.key, self.uses, self.batches = list(key), 1, batches
+
+    def state_dict(self) -> dict:
+        return {"key": self.key, "uses": self.uses, "batches": self.batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.key, self.uses, self.batches = state["key"], state["uses"], state["batches"]

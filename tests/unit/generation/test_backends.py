@@ -1,0 +1,99 @@
+"""The generation-backend seam (finetune.generation.backends, .protocol): the table, the transformers
+backend through the protocol, and the weight sync that online RL calls after every update."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from finetune.errors import FinetuneError
+from finetune.generation.backends import BACKENDS, answers, backend_for
+from finetune.generation.prompts import prompt_ids
+from finetune.generation.protocol import GenerationBackend, SamplingParams
+from finetune.generation.transformers_backend import TransformersBackend
+from finetune.recipe.grpo import GrpoSection
+from tests.tiny import tiny_model
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(REPO / "recipes" / "demo" / "tokenizer")
+
+
+@pytest.fixture
+def tiny(tokenizer):
+    torch.manual_seed(0)
+    return tiny_model(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=128,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def test_every_backend_the_recipe_offers_is_in_the_table_or_refused_by_the_recipe():
+    import typing
+
+    from finetune.recipe.schema import NOT_SUPPORTED_YET
+
+    offered = set(typing.get_args(GrpoSection.model_fields["generation_backend"].annotation))
+    refused = {"vllm"} if "grpo.generation_backend" in NOT_SUPPORTED_YET else set()
+    assert offered - refused == set(BACKENDS)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_each_backend_implements_the_protocol(name):
+    cls = BACKENDS[name]()
+    assert cls.name == name
+    for method in ("generate", "stream", "sync_weights"):
+        ours = inspect.signature(getattr(cls, method))
+        protocol = inspect.signature(getattr(GenerationBackend, method))
+        assert list(ours.parameters) == list(protocol.parameters), f"{name}.{method}"
+
+
+def test_an_unknown_backend_is_a_clear_error(tiny, tokenizer):
+    with pytest.raises(FinetuneError, match=r"generation backend 'sglang' is not one of: transformers"):
+        backend_for("sglang", tiny, tokenizer)
+
+
+def test_the_transformers_backend_samples_one_seed_per_completion(tiny, tokenizer):
+    backend = backend_for("transformers", tiny, tokenizer)
+    assert isinstance(backend, TransformersBackend) and backend.processor is None
+    prompts = [prompt_ids(tokenizer, "What is 2 + 3?"), prompt_ids(tokenizer, "Hi")]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, num_return_sequences=3)
+    seeds = [[1, 2, 3], [4, 5, 6]]
+    first = backend.generate(prompts, params, seeds=seeds, batch_size=2)
+    assert [len(row) for row in first] == [3, 3]
+    again = backend.generate(prompts[::-1], params, seeds=seeds[::-1], batch_size=1)[::-1]
+    assert [[c.ids for c in row] for row in again] == [[c.ids for c in row] for row in first]
+    with pytest.raises(ValueError, match="one seed per completion"):
+        backend.generate(prompts, params)
+
+
+def test_a_synced_update_changes_what_the_backend_generates(tiny, tokenizer):
+    """The weight sync of online RL: after an update (here: the output head changed in place, then
+    sync_weights, as after_update calls it), the next generation follows the new weights."""
+    backend = backend_for("transformers", tiny, tokenizer)
+    before = answers(backend, ["What is 2 + 3?"], max_new_tokens=5, progress=False)
+    with torch.no_grad():  # make one token the most likely everywhere
+        tiny.lm_head.weight.zero_()
+        tiny.lm_head.weight[tokenizer.convert_tokens_to_ids("a")] = 1.0
+        tiny.model.norm.weight.fill_(1.0)
+    backend.sync_weights(tiny)
+    after = answers(backend, ["What is 2 + 3?"], max_new_tokens=5, progress=False)
+    assert after != before and after[0].startswith("a")
+
+
+def test_streaming_through_the_protocol_equals_the_batched_answer(tiny, tokenizer):
+    from finetune.generation.prompts import chat_inputs
+
+    backend = backend_for("transformers", tiny, tokenizer)
+    streamed = "".join(backend.stream(chat_inputs(tokenizer, "Hi"), SamplingParams(max_new_tokens=6)))
+    assert streamed.strip() == answers(backend, ["Hi"], max_new_tokens=6, progress=False)[0]
