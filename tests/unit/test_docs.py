@@ -119,3 +119,31 @@ def test_reference_of_a_discriminated_union():
     assert "`field_chosen`" in page.split("#### data.datasets[] type: pairs", 1)[1]
     assert "(#datadatasets-type-pairs)" in page
     assert "### data.test_datasets[]\n\nThe same as [data.datasets[]](#datadatasets)." in page
+
+
+def _contributing_layers() -> list[set[str]]:
+    """The layer table of docs/CONTRIBUTING.md ("How the code is laid out"): per row, the package
+    names of its `packages` column (`finetune.x` or `x`, each in backticks)."""
+    text = (REPO / "docs" / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    table = text.split("| layer | packages |", 1)[1].split("\n\n", 1)[0]
+    rows = [line for line in table.splitlines() if re.match(r"\| \d+ \|", line)]
+    return [
+        {name.removeprefix("finetune.") for name in re.findall(r"`([\w.]+)`", row.split("|")[2])}
+        for row in rows
+    ]
+
+
+def test_contributing_layer_table_is_the_import_tests_layers():
+    from tests.unit.test_import_graph import LAYERS
+
+    assert _contributing_layers() == [set(names) for names in LAYERS]
+
+
+def test_no_module_is_over_800_lines():
+    """CONTRIBUTING's house rule: a module that grows past 800 lines is split along a seam."""
+    long = {
+        str(path.relative_to(REPO)): n
+        for path in (REPO / "finetune").rglob("*.py")
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > 800
+    }
+    assert not long, f"modules over 800 lines (split them along a seam): {long}"

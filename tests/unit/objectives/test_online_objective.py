@@ -267,3 +267,38 @@ def test_the_rollout_samples_scores_and_packs_through_the_backend():
     torch.testing.assert_close(trained, advantages.repeat_interleave(torch.tensor(lengths)))
     obj.after_update("model")
     assert obj.backend.synced == [("unwrapped", "model")]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"epsilon_high": 0.28}, {"epsilon": 0.1}, {"kl_bias_correction": False}, {"beta": 0.3}],
+    ids=["defaults", "epsilon_high", "epsilon", "no_kl_bias_correction", "beta"],
+)
+def test_every_loss_setting_reaches_the_loss(settings):
+    """The section's clipping and KL settings reach the per-token loss: the objective's loss equals the
+    pure loss called with exactly those settings, and differs from the one with the defaults (the
+    batch's old and reference log-probs are spread so that clipping and the KL term both act)."""
+    seqs = sequences(6, seed=5)
+    policy = tiny_llama()
+    (batch,) = pack_completions(seqs, per_batch=6, pad_token_id=0)
+    obj = objective("grpo", **{"num_iterations": 2, "beta": 0.1, **settings})
+    default = objective("grpo", num_iterations=2, beta=0.1)
+    mask = batch["labels"] != -100
+    logps = obj._token_logps(policy, batch).detach()
+    generator = torch.Generator().manual_seed(0)
+    batch["old_logps"] = logps + 0.4 * torch.randn(logps.shape, generator=generator)
+    batch["ref_logps"] = logps + 0.4 * torch.randn(logps.shape, generator=generator)
+    s = obj.settings
+    out = pg.per_token_loss(
+        logps[mask], batch["old_logps"][mask], batch["advantages"][mask],
+        epsilon_low=s.epsilon, epsilon_high=s.epsilon_high or s.epsilon, beta=s.beta,
+        ref_logps=batch["ref_logps"][mask], kl_bias_correction=s.kl_bias_correction,
+    )  # fmt: skip
+    expected = pg.policy_loss_sums(
+        out.losses, batch["seq_index"][mask], 6, loss_type="grpo", max_completion_length=8
+    ) / obj.units(batch)
+    loss, metrics = obj.loss(policy, batch, obj.units(batch))
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["kl"], out.kl.sum())
+    if settings:
+        assert not torch.isclose(loss, default.loss(policy, batch, default.units(batch))[0])
