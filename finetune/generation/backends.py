@@ -22,17 +22,25 @@ def _transformers():
     return TransformersBackend
 
 
+def _vllm():
+    from finetune.generation.vllm_backend import VLLMBackend
+
+    return VLLMBackend
+
+
 BACKENDS: dict[str, Callable[[], Any]] = {
     "transformers": _transformers,
+    "vllm": _vllm,
 }
 
 
-def backend_for(name: str, model, tokenizer, *, processor=None) -> GenerationBackend:
+def backend_for(name: str, model, tokenizer, *, processor=None, **options: Any) -> GenerationBackend:
     """The backend `name` generating with `model`'s weights (the training model, unwrapped from DDP),
-    its `tokenizer`, and a vision-language model's `processor`."""
+    its `tokenizer`, and a vision-language model's `processor`; `options` are the backend's own
+    settings (vLLM's memory share and context length: the recipe section's `backend_options`)."""
     if name not in BACKENDS:
         raise FinetuneError(f"generation backend {name!r} is not one of: {', '.join(BACKENDS)}")
-    return BACKENDS[name]()(model, tokenizer, processor=processor)
+    return BACKENDS[name]()(model, tokenizer, processor=processor, **options)
 
 
 def answers(

@@ -31,11 +31,14 @@ import torch
 
 @dataclass(frozen=True)
 class Completion:
-    """One generated sequence: its new token ids (cut after the stop token, which is kept) and
-    whether it ended at a stop token (False: cut at max_new_tokens)."""
+    """One generated sequence: its new token ids (cut after the stop token, which is kept), whether it
+    ended at a stop token (False: cut at max_new_tokens), and, from an engine with its own copy of the
+    weights (vLLM), the log-prob it sampled each token with (None: the training model sampled, so the
+    trainer's log-probs are the sampler's)."""
 
     ids: list[int]
     finished: bool
+    logprobs: list[float] | None = None
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ picks one by its row in the objective table (finetune.recipe.objectives: `estima
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -78,11 +79,16 @@ def per_token_loss(
     beta: float = 0.0,
     ref_logps: torch.Tensor | None = None,
     kl_bias_correction: bool = True,
+    sampling_weights: torch.Tensor | None = None,
 ) -> TokenLosses:
-    """The clipped surrogate (plus beta x KL) of every completion token (see the module docstring)."""
+    """The clipped surrogate (plus beta x KL) of every completion token (see the module docstring).
+    `sampling_weights` (an engine that samples with its own copy of the weights, vLLM) multiply the
+    surrogate, not the KL term, as TRL applies its importance-sampling correction (`importance_weights`)."""
     ratio = torch.exp(logps - old_logps)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     losses = -torch.min(ratio * advantages, clipped * advantages)
+    if sampling_weights is not None:
+        losses = losses * sampling_weights
     kl = None
     if beta != 0.0:
         if ref_logps is None:
@@ -132,6 +138,48 @@ def policy_loss_sums(
         counts = torch.bincount(sequence_index, minlength=num_sequences).clamp(min=1)
         return (sums / counts).sum()
     raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {', '.join(UNITS)}")
+
+
+ImportanceMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+
+def importance_weights(
+    old_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    sequence_index: torch.Tensor,
+    num_sequences: int,
+    *,
+    mode: ImportanceMode,
+    cap: float | None,
+    floor: float | None = None,
+) -> torch.Tensor:
+    """Per completion token, the correction of sampling with another engine's numerics (vLLM's kernels,
+    its bf16 copy of the weights): the importance ratio pi_trainer / pi_sampler of the sampled tokens,
+    `old_logps` the trainer's log-probs at sampling time and `sampling_logps` the engine's (NaN where it
+    gave none: no correction). Per token (token_*) or per completion (sequence_*: the ratio of its log-prob
+    sums), then truncated to [floor, cap] (*_truncate) or set to 0 outside it (*_mask): TRL's
+    vllm_importance_sampling_mode and its clip bounds.
+
+    >>> old, sampled, index = torch.tensor([0.0, -1.0, -2.0]), torch.tensor([0.0, -2.0, -1.0]), torch.tensor([0, 0, 1])
+    >>> importance_weights(old, sampled, index, 2, mode="token_truncate", cap=2.0).tolist()
+    [1.0, 2.0, 0.3678794503211975]
+    >>> importance_weights(old, sampled, index, 2, mode="sequence_mask", cap=2.0).tolist()
+    [0.0, 0.0, 0.3678794503211975]
+    """
+    diff = torch.nan_to_num(old_logps - sampling_logps, nan=0.0)
+    if mode.startswith("sequence"):
+        sums = torch.zeros(num_sequences, dtype=diff.dtype, device=diff.device).index_add(
+            0, sequence_index, diff
+        )
+        diff = sums[sequence_index]
+    weights = torch.exp(diff)
+    if cap is None and floor is None:
+        return weights
+    if mode.endswith("truncate"):
+        return torch.clamp(weights, min=floor, max=cap)
+    low = -math.inf if floor is None else floor
+    high = math.inf if cap is None else cap
+    return weights.masked_fill((weights < low) | (weights > high), 0.0)
 
 
 def group_advantages(

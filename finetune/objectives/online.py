@@ -126,7 +126,10 @@ class OnlineObjective:
         unwrapped = accelerator.unwrap_model(model)
         self.flops["config"] = unwrapped.config
         self.reference.to(accelerator.device)
-        self.backend = backend_for(self.settings.generation_backend, unwrapped, self.tokenizer)
+        options = dict(self.settings.backend_options)
+        if "max_model_len" in options and options["max_model_len"] is None:
+            options["max_model_len"] = self.data.sequence_len + self.settings.max_new_tokens
+        self.backend = backend_for(self.settings.generation_backend, unwrapped, self.tokenizer, **options)
         # A rollout reused over num_iterations steps is part of the run's state: a resume continues it.
         return {"rollout": self.buffer} if self.settings.num_iterations > 1 else None
 
@@ -170,12 +173,21 @@ class OnlineObjective:
             pad_token_id=self._pad_id(),
             pad_to_multiple_of=self.data.pad_to_multiple_of,
             mask_truncated=settings.mask_truncated_completions,
+            sampling_logps=self._sampling_logps(completions),
         )
         self._fill_log_probs(model, batches)
         if settings.num_iterations > 1:  # reused on the next steps (and checkpointed)
             self.buffer.keep(key, batches)
         self._keep_samples(prompts, texts, per_reward, total, step)
         return batches, self._rollout_stats(per_reward, total, flat_groups, completions)
+
+    def _sampling_logps(self, completions) -> list[list[float]] | None:
+        """The engine's sampling log-probs, kept for the importance-sampling correction (vLLM); None
+        where the training model sampled (its log-probs are the trainer's) or the correction is off."""
+        corrected = getattr(self.settings, "vllm_importance_sampling_correction", False)
+        if not corrected or any(c.logprobs is None for c in completions):
+            return None
+        return [c.logprobs for c in completions]
 
     def _pad_id(self) -> int:
         from finetune.model import pad_token_id
@@ -272,11 +284,12 @@ class OnlineObjective:
         mask = batch["labels"] != IGNORE_INDEX
         logps = self._token_logps(model, batch)[mask]
         old = batch["old_logps"][mask] if settings.num_iterations > 1 else logps.detach()
+        weights, sampling_metrics = self._sampling_weights(batch, mask, old)
         out = pg.per_token_loss(
             logps, old, batch["advantages"][mask],
             epsilon_low=settings.epsilon, epsilon_high=settings.epsilon_high or settings.epsilon,
             beta=settings.beta, ref_logps=batch["ref_logps"][mask] if settings.beta else None,
-            kl_bias_correction=settings.kl_bias_correction,
+            kl_bias_correction=settings.kl_bias_correction, sampling_weights=weights,
         )  # fmt: skip
         total = pg.policy_loss_sums(
             out.losses, batch["seq_index"][mask], int(batch["num_sequences"].sum()),
@@ -291,7 +304,33 @@ class OnlineObjective:
         }
         if out.kl is not None:
             metrics |= {"kl": out.kl.sum(), "count:kl": tokens}
-        return total / num_units, metrics
+        return total / num_units, metrics | sampling_metrics
+
+    def _sampling_weights(self, batch: dict, mask: torch.Tensor, old: torch.Tensor) -> tuple:
+        """The importance weights that correct sampling with another engine's numerics (vLLM's
+        log-probs in the batch), and the mismatch logged every step (means over the completion tokens):
+        the absolute log-prob gap between the trainer and the sampler, the weights, and the share of
+        tokens whose weight the cap changed (truncated, or 0 in a *_mask mode)."""
+        if "sampling_logps" not in batch:
+            return None, {}
+        settings = self.settings
+        sampled = batch["sampling_logps"][mask].to(old.dtype)
+        index, num_sequences = batch["seq_index"][mask], int(batch["num_sequences"].sum())
+        mode = settings.vllm_importance_sampling_mode
+        weights = pg.importance_weights(
+            old.detach(), sampled, index, num_sequences, mode=mode, cap=settings.vllm_importance_sampling_cap
+        )
+        raw = pg.importance_weights(old.detach(), sampled, index, num_sequences, mode=mode, cap=None)
+        known = ~torch.isnan(sampled)
+        tokens = torch.tensor(float(weights.numel()), device=weights.device)
+        return weights, {
+            "sampling/logp_gap": (old.detach() - sampled).abs()[known].sum(),
+            "count:sampling/logp_gap": known.sum().float(),
+            "sampling/importance_weight": weights.sum(),
+            "count:sampling/importance_weight": tokens,
+            "sampling/capped": (~torch.isclose(weights, raw)).float().sum(),
+            "count:sampling/capped": tokens,
+        }
 
     def counts(self, batch) -> dict[str, float]:
         if not isinstance(batch, dict):  # a window's prompts consumed without rollout (iterations_to_skip)

@@ -35,9 +35,6 @@ from finetune.generation.rewards import build_rewards, score_rewards
 from finetune.losses.causal_lm import forward
 from finetune.losses.preference import token_logps
 
-# Per-token tensors of a rollout micro-batch besides the model inputs (see `pack_completions`).
-TOKEN_FIELDS = ("advantages", "seq_index", "old_logps", "ref_logps")
-
 
 def completion_seed(seed: int, step: int, row: int, index: int) -> int:
     """The seed of completion `index` of prompt row `row` at optimizer step `step` (63 bits).
@@ -86,12 +83,15 @@ def pack_completions(
     pad_token_id: int,
     pad_to_multiple_of: int = 1,
     mask_truncated: bool = False,
+    sampling_logps: list[list[float]] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Micro-batches of `per_batch` (prompt ids, completion ids, finished, advantage) sequences, each
     one packed row: position_ids restart at every sequence, labels are the completion tokens (-100 on
     prompts, on padding, and on truncated completions with `mask_truncated`), and per token the
     completion's advantage and index in the micro-batch (-1 outside completions). Padding up to a
-    multiple of pad_to_multiple_of forms its own segment.
+    multiple of pad_to_multiple_of forms its own segment. `sampling_logps` (one list per sequence: the
+    log-prob each completion token was sampled with by an engine with its own weights) become the
+    per-token `sampling_logps` (NaN elsewhere).
 
     >>> b = pack_completions([([1, 2], [3, 4], True, 0.5), ([1], [5], False, -1.0)], per_batch=2, pad_token_id=0)
     >>> b[0]["labels"].tolist(), b[0]["seq_index"].tolist(), b[0]["position_ids"].tolist()
@@ -99,10 +99,12 @@ def pack_completions(
     """
     batches = []
     for start in range(0, len(sequences), per_batch):
-        ids, labels, positions, advantages, owners = [], [], [], [], []
+        ids, labels, positions, advantages, owners, sampled = [], [], [], [], [], []
         prompt_tokens = completion_tokens = 0
         chunk = sequences[start : start + per_batch]
         for k, (prompt, completion, finished, advantage) in enumerate(chunk):
+            if sampling_logps is not None:
+                sampled += [math.nan] * len(prompt) + list(sampling_logps[start + k])
             trained = finished or not mask_truncated
             ids += prompt + completion
             labels += [IGNORE_INDEX] * len(prompt) + (
@@ -131,6 +133,8 @@ def pack_completions(
         }
         batch["old_logps"] = torch.zeros_like(batch["advantages"])
         batch["ref_logps"] = torch.zeros_like(batch["advantages"])
+        if sampling_logps is not None:
+            batch["sampling_logps"] = torch.tensor([sampled + [math.nan] * pad])
         batches.append(batch)
     return batches
 

@@ -98,6 +98,12 @@ class RewardSpec(_Section):
         return problems
 
 
+VLLM_FIELDS = (
+    "vllm_gpu_memory_utilization", "vllm_max_model_len", "vllm_enable_sleep_mode",
+    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
+)  # fmt: skip
+
+
 class GrpoSection(_Section):
     fixed_on_resume: ClassVar[bool] = True
 
@@ -153,7 +159,44 @@ class GrpoSection(_Section):
     )
     generation_backend: Literal["transformers", "vllm"] = Field(
         "transformers",
-        description="transformers (CPU and GPU; the training model generates) or vllm (GPU, colocated).",
+        description="transformers (CPU and GPU; the training model generates) or vllm (CUDA GPUs: one vLLM engine "
+        "per process sharing its GPU, synced with the trained weights after every update; pip install -e "
+        '".[vllm]").',
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.3,
+        gt=0,
+        le=1,
+        description="vllm: the share of each GPU the vLLM engine takes for its weights and KV cache (the rest is "
+        "training's).",
+    )
+    vllm_max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description="vllm: the longest prompt + completion the engine holds; null = data.sequence_len + "
+        "max_new_tokens.",
+    )
+    vllm_enable_sleep_mode: bool = Field(
+        False,
+        description="vllm: free the engine's KV cache while training steps run (slower generation starts, more "
+        "memory for training).",
+    )
+    vllm_importance_sampling_correction: bool = Field(
+        True,
+        description="vllm: correct the gap between vLLM's sampling log-probs and the trainer's with importance "
+        "weights (TRL's vllm_importance_sampling_correction).",
+    )
+    vllm_importance_sampling_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = Field(
+        "token_truncate",
+        description="vllm: the importance weight per token or per completion, truncated at the cap or set to 0 "
+        "above it (TRL's vllm_importance_sampling_mode).",
+    )
+    vllm_importance_sampling_cap: float = Field(
+        3.0,
+        gt=0,
+        description="vllm: the largest importance weight (TRL's vllm_importance_sampling_clip_max).",
     )
     generation_batch_size: int = Field(
         8, ge=1, description="Prompts per generate call (each with its num_generations completions)."
@@ -165,8 +208,30 @@ class GrpoSection(_Section):
     )
     rewards: list[RewardSpec] = Field(min_length=1, description="The rewards, summed by weight.")
 
+    @property
+    def backend_options(self) -> dict:
+        """The generation backend's own settings (finetune.generation.backends.backend_for)."""
+        if self.generation_backend != "vllm":
+            return {}
+        return {
+            "gpu_memory_utilization": self.vllm_gpu_memory_utilization,
+            "max_model_len": self.vllm_max_model_len,
+            "enable_sleep_mode": self.vllm_enable_sleep_mode,
+        }
+
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
         problems: list[Problem] = []
+        if ok("generation_backend") and self.generation_backend != "vllm":
+            for name in VLLM_FIELDS:
+                value, default = getattr(self, name), type(self).model_fields[name].default
+                if ok(name) and value != default:
+                    problems.append(
+                        (
+                            name,
+                            value,
+                            "is read by generation_backend: vllm only; remove it or set that backend",
+                        )
+                    )
         if ok("rewards"):
             labels = [r.label for r in self.rewards if r is not None]
             for label in sorted({x for x in labels if labels.count(x) > 1}):

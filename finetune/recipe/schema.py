@@ -29,9 +29,7 @@ from finetune.recipe.train import TrainSection
 
 # Fields whose behaviour has not landed yet: a non-default value is rejected with this reason, so
 # an accepted field always works (never silently ignored). Paths use `*` for list items.
-NOT_SUPPORTED_YET: dict[str, str] = {
-    "grpo.generation_backend": "vLLM generation is not built yet; transformers generation runs on CPU and GPU",
-}
+NOT_SUPPORTED_YET: dict[str, str] = {}
 
 
 class Recipe(_Section):

@@ -38,19 +38,16 @@ def tiny(tokenizer):
     )
 
 
-def test_every_backend_the_recipe_offers_is_in_the_table_or_refused_by_the_recipe():
+def test_every_backend_the_recipe_offers_is_in_the_table():
     import typing
 
-    from finetune.recipe.schema import NOT_SUPPORTED_YET
-
     offered = set(typing.get_args(GrpoSection.model_fields["generation_backend"].annotation))
-    refused = {"vllm"} if "grpo.generation_backend" in NOT_SUPPORTED_YET else set()
-    assert offered - refused == set(BACKENDS)
+    assert offered == set(BACKENDS)
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_each_backend_implements_the_protocol(name):
-    cls = BACKENDS[name]()
+    cls = BACKENDS[name]()  # importing the module needs no engine: it is imported when one is made
     assert cls.name == name
     for method in ("generate", "stream", "sync_weights"):
         ours = inspect.signature(getattr(cls, method))
@@ -97,3 +94,59 @@ def test_streaming_through_the_protocol_equals_the_batched_answer(tiny, tokenize
     backend = backend_for("transformers", tiny, tokenizer)
     streamed = "".join(backend.stream(chat_inputs(tokenizer, "Hi"), SamplingParams(max_new_tokens=6)))
     assert streamed.strip() == answers(backend, ["Hi"], max_new_tokens=6, progress=False)[0]
+
+
+def test_the_vllm_backend_without_a_gpu_is_a_clear_error(tiny, tokenizer, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(FinetuneError, match=r"vllm needs a CUDA GPU .* use generation_backend: transformers"):
+        backend_for("vllm", tiny, tokenizer, gpu_memory_utilization=0.3)
+
+
+def test_vllm_outputs_become_completions_with_their_sampling_log_probs():
+    """vLLM's CompletionOutput: ids cut after the first stop token (kept), an eos vLLM left out
+    appended (as the transformers backend keeps it), and the sampled tokens' log-probs."""
+    from types import SimpleNamespace as O
+
+    from finetune.generation.vllm_backend import completion_of
+
+    def lp(*pairs):
+        return [{t: O(logprob=v)} for t, v in pairs]
+
+    cut = completion_of(
+        O(
+            token_ids=[5, 2, 7],
+            finish_reason="stop",
+            stop_reason=2,
+            logprobs=lp((5, -1.0), (2, -0.5), (7, -2.0)),
+        ),
+        [2],
+        eos=2,
+    )
+    assert (cut.ids, cut.finished, cut.logprobs) == ([5, 2], True, [-1.0, -0.5])
+    long = completion_of(
+        O(token_ids=[5, 6], finish_reason="length", stop_reason=None, logprobs=lp((5, -1.0), (6, -0.1))),
+        [2],
+        eos=2,
+    )
+    assert (long.ids, long.finished, long.logprobs) == ([5, 6], False, [-1.0, -0.1])
+    eos = completion_of(
+        O(token_ids=[5], finish_reason="stop", stop_reason=None, logprobs=lp((5, -1.0))), [2], eos=2
+    )
+    assert (
+        eos.ids == [5, 2] and eos.finished and eos.logprobs[0] == -1.0 and eos.logprobs[1] != eos.logprobs[1]
+    )
+
+
+def test_vllm_settings_without_the_vllm_backend_are_recipe_errors():
+    from pydantic import ValidationError
+
+    with pytest.raises(
+        ValidationError, match=r"vllm_gpu_memory_utilization.*read by generation_backend: vllm only"
+    ):
+        GrpoSection(rewards=[{"name": "length"}], vllm_gpu_memory_utilization=0.5)
+    settings = GrpoSection(rewards=[{"name": "length"}], generation_backend="vllm", vllm_max_model_len=512)
+    assert settings.backend_options == {
+        "gpu_memory_utilization": 0.3,
+        "max_model_len": 512,
+        "enable_sleep_mode": False,
+    }

@@ -194,3 +194,82 @@ def test_a_kl_term_without_reference_log_probs_is_refused():
         pg.per_token_loss(
             torch.zeros(2), torch.zeros(2), torch.ones(2), epsilon_low=0.2, epsilon_high=0.2, beta=0.1
         )
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_importance_sampling_correction_equals_trls(loss_type, mode):
+    """vLLM's sampling log-probs differ from the trainer's: the importance weights (ours, from both
+    log-probs) multiply the surrogate as TRL's GRPOTrainer applies its importance_sampling_ratio, with
+    the KL term left out of the correction."""
+    data = rollout(seed=3)
+    policy = tiny_llama()
+    ours_model = copy.deepcopy(policy)
+    completion_len = data["completion_ids"].shape[1]
+    mask = data["completion_mask"].bool()
+    with torch.no_grad():
+        old = padded_logps(policy, data, 1.0)
+        ref = old + 0.1
+    sampled = old + 0.5 * torch.randn(old.shape, generator=torch.Generator().manual_seed(7))
+    owners = torch.arange(len(data["advantages"]))[:, None].expand_as(mask)[mask]
+    weights = pg.importance_weights(
+        old[mask], sampled[mask], owners, len(data["advantages"]), mode=mode, cap=1.5
+    )
+    assert (weights != torch.exp(old[mask] - sampled[mask])).any()  # the cap acts
+    padded_weights = torch.zeros_like(old)
+    padded_weights[mask] = weights
+    if mode == "sequence_mask":  # TRL's sequence ratios are one per completion: (B, 1)
+        padded_weights = padded_weights.max(dim=1, keepdim=True).values
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = trl_trainer(
+            policy, tmp, loss_type=loss_type, max_completion_length=completion_len, beta=0.05
+        )
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+        inputs = {
+            **{k: data[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")},
+            "advantages": data["advantages"],
+            "old_per_token_logps": old,
+            "ref_per_token_logps": ref,
+            "importance_sampling_ratio": padded_weights,
+            "num_items_in_batch": data["completion_mask"].sum(),
+        }
+        trl_loss = trainer._compute_loss(trainer.model, inputs)
+        trl_loss.backward()
+        trl_grads = grads(trainer.model)
+    logps, owners = packed_completion_logps(ours_model, data, 1.0)
+    out = pg.per_token_loss(
+        logps, old[mask], data["advantages"][owners], epsilon_low=0.2, epsilon_high=0.2,
+        beta=0.05, ref_logps=ref[mask], sampling_weights=weights,
+    )  # fmt: skip
+    units = {"completions": len(data["advantages"]), "tokens": int(mask.sum())}[pg.UNITS[loss_type]]
+    loss = (
+        pg.policy_loss_sums(
+            out.losses,
+            owners,
+            len(data["advantages"]),
+            loss_type=loss_type,
+            max_completion_length=completion_len,
+        )
+        / units
+    )
+    loss.backward()
+    torch.testing.assert_close(loss, trl_loss.detach(), rtol=1e-5, atol=1e-6)
+    for name, value in trl_grads.items():
+        torch.testing.assert_close(grads(ours_model)[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_importance_weights_by_mode():
+    """Per token or per completion (the ratio of its log-prob sums), truncated at the cap or masked
+    above it; a token vLLM gave no log-prob for (NaN) is not corrected."""
+    old = torch.tensor([0.0, -1.0, -2.0, -0.5])
+    sampled = torch.tensor([-1.0, -1.0, -1.0, float("nan")])
+    index = torch.tensor([0, 0, 1, 1])
+    e = torch.exp(torch.tensor(1.0))
+    token = pg.importance_weights(old, sampled, index, 2, mode="token_truncate", cap=2.0)
+    torch.testing.assert_close(token, torch.tensor([2.0, 1.0, 1 / e, 1.0]))
+    masked = pg.importance_weights(old, sampled, index, 2, mode="token_mask", cap=2.0)
+    torch.testing.assert_close(masked, torch.tensor([0.0, 1.0, 1 / e, 1.0]))
+    sequence = pg.importance_weights(old, sampled, index, 2, mode="sequence_truncate", cap=2.0, floor=0.5)
+    torch.testing.assert_close(sequence, torch.tensor([2.0, 2.0, 0.5, 0.5]))
+    uncapped = pg.importance_weights(old, sampled, index, 2, mode="sequence_mask", cap=None)
+    torch.testing.assert_close(uncapped, torch.tensor([e, e, 1 / e, 1 / e]))

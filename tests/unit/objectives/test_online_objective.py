@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -201,36 +202,37 @@ class RecordingBackend:
     processor = None
     stops = (2,)
 
-    def __init__(self, tokenizer, completions):
+    def __init__(self, tokenizer, completions, logprobs=None):
         self.tokenizer, self.completions, self.calls, self.synced = tokenizer, completions, [], []
+        self.logprobs = logprobs  # per completion, as an engine with its own weights (vLLM) returns them
 
     def generate(self, prompts, params, *, seeds=None, batch_size=8, images=None, progress=False):
         from finetune.generation.protocol import Completion
 
         self.calls.append((prompts, params, seeds, batch_size))
-        return [[Completion(list(ids), ids[-1:] == [2]) for ids in self.completions] for _ in prompts]
+        return [
+            [
+                Completion(list(ids), ids[-1:] == [2], None if self.logprobs is None else self.logprobs[j])
+                for j, ids in enumerate(self.completions)
+            ]
+            for _ in prompts
+        ]
 
     def sync_weights(self, model):
         self.synced.append(model)
 
 
-def test_the_rollout_samples_scores_and_packs_through_the_backend():
-    """The online objective's rollout through the generation-backend seam: prompts go in as ids with
-    the section's sampling settings and one seed per completion; rewards of the decoded completions
-    become group advantages; an update syncs the backend with the unwrapped model."""
-    from types import SimpleNamespace
+PROMPTS = [
+    {"input_ids": [1, 5, 6], "row_index": 4, "row": '{"q": "a"}'},
+    {"input_ids": [1, 9], "row_index": 8, "row": '{"q": "b"}'},
+]
 
-    from transformers import AutoTokenizer
 
-    from finetune.generation.protocol import SamplingParams
-    from finetune.objectives.rollout import completion_seed
+def online_objective(tokenizer, completions, logprobs=None, **settings) -> OnlineObjective:
+    """An online objective ready to roll out through a RecordingBackend (no model build)."""
+    from finetune.generation.rewards import Reward
 
-    tokenizer = AutoTokenizer.from_pretrained("recipes/demo/tokenizer")
-    digits = [tokenizer(f" {n}", add_special_tokens=False)["input_ids"] for n in (7, 13, 7)]
-    obj = objective(
-        "grpo", num_generations=3, temperature=0.7, top_k=5, log_completions=0, generation_batch_size=4
-    )
-    obj.settings = obj.settings.model_copy(update={"rewards": []})
+    obj = objective("grpo", **{"num_generations": 3, "log_completions": 0, **settings})
     obj.estimator = pg.ESTIMATORS["group"]
     obj.train = SimpleNamespace(seed=11, micro_batch_size=3)
     obj.data = SimpleNamespace(pad_to_multiple_of=1)
@@ -239,19 +241,30 @@ def test_the_rollout_samples_scores_and_packs_through_the_backend():
     obj.accelerator = SimpleNamespace(
         num_processes=1, device=torch.device("cpu"), unwrap_model=lambda m: ("unwrapped", m)
     )
-    obj.backend = RecordingBackend(tokenizer, [[*ids, 2] for ids in digits])
+    obj.backend = RecordingBackend(tokenizer, completions, logprobs)
 
     def is_seven(completions, rows):
         return [float(text.strip() == "7") for text in completions]
 
-    from finetune.generation.rewards import Reward
-
     obj.rewards = [Reward("seven", 1.0, is_seven)]
-    prompts = [
-        {"input_ids": [1, 5, 6], "row_index": 4, "row": '{"q": "a"}'},
-        {"input_ids": [1, 9], "row_index": 8, "row": '{"q": "b"}'},
-    ]
-    batches, stats = obj.rollout(torch.nn.Identity(), [prompts], step=3)
+    return obj
+
+
+def test_the_rollout_samples_scores_and_packs_through_the_backend():
+    """The online objective's rollout through the generation-backend seam: prompts go in as ids with
+    the section's sampling settings and one seed per completion; rewards of the decoded completions
+    become group advantages; an update syncs the backend with the unwrapped model."""
+    from transformers import AutoTokenizer
+
+    from finetune.generation.protocol import SamplingParams
+    from finetune.objectives.rollout import completion_seed
+
+    tokenizer = AutoTokenizer.from_pretrained("recipes/demo/tokenizer")
+    digits = [tokenizer(f" {n}", add_special_tokens=False)["input_ids"] for n in (7, 13, 7)]
+    obj = online_objective(
+        tokenizer, [[*ids, 2] for ids in digits], temperature=0.7, top_k=5, generation_batch_size=4
+    )
+    batches, stats = obj.rollout(torch.nn.Identity(), [PROMPTS], step=3)
     ((ids, params, seeds, batch_size),) = obj.backend.calls
     assert ids == [[1, 5, 6], [1, 9]] and batch_size == 4
     assert params == SamplingParams(
@@ -302,3 +315,45 @@ def test_every_loss_setting_reaches_the_loss(settings):
     torch.testing.assert_close(metrics["kl"], out.kl.sum())
     if settings:
         assert not torch.isclose(loss, default.loss(policy, batch, default.units(batch))[0])
+
+
+@pytest.mark.parametrize("correction", [True, False])
+def test_sampling_log_probs_of_another_engine_are_corrected_and_logged(correction):
+    """Completions that carry the sampler's log-probs (vLLM) are packed with them; the loss multiplies
+    the surrogate by the capped importance weights and logs the trainer/sampler gap, unless
+    vllm_importance_sampling_correction is off (then nothing is kept and the loss is uncorrected)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained("recipes/demo/tokenizer")
+    completions = [[5, 6, 2], [7, 2], [8, 9, 10]]
+    logprobs = [[-0.5, -3.0, -0.1], [-9.0, -0.2], [-1.0, float("nan"), -2.0]]
+    obj = online_objective(
+        tokenizer, completions, logprobs, generation_backend="vllm", vllm_importance_sampling_cap=2.0,
+        vllm_importance_sampling_correction=correction,
+    )  # fmt: skip
+    obj.reference = SimpleNamespace(forward_passes=0)
+    (batch,) = obj.rollout(torch.nn.Identity(), [PROMPTS[:1]], step=1)[0]
+    if not correction:
+        assert "sampling_logps" not in batch
+        return
+    mask = batch["labels"] != -100
+    torch.testing.assert_close(
+        batch["sampling_logps"][mask], torch.tensor([x for row in logprobs for x in row]), equal_nan=True
+    )
+    policy = tiny_llama()
+    loss, metrics = obj.loss(policy, batch, obj.units(batch))
+    logps = obj._token_logps(policy, batch)[mask].detach()
+    sampled = batch["sampling_logps"][mask]
+    known = ~torch.isnan(sampled)
+    weights = torch.where(known, torch.exp(logps - sampled).clamp(max=2.0), torch.ones_like(logps))
+    out = pg.per_token_loss(
+        logps.clone().requires_grad_(), logps, batch["advantages"][mask], epsilon_low=0.2, epsilon_high=0.2,
+        sampling_weights=weights,
+    )  # fmt: skip
+    expected = pg.policy_loss_sums(
+        out.losses, batch["seq_index"][mask], 3, loss_type="grpo", max_completion_length=8
+    )
+    torch.testing.assert_close(loss.detach(), expected / 3, rtol=1e-5, atol=1e-6)
+    gap = (logps - sampled).abs()[known]
+    torch.testing.assert_close(metrics["sampling/logp_gap"] / metrics["count:sampling/logp_gap"], gap.mean())
+    assert 0 < float(metrics["sampling/capped"]) < float(metrics["count:sampling/capped"])
