@@ -103,8 +103,8 @@ class PreferenceObjective:
 
     def build(self, accelerator) -> Parts:
         from finetune.data.prepare import prepare_on_main_process
-        from finetune.model import load_tokenizer
-        from finetune.vlm import load_processor
+        from finetune.model.build import load_tokenizer
+        from finetune.model.vlm import load_processor
 
         self.accelerator = accelerator
         if self.model_settings.kind == "vlm":
@@ -350,7 +350,7 @@ def loader(data, train, rows, tokenizer, *, training: bool, accelerator=None, pr
     from finetune.data.collate import collate_preference
     from finetune.data.vision import collate_vlm_pairs
     from finetune.data.vision_kto import KL_COLUMNS, collate_vlm_kto, with_kl_rows
-    from finetune.model import pad_token_id
+    from finetune.model.build import pad_token_id
 
     pad_id = pad_token_id(tokenizer)
     columns = COLUMNS

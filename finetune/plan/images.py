@@ -86,7 +86,7 @@ def _local_image_processor(recipe: Recipe) -> Any | None:
     source = recipe.model.tokenizer_source
     if not _local(source):
         return None
-    from finetune.vlm import auto_processor
+    from finetune.model.vlm import auto_processor
 
     return auto_processor(source).image_processor
 

@@ -54,11 +54,11 @@ class VisionInventory:
     merge: int  # patches per image token: Idefics3's scale_factor^2, Qwen2-VL's spatial_merge_size^2
     # Whether a frozen tower's input requires grad under gradient checkpointing (transformers'
     # enable_input_require_grads hooks every sub-model's input embeddings, the tower's too), which would
-    # make it run a backward; training removes that hook (finetune.vlm.release_frozen_towers).
+    # make it run a backward; training removes that hook (finetune.model.vlm.release_frozen_towers).
     checkpointing_input_grad: bool = True
 
     def frozen_params(self, train_vision_tower: bool, train_projector: bool) -> int:
-        """Parameters full fine-tuning leaves frozen (finetune.vlm.freeze)."""
+        """Parameters full fine-tuning leaves frozen (finetune.model.vlm.freeze)."""
         return (0 if train_vision_tower else self.tower_params) + (
             0 if train_projector else self.projector_params
         )
@@ -115,7 +115,7 @@ class ModelInventory:
 
 def load_model_config(model: ModelSection):
     """The transformers config of the recipe's model (config_path mapping or path, else model_path)."""
-    from finetune.model import _load_config
+    from finetune.model.build import _load_config
 
     try:
         return _load_config(model)
@@ -151,7 +151,7 @@ def inspect_model(model: ModelSection) -> ModelInventory:
 
 def inventory_of(net, *, vision_language: bool = False) -> ModelInventory:
     """Counts and shapes of a built model (any device, meta included); a vision-language model's
-    vision tower and projector (finetune.vlm.parts) go in `vision`, the rest is the language model."""
+    vision tower and projector (finetune.model.vlm.parts) go in `vision`, the rest is the language model."""
     import torch
 
     config = net.config
@@ -215,7 +215,7 @@ def _vision_inventory(net) -> tuple[VisionInventory, list[str]]:
     """The vision tower and projector of a VLM, and their module names (skipped by the LM walk)."""
     import torch
 
-    from finetune.vlm import parts
+    from finetune.model.vlm import parts
 
     towers, projectors = parts(net)
 
@@ -264,8 +264,8 @@ def _input_embeddings_hooked(net, towers: list[str]) -> bool:
     """Whether gradient checkpointing leaves a frozen vision tower's output needing a gradient in training:
     transformers' activation_checkpointing_enable (and PEFT's) hooks the input embeddings of every
     PreTrainedModel inside the model, a tower that is one included, and training removes a frozen
-    tower's hook again (finetune.vlm.release_frozen_towers): the same `keeps_input_grad` decides."""
-    from finetune.vlm import keeps_input_grad
+    tower's hook again (finetune.model.vlm.release_frozen_towers): the same `keeps_input_grad` decides."""
+    from finetune.model.vlm import keeps_input_grad
 
     return any(keeps_input_grad(net.get_submodule(name), trains=False) for name in towers)
 
@@ -295,7 +295,7 @@ class Adapter:
 def adapter_counts(inv: ModelInventory, lora: LoraSection, model: ModelSection | None = None) -> Adapter:
     """LoRA parameters PEFT would add: `all-linear` = every nn.Linear but the output layer, a list =
     modules named so or ending in `.name`; modules inside modules_to_save are not adapted. A VLM
-    (finetune.vlm.lora_settings): `all-linear` is the language model's linears, plus the vision tower's
+    (finetune.model.vlm.lora_settings): `all-linear` is the language model's linears, plus the vision tower's
     with model.train_vision_tower; the projector is a module to save with model.train_projector."""
     if not lora.enable_lora:
         return Adapter()

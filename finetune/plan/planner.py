@@ -294,7 +294,7 @@ def _alternatives(
         path = ACCELERATE_CONFIGS / f"{name}.yaml"
         where = f"accelerate_configs/{name}.yaml" if path.is_file() else f"no {name}.yaml shipped: write one"
         out.append((name, eng, recipe, f"--accelerate-config {name} ({where})"))
-    # A VLM's language model alone is 4-bit (finetune.vlm.unquantized_modules keeps the vision tower,
+    # A VLM's language model alone is 4-bit (finetune.model.vlm.unquantized_modules keeps the vision tower,
     # projector and head whole): the inventory's linears are the language model's, the rest is counted
     # in fp32 as prepare_model_for_kbit_training leaves it (tests/unit/test_plan_qlora_vlm.py).
     if not recipe.lora.enable_qlora:

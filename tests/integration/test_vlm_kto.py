@@ -16,7 +16,7 @@ import yaml
 
 from finetune.data.vision_kto import collate_vlm_kto, with_kl_rows
 from finetune.evaluation.preference import score_batches, summarize
-from finetune.model import load_vlm_for_inference
+from finetune.model.inference import load_vlm_for_inference
 from finetune.recipe import validate_recipe
 from tests.integration._run import REPO, cli, progress
 

@@ -22,7 +22,7 @@ from finetune.errors import FinetuneError
 from finetune.evaluation.chat import chat, open_image
 from finetune.evaluation.command import run_chat
 from finetune.generation.sampling import vlm_prompt_inputs
-from finetune.model import is_vision_language, load_vlm_for_inference
+from finetune.model.inference import is_vision_language, load_vlm_for_inference
 from finetune.recipe import dataset_entry
 
 REPO = Path(__file__).resolve().parents[3]

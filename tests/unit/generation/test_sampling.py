@@ -20,7 +20,8 @@ from finetune.generation.sampling import (
     stream_chat,
 )
 from finetune.generation.sets import evaluate_generations
-from finetune.model import apply_lora, load_for_inference
+from finetune.model.adapters import apply_lora
+from finetune.model.inference import load_for_inference
 from finetune.recipe import LoraSection
 from tests.tiny import tiny_model
 from tests.unit.conftest import SmolLM2

@@ -1,4 +1,4 @@
-"""finetune.vlm's scale-out parts on tiny models built from configs: the FSDP wrap classes of Idefics3,
+"""finetune.model.vlm's scale-out parts on tiny models built from configs: the FSDP wrap classes of Idefics3,
 Qwen2-VL, Qwen2.5-VL, Gemma 3 and LLaVA (and why transformers' _no_split_modules is not used), the
 DeepSpeed buckets filled from a VLM's text config, and QLoRA leaving the vision tower and projector
 unquantized."""
@@ -22,8 +22,8 @@ from transformers import (
 )
 
 from finetune.errors import FinetuneError
+from finetune.model.vlm import block_classes, scale_out_settings, unquantized_modules
 from finetune.recipe import validate_recipe
-from finetune.vlm import block_classes, scale_out_settings, unquantized_modules
 
 TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
 TEXT |= {"num_key_value_heads": 1, "vocab_size": 64}
@@ -146,7 +146,7 @@ def _recipe(model_path: str, **model) -> dict:
 def test_qlora_loads_the_language_model_in_4bit_only(tmp_path):
     import bitsandbytes as bnb
 
-    from finetune.model import build_model
+    from finetune.model.build import build_model
 
     build(idefics3).save_pretrained(tmp_path)
     recipe = validate_recipe(_recipe(str(tmp_path)))  # QLoRA of a VLM is a valid recipe
