@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from finetune.errors import FinetuneError
+from finetune.model.families import VisionFamily, family_for
 from finetune.recipe import LoraSection, ModelSection
 
 GiB = 2**30
@@ -50,8 +51,9 @@ class VisionInventory:
     num_heads: int
     patch_size: int
     image_size: int  # the tower's input side (0 when it takes any size, as Qwen2-VL's)
-    model_type: str
-    merge: int  # patches per image token: Idefics3's scale_factor^2, Qwen2-VL's spatial_merge_size^2
+    model_type: str  # the model's (its config's model_type)
+    family: VisionFamily  # what the planner asks about its images (finetune.model.families)
+    merge: int  # patches per image token (the family's merge: Idefics3's scale_factor^2, Qwen2-VL's ...)
     # Whether a frozen tower's input requires grad under gradient checkpointing (transformers'
     # enable_input_require_grads hooks every sub-model's input embeddings, the tower's too), which would
     # make it run a backward; training removes that hook (finetune.model.vlm.release_frozen_towers).
@@ -230,9 +232,7 @@ def _vision_inventory(net) -> tuple[VisionInventory, list[str]]:
         return sum(_count(net.get_submodule(p)) for p in prefixes)
 
     vc = net.config.vision_config
-    # Qwen2-VL keeps its merger (the projector) in `visual`; Idefics3 / LLaVA / Gemma 3 merge by a
-    # pixel shuffle or pooling before their projector.
-    merge = (getattr(vc, "spatial_merge_size", None) or getattr(net.config, "scale_factor", None) or 1) ** 2
+    family = family_for(net.config)
     heads = getattr(vc, "num_attention_heads", None) or getattr(vc, "num_heads", None)
     hidden = getattr(vc, "embed_dim", None) or getattr(vc, "hidden_size", None)  # Qwen2-VL: embed_dim
     inter = getattr(vc, "intermediate_size", None) or int(hidden * getattr(vc, "mlp_ratio", 4))
@@ -253,8 +253,9 @@ def _vision_inventory(net) -> tuple[VisionInventory, list[str]]:
         num_heads=heads,
         patch_size=vc.patch_size,
         image_size=getattr(vc, "image_size", 0) or 0,
-        model_type=getattr(vc, "model_type", "") or "",
-        merge=merge,
+        model_type=getattr(net.config, "model_type", "") or "",
+        family=family,
+        merge=family.merge(net.config),
         checkpointing_input_grad=_input_embeddings_hooked(net, towers),
     )
     return vision, towers + projectors

@@ -124,9 +124,9 @@ def estimate(
 
 def _rotary_rows(inv: ModelInventory, micro_batch_size: int) -> int:
     """Rows with their own rotary tables: a VLM batch carries no position_ids (collate_vlm), so a
-    Llama-style language model makes one 0..s table for all rows; Qwen2-VL's multimodal RoPE makes
-    per-row positions (the images' places)."""
-    if inv.vision is None or inv.vision.model_type.startswith("qwen2"):
+    Llama-style language model makes one 0..s table for all rows; a multimodal RoPE (Qwen2-VL's: its
+    family's `rope_per_row`) makes per-row positions (the images' places)."""
+    if inv.vision is None or inv.vision.family.rope_per_row:
         return micro_batch_size
     return 1
 
