@@ -4,7 +4,7 @@
     python benchmarks/bench_export_gguf.py [--outtypes f16 bf16 q8_0] [--threads N]
 
 A rank-8 LoRA adapter on every linear layer of SmolLM2 (its B matrices random, so the merge changes
-the model) is saved as training saves one, then exported per outtype (finetune.gguf_export.export_gguf:
+the model) is saved as training saves one, then exported per outtype (finetune.model.inference.export_gguf:
 load, merge, write). For each: the export time, the file size, and the file loaded back with
 transformers (`gguf_file=`): the largest logit difference from the merged model on a chat prompt,
 whether the last position's top token agrees, and whether the tokenizer gives the same ids.
@@ -54,9 +54,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.gguf import resolve_path
-    from finetune.gguf_export import export_gguf
-    from finetune.model import load_adapter
+    from finetune.gguf.convert import resolve_path
+    from finetune.model.inference import export_gguf, load_adapter
 
     base = resolve_path(REF)
     tmp = Path(tempfile.mkdtemp(prefix="bench-export-gguf-"))

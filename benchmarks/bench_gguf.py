@@ -5,10 +5,10 @@
 
 Measured in one process, after the imports, with a throwaway conversion cache:
 1. the dequantizing GGUF load transformers does (model, then tokenizer), the way finetune asks for
-   it (finetune.gguf.load_gguf);
-2. the conversion: that load plus writing the Hugging Face folder (finetune.gguf.converted_folder);
+   it (finetune.gguf.convert.load_gguf);
+2. the conversion: that load plus writing the Hugging Face folder (finetune.gguf.convert.converted_folder);
    a second call (cached: the GGUF file's hash, memoized, and the cache check); the cache check
-   alone (finetune.gguf.cache_damage: a stat per file), and what a full check would cost instead
+   alone (finetune.gguf.convert.cache_damage: a stat per file), and what a full check would cost instead
    (sha256 of every converted file);
 3. loading the converted folder with plain from_pretrained, and its first forward (which pages the
    memory-mapped weights in);
@@ -73,7 +73,8 @@ def main() -> None:
 
     from finetune.generation.prompts import prompt_ids
     from finetune.generation.transformers_backend import eval_mode, generate_batch, generation_kwargs
-    from finetune.gguf import cache_damage, converted_folder, file_sha256, gguf_path, load_gguf
+    from finetune.gguf.convert import cache_damage, converted_folder, file_sha256, load_gguf
+    from finetune.gguf.names import gguf_path
 
     gguf = gguf_path(REF)
     rows: list[tuple[str, float]] = []

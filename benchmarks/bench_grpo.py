@@ -144,7 +144,7 @@ def model_folder(args, work: Path) -> Path:
     """The Hugging Face folder both tools load: SmolLM2's GGUF conversion (cached by finetune.gguf),
     or a tiny random-init Llama saved once with the demo tokenizer."""
     if args.model == "smollm2":
-        from finetune.gguf import resolve_path
+        from finetune.gguf.convert import resolve_path
 
         return Path(resolve_path(SMOLLM2))
     folder = work / "tiny-model"

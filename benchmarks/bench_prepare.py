@@ -89,7 +89,7 @@ def tokenized_gsm8k(data_dir: Path):
     """GSM8K tokenized by finetune (input_ids, labels), as the packers' common input."""
     from finetune.data.sources import load_source
     from finetune.data.tokenize import tokenize_dataset
-    from finetune.model import load_tokenizer
+    from finetune.model.build import load_tokenizer
     from finetune.recipe import validate_recipe
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -204,7 +204,7 @@ def worker_ours(data_dir: Path, repeats: int) -> dict:
     import torch  # noqa: F401  (imported before timing, as TRL's side imports it too)
     import transformers  # noqa: F401
 
-    import finetune.model  # noqa: F401
+    import finetune.model.build  # noqa: F401
     from finetune.data.prepare import prepare
     from finetune.recipe import validate_recipe
 

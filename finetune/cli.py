@@ -330,7 +330,7 @@ def print_checkpoints(output_dir: str) -> int:
 
 def export_gguf_command(args: argparse.Namespace) -> int:
     """`finetune export-gguf`: write the file, then say where it is and how to run it."""
-    from finetune.gguf_export import export_gguf
+    from finetune.model.inference import export_gguf
 
     path = export_gguf(args.output_dir, outtype=args.outtype, output=args.output, base=args.base)
     print(f"GGUF file written to {path} ({path.stat().st_size / 2**20:,.1f} MiB, {args.outtype})")
@@ -399,7 +399,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.command == "merge-lora":
         if overrides:
             raise FinetuneError(f"merge-lora takes no recipe overrides, got {' '.join(overrides)}")
-        from finetune.model import merge_lora
+        from finetune.model.inference import merge_lora
 
         merge_lora(args.adapter_dir, args.output, base=args.base, dtype=args.dtype)
         print(f"merged model written to {args.output}")

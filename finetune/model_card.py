@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import FinetuneError
-from finetune.gguf import describe_gguf, portable_base
+from finetune.gguf.convert import describe_gguf
+from finetune.gguf.names import portable_base
 
 _HUB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
 

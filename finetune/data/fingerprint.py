@@ -315,7 +315,7 @@ def _tokenizer_inputs(model: Any) -> dict:
 
     A GGUF model's tokenizer is hashed in its converted folder (the files load_tokenizer reads).
     """
-    from finetune.gguf import resolve_model_source
+    from finetune.gguf.convert import resolve_model_source
 
     source = resolve_model_source(model).tokenizer_source
     local = Path(source).expanduser()

@@ -245,8 +245,8 @@ def _build(
     recipe: Recipe, inputs: dict, root: Path, fingerprint: str, log: Callable[[str], None]
 ) -> Prepared:
     """Tokenize, merge, split, pack and save; returns the saved dataset (memory-mapped)."""
-    from finetune.model import load_tokenizer, pad_token_id
-    from finetune.vlm import load_processor
+    from finetune.model.build import load_tokenizer, pad_token_id
+    from finetune.model.vlm import load_processor
 
     data = recipe.data
     t_start = time.perf_counter()

@@ -313,7 +313,7 @@ def make_stream_loader(
     the stream, packed as data.sample_packing says, read in a background thread when
     data.dataloader_num_workers > 0. Opening the stream once here makes a missing file or column, or a
     tokenizer without the template a format needs, fail before the model is built."""
-    from finetune.model import pad_token_id
+    from finetune.model.build import pad_token_id
 
     def make_stream() -> datasets.IterableDataset:
         return open_stream(

@@ -30,26 +30,13 @@ from finetune.data import encode, images
 from finetune.data.collate import collate_rows
 from finetune.data.encode import Encoder
 from finetune.data.rows import BadRow, Example
+from finetune.model.families import IMAGE_MARKUP_ATTRIBUTES, patch_grid_of
 
 PROCESSOR_REJECTED = "processor_rejected"
 """Bad-row reason: the processor could not turn the row's text and images into model inputs."""
 
 IMAGE_IN_COMPLETION = "image_in_completion"
 """Bad-row reason: a preference pair's chosen or rejected messages hold an image (only prompts may)."""
-
-# Attributes of processors and tokenizers that name image markup tokens (never trained).
-_IMAGE_TOKEN_NAMES = (
-    "image_token",
-    "boi_token",
-    "eoi_token",
-    "fake_image_token",
-    "global_image_token",
-    "global_image_tag",
-    "vision_start_token",
-    "vision_end_token",
-    "start_image_token",
-    "end_image_token",
-)
 
 
 def chat_examples(
@@ -151,13 +138,14 @@ def align(ids: list[int], labels: list[int], full: list[int], masked: set[int]) 
 
 
 def image_token_ids(processor: Any) -> set[int]:
-    """The ids of the image markup tokens a processor and its tokenizer name (never trained)."""
+    """The ids of the image markup tokens a processor and its tokenizer name (never trained): the
+    attributes the vision families table lists (finetune.model.families.IMAGE_MARKUP_ATTRIBUTES)."""
     tokenizer = processor.tokenizer
     ids = set()
     for owner in (processor, tokenizer):
         if isinstance(getattr(owner, "image_token_id", None), int):
             ids.add(owner.image_token_id)
-        for name in _IMAGE_TOKEN_NAMES:
+        for name in IMAGE_MARKUP_ATTRIBUTES:
             token = getattr(owner, name, None)
             token = getattr(token, "content", token)  # an AddedToken
             if isinstance(token, str) and token:
@@ -212,8 +200,8 @@ def collate_vlm_pairs(
     prompt's images) as unpacked rows chosen_0, rejected_0, chosen_1, ...: each sequence its own padded
     row with its pixels (`collate_vlm`), so the model places image features and positions per sequence.
 
-    The images of a pair are processed once and their tensors repeated for its two rows (`_pixels_twice`:
-    per-pair tensors as Idefics3's and Gemma 3's, or Qwen2-VL's flat patches split per pair). `num_units`
+    The images of a pair are processed once and their tensors repeated for its two rows (`_pixels_twice`,
+    by the layout of the family's pixels: finetune.model.families). `num_units`
     (one per pair) and `row_index` come along as for packed preference batches.
     """
     sequences = []
@@ -244,24 +232,25 @@ def collate_vlm_pairs(
 def _pixels_twice(pixels: dict[str, torch.Tensor], per_pair: list[list], processor: Any) -> dict:
     """The image processor's tensors of each pair's images, repeated for its chosen and rejected rows.
 
-    Tensors with one entry per pair (Idefics3, Gemma 3) repeat as they are. Qwen2-VL's family holds the
-    patches of every image flat, one image_grid_thw row per image (its t*h*w patches), so its tensors are
-    split per pair and each pair's slices repeated; any other layout is processed again for the second
-    row of each pair (correct, twice the work).
+    Tensors with one entry per pair repeat as they are: a `per_row` layout always (Idefics3), a
+    `per_image` one when each pair has one image (Gemma 3, LLaVA). A `flat_patches` layout (Qwen2-VL)
+    holds the patches of every image flat, one row of its `patch_grid` tensor per image (its t*h*w
+    patches), so its tensors are split per pair and each pair's slices repeated; any other layout is
+    processed again for the second row of each pair (correct, twice the work).
     """
     if all(v.shape[0] == len(per_pair) for v in pixels.values()):
         return {k: v.repeat_interleave(2, dim=0) for k, v in pixels.items()}
     counts = [len(imgs) for imgs in per_pair]
-    grid = pixels.get("image_grid_thw")
-    if set(pixels) == {"pixel_values", "image_grid_thw"} and grid.shape[0] == sum(counts):
-        patches = grid.prod(dim=-1).tolist()
+    key = patch_grid_of(pixels)
+    if key and set(pixels) == {"pixel_values", key} and pixels[key].shape[0] == sum(counts):
+        patches = pixels[key].prod(dim=-1).tolist()
         if sum(patches) == pixels["pixel_values"].shape[0]:
             ends = [sum(counts[: i + 1]) for i in range(len(counts))]
             out = {}
-            for key, per_image in (("pixel_values", patches), ("image_grid_thw", [1] * len(patches))):
-                of_image = pixels[key].split(per_image)
+            for name, per_image in (("pixel_values", patches), (key, [1] * len(patches))):
+                of_image = pixels[name].split(per_image)
                 of_pair = [torch.cat(of_image[end - n : end]) for n, end in zip(counts, ends, strict=True)]
-                out[key] = torch.cat([part for part in of_pair for _ in range(2)])
+                out[name] = torch.cat([part for part in of_pair for _ in range(2)])
             return out
     twice = [imgs for imgs in per_pair for _ in range(2)]
     again = processor.image_processor(images=twice, return_tensors="pt")

@@ -31,7 +31,7 @@ def run_chat(
     vision-language model (with its processor) also takes `images` (paths) for the first message."""
     from finetune.evaluation.chat import chat, open_image
     from finetune.generation.backends import backend_for
-    from finetune.model import (
+    from finetune.model.inference import (
         inference_device,
         is_vision_language,
         load_for_inference,
@@ -105,13 +105,9 @@ def run_eval(recipe, args) -> int:
     vision = recipe.model.kind == "vlm"
     from finetune.evaluation.compare import evaluate_models, format_table, write_report
     from finetune.evaluation.fit import check_fits_recipe
-    from finetune.model import (
-        base_model_source,
-        check_model_location,
-        inference_device,
-        load_for_inference,
-        load_tokenizer,
-    )
+    from finetune.model.build import load_tokenizer
+    from finetune.model.folders import check_model_location
+    from finetune.model.inference import base_model_source, inference_device, load_for_inference
 
     load = _load_vlm if vision else load_for_inference
 
@@ -139,7 +135,7 @@ def run_eval(recipe, args) -> int:
         models[label] = lambda target=target: load(target, merge=True)
     processor = None
     if vision:  # the recipe's processor reads every model's images, as in training
-        from finetune.vlm import load_processor
+        from finetune.model.vlm import load_processor
 
         processor = load_processor(recipe.model)
     results = evaluate_models(
@@ -167,7 +163,7 @@ def _load_vlm(path: str, *, tokenizer=None, merge: bool = False):
     """(model, tokenizer) of a vision-language model or adapter for `finetune eval`: the held-out batches
     and the generation sets' images go through the recipe's processor (and `tokenizer`), as in training,
     so the saved processor is not used; an adapter stays unmerged (load_vlm_for_inference does not merge)."""
-    from finetune.model import load_vlm_for_inference
+    from finetune.model.inference import load_vlm_for_inference
 
     net, processor = load_vlm_for_inference(path)
     return net, tokenizer if tokenizer is not None else processor.tokenizer

@@ -11,8 +11,11 @@ import json
 from pathlib import Path
 
 from finetune.errors import FinetuneError
-from finetune.gguf import resolve_model_source, resolve_path
-from finetune.model import ADAPTER_CONFIG, _brief, _load_config, _load_tokenizer_or_none, _same_location
+from finetune.gguf.convert import resolve_model_source, resolve_path
+from finetune.model.adapters import _same_location
+from finetune.model.build import _load_config
+from finetune.model.folders import ADAPTER_CONFIG, _brief
+from finetune.model.inference import _load_tokenizer_or_none
 from finetune.notices import warn
 from finetune.recipe import ModelSection
 

@@ -31,7 +31,7 @@ from finetune.metrics import device_peak_flops, forward_flops_per_token, model_f
 def start(objective, recipe) -> None:
     """Give an LM objective the recipe's parts and the attributes the engine reads, empty until
     `build`; refuse an attention backend that cannot run here before anything is prepared."""
-    from finetune.model import check_attention_backend
+    from finetune.model.build import check_attention_backend
 
     check_attention_backend(recipe.model.attn_implementation)
     # The objective is built by the entry point from the whole recipe and keeps only its parts.
@@ -97,19 +97,18 @@ def build_lm(
     random-init weights, LoRA / QLoRA adapters (a random-init base is saved with the tokenizer, or a
     vision-language model's `processor`, to output_dir/base_model, so the adapter can be loaded later),
     fp32 trainable weights under fp16. A vision-language model's LoRA targets its language model
-    (finetune.vlm.lora_settings). `init_loader()` makes a fresh loader of this process's training
+    (finetune.model.vlm.lora_settings). `init_loader()` makes a fresh loader of this process's training
     batches, which EVA and CorDA (lora.init_lora_weights) compute their init from."""
-    from finetune.gguf import portable_base, resolve_model_source
-    from finetune.model import (
+    from finetune.gguf.convert import resolve_model_source
+    from finetune.gguf.names import portable_base
+    from finetune.model.adapters import (
         apply_lora,
-        build_model,
-        count_parameters,
         enable_neftune,
         init_modifies_base,
-        save_base_model,
         save_initial_adapter,
         upcast_trainable_to_fp32,
     )
+    from finetune.model.build import build_model, count_parameters, save_base_model
 
     output_dir = Path(train.output_dir)
     model = build_model(
@@ -135,7 +134,7 @@ def build_lm(
         )
         targets = {}
         if model_settings.kind == "vlm":
-            from finetune.vlm import lora_settings
+            from finetune.model.vlm import lora_settings
 
             targets = lora_settings(
                 model,
@@ -160,7 +159,7 @@ def build_lm(
                 model, output_dir / INITIAL_ADAPTER, is_main_process=accelerator.is_main_process
             )
     if model_settings.kind == "vlm":
-        from finetune.vlm import release_frozen_towers, scale_out_settings
+        from finetune.model.vlm import release_frozen_towers, scale_out_settings
 
         if train.gradient_checkpointing:  # after PEFT, which hooks the input embeddings again
             release_frozen_towers(model)
@@ -175,12 +174,12 @@ def build_lm(
 
 
 def _init_data(lora, train, tokenizer, accelerator, init_loader, model):
-    """What EVA or CorDA read (finetune.lora_init.InitData), or None for the other inits. The model
+    """What EVA or CorDA read (finetune.model.lora_init.InitData), or None for the other inits. The model
     moves to the device first: the main process's pass over the data runs there."""
     from accelerate.utils import DistributedType
 
-    from finetune.lora_init import FOLDER, InitData
-    from finetune.model import pad_token_id
+    from finetune.model.build import pad_token_id
+    from finetune.model.lora_init import FOLDER, InitData
     from finetune.recipe.lora import DATA_DRIVEN
 
     init = lora.init_lora_weights
@@ -353,7 +352,7 @@ def throughput_fields(
 
 
 INITIAL_ADAPTER = "initial_adapter"
-"""output_dir's folder for a PiSSA/OLoRA adapter as initialised (finetune.model.save_initial_adapter)."""
+"""output_dir's folder for a PiSSA/OLoRA adapter as initialised (finetune.model.adapters.save_initial_adapter)."""
 
 
 def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict) -> None:
@@ -392,7 +391,7 @@ def _save_adapter(accelerator, unwrapped, folder: Path, state_dict, initial: Pat
     """Save the PEFT model's adapter into `folder` (every process calls it; the main one writes). An
     adapter trained against a residual base (PiSSA / OLoRA / CorDA) is saved converted to plain LoRA
     for the original base, against its `initial` adapter."""
-    from finetune.model import adapter_save_kwargs, init_modifies_base, save_converted_adapter
+    from finetune.model.adapters import adapter_save_kwargs, init_modifies_base, save_converted_adapter
 
     common = {"state_dict": state_dict, "is_main_process": accelerator.is_main_process}
     if init_modifies_base(unwrapped):
@@ -412,7 +411,7 @@ def _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir: Pa
     weights on the main process (the same code as `finetune merge-lora`)."""
     from accelerate.utils import DistributedType
 
-    from finetune.model import merge_lora
+    from finetune.model.inference import merge_lora
 
     adapter_dir = output_dir / ".adapter-to-merge"
     try:

@@ -56,7 +56,7 @@ class OnlineObjective:
     batches_per_window = 1  # one loader item per step: this process's prompts (see `rollout`)
 
     def __init__(self, recipe):
-        from finetune.model import check_attention_backend
+        from finetune.model.build import check_attention_backend
 
         check_attention_backend(recipe.model.attn_implementation)
         spec = OBJECTIVES[recipe.train.objective]
@@ -84,7 +84,7 @@ class OnlineObjective:
 
     def build(self, accelerator) -> Parts:
         from finetune.data.prepare import prepare_on_main_process
-        from finetune.model import load_tokenizer
+        from finetune.model.build import load_tokenizer
 
         self.accelerator = accelerator
         _refuse_sharded_generation(accelerator, self.name)
@@ -190,7 +190,7 @@ class OnlineObjective:
         return [c.logprobs for c in completions]
 
     def _pad_id(self) -> int:
-        from finetune.model import pad_token_id
+        from finetune.model.build import pad_token_id
 
         return pad_token_id(self.tokenizer)
 

@@ -110,8 +110,8 @@ class PreferenceObjective:
 
     def build(self, accelerator) -> Parts:
         from finetune.data.prepare import prepare_on_main_process
-        from finetune.model import load_tokenizer
-        from finetune.vlm import load_processor
+        from finetune.model.build import load_tokenizer
+        from finetune.model.vlm import load_processor
 
         self.accelerator = accelerator
         if self.model_settings.kind == "vlm":
@@ -340,9 +340,9 @@ class PreferenceObjective:
         """`finetune eval`'s score of the held-out pairs (kto: examples) with training's batches, forwards
         and losses; the base is every model's reference where the objective has one (a vision-language
         recipe's pairs collated with their pixels by the recipe's processor)."""
-        from finetune.model import inference_device
+        from finetune.model.inference import inference_device
+        from finetune.model.vlm import load_processor
         from finetune.objectives.preference_eval import preference_scorer
-        from finetune.vlm import load_processor
 
         processor = load_processor(recipe.model) if recipe.model.kind == "vlm" else None
 
@@ -375,7 +375,7 @@ def loader(data, train, rows, tokenizer, *, training: bool, accelerator=None, pr
     from finetune.data.collate import collate_preference
     from finetune.data.vision import collate_vlm_pairs
     from finetune.data.vision_kto import KL_COLUMNS, collate_vlm_kto, with_kl_rows
-    from finetune.model import pad_token_id
+    from finetune.model.build import pad_token_id
 
     pad_id = pad_token_id(tokenizer)
     columns = COLUMNS

@@ -138,7 +138,7 @@ class ReferenceTable:
 
 def reference_key(model_settings: Any, *, mixed_precision: str, seed: int) -> str:
     """What the reference log-probs depend on besides the data, hashed (see the module docstring)."""
-    from finetune.gguf import resolve_model_source
+    from finetune.gguf.convert import resolve_model_source
 
     identity: dict[str, Any] = {
         "model": model_settings.model_dump(mode="json"),

@@ -41,8 +41,8 @@ class SFTObjective:
 
     def build(self, accelerator) -> Parts:
         from finetune.data.prepare import prepare_on_main_process
-        from finetune.model import load_tokenizer
-        from finetune.vlm import load_processor
+        from finetune.model.build import load_tokenizer
+        from finetune.model.vlm import load_processor
 
         self.accelerator = accelerator
         if self.model_settings.kind == "vlm":
@@ -121,7 +121,7 @@ class SFTObjective:
     def _chunk_size(self, model, accelerator) -> int:
         """train.loss_chunk_size resolved for this model (auto: on for large vocab x tokens)."""
         from finetune.losses.chunked_ce import fused_linear_backend, resolve_loss_chunk_size
-        from finetune.model import full_shape
+        from finetune.model.build import full_shape
 
         setting = self.train.loss_chunk_size
         if self.model_settings.enable_liger_kernel:
@@ -219,7 +219,7 @@ class SFTObjective:
         """`finetune eval`'s batches of the held-out rows for every model's token loss and perplexity (a
         vision-language recipe's collated with their pixels by the recipe's processor, as training
         evaluates them)."""
-        from finetune.vlm import load_processor
+        from finetune.model.vlm import load_processor
 
         processor = load_processor(recipe.model) if recipe.model.kind == "vlm" else None
 
@@ -246,7 +246,7 @@ def loader(data, train, dataset, tokenizer, *, training: bool = True, accelerato
 
     from finetune.data.loader import MODEL_COLUMNS
     from finetune.data.vision import collate_vlm
-    from finetune.model import pad_token_id
+    from finetune.model.build import pad_token_id
 
     packed = data.sample_packing if training else data.eval_sample_packing
     options = {}

@@ -261,7 +261,7 @@ def vision_bytes(
     would a frozen one whose input embeddings checkpointing makes require grad
     (`VisionInventory.checkpointing_input_grad`): its layers are checkpointed, the final norm saves its
     input and mean/rstd (r*p*h + 8*p), and the tower runs a backward that updates nothing. Training
-    removes that hook from a frozen tower (finetune.vlm.release_frozen_towers), so it saves nothing.
+    removes that hook from a frozen tower (finetune.model.vlm.release_frozen_towers), so it saves nothing.
     LoRA on the tower (`lora_rank`): the frozen patch embedding saves no pixels and the first norm
     nothing (its input needs no gradient); each adapted linear adds lora_A's output (c*p*rank) and,
     with lora_dropout, the dropout's output and mask ((c+1)*p*in_features).
@@ -295,7 +295,7 @@ def frozen_tower_forward_bytes(
     text_embeddings: float,
 ) -> float:
     """The peak of a frozen vision tower's forward, which saves nothing for a backward (its hook removed
-    under checkpointing, finetune.vlm.release_frozen_towers) and so runs like inference: the text
+    under checkpointing, finetune.model.vlm.release_frozen_towers) and so runs like inference: the text
     embeddings (`text_embeddings`, made first), a copy of the pixels (the real images picked out),
     four p*h tensors in the last layer (the patch embeddings' sum, the residual, the norm's output
     and fc1's input) and the MLP's intermediates, fc1's and the activation's outputs (2c*p*i; gated,

@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import FinetuneError
+from finetune.model.families import family_for
 from finetune.plan.activations import ImageInput
 from finetune.plan.inventory import VisionInventory
 from finetune.recipe import Recipe
-
-QWEN_DEFAULT_MAX_PIXELS = 12845056  # Qwen2-VL's image processor default (16384 * 28 * 28)
 
 
 def image_input(
@@ -35,13 +34,12 @@ def image_input(
         counted = prepared_images_per_row(recipe)
         rows, rows_text = counted if counted else (1, "assumed (set --images-per-row)")
     processor = _local_image_processor(recipe)
-    patches, pixel_bytes, how = _patches(vision, recipe, processor)
     if patches_per_image is not None:
-        # pixel_values scale with the patches: each patch is patch_size^2 RGB fp32 values
+        # pixel_values scale with the patches: each patch is patch_size^2 RGB fp32 values per frame
         patches, how = patches_per_image, "--patches-per-image"
-        pixel_bytes = (
-            4 * 3 * vision.patch_size**2 * patches * (2 if vision.model_type.startswith("qwen2") else 1)
-        )
+        pixel_bytes = 4 * 3 * vision.patch_size**2 * patches * vision.family.frames_per_patch
+    else:
+        patches, pixel_bytes, how = _patches(vision, recipe, processor)
     source = f"{rows:g} image(s) per row, {rows_text}; {patches} patches per image, {how}"
     return ImageInput(rows, patches, pixel_bytes, source)
 
@@ -86,22 +84,25 @@ def _local_image_processor(recipe: Recipe) -> Any | None:
     source = recipe.model.tokenizer_source
     if not _local(source):
         return None
-    from finetune.vlm import auto_processor
+    from finetune.model.vlm import auto_processor
 
     return auto_processor(source).image_processor
 
 
 def _patches(vision: VisionInventory, recipe: Recipe, processor: Any | None) -> tuple[int, int, str]:
-    """(patches per image, pixel_values bytes per image, how they were found) for the largest image."""
-    p = vision.patch_size
-    if vision.model_type.startswith("qwen2"):
-        # Qwen2-VL resizes an image to at most max_pixels (data.image_max_pixels caps it first) and
-        # cuts it into patch x patch tiles, each repeated over temporal_patch_size (2) frames.
-        max_pixels, how = _qwen_max_pixels(recipe, processor)
+    """(patches per image, pixel_values bytes per image, how they were found) for the largest image, as
+    its family cuts images (finetune.model.families)."""
+    family, p = vision.family, vision.patch_size
+    if family.max_pixels:
+        # Dynamic resolution (Qwen2-VL): an image is resized to at most max_pixels (data.image_max_pixels
+        # caps it first) and cut into patch x patch tiles, each repeated over frames_per_patch frames.
+        max_pixels, how = _max_pixels(vision, recipe, processor)
         merge_side = p * math.isqrt(vision.merge)
         patches = (max_pixels // merge_side**2) * vision.merge
-        return patches, 4 * patches * 3 * 2 * p * p, how
+        return patches, 4 * patches * 3 * family.frames_per_patch * p * p, how
     side = vision.image_size
+    if not side:  # the tower takes any size: only a family row says how large an image gets
+        family_for(vision.model_type, required="the planner's patches per image (or set --patches-per-image)")
     per_crop = (side // p) ** 2
     crops, how = 1, f"one {side}px image of {per_crop} patches (model config)"
     if processor is not None and getattr(processor, "do_image_splitting", False):
@@ -110,19 +111,20 @@ def _patches(vision: VisionInventory, recipe: Recipe, processor: Any | None) -> 
         crop = (getattr(processor, "max_image_size", None) or {}).get("longest_edge", side)
         crops = math.ceil(longest / crop) ** 2 + 1
         how = f"the processor's largest split: {crops} crops of {per_crop} patches"
-    elif vision.model_type.startswith("idefics3") and processor is None:
-        how += "; SmolVLM/Idefics3 processors split large images into up to 17 crops: set --patches-per-image"
+    elif family.max_crops > 1 and processor is None:
+        how += (
+            f"; {family.name} processors split large images into up to {family.max_crops} crops: "
+            "set --patches-per-image"
+        )
     return crops * per_crop, crops * 4 * 3 * side * side, how
 
 
-def _qwen_max_pixels(recipe: Recipe, processor: Any | None) -> tuple[int, str]:
+def _max_pixels(vision: VisionInventory, recipe: Recipe, processor: Any | None) -> tuple[int, str]:
     if recipe.data.image_max_pixels:
         return recipe.data.image_max_pixels, f"data.image_max_pixels {recipe.data.image_max_pixels}"
     size = getattr(processor, "size", None) or {}
     limit = size.get("longest_edge") or getattr(processor, "max_pixels", None)
     if limit:
         return int(limit), f"the processor's max_pixels {int(limit)}"
-    return (
-        QWEN_DEFAULT_MAX_PIXELS,
-        f"Qwen2-VL's default max_pixels {QWEN_DEFAULT_MAX_PIXELS} (set data.image_max_pixels)",
-    )
+    default = vision.family.max_pixels
+    return default, f"{vision.family.name}'s default max_pixels {default} (set data.image_max_pixels)"

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from finetune.errors import FinetuneError
+from finetune.model.families import VisionFamily, family_for
 from finetune.recipe import LoraSection, ModelSection
 
 GiB = 2**30
@@ -50,15 +51,16 @@ class VisionInventory:
     num_heads: int
     patch_size: int
     image_size: int  # the tower's input side (0 when it takes any size, as Qwen2-VL's)
-    model_type: str
-    merge: int  # patches per image token: Idefics3's scale_factor^2, Qwen2-VL's spatial_merge_size^2
+    model_type: str  # the model's (its config's model_type)
+    family: VisionFamily  # what the planner asks about its images (finetune.model.families)
+    merge: int  # patches per image token (the family's merge: Idefics3's scale_factor^2, Qwen2-VL's ...)
     # Whether a frozen tower's input requires grad under gradient checkpointing (transformers'
     # enable_input_require_grads hooks every sub-model's input embeddings, the tower's too), which would
-    # make it run a backward; training removes that hook (finetune.vlm.release_frozen_towers).
+    # make it run a backward; training removes that hook (finetune.model.vlm.release_frozen_towers).
     checkpointing_input_grad: bool = True
 
     def frozen_params(self, train_vision_tower: bool, train_projector: bool) -> int:
-        """Parameters full fine-tuning leaves frozen (finetune.vlm.freeze)."""
+        """Parameters full fine-tuning leaves frozen (finetune.model.vlm.freeze)."""
         return (0 if train_vision_tower else self.tower_params) + (
             0 if train_projector else self.projector_params
         )
@@ -115,7 +117,7 @@ class ModelInventory:
 
 def load_model_config(model: ModelSection):
     """The transformers config of the recipe's model (config_path mapping or path, else model_path)."""
-    from finetune.model import _load_config
+    from finetune.model.build import _load_config
 
     try:
         return _load_config(model)
@@ -151,7 +153,7 @@ def inspect_model(model: ModelSection) -> ModelInventory:
 
 def inventory_of(net, *, vision_language: bool = False) -> ModelInventory:
     """Counts and shapes of a built model (any device, meta included); a vision-language model's
-    vision tower and projector (finetune.vlm.parts) go in `vision`, the rest is the language model."""
+    vision tower and projector (finetune.model.vlm.parts) go in `vision`, the rest is the language model."""
     import torch
 
     config = net.config
@@ -215,7 +217,7 @@ def _vision_inventory(net) -> tuple[VisionInventory, list[str]]:
     """The vision tower and projector of a VLM, and their module names (skipped by the LM walk)."""
     import torch
 
-    from finetune.vlm import parts
+    from finetune.model.vlm import parts
 
     towers, projectors = parts(net)
 
@@ -230,9 +232,7 @@ def _vision_inventory(net) -> tuple[VisionInventory, list[str]]:
         return sum(_count(net.get_submodule(p)) for p in prefixes)
 
     vc = net.config.vision_config
-    # Qwen2-VL keeps its merger (the projector) in `visual`; Idefics3 / LLaVA / Gemma 3 merge by a
-    # pixel shuffle or pooling before their projector.
-    merge = (getattr(vc, "spatial_merge_size", None) or getattr(net.config, "scale_factor", None) or 1) ** 2
+    family = family_for(net.config)
     heads = getattr(vc, "num_attention_heads", None) or getattr(vc, "num_heads", None)
     hidden = getattr(vc, "embed_dim", None) or getattr(vc, "hidden_size", None)  # Qwen2-VL: embed_dim
     inter = getattr(vc, "intermediate_size", None) or int(hidden * getattr(vc, "mlp_ratio", 4))
@@ -253,8 +253,9 @@ def _vision_inventory(net) -> tuple[VisionInventory, list[str]]:
         num_heads=heads,
         patch_size=vc.patch_size,
         image_size=getattr(vc, "image_size", 0) or 0,
-        model_type=getattr(vc, "model_type", "") or "",
-        merge=merge,
+        model_type=getattr(net.config, "model_type", "") or "",
+        family=family,
+        merge=family.merge(net.config),
         checkpointing_input_grad=_input_embeddings_hooked(net, towers),
     )
     return vision, towers + projectors
@@ -264,8 +265,8 @@ def _input_embeddings_hooked(net, towers: list[str]) -> bool:
     """Whether gradient checkpointing leaves a frozen vision tower's output needing a gradient in training:
     transformers' activation_checkpointing_enable (and PEFT's) hooks the input embeddings of every
     PreTrainedModel inside the model, a tower that is one included, and training removes a frozen
-    tower's hook again (finetune.vlm.release_frozen_towers): the same `keeps_input_grad` decides."""
-    from finetune.vlm import keeps_input_grad
+    tower's hook again (finetune.model.vlm.release_frozen_towers): the same `keeps_input_grad` decides."""
+    from finetune.model.vlm import keeps_input_grad
 
     return any(keeps_input_grad(net.get_submodule(name), trains=False) for name in towers)
 
@@ -295,7 +296,7 @@ class Adapter:
 def adapter_counts(inv: ModelInventory, lora: LoraSection, model: ModelSection | None = None) -> Adapter:
     """LoRA parameters PEFT would add: `all-linear` = every nn.Linear but the output layer, a list =
     modules named so or ending in `.name`; modules inside modules_to_save are not adapted. A VLM
-    (finetune.vlm.lora_settings): `all-linear` is the language model's linears, plus the vision tower's
+    (finetune.model.vlm.lora_settings): `all-linear` is the language model's linears, plus the vision tower's
     with model.train_vision_tower; the projector is a module to save with model.train_projector."""
     if not lora.enable_lora:
         return Adapter()

@@ -124,9 +124,9 @@ def estimate(
 
 def _rotary_rows(inv: ModelInventory, micro_batch_size: int) -> int:
     """Rows with their own rotary tables: a VLM batch carries no position_ids (collate_vlm), so a
-    Llama-style language model makes one 0..s table for all rows; Qwen2-VL's multimodal RoPE makes
-    per-row positions (the images' places)."""
-    if inv.vision is None or inv.vision.model_type.startswith("qwen2"):
+    Llama-style language model makes one 0..s table for all rows; a multimodal RoPE (Qwen2-VL's: its
+    family's `rope_per_row`) makes per-row positions (the images' places)."""
+    if inv.vision is None or inv.vision.family.rope_per_row:
         return micro_batch_size
     return 1
 
@@ -294,7 +294,7 @@ def _alternatives(
         path = ACCELERATE_CONFIGS / f"{name}.yaml"
         where = f"accelerate_configs/{name}.yaml" if path.is_file() else f"no {name}.yaml shipped: write one"
         out.append((name, eng, recipe, f"--accelerate-config {name} ({where})"))
-    # A VLM's language model alone is 4-bit (finetune.vlm.unquantized_modules keeps the vision tower,
+    # A VLM's language model alone is 4-bit (finetune.model.vlm.unquantized_modules keeps the vision tower,
     # projector and head whole): the inventory's linears are the language model's, the rest is counted
     # in fp32 as prepare_model_for_kbit_training leaves it (tests/unit/test_plan_qlora_vlm.py).
     if not recipe.lora.enable_qlora:

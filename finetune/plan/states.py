@@ -65,7 +65,7 @@ def _optimizer_bytes(name: str, params: float, weight_bytes: float) -> tuple[flo
 def model_states(
     inv: ModelInventory, adapter: Adapter, recipe: Recipe, engine: DistributedSetup, *, checkpointing: bool
 ) -> Layout:
-    """The bytes this codebase holds, from finetune/model.py, PEFT, accelerate and DeepSpeed:
+    """The bytes this codebase holds, from finetune/model/, PEFT, accelerate and DeepSpeed:
 
     - without DeepSpeed, weights load in `weight_dtype` (auto + mixed precision: fp32 for full
       fine-tuning, the 16-bit compute dtype for a frozen LoRA base); autocast computes in bf16/fp16,
@@ -106,7 +106,7 @@ def model_states(
             lora_bytes=w,
             quant_bytes=quant or 0.0,
         )
-    from finetune.model import DTYPES, weight_dtype
+    from finetune.model.build import DTYPES, weight_dtype
 
     dtype = weight_dtype(recipe.model, lora, train.mixed_precision)
     w, w_name = dtype.itemsize, next(name for name, d in DTYPES.items() if d == dtype)

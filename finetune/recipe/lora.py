@@ -14,7 +14,7 @@ from finetune.recipe.base import Problem, _Section
 # PEFT's LoraConfig.init_lora_weights values finetune passes through, and those it refuses, with why.
 INIT_LORA_WEIGHTS = ("gaussian", "pissa", "olora", "eva", "corda")
 DATA_DRIVEN = ("eva", "corda")
-"""Inits computed from the training data before training (finetune.lora_init): their settings are the
+"""Inits computed from the training data before training (finetune.model.lora_init): their settings are the
 sections lora.eva and lora.corda."""
 INIT_REFUSED = {
     "loftq": "replaces the base weights by their quantized approximation, so the adapter only fits a base "

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from finetune.gguf import gguf_problems
+from finetune.gguf.names import gguf_problems
 from finetune.recipe.base import Problem, _Section
 
 # Named chat templates accepted by `model.chat_template` (any other value is used as a Jinja string).

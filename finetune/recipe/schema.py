@@ -464,7 +464,7 @@ def objective_setting_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[
 
 
 def data_init_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
-    """EVA and CorDA read token rows of the training data before training (finetune.lora_init): a
+    """EVA and CorDA read token rows of the training data before training (finetune.model.lora_init): a
     diffusion recipe (images) and an online objective (prompts only, completions come later) have none."""
     init = recipe.lora.init_lora_weights if ok("lora.init_lora_weights") else None
     if init not in DATA_DRIVEN or not ok("model.kind", "train.objective"):

@@ -3,7 +3,7 @@ on its language model and its vision tower and projector frozen (every wrapped u
 weights and trainable adapters), two AdamW steps on the same 16 prepared rows.
 
 With 2 processes the model is sharded by FSDP2 (torch's fully_shard) into the units Accelerate's own
-FSDP2 auto-wrap policy picks once finetune.vlm.scale_out_settings has named the wrap classes, each rank
+FSDP2 auto-wrap policy picks once finetune.model.vlm.scale_out_settings has named the wrap classes, each rank
 taking 8 rows; `steps` with world 1 runs it unsharded, the reference (the test calls it in-process).
 Accelerate's FSDP itself does not start on CPU (it enables FSDP only for GPU-like distributed types), so
 this drives the same policy and torch's FSDP2 directly. Rank 0 writes the losses and the trained LoRA
@@ -29,9 +29,9 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from finetune import vlm
 from finetune.data.vision import collate_vlm
 from finetune.losses.causal_lm import token_loss_sums
+from finetune.model import vlm
 
 ROWS, STEPS = 16, 2
 

@@ -104,7 +104,7 @@ def test_export_gguf_writes_the_merged_demo_for_llama_cpp(trained, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.model import load_adapter
+    from finetune.model.inference import load_adapter
 
     out, target = trained["tmp"] / "out", tmp_path / "demo.gguf"
     result = cli("export-gguf", str(out), "--outtype", "q8_0", "--output", str(target))
@@ -116,7 +116,9 @@ def test_export_gguf_writes_the_merged_demo_for_llama_cpp(trained, tmp_path):
     ids = torch.tensor([tokenizer("What is 2 plus 3?").input_ids])
     with torch.no_grad():
         want, got = merged(ids).logits, back(ids).logits
-    assert (got - want).abs().max() <= 3e-2 * want.abs().max()  # tests/unit/test_gguf_export.py's Q8_0 bound
+    assert (
+        got - want
+    ).abs().max() <= 3e-2 * want.abs().max()  # tests/unit/gguf/test_gguf_export.py's Q8_0 bound
     assert got[0, -1].argmax() == want[0, -1].argmax()
     loaded = AutoTokenizer.from_pretrained(tmp_path, gguf_file=target.name)
     messages = [{"role": "user", "content": "What is 7 plus 1?"}]

@@ -100,4 +100,4 @@ def test_an_adapter_trained_on_a_gguf_runs_where_its_conversion_is_not_cached(
     assert merged.returncode == 0, merged.stderr[-3000:]
     assert (tmp_path / "merged" / "model.safetensors").is_file()
     assert "Traceback" not in chat.stderr + merged.stderr
-    # finetune eval resolves an adapter's base the same way (tests/unit/test_gguf_base.py).
+    # finetune eval resolves an adapter's base the same way (tests/unit/gguf/test_gguf_base.py).

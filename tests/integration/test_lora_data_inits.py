@@ -1,9 +1,9 @@
 """EVA and CorDA (lora.init_lora_weights) through the real CLI on the tiny demo: the init is computed
 once from the training data and saved; a run resumed from a checkpoint (into another output_dir)
 loads it instead of reading the data and continues with the same losses; the final adapter loads on
-the base; 2 gloo processes compute it once and train. CorDA shares this code (finetune.lora_init); its
-weights are checked against PEFT's in tests/unit/test_lora_init.py, and its conversion to plain LoRA
-(with modules_to_save kept) in tests/unit/test_lora_variants.py, without a CLI run of its own."""
+the base; 2 gloo processes compute it once and train. CorDA shares this code (finetune.model.lora_init); its
+weights are checked against PEFT's in tests/unit/model/test_lora_init.py, and its conversion to plain LoRA
+(with modules_to_save kept) in tests/unit/model/test_lora_variants.py, without a CLI run of its own."""
 
 from __future__ import annotations
 

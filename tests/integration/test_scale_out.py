@@ -151,7 +151,7 @@ def _trained_logits(out: Path, checkpoint: Path, base_dir: Path, *, lora: bool) 
     """Logits of the weights DeepSpeed holds in the checkpoint, loaded into a model built from the base."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.model import apply_lora
+    from finetune.model.adapters import apply_lora
     from finetune.recipe import load_recipe
 
     state = _fp32_state_dict(checkpoint)

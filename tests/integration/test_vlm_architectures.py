@@ -18,7 +18,7 @@ from PIL import Image
 
 from finetune.data.images import SENTINEL
 from finetune.generation.prompts import vlm_prompt_inputs
-from finetune.model import load_vlm_for_inference
+from finetune.model.inference import load_vlm_for_inference
 from tests.integration._run import REPO, cli, progress, step_losses
 from tests.unit.data.test_vlm_masking import tiny_config
 from tests.vlm_processors import PROCESSORS
@@ -92,7 +92,7 @@ def write_recipe(root: Path, name: str) -> Path:
             "output_dir": str(root / "out"),
             "seed": 0,
             "micro_batch_size": 8,
-            # the frozen tower's checkpointing hook removed (finetune.vlm.release_frozen_towers)
+            # the frozen tower's checkpointing hook removed (finetune.model.vlm.release_frozen_towers)
             "gradient_checkpointing": True,
             "max_steps": STEPS,
             "mixed_precision": "no",

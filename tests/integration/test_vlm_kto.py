@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from finetune.data.vision_kto import collate_vlm_kto, with_kl_rows
-from finetune.model import load_vlm_for_inference
+from finetune.model.inference import load_vlm_for_inference
 from finetune.objectives.preference_eval import score_batches, summarize
 from finetune.recipe import validate_recipe
 from tests.integration._run import REPO, cli, progress

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from finetune.data.vision import collate_vlm_pairs
-from finetune.model import load_vlm_for_inference
+from finetune.model.inference import load_vlm_for_inference
 from finetune.objectives.preference_eval import score_batches, summarize
 from finetune.recipe import validate_recipe
 from tests.integration._run import REPO, assert_resumes_exactly, cli, ddp_and_single, progress, train_into

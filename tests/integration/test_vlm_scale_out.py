@@ -2,7 +2,7 @@
 saved as a pretrained folder with its processor) and the demo's rows:
 
 - FSDP2, 2 gloo processes against 1: the wrap units Accelerate's policy picks from
-  finetune.vlm.block_classes (the vision tower's encoder layers and the decoder layers), LoRA on the
+  finetune.model.vlm.block_classes (the vision tower's encoder layers and the decoder layers), LoRA on the
   language model with the tower frozen (frozen and trainable weights in every unit): the same losses and
   trained adapters. Accelerate's FSDP does not start on CPU, so tests/integration/_vlm_fsdp2_worker.py
   drives the same policy with torch's FSDP2; the CLI run under FSDP2 is test_gpu_vlm_fsdp2 (GPU only).
@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 from finetune.data.vision import collate_vlm
 from finetune.losses.causal_lm import token_loss_sums
-from finetune.model import load_vlm_for_inference
+from finetune.model.inference import load_vlm_for_inference
 from tests.integration._run import REPO, cli, env, progress, run, short_run, step_losses
 
 pytestmark = pytest.mark.slow

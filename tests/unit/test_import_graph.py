@@ -88,7 +88,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("data",),
     (
         "model", "model_card", "optim", "checkpoint", "hub", "metrics", "distributed", "accelerate_config",
-        "launcher", "losses", "lora_init", "gguf_export", "vlm",
+        "launcher", "losses",
     ),
     ("recipe",),
     ("gguf", "errors", "notices", "quiet", "constants", "trackers", "locks"),

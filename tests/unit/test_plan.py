@@ -277,7 +277,7 @@ def _packed_batch(rows: int, seq: int, vocab: int) -> dict:
 def test_predicted_activations_match_saved_tensors(attn, train, lora, model):
     """The formula against what autograd really saves in a packed forward on CPU (within 1%: it
     matches to a few bytes; LoRA's dropout-free inputs within 0.1%)."""
-    from finetune.model import apply_lora
+    from finetune.model.adapters import apply_lora
 
     recipe = _recipe(train, lora, {"attn_implementation": attn, **model})
     net = _tiny_llama(
@@ -344,7 +344,7 @@ def test_predicted_peak_matches_cpu_with_a_large_vocabulary(
 
     from finetune.losses.causal_lm import forward
     from finetune.losses.chunked_ce import causal_lm_loss
-    from finetune.model import apply_lora
+    from finetune.model.adapters import apply_lora
 
     vocab, seq, chunk = 32768, 256, train.get("loss_chunk_size", 0)
     recipe = _recipe({"loss_chunk_size": 0, **train}, lora, model)

@@ -6,7 +6,7 @@ Measured in a later micro step of gradient accumulation, when the weights' gradi
 the plan counts them in full beside the activations, and the peak of the micro step is then the
 activations' alone (in a first micro step it lies between the two, as only some gradients exist).
 Checkpointing would make even a frozen vision tower run a backward (transformers hooks the tower's input
-embeddings to require grad); training removes that hook (finetune.vlm.release_frozen_towers), so a frozen
+embeddings to require grad); training removes that hook (finetune.model.vlm.release_frozen_towers), so a frozen
 tower saves nothing. The peak is a decoder layer's recomputation and backward, or, with a large trained
 tower, the tower's own, last."""
 
@@ -19,10 +19,10 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForImageTextToText, LlamaConfig, LlamaForCausalLM
 
-from finetune import vlm
 from finetune.accelerate_config import DistributedSetup
 from finetune.losses.causal_lm import forward
-from finetune.model import apply_lora
+from finetune.model import vlm
+from finetune.model.adapters import apply_lora
 from finetune.plan import estimate
 from finetune.plan.images import image_input
 from finetune.plan.inventory import inspect_model, inventory_of
@@ -146,7 +146,7 @@ def test_text_model_checkpointed_peak():
 
 def test_inventory_sees_the_frozen_towers_hook_removed():
     """The demo's Idefics3 tower exposes its input embeddings, which checkpointing hooks and training
-    removes again from a frozen tower (tests/unit/test_vlm_tower_release.py)."""
+    removes again from a frozen tower (tests/unit/model/test_vlm_tower_release.py)."""
     raw = yaml.safe_load(DEMO.read_text())
     inv = inspect_model(validate_recipe(raw).model)
     assert not inv.vision.checkpointing_input_grad

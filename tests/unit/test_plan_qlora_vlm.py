@@ -1,6 +1,6 @@
 """finetune.plan's QLoRA alternative for vision-language models: the 4-bit language model and the
 unquantized vision tower, projector and head, against what a real QLoRA load of the tiny demo VLM holds
-on CPU (bitsandbytes: finetune.model.build_model with finetune.vlm.unquantized_modules, then
+on CPU (bitsandbytes: finetune.model.build.build_model with finetune.model.vlm.unquantized_modules, then
 apply_lora's prepare_model_for_kbit_training, which casts every weight that is not 4-bit to fp32)."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForImageTextToText
 
-from finetune import vlm
 from finetune.accelerate_config import DistributedSetup
-from finetune.model import apply_lora, build_model
+from finetune.model import vlm
+from finetune.model.adapters import apply_lora
+from finetune.model.build import build_model
 from finetune.plan import estimate, make_plan
 from finetune.plan.inventory import adapter_counts, inspect_model
 from finetune.plan.states import model_states

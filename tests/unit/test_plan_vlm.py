@@ -1,6 +1,6 @@
 """finetune.plan on vision-language models (model.kind vlm): the inventory against the real models'
 parameter counts (tiny Idefics3, Qwen2-VL, Qwen2.5-VL and Gemma 3 built offline from configs), the
-frozen and trained splits against finetune.vlm and PEFT, the activations against what autograd saves
+frozen and trained splits against finetune.model.vlm and PEFT, the activations against what autograd saves
 on CPU for the tiny demo VLM, and `finetune plan` on the shipped VLM recipes."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForImageTextToText
 
-from finetune import vlm
 from finetune.accelerate_config import DistributedSetup
 from finetune.cli import main
-from finetune.model import apply_lora
+from finetune.model import vlm
+from finetune.model.adapters import apply_lora
 from finetune.plan import estimate, make_plan
 from finetune.plan.images import image_input
 from finetune.plan.inventory import adapter_counts, inspect_model, inventory_of
@@ -130,8 +130,8 @@ def test_inventory_counts_equal_the_real_model(model_type):
 @pytest.mark.parametrize("model_type", ["idefics3", "qwen2_5_vl"])
 @pytest.mark.parametrize(("tower", "projector"), [(False, False), (False, True), (True, True)])
 def test_trainable_splits_equal_vlm_freeze_and_peft(model_type, tower, projector):
-    """Full fine-tuning trains what finetune.vlm.freeze leaves; LoRA trains what PEFT adds with
-    finetune.vlm.lora_settings (the tower's linears with train_vision_tower, the projector saved)."""
+    """Full fine-tuning trains what finetune.model.vlm.freeze leaves; LoRA trains what PEFT adds with
+    finetune.model.vlm.lora_settings (the tower's linears with train_vision_tower, the projector saved)."""
     config, net = _tiny(model_type)
     flags = {"train_vision_tower": tower, "train_projector": projector}
     inv = inventory_of(net, vision_language=True)

@@ -21,8 +21,8 @@ from finetune.constants import IGNORE_INDEX
 from finetune.data.tokenize import tokenize_dataset
 from finetune.data.vision import collate_vlm, image_token_ids
 from finetune.errors import DataError
+from finetune.model.vlm import parts
 from finetune.recipe import dataset_entry
-from finetune.vlm import parts
 from tests.vlm_processors import (
     DEMO_TOKENIZER,
     PROCESSORS,

@@ -24,7 +24,8 @@ from finetune.cli import main
 from finetune.errors import FinetuneError
 from finetune.evaluation.compare import evaluate_models
 from finetune.evaluation.fit import check_fits_recipe
-from finetune.model import load_tokenizer, merge_lora
+from finetune.model.build import load_tokenizer
+from finetune.model.inference import merge_lora
 from finetune.recipe import load_recipe
 from tests.tiny import save_tiny_base, save_tiny_lora_run, tiny_model
 

@@ -23,7 +23,7 @@ from finetune.evaluation.chat import chat, open_image
 from finetune.evaluation.command import run_chat
 from finetune.generation.prompts import vlm_prompt_inputs
 from finetune.generation.transformers_backend import TransformersBackend
-from finetune.model import is_vision_language, load_vlm_for_inference
+from finetune.model.inference import is_vision_language, load_vlm_for_inference
 from finetune.recipe import dataset_entry
 
 REPO = Path(__file__).resolve().parents[3]

@@ -21,7 +21,8 @@ from finetune.generation.prompts import (
 from finetune.generation.protocol import SamplingParams
 from finetune.generation.sets import evaluate_generations
 from finetune.generation.transformers_backend import SeededSampler, TransformersBackend, generate_ids
-from finetune.model import apply_lora, load_for_inference
+from finetune.model.adapters import apply_lora
+from finetune.model.inference import load_for_inference
 from finetune.recipe import LoraSection
 from tests.tiny import tiny_model
 from tests.unit.conftest import SmolLM2

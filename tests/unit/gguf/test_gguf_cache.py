@@ -22,9 +22,9 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM
 
-import finetune.gguf
+import finetune.gguf.convert
 from finetune.errors import FinetuneError
-from finetune.gguf import MARKER_NAME, cache_damage, converted_folder, remove_stale_temp_folders
+from finetune.gguf.convert import MARKER_NAME, cache_damage, converted_folder, remove_stale_temp_folders
 
 
 def _leftovers(root: Path) -> list[str]:
@@ -87,7 +87,9 @@ def test_a_cache_hit_reads_no_weights(tiny_gguf_file: Path, tmp_path: Path) -> N
     folder = converted_folder(tiny_gguf_file, root=tmp_path / "cache")
     marker = json.loads((folder / MARKER_NAME).read_text())
     assert set(marker["files"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
-    with mock.patch.object(finetune.gguf, "file_sha256", side_effect=AssertionError("hashed on a hit")):
+    with mock.patch.object(
+        finetune.gguf.convert, "file_sha256", side_effect=AssertionError("hashed on a hit")
+    ):
         assert cache_damage(folder) is None  # sizes and times only
 
 
@@ -97,9 +99,11 @@ def test_a_copied_cache_is_hashed_once_and_kept(tiny_gguf_file: Path, tmp_path: 
     later = time.time() + 60
     for path in folder.iterdir():
         os.utime(path, (later, later))
-    with mock.patch.object(finetune.gguf, "convert_gguf", side_effect=AssertionError("converted again")):
+    with mock.patch.object(
+        finetune.gguf.convert, "convert_gguf", side_effect=AssertionError("converted again")
+    ):
         assert converted_folder(tiny_gguf_file, root=tmp_path / "cache") == folder
-    with mock.patch.object(finetune.gguf, "file_sha256", side_effect=AssertionError("hashed again")):
+    with mock.patch.object(finetune.gguf.convert, "file_sha256", side_effect=AssertionError("hashed again")):
         assert cache_damage(folder) is None
 
 

@@ -18,21 +18,20 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.checkpoint import file_stamps, record_written
 from finetune.errors import FinetuneError
-from finetune.model import (
-    apply_lora,
+from finetune.model.adapters import apply_lora
+from finetune.model.build import (
     build_model,
     check_attention_backend,
     count_parameters,
     full_shape,
-    load_for_inference,
     load_tokenizer,
-    merge_lora,
     weight_dtype,
 )
+from finetune.model.inference import load_for_inference, merge_lora
 from finetune.recipe import LoraSection, ModelSection
 from tests.tiny import tiny_model
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEMO_TOKENIZER = str(REPO / "recipes" / "demo" / "tokenizer")
 # Multiples of 64 everywhere: bitsandbytes' CPU 4-bit kernels quantize in blocks of 64.
 TINY = {
@@ -416,7 +415,7 @@ def test_a_recorded_adapter_or_merged_model_is_verified_when_loaded(tmp_path, ba
 def test_qlora_stores_4bit_weights_in_the_compute_dtype(dtype):
     """Packed 4-bit weights stored as the compute dtype (bf16 under bf16): FSDP2 and ZeRO-3 then shard
     them together with the rest of the model, which has that dtype."""
-    from finetune.model import qlora_config
+    from finetune.model.build import qlora_config
 
     config = qlora_config(LoraSection(enable_qlora=True, enable_lora=True), compute_dtype=dtype)
     assert config.bnb_4bit_quant_storage == dtype and config.bnb_4bit_compute_dtype == dtype
@@ -428,7 +427,7 @@ def test_a_vision_language_model_is_refused_for_text_generation(tmp_path):
     import json
 
     from finetune.errors import FinetuneError
-    from finetune.model import load_for_inference
+    from finetune.model.inference import load_for_inference
 
     vlm = tmp_path / "vlm"
     vlm.mkdir()

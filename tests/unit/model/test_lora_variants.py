@@ -1,4 +1,4 @@
-"""LoRA variants passed through to PEFT (finetune.model.apply_lora): init_lora_weights gives PEFT's own
+"""LoRA variants passed through to PEFT (finetune.model.adapters.apply_lora): init_lora_weights gives PEFT's own
 initial weights; PiSSA/OLoRA adapters are saved converted for the original base; LoRA+ gives PEFT's
 learning rates (finetune.optim)."""
 
@@ -8,7 +8,12 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from finetune.model import apply_lora, init_modifies_base, save_converted_adapter, save_initial_adapter
+from finetune.model.adapters import (
+    apply_lora,
+    init_modifies_base,
+    save_converted_adapter,
+    save_initial_adapter,
+)
 from finetune.optim import build_optimizer
 from finetune.recipe import LoraSection
 from tests.tiny import tiny_model

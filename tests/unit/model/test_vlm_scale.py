@@ -1,4 +1,4 @@
-"""finetune.vlm's scale-out parts on tiny models built from configs: the FSDP wrap classes of Idefics3,
+"""finetune.model.vlm's scale-out parts on tiny models built from configs: the FSDP wrap classes of Idefics3,
 Qwen2-VL, Qwen2.5-VL, Gemma 3 and LLaVA (and why transformers' _no_split_modules is not used), the
 DeepSpeed buckets filled from a VLM's text config, and QLoRA leaving the vision tower and projector
 unquantized."""
@@ -12,49 +12,12 @@ import pytest
 import torch
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
-from transformers import (
-    AutoModelForImageTextToText,
-    Gemma3Config,
-    Idefics3Config,
-    LlavaConfig,
-    Qwen2_5_VLConfig,
-    Qwen2VLConfig,
-)
+from transformers import AutoModelForImageTextToText
 
 from finetune.errors import FinetuneError
+from finetune.model.vlm import block_classes, scale_out_settings, unquantized_modules
 from finetune.recipe import validate_recipe
-from finetune.vlm import block_classes, scale_out_settings, unquantized_modules
-
-TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
-TEXT |= {"num_key_value_heads": 1, "vocab_size": 64}
-SIGLIP = {"model_type": "siglip_vision_model", "hidden_size": 16, "intermediate_size": 32}
-SIGLIP |= {"num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32, "patch_size": 8}
-QWEN_VISION = {"depth": 2, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "patch_size": 14}
-MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
-
-
-def idefics3():
-    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
-    return Idefics3Config(vision_config=vision, text_config={"model_type": "llama", **TEXT}, scale_factor=2)
-
-
-def qwen2_vl():
-    return Qwen2VLConfig(vision_config=QWEN_VISION, text_config={**TEXT, "rope_parameters": MROPE})
-
-
-def qwen2_5_vl():
-    vision = {"depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32}
-    return Qwen2_5_VLConfig(vision_config=vision, text_config={**TEXT, "rope_parameters": MROPE})
-
-
-def gemma3():
-    vision = {k: v for k, v in SIGLIP.items() if k != "model_type"}
-    return Gemma3Config(vision_config=vision, text_config={**TEXT, "head_dim": 16}, mm_tokens_per_image=4)
-
-
-def llava():
-    return LlavaConfig(vision_config=SIGLIP, text_config={"model_type": "llama", **TEXT})
-
+from tests.vlm_configs import gemma3, idefics3, llava, qwen2_5_vl, qwen2_vl
 
 # The repeated blocks of each model's vision tower and language model.
 BLOCKS = {
@@ -146,7 +109,7 @@ def _recipe(model_path: str, **model) -> dict:
 def test_qlora_loads_the_language_model_in_4bit_only(tmp_path):
     import bitsandbytes as bnb
 
-    from finetune.model import build_model
+    from finetune.model.build import build_model
 
     build(idefics3).save_pretrained(tmp_path)
     recipe = validate_recipe(_recipe(str(tmp_path)))  # QLoRA of a VLM is a valid recipe

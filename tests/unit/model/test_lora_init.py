@@ -1,4 +1,4 @@
-"""Data-driven LoRA inits (finetune.lora_init): EVA and CorDA through finetune give the adapter (and,
+"""Data-driven LoRA inits (finetune.model.lora_init): EVA and CorDA through finetune give the adapter (and,
 for CorDA, the residual base) that PEFT computes when called directly on the same model and batches; a
 resume loads the saved init instead of reading data; padding never enters the statistics."""
 
@@ -14,8 +14,8 @@ from peft.tuners.lora.corda import preprocess_corda
 
 from finetune.data.collate import collate_rows
 from finetune.errors import FinetuneError
-from finetune.lora_init import CORDA_FILE, EVA_FILE, InitData, real_tokens
-from finetune.model import apply_lora, init_modifies_base
+from finetune.model.adapters import apply_lora, init_modifies_base
+from finetune.model.lora_init import CORDA_FILE, EVA_FILE, InitData, real_tokens
 from finetune.recipe import LoraSection
 from tests.tiny import tiny_model
 
@@ -214,7 +214,7 @@ def test_a_vision_language_recipe_with_a_data_driven_init_is_a_recipe_error():
     from finetune.errors import RecipeError
     from finetune.recipe import load_recipe
 
-    demo = Path(__file__).resolve().parents[2] / "recipes" / "demo" / "tiny_vlm_cpu.yaml"
+    demo = Path(__file__).resolve().parents[3] / "recipes" / "demo" / "tiny_vlm_cpu.yaml"
     with pytest.raises(
         RecipeError, match=r"lora.init_lora_weights.*vision-language recipe's batches carry pixels"
     ):

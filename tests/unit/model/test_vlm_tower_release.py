@@ -1,4 +1,4 @@
-"""finetune.vlm.release_frozen_towers on tiny Idefics3 (the demo's config) and Gemma 3 (SigLIP) models:
+"""finetune.model.vlm.release_frozen_towers on tiny Idefics3 (the demo's config) and Gemma 3 (SigLIP) models:
 under gradient checkpointing a frozen vision tower runs no backward (its output needs no gradient, a
 backward hook on a tower layer never fires) while the trained parts get exactly the gradients they get
 without the release and without checkpointing; a tower that trains (fully, or with LoRA) keeps its
@@ -14,11 +14,11 @@ import yaml
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForImageTextToText, Gemma3Config
 
-from finetune import vlm
+from finetune.model import vlm
 from finetune.plan.inventory import inspect_model
 from finetune.recipe import validate_recipe
 
-DEMO = Path(__file__).resolve().parents[2] / "recipes/demo/tiny_vlm_cpu.yaml"
+DEMO = Path(__file__).resolve().parents[3] / "recipes/demo/tiny_vlm_cpu.yaml"
 ROWS, SEQ = 2, 24
 
 
@@ -61,7 +61,7 @@ def _batch(image_token: int, image_tokens: int, vocab: int) -> dict:
 
 
 def _run(arch: str, *, checkpointing: bool, release: bool, tower: bool = False, lora: bool = False):
-    """One forward and backward as training sets the model up (finetune.model.build_model, apply_lora,
+    """One forward and backward as training sets the model up (finetune.model.build.build_model, apply_lora,
     finetune.objectives.lm): (trained parameters' gradients, tower layer backward calls, whether the
     tower's output required grad)."""
     config_fn, image_token, image_tokens, layers = ARCHS[arch]
@@ -140,7 +140,7 @@ def test_the_release_keeps_the_language_models_hook():
 
 
 def test_planner_sees_the_released_tower():
-    """The planner asks finetune.vlm.keeps_input_grad for a frozen tower: training removes its hook, so
+    """The planner asks finetune.model.vlm.keeps_input_grad for a frozen tower: training removes its hook, so
     the plan has the tower run no backward; a trained tower would keep it."""
     inv = inspect_model(validate_recipe(yaml.safe_load(DEMO.read_text())).model)
     assert not inv.vision.checkpointing_input_grad

@@ -13,16 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.gguf import CACHE_ENV, cache_root, hub_file, portable_base
-from finetune.model import (
-    adapter_save_kwargs,
-    apply_lora,
-    base_model_source,
-    build_model,
-    load_for_inference,
-    load_tokenizer,
-    merge_lora,
-)
+from finetune.gguf.convert import CACHE_ENV, cache_root
+from finetune.gguf.names import hub_file, portable_base
+from finetune.model.adapters import adapter_save_kwargs, apply_lora
+from finetune.model.build import build_model, load_tokenizer
+from finetune.model.inference import base_model_source, load_for_inference, merge_lora
 from finetune.model_card import render_model_card
 from finetune.recipe import LoraSection, ModelSection
 from tests.unit.test_model_card import _recipe
@@ -126,7 +121,7 @@ def test_portable_names_of_every_gguf_form(tmp_path: Path) -> None:
 def test_a_hub_file_named_hf_is_downloaded(hub_repo_id: str) -> None:
     from huggingface_hub import HfApi
 
-    from finetune.gguf import gguf_path
+    from finetune.gguf.names import gguf_path
 
     api = HfApi()
     api.create_repo(hub_repo_id)

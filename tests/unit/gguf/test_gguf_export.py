@@ -1,4 +1,4 @@
-"""finetune.gguf_export: trained models written as GGUF files, checked by loading them back with
+"""finetune.gguf.export: trained models written as GGUF files, checked by loading them back with
 transformers (`gguf_file=`): the same logits as the merged model, the same weights after the type's
 rounding, the same tokenizer and chat template; adapters merged first; unsupported models refused.
 
@@ -21,12 +21,13 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import finetune.gguf_export
+import finetune.gguf.export
 from finetune.errors import FinetuneError, WriteError
-from finetune.gguf_export import export_gguf, write_gguf
+from finetune.gguf.export import write_gguf
+from finetune.model.inference import export_gguf
 from tests.tiny import save_tiny_lora_run
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEMO_TOKENIZER = REPO / "recipes" / "demo" / "tokenizer"
 TEXTS = [
     "The 12 quick brown foxes jump.",
@@ -49,7 +50,7 @@ ARCHS = {
 
 
 def test_doctests() -> None:
-    assert doctest.testmod(finetune.gguf_export).failed == 0
+    assert doctest.testmod(finetune.gguf.export).failed == 0
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +145,7 @@ def test_what_llama_cpp_runs_differently_is_said(tmp_path, demo_tokenizer, capsy
     assert "sliding window of 16 tokens, which llama.cpp's llama architecture does not apply" in err
     assert load_back(tmp_path / "m.gguf")[0].config.hidden_size == 48
     spec = {"pre_tokenizer": {"type": "Whitespace"}}
-    assert finetune.gguf_export.pre_tokenizer_name(spec) == "default"
+    assert finetune.gguf.export.pre_tokenizer_name(spec) == "default"
     assert "pre-tokenizer (Whitespace) has no name in llama.cpp" in capsys.readouterr().err
 
 
@@ -243,7 +244,7 @@ def test_smollm2_exports_as_llama_cpp_converted_it(tmp_path, smollm2_gguf) -> No
     converted to a Hugging Face folder and exported again as Q8_0, against the original: the same
     tensors (names, shapes; token_embd, Q8_0 in both, byte for byte), the same hyperparameters and
     tokenizer (tokens, types, merges, special ids, chat template), the Q and K rows permuted alike."""
-    from finetune.gguf import converted_folder
+    from finetune.gguf.convert import converted_folder
 
     path = export_gguf(str(converted_folder(smollm2_gguf)), outtype="q8_0", output=str(tmp_path / "s.gguf"))
     theirs, ours = gguf.GGUFReader(smollm2_gguf), gguf.GGUFReader(path)
@@ -275,7 +276,7 @@ def test_an_adapter_is_merged_before_export(tmp_path, demo_tokenizer) -> None:
     assert path == run / "run-f16.gguf"
     # Read back from a folder of its own: transformers reads `run` as the adapter's (its base and adapter).
     path = Path(shutil.move(path, tmp_path / path.name))
-    from finetune.model import load_adapter
+    from finetune.model.inference import load_adapter
 
     adapter, _ = load_adapter(run, dtype="fp32")
     ids = torch.tensor([demo_tokenizer(TEXTS[0]).input_ids])
@@ -298,7 +299,10 @@ def test_unsupported_architecture_is_refused_listing_the_supported(tmp_path) -> 
     refused = pytest.raises(
         FinetuneError, match=r"'gpt2' is not supported; supported: llama \(as llama\), mistral"
     )
-    with refused, mock.patch("finetune.model.load_for_inference", side_effect=AssertionError("loaded")):
+    with (
+        refused,
+        mock.patch("finetune.model.inference.load_for_inference", side_effect=AssertionError("loaded")),
+    ):
         export_gguf(str(folder))  # from the config alone, before the weights load
     assert list(folder.glob("*.gguf")) == []
     with pytest.raises(FinetuneError, match="--outtype 'q4_k' is not one of f16, bf16, q8_0"):

@@ -1,4 +1,4 @@
-"""train.neftune_noise_alpha (finetune.model.enable_neftune): transformers' NEFTune hook on the input
+"""train.neftune_noise_alpha (finetune.model.adapters.enable_neftune): transformers' NEFTune hook on the input
 embeddings, noisy in training forwards only, with transformers' magnitude alpha / sqrt(L * d)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from finetune.model import apply_lora, enable_neftune
+from finetune.model.adapters import apply_lora, enable_neftune
 from finetune.recipe import LoraSection
 from tests.tiny import tiny_model
 

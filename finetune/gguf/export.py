@@ -1,8 +1,9 @@
 """`finetune export-gguf`: a trained model as one GGUF file for llama.cpp, Ollama and LM Studio.
 
 What training wrote (an adapter, merged into its base first; a fully fine-tuned model; a merged
-folder) is loaded in its saved dtype, and written with the `gguf` package's GGUFWriter the way llama.cpp's
-own converter (convert_hf_to_gguf.py) lays out a Llama-family model:
+folder) is loaded in its saved dtype (finetune.model.inference.export_gguf: loading is the model's
+job, and this package stays in the bottom layer), and `write_gguf` writes it with the `gguf` package's
+GGUFWriter the way llama.cpp's own converter (convert_hf_to_gguf.py) lays out a Llama-family model:
 
 * tensors renamed by gguf's TensorNameMap for the architecture; `output.weight` left out when the
   embeddings are tied (llama.cpp then reuses `token_embd.weight`, and transformers reads the absence as
@@ -26,7 +27,6 @@ Qwen3 as `qwen3`. The file is written to a temporary name beside the target and 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -40,9 +40,14 @@ from finetune.notices import warn
 if TYPE_CHECKING:
     import numpy as np
 
+
 # transformers model_type -> the GGUF architecture llama.cpp runs it as.
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
 OUTTYPES = ("f16", "bf16", "q8_0")
+
+
 # llama.cpp's rope scaling types the export writes (transformers' rope_type -> GGUF's).
 ROPE_SCALING = ("linear", "yarn", "llama3")
 
@@ -71,51 +76,6 @@ def default_output(output_dir: str | Path, outtype: str) -> Path:
     """
     folder = Path(output_dir)
     return folder / f"{folder.resolve().name}-{outtype}.gguf"
-
-
-def export_gguf(
-    output_dir: str, *, outtype: str = "f16", output: str | None = None, base: str | None = None
-) -> Path:
-    """Write what training left in `output_dir` (an adapter is merged into its base first) as a GGUF
-    file at `output` (default: `default_output`); returns its path."""
-    from finetune.model import load_for_inference
-
-    if outtype not in OUTTYPES:
-        raise FinetuneError(f"export-gguf: --outtype {outtype!r} is not one of {', '.join(OUTTYPES)}")
-    _refuse_unsupported_early(output_dir, base)
-    # The checkpoint's own dtype (as merge-lora loads it): a bf16 model is not doubled in memory, and
-    # PEFT computes the merge's delta in float32 on CPU whatever the weights' dtype.
-    net, tokenizer = load_for_inference(output_dir, base=base, dtype="auto", merge=True)
-    gguf_architecture(net.config.model_type)  # before anything is written
-    target = Path(output) if output else default_output(output_dir, outtype)
-    if target.is_dir():
-        raise FinetuneError(f"export-gguf: --output {target} is a folder; name the .gguf file to write")
-    write_gguf(net, tokenizer, target, outtype=outtype, name=Path(output_dir).resolve().name)
-    return target
-
-
-def _refuse_unsupported_early(output_dir: str, base: str | None) -> None:
-    """Refuse an unsupported architecture from the config alone, before the weights load and merge.
-    A location whose config does not load here (a GGUF base, a Hub id offline) is left to the load,
-    which says what is wrong, and the architecture is checked after it."""
-    from transformers import AutoConfig
-
-    from finetune.gguf import is_gguf_name, is_package_ref
-
-    folder = Path(output_dir)
-    source: str | None = output_dir
-    if (folder / "adapter_config.json").is_file():
-        with contextlib.suppress(OSError, ValueError):
-            source = base or json.loads((folder / "adapter_config.json").read_text()).get(
-                "base_model_name_or_path"
-            )
-    if not source or is_gguf_name(source) or is_package_ref(source):
-        return
-    try:
-        model_type = AutoConfig.from_pretrained(source).model_type
-    except (OSError, ValueError):
-        return
-    gguf_architecture(model_type)
 
 
 def write_gguf(net, tokenizer, path: Path, *, outtype: str, name: str) -> dict[str, int]:
@@ -151,7 +111,7 @@ def write_gguf(net, tokenizer, path: Path, *, outtype: str, name: str) -> dict[s
     return counts
 
 
-# ----------------------------------------------------------------------------- hyperparameters
+# -------------------------------------------------------------------------------- hyperparameters
 
 
 def _add_hyperparameters(writer, config, name: str, outtype: str) -> None:
@@ -237,7 +197,7 @@ def _rope_freqs(config) -> np.ndarray | None:
     return (default / scaled.float()).numpy()
 
 
-# ------------------------------------------------------------------------------------- tensors
+# ---------------------------------------------------------------------------------------- tensors
 
 
 def _add_tensors(writer, net, arch: str, outtype: str) -> dict[str, int]:
@@ -323,7 +283,7 @@ def permute_for_llama_cpp(weights: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-# ----------------------------------------------------------------------------------- tokenizer
+# -------------------------------------------------------------------------------------- tokenizer
 
 
 def _add_tokenizer(writer, tokenizer, net) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from finetune.errors import FinetuneError
-from finetune.gguf import converted_folder, read_gguf
+from finetune.gguf.convert import converted_folder, read_gguf
 
 CASES = {
     "empty": (lambda data: b"", r"the file is empty \(0 bytes\), not a GGUF model\. Download or copy"),

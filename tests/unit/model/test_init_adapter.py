@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from finetune.errors import FinetuneError
-from finetune.model import apply_lora
+from finetune.model.adapters import apply_lora
 from finetune.recipe import LoraSection
 from tests.tiny import tiny_model
 

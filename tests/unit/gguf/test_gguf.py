@@ -20,25 +20,26 @@ from huggingface_hub import HfApi
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import finetune.gguf
+import finetune.gguf.convert
+import finetune.gguf.names
 from finetune.errors import FinetuneError
-from finetune.gguf import (
+from finetune.gguf.convert import (
     CACHE_ENV,
     MARKER_NAME,
     cache_root,
     converted_folder,
     file_sha256,
-    gguf_path,
     resolve_model_source,
-    resolve_package_path,
 )
+from finetune.gguf.names import gguf_path, resolve_package_path
 from finetune.recipe import LoraSection, ModelSection
 from tests.tiny import tiny_model
 from tests.unit.conftest import SMOLLM2_REF, SmolLM2
 
 
 def test_doctests() -> None:
-    assert doctest.testmod(finetune.gguf).failed == 0
+    for module in (finetune.gguf.names, finetune.gguf.convert):
+        assert doctest.testmod(module).failed == 0
 
 
 # ---------------------------------------------------------------------------------- naming the file
@@ -120,12 +121,12 @@ def test_conversion_is_keyed_by_content_and_written_once(tmp_path: Path) -> None
     b.write_bytes(b"GGUF one")
     calls: list[Path] = []
     root = tmp_path / "cache"
-    with mock.patch.object(finetune.gguf, "convert_gguf", _fake_convert(calls)):
+    with mock.patch.object(finetune.gguf.convert, "convert_gguf", _fake_convert(calls)):
         folder = converted_folder(a, root=root)
         assert converted_folder(a, root=root) == folder
         assert converted_folder(b, root=root) == folder  # same bytes, other name: no conversion
     assert calls == [a.resolve()] or calls == [a]
-    assert folder.name == f"{file_sha256(a)[:16]}-v{finetune.gguf.CONVERSION_VERSION}"
+    assert folder.name == f"{file_sha256(a)[:16]}-v{finetune.gguf.convert.CONVERSION_VERSION}"
     marker = json.loads((folder / MARKER_NAME).read_text())
     assert marker["sha256"] == file_sha256(a) and marker["source"] == "a.gguf"
     assert sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) == [folder.name]
@@ -140,13 +141,16 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path: Path) -> None:
         (out / "config.json").write_text("{}")
         raise ValueError("bad file")
 
-    with mock.patch.object(finetune.gguf, "convert_gguf", fail), pytest.raises(ValueError, match="bad file"):
+    with (
+        mock.patch.object(finetune.gguf.convert, "convert_gguf", fail),
+        pytest.raises(ValueError, match="bad file"),
+    ):
         converted_folder(gguf, root=root)
     assert [p.name for p in root.iterdir() if not p.name.endswith(".lock")] == []
     # A folder without the marker (an interrupted copy by hand) is converted again.
-    (root / f"{file_sha256(gguf)[:16]}-v{finetune.gguf.CONVERSION_VERSION}").mkdir()
+    (root / f"{file_sha256(gguf)[:16]}-v{finetune.gguf.convert.CONVERSION_VERSION}").mkdir()
     calls: list[Path] = []
-    with mock.patch.object(finetune.gguf, "convert_gguf", _fake_convert(calls)):
+    with mock.patch.object(finetune.gguf.convert, "convert_gguf", _fake_convert(calls)):
         folder = converted_folder(gguf, root=root)
     assert len(calls) == 1 and (folder / MARKER_NAME).is_file()
 
@@ -182,7 +186,7 @@ def test_model_section_sources_are_made_local() -> None:
 def test_real_conversion_is_cached(smollm2: SmolLM2, tmp_path: Path) -> None:
     renamed = tmp_path / "renamed.gguf"
     shutil.copyfile(smollm2.gguf, renamed)
-    with mock.patch.object(finetune.gguf, "load_gguf", side_effect=AssertionError("converted again")):
+    with mock.patch.object(finetune.gguf.convert, "load_gguf", side_effect=AssertionError("converted again")):
         assert converted_folder(smollm2.gguf) == smollm2.folder
         assert converted_folder(renamed) == smollm2.folder
         section = resolve_model_source(ModelSection(model_path=SMOLLM2_REF))
@@ -247,14 +251,9 @@ def test_why_a_plain_gguf_load_refuses_to_save(tmp_path: Path) -> None:
 
 
 def test_lora_on_a_gguf_base_reloads_by_its_base_and_merges(smollm2: SmolLM2, tmp_path: Path) -> None:
-    from finetune.model import (
-        adapter_save_kwargs,
-        apply_lora,
-        build_model,
-        load_for_inference,
-        load_tokenizer,
-        merge_lora,
-    )
+    from finetune.model.adapters import adapter_save_kwargs, apply_lora
+    from finetune.model.build import build_model, load_tokenizer
+    from finetune.model.inference import load_for_inference, merge_lora
 
     model, lora = (
         ModelSection(model_path=SMOLLM2_REF, torch_dtype="fp32"),
@@ -272,7 +271,7 @@ def test_lora_on_a_gguf_base_reloads_by_its_base_and_merges(smollm2: SmolLM2, tm
     adapter = tmp_path / "adapter"
     net.save_pretrained(adapter, **adapter_save_kwargs(net))
     tokenizer.save_pretrained(adapter)
-    # The file's portable name, not the conversion cache's folder (tests/unit/test_gguf_base.py).
+    # The file's portable name, not the conversion cache's folder (tests/unit/gguf/test_gguf_base.py).
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == SMOLLM2_REF
 
     reloaded, _ = load_for_inference(str(adapter))  # by the recorded base alone

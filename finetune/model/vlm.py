@@ -6,8 +6,9 @@ and the language model. By default only the language model trains: with LoRA, ``
 the language model's linear layers (PEFT's own all-linear would also adapt the vision tower's); the
 vision tower and the projector are frozen unless model.train_vision_tower / model.train_projector say
 otherwise (with LoRA the vision tower then gets adapters too, the projector trains fully as a module
-to save). The parts are found by the attribute names transformers gives them; a model whose parts
-have other names is an error that names what was looked for.
+to save). The parts are found by the attribute names its family's row gives them
+(finetune.model.families); a model whose parts have other names is an error that names what was
+looked for.
 """
 
 from __future__ import annotations
@@ -18,13 +19,9 @@ from typing import Any
 import torch
 
 from finetune.errors import FinetuneError
+from finetune.model.families import family_for
 
 logger = logging.getLogger(__name__)
-
-# The attribute names transformers gives a VLM's vision tower and projector (Qwen2-VL keeps its patch
-# merger, its projector, inside `visual`: there it trains with the vision tower).
-VISION_TOWERS = ("vision_tower", "vision_model", "visual", "vision_encoder")
-PROJECTORS = ("multi_modal_projector", "connector", "mm_projector", "multimodal_projector")
 
 
 def auto_processor(source: str, revision: str | None = None, trust_remote_code: bool = False):
@@ -53,19 +50,22 @@ def auto_processor(source: str, revision: str | None = None, trust_remote_code: 
 
 
 def parts(net: torch.nn.Module) -> tuple[list[str], list[str]]:
-    """(vision tower module names, projector module names) of a VLM, outermost matches only."""
+    """(vision tower module names, projector module names) of a VLM, outermost matches only: the
+    modules named as its family's row says (finetune.model.families)."""
+    family = family_for(net)
     towers, projectors = [], []
     for name, _ in net.named_modules():
         last = name.rsplit(".", 1)[-1]
         inside = any(name.startswith(p + ".") for p in towers + projectors)
-        if last in VISION_TOWERS and not inside:
+        if last in family.towers and not inside:
             towers.append(name)
-        elif last in PROJECTORS and not inside:
+        elif last in family.projectors and not inside:
             projectors.append(name)
     if not towers:
         raise FinetuneError(
             f"model.kind vlm: no vision tower found in {type(net).__name__} (looked for modules named "
-            f"{', '.join(VISION_TOWERS)}); is it an image-text-to-text model?"
+            f"{', '.join(family.towers)}, as the {family.name} row of finetune/model/families.py names "
+            "them); is it an image-text-to-text model?"
         )
     return towers, projectors
 

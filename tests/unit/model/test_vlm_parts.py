@@ -1,4 +1,4 @@
-"""finetune.vlm on a tiny Idefics3 built from a config: which parts train (LoRA on the language model by
+"""finetune.model.vlm on a tiny Idefics3 built from a config: which parts train (LoRA on the language model by
 default, the vision tower and projector frozen unless asked), and the recipe rules of model.kind vlm."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from transformers import AutoModelForImageTextToText, Idefics3Config
 from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
 from finetune.data.vision import collate_vlm
-from finetune.model import apply_lora
+from finetune.model.adapters import apply_lora
+from finetune.model.vlm import freeze, lora_settings, parts
 from finetune.recipe import Recipe, validate_recipe
 from finetune.recipe.errors import format_validation_error
-from finetune.vlm import freeze, lora_settings, parts
 
 CONFIG = {
     "image_token_id": 5,
