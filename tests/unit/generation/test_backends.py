@@ -56,7 +56,7 @@ def test_each_backend_implements_the_protocol(name):
 
 
 def test_an_unknown_backend_is_a_clear_error(tiny, tokenizer):
-    with pytest.raises(FinetuneError, match=r"generation backend 'sglang' is not one of: transformers"):
+    with pytest.raises(FinetuneError, match=r"generation backend 'sglang' is not one of: transformers, vllm"):
         backend_for("sglang", tiny, tokenizer)
 
 
