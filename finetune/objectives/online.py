@@ -157,15 +157,9 @@ class OnlineObjective:
         )  # fmt: skip
         rows = [json.loads(row["row"]) for row in prompts for _ in range(group)]
         texts, per_reward, total = ro.score(self.rewards, self.backend, completions, rows)
-        advantages, flat_groups = self.estimator(
-            total,
-            num_generations=group,
-            scale_rewards=settings.scale_rewards,
-            batch_std=self._batch_std(total),
-        )
         sequences = [
-            (list(prompts[k // group]["input_ids"]), c.ids, c.finished, float(a))
-            for k, (c, a) in enumerate(zip(completions, advantages.tolist(), strict=True))
+            (list(prompts[k // group]["input_ids"]), c.ids, c.finished, 0.0)
+            for k, c in enumerate(completions)
         ]
         batches = ro.pack_completions(
             sequences,
@@ -176,10 +170,16 @@ class OnlineObjective:
             sampling_logps=self._sampling_logps(completions),
         )
         self._fill_log_probs(model, batches)
+        kl = None  # RLOO's KL term: each completion's sum of log(old / ref), paid out of its reward
+        if settings.kl_in_reward and settings.beta > 0:
+            kl = ro.completion_sums(batches, lambda b: b["old_logps"] - b["ref_logps"])
+        trained_reward = total if kl is None else total - settings.beta * kl
+        advantages, flat_groups = self._advantages(trained_reward)
+        ro.set_advantages(batches, advantages)
         if settings.num_iterations > 1:  # reused on the next steps (and checkpointed)
             self.buffer.keep(key, batches)
         self._keep_samples(prompts, texts, per_reward, total, step)
-        return batches, self._rollout_stats(per_reward, total, flat_groups, completions)
+        return batches, self._rollout_stats(per_reward, total, flat_groups, completions, kl)
 
     def _sampling_logps(self, completions) -> list[list[float]] | None:
         """The engine's sampling log-probs, kept for the importance-sampling correction (vLLM); None
@@ -194,23 +194,32 @@ class OnlineObjective:
 
         return pad_token_id(self.tokenizer)
 
-    def _batch_std(self, total: torch.Tensor) -> torch.Tensor | None:
-        """The std of the step's rewards on all processes (scale_rewards: batch); a sync point."""
-        if self.settings.scale_rewards != "batch":
-            return None
-        acc = self.accelerator
-        gathered = acc.gather(total.to(acc.device)).float().cpu() if acc.num_processes > 1 else total
-        return gathered.std() if gathered.numel() > 1 else torch.zeros(())
+    def _advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The estimator's advantages of this process's completions. With scale_rewards batch, over the
+        step's rewards on all processes (gathered in process order, every process's share equal: a sync
+        point), then this process's slice."""
+        settings, acc = self.settings, self.accelerator
+        everyone = settings.scale_rewards == "batch" and acc.num_processes > 1
+        values = acc.gather(rewards.to(acc.device)).float().cpu() if everyone else rewards
+        advantages, flat = self.estimator(
+            values, num_generations=settings.num_generations, scale_rewards=settings.scale_rewards
+        )
+        if everyone:
+            mine = slice(acc.process_index * len(rewards), (acc.process_index + 1) * len(rewards))
+            advantages, flat = advantages[mine], flat[mine]
+        return advantages, flat
 
     def _fill_log_probs(self, model, batches: list[dict]) -> None:
-        """The reference's log-probs (beta > 0) and the sampling policy's (num_iterations > 1) of every
-        completion token, without gradient, before any update on this rollout."""
+        """The reference's log-probs (beta > 0) and the sampling policy's (num_iterations > 1, or a KL
+        term in the reward) of every completion token, without gradient, before any update on this
+        rollout."""
         settings, acc = self.settings, self.accelerator
-        if settings.beta == 0 and settings.num_iterations == 1:
+        old_needed = settings.num_iterations > 1 or (settings.kl_in_reward and settings.beta > 0)
+        if settings.beta == 0 and not old_needed:
             return
         for batch in batches:
             inputs = {k: batch[k].to(acc.device) for k in ("input_ids", "position_ids", "labels")}
-            if settings.num_iterations > 1:
+            if old_needed:
                 with torch.no_grad():
                     batch["old_logps"] = self._token_logps(model, inputs).detach().cpu()
             if settings.beta > 0:
@@ -220,7 +229,7 @@ class OnlineObjective:
     def _token_logps(self, model, batch: dict) -> torch.Tensor:
         return ro.token_logps_at(model, batch, temperature=self.settings.temperature)
 
-    def _rollout_stats(self, per_reward, total, flat_groups, completions) -> dict[str, float]:
+    def _rollout_stats(self, per_reward, total, flat_groups, completions, kl=None) -> dict[str, float]:
         """Sums over all processes (one reduce): the logging interval averages them in log_fields."""
         lengths = torch.tensor([len(c.ids) for c in completions], dtype=torch.float32)
         group = self.settings.num_generations
@@ -233,6 +242,8 @@ class OnlineObjective:
             "completion_length_sum": float(lengths.sum()),
             "clipped_completions": float(sum(not c.finished for c in completions)),
         }
+        if kl is not None:
+            local["reward_kl_sum"] = float(kl.sum())
         for i, reward in enumerate(self.rewards):
             local[f"reward/{reward.name}_sum"] = float(per_reward[:, i].sum())
             local[f"reward/{reward.name}_sq_sum"] = float((per_reward[:, i] ** 2).sum())
@@ -285,25 +296,34 @@ class OnlineObjective:
         logps = self._token_logps(model, batch)[mask]
         old = batch["old_logps"][mask] if settings.num_iterations > 1 else logps.detach()
         weights, sampling_metrics = self._sampling_weights(batch, mask, old)
-        out = pg.per_token_loss(
-            logps, old, batch["advantages"][mask],
-            epsilon_low=settings.epsilon, epsilon_high=settings.epsilon_high or settings.epsilon,
-            beta=settings.beta, ref_logps=batch["ref_logps"][mask] if settings.beta else None,
-            kl_bias_correction=settings.kl_bias_correction, sampling_weights=weights,
-        )  # fmt: skip
+        index, num_sequences = batch["seq_index"][mask], int(batch["num_sequences"].sum())
+        if settings.loss_type == "rloo":  # one ratio per completion, no KL term in the loss
+            out = pg.sequence_loss(
+                logps, old, batch["advantages"][mask], index, num_sequences,
+                epsilon_low=settings.epsilon, epsilon_high=settings.epsilon_high or settings.epsilon,
+                sampling_weights=weights,
+            )  # fmt: skip
+        else:
+            beta = 0.0 if settings.kl_in_reward else settings.beta  # kl_in_reward: paid in the reward
+            out = pg.per_token_loss(
+                logps, old, batch["advantages"][mask],
+                epsilon_low=settings.epsilon, epsilon_high=settings.epsilon_high or settings.epsilon,
+                beta=beta, ref_logps=batch["ref_logps"][mask] if beta else None,
+                kl_bias_correction=settings.kl_bias_correction, sampling_weights=weights,
+            )  # fmt: skip
         total = pg.policy_loss_sums(
-            out.losses, batch["seq_index"][mask], int(batch["num_sequences"].sum()),
+            out.losses, index, num_sequences,
             loss_type=settings.loss_type, max_completion_length=settings.max_new_tokens,
         )  # fmt: skip
-        tokens = mask.sum().float()
-        metrics = {
+        clip_units = out.low_clipped.new_tensor(float(out.low_clipped.numel()), dtype=torch.float)
+        metrics = {  # over tokens, or over completions for a sequence-level loss
             "clip_ratio/low": out.low_clipped.float().sum(),
             "clip_ratio/high": out.high_clipped.float().sum(),
-            "count:clip_ratio/low": tokens,
-            "count:clip_ratio/high": tokens,
+            "count:clip_ratio/low": clip_units,
+            "count:clip_ratio/high": clip_units,
         }
         if out.kl is not None:
-            metrics |= {"kl": out.kl.sum(), "count:kl": tokens}
+            metrics |= {"kl": out.kl.sum(), "count:kl": mask.sum().float()}
         return total / num_units, metrics | sampling_metrics
 
     def _sampling_weights(self, batch: dict, mask: torch.Tensor, old: torch.Tensor) -> tuple:
