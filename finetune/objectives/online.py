@@ -22,13 +22,17 @@ num_iterations > 1 the loader gives each step's prompts num_iterations times in 
 is reused (it is checkpointed with the run, so a resume continues it). After every applied update the
 backend syncs its weights from the trained model (`after_update`).
 
+Sharded models (ZeRO-3, FSDP2) generate with their weights gathered whole on every process for the
+rollout (finetune.distributed.whole_weights; grpo.sharded_generation: layerwise gathers one layer at a
+time instead, for weights that do not fit whole), and a vLLM engine reads them gathered at every sync.
+
 What was simplified, and why: the sampling policy's log-probs of num_iterations == 1 are the
-policy's own, detached (ratio 1, as TRL does); generation under FSDP or ZeRO-3 is refused (the
-weights would have to be gathered for every generated token) rather than run slowly.
+policy's own, detached (ratio 1, as TRL does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -40,6 +44,7 @@ import finetune.objectives.rollout as ro
 from finetune import trackers
 from finetune.constants import IGNORE_INDEX
 from finetune.data.loader import seq_stats
+from finetune.distributed import sharding_of, whole_weights
 from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
 from finetune.generation.backends import backend_for
@@ -87,7 +92,7 @@ class OnlineObjective:
         from finetune.model.build import load_tokenizer
 
         self.accelerator = accelerator
-        _refuse_sharded_generation(accelerator, self.name)
+        self.sharding = sharding_of(accelerator)
         self.tokenizer = load_tokenizer(self.model_settings)
         prepared = prepare_on_main_process(self.recipe, accelerator)
         self.manifest = prepared.manifest
@@ -134,8 +139,13 @@ class OnlineObjective:
         return {"rollout": self.buffer} if self.settings.num_iterations > 1 else None
 
     def after_update(self, model) -> None:
-        """The generation backend generates with the updated weights from the next rollout on."""
-        self.backend.sync_weights(self.accelerator.unwrap_model(model))
+        """The generation backend generates with the updated weights from the next rollout on (an engine
+        with its own copy reads them whole: gathered from their shards, on every process)."""
+        if getattr(self.backend, "copies_weights", False):
+            with whole_weights(model, self.accelerator):
+                self.backend.sync_weights(self.accelerator.unwrap_model(model))
+        else:
+            self.backend.sync_weights(self.accelerator.unwrap_model(model))
 
     # --------------------------------------------------------------------------------- rollout
 
@@ -151,10 +161,11 @@ class OnlineObjective:
             max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
             top_p=settings.top_p, top_k=settings.top_k, num_return_sequences=group,
         )  # fmt: skip
-        completions = ro.sample(
-            self.backend, prompts, params, seed=self.train.seed, step=step,
-            batch_size=settings.generation_batch_size,
-        )  # fmt: skip
+        with self._generation_weights(model):
+            completions = ro.sample(
+                self.backend, prompts, params, seed=self.train.seed, step=step,
+                batch_size=settings.generation_batch_size,
+            )  # fmt: skip
         rows = [json.loads(row["row"]) for row in prompts for _ in range(group)]
         texts, per_reward, total = ro.score(self.rewards, self.backend, completions, rows)
         sequences = [
@@ -382,13 +393,27 @@ class OnlineObjective:
         generation sets' scores."""
         return lm.evaluate_lm(self, model, step, self._eval_rewards if self.eval_rows else None)
 
+    def _generation_weights(self, model):
+        """The context the backend generates in: whole weights on every process for a sharded model
+        (grpo.sharded_generation: gather), or its layers gathered one at a time (layerwise, with the
+        processes' generate loops kept in step); nothing for whole weights. The transformers backend
+        generates with the training model; an engine with its own copy (vLLM) needs neither."""
+        if self.sharding is None or getattr(self.backend, "copies_weights", False):
+            return contextlib.nullcontext()
+        layerwise = self.settings.sharded_generation == "layerwise"
+        self.backend.synced_processes = layerwise and self.accelerator.num_processes > 1
+        return whole_weights(model, self.accelerator, gather=not layerwise)
+
     def _eval_rewards(self, model, step: int) -> dict[str, Any]:
         acc, metrics = self.accelerator, {}
-        if acc.is_main_process:
-            metrics = ro.eval_rewards(
-                self.backend, self.eval_rows, self.rewards,
-                max_new_tokens=self.settings.max_new_tokens, batch_size=self.eval_settings.batch_size,
-            )  # fmt: skip
+        # A sharded model generates on every process together (the gathers are collectives); the main
+        # process logs. Whole weights: the main process alone.
+        if acc.is_main_process or self.sharding is not None:
+            with self._generation_weights(model):
+                metrics = ro.eval_rewards(
+                    self.backend, self.eval_rows, self.rewards,
+                    max_new_tokens=self.settings.max_new_tokens, batch_size=self.eval_settings.batch_size,
+                )  # fmt: skip
             trackers.log_scalars(acc, metrics, step)
         acc.wait_for_everyone()
         return metrics
@@ -425,15 +450,3 @@ class OnlineObjective:
 def _recipe_path(recipe) -> str | None:
     """The recipe file's path, if known (relative reward files are looked up beside it)."""
     return getattr(recipe, "source_path", None)
-
-
-def _refuse_sharded_generation(accelerator, name: str) -> None:
-    from accelerate.utils import DistributedType
-
-    kind = accelerator.distributed_type
-    zero3 = kind == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3
-    if kind == DistributedType.FSDP or zero3:
-        raise FinetuneError(
-            f"train.objective {name} samples with the training model, which FSDP and ZeRO-3 shard (every "
-            "generated token would gather all weights): use DDP, ZeRO-1/2, or LoRA on one device per process"
-        )

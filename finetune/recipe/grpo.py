@@ -206,6 +206,13 @@ class GrpoSection(_Section):
         gt=0,
         description="vllm: the largest importance weight (TRL's vllm_importance_sampling_clip_max).",
     )
+    sharded_generation: Literal["gather", "layerwise"] = Field(
+        "gather",
+        description="A model sharded by ZeRO-3 or FSDP generates with its weights gathered whole on every process "
+        "for the rollout (gather: one whole copy per process while it samples, at full speed), or one layer at a "
+        "time (layerwise: for weights that do not fit whole; every generated token gathers every layer, so it is "
+        "slow).",
+    )
     generation_batch_size: int = Field(
         8, ge=1, description="Prompts per generate call (each with its num_generations completions)."
     )

@@ -174,26 +174,21 @@ def test_sampling_temperature_scales_the_trained_log_probs():
     torch.testing.assert_close(logps, token_logps(logits, batch["labels"]))
 
 
-@pytest.mark.parametrize("kind, stage", [("FSDP", None), ("DEEPSPEED", 3)])
-def test_generation_under_sharded_weights_is_refused_clearly(kind, stage):
-    from types import SimpleNamespace
-
+@pytest.mark.parametrize(
+    "kind, stage, sharding",
+    [("FSDP", None, "fsdp"), ("DEEPSPEED", 3, "zero3"), ("DEEPSPEED", 2, None), ("MULTI_CPU", None, None)],
+)
+def test_how_the_weights_are_sharded_decides_the_generation_context(kind, stage, sharding):
+    """ZeRO-3 and FSDP shard the weights (the rollout gathers them); ZeRO-2 and DDP keep them whole."""
     from accelerate.utils import DistributedType
 
-    from finetune.errors import FinetuneError
-    from finetune.objectives.online import _refuse_sharded_generation
+    from finetune.distributed import sharding_of
 
-    plugin = SimpleNamespace(zero_stage=stage)
     acc = SimpleNamespace(
-        distributed_type=getattr(DistributedType, kind), state=SimpleNamespace(deepspeed_plugin=plugin)
+        distributed_type=getattr(DistributedType, kind),
+        state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage)),
     )
-    with pytest.raises(FinetuneError, match="use DDP, ZeRO-1/2, or LoRA"):
-        _refuse_sharded_generation(acc, "grpo")
-    plugin.zero_stage = 2
-    if kind == "DEEPSPEED":
-        _refuse_sharded_generation(
-            acc, "grpo"
-        )  # ZeRO-2 keeps whole weights on every process: generation works
+    assert sharding_of(acc) == sharding
 
 
 class RecordingBackend:
@@ -244,6 +239,7 @@ def online_objective(tokenizer, completions, logprobs=None, **settings) -> Onlin
         num_processes=1, device=torch.device("cpu"), unwrap_model=lambda m: ("unwrapped", m)
     )
     obj.backend = RecordingBackend(tokenizer, completions, logprobs)
+    obj.sharding = None  # whole weights (finetune.distributed.sharding_of)
 
     def is_seven(completions, rows):
         return [float(text.strip() == "7") for text in completions]
