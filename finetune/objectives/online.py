@@ -33,6 +33,7 @@ policy's own, detached (ratio 1, as TRL does).
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,9 @@ from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
 from finetune.generation.backends import backend_for
 from finetune.generation.protocol import SamplingParams
+from finetune.generation.transformers_backend import eval_mode
 from finetune.losses import policy_gradient as pg
+from finetune.objectives.ahead import AheadRollout, copy_trained_weights, split_lookahead
 from finetune.objectives.reference import Reference, reference_source
 from finetune.recipe.objectives import OBJECTIVES
 
@@ -80,7 +83,11 @@ class OnlineObjective:
         source = reference_source(needed=self.settings.beta > 0, precompute=False, lora=self.lora.enable_lora)
         self.reference = Reference(source, objective=self.name, lora=self.lora.enable_lora)
         self.buffer = ro.RolloutBuffer()
-        self.backend = None  # the generation backend, made once the model is prepared
+        self.backend = None  # the generation backend, made on first use (after a resume loaded the weights)
+        # grpo.async_rollouts: the next step's rollout runs in the background on a copy of the policy
+        self.ahead = AheadRollout() if self.settings.async_rollouts else None
+        self._waits_logged = 0.0
+        self.model = None  # the prepared model (the backend is made from it on first use)
         self.rewards: list = []
         self.eval_rows: list[dict] = []
         self.samples: list[dict] = []  # the last rollout's logged completions
@@ -93,6 +100,12 @@ class OnlineObjective:
 
         self.accelerator = accelerator
         self.sharding = sharding_of(accelerator)
+        if self.ahead is not None and self.sharding is not None:
+            raise FinetuneError(
+                f"grpo.async_rollouts: generation in the background needs the whole weights on each process, which "
+                f"{self.sharding} shards (gathering them is a collective every process must join at once): set "
+                "async_rollouts: false, or use DDP / ZeRO-1/2"
+            )
         self.tokenizer = load_tokenizer(self.model_settings)
         prepared = prepare_on_main_process(self.recipe, accelerator)
         self.manifest = prepared.manifest
@@ -111,6 +124,7 @@ class OnlineObjective:
             prepared.train,
             prompts_per_step=self.prompts_per_step,
             repeat=self.settings.num_iterations,
+            lookahead=self.ahead is not None,
             seed=self.train.seed,
             shuffle=self.data.shuffle_merged_datasets,
             drop_last=self.data.dataloader_drop_last,
@@ -128,46 +142,107 @@ class OnlineObjective:
         )
 
     def on_prepared(self, accelerator, model) -> dict[str, Any] | None:
-        unwrapped = accelerator.unwrap_model(model)
-        self.flops["config"] = unwrapped.config
+        self.model = model
+        self.flops["config"] = accelerator.unwrap_model(model).config
         self.reference.to(accelerator.device)
-        options = dict(self.settings.backend_options)
-        if "max_model_len" in options and options["max_model_len"] is None:
-            options["max_model_len"] = self.data.sequence_len + self.settings.max_new_tokens
-        self.backend = backend_for(self.settings.generation_backend, unwrapped, self.tokenizer, **options)
-        # A rollout reused over num_iterations steps is part of the run's state: a resume continues it.
+        # A rollout reused over num_iterations steps, or made ahead for the next step, is part of the
+        # run's state: a resume continues it.
+        if self.ahead is not None:
+            return {"rollout_ahead": self.ahead}
         return {"rollout": self.buffer} if self.settings.num_iterations > 1 else None
+
+    def _backend(self):
+        """The generation backend, made on first use: after a resume has loaded the trained weights, so an
+        engine with its own copy (vLLM) starts from them. With async_rollouts the transformers backend
+        generates with a copy of the policy, which training does not touch while it samples."""
+        if self.backend is None:
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            options = dict(self.settings.backend_options)
+            if "max_model_len" in options and options["max_model_len"] is None:
+                options["max_model_len"] = self.data.sequence_len + self.settings.max_new_tokens
+            generator = unwrapped
+            if self.ahead is not None and self.settings.generation_backend == "transformers":
+                generator = copy.deepcopy(unwrapped)  # memory: one more copy of the model
+            with whole_weights(self.model, self.accelerator) if self.sharding else contextlib.nullcontext():
+                self.backend = backend_for(
+                    self.settings.generation_backend, generator, self.tokenizer, **options
+                )
+        return self.backend
 
     def after_update(self, model) -> None:
         """The generation backend generates with the updated weights from the next rollout on (an engine
-        with its own copy reads them whole: gathered from their shards, on every process)."""
-        if getattr(self.backend, "copies_weights", False):
+        with its own copy reads them whole: gathered from their shards, on every process). A rollout
+        running ahead finishes first: it samples with the weights of the step before."""
+        if self.backend is None:
+            return  # made from the current weights on first use
+        unwrapped = self.accelerator.unwrap_model(model)
+        if self.ahead is not None:
+            self.ahead.wait()
+        if self.ahead is not None and not self.backend.copies_weights:
+            copy_trained_weights(unwrapped, self.backend.model)  # the background copy
+        elif self.backend.copies_weights:
             with whole_weights(model, self.accelerator):
-                self.backend.sync_weights(self.accelerator.unwrap_model(model))
+                self.backend.sync_weights(unwrapped)
         else:
-            self.backend.sync_weights(self.accelerator.unwrap_model(model))
+            self.backend.sync_weights(unwrapped)
 
     # --------------------------------------------------------------------------------- rollout
 
     def rollout(self, model, items: list, *, step: int) -> tuple[list[dict], dict[str, float]]:
         """The window's micro-batches from this process's prompts (see the module docstring)."""
-        (prompts,) = items
+        prompts, upcoming = split_lookahead(items[0]) if self.ahead is not None else (items[0], [])
         key = [int(row["row_index"]) for row in prompts]
         reused = self.buffer.take(key, self.settings.num_iterations)
         if reused is not None:
             return reused, {}
-        settings, group = self.settings, self.settings.num_generations
+        settings = self.settings
+        made = self.ahead.take(key) if self.ahead is not None else None
+        if made is None:  # synchronous: the first step of a run or an epoch, or without async_rollouts
+            with self._generation_weights(model):
+                made = self._sample(prompts, step)
+        if upcoming:  # the next step's prompts, sampled while this step trains (with these weights)
+            later = [int(row["row_index"]) for row in upcoming]
+            self.ahead.start(later, lambda: self._sample(upcoming, step + 1))
+        batches = made["batches"]
+        self._fill_log_probs(model, batches)
+        kl = None  # RLOO's KL term: each completion's sum of log(old / ref), paid out of its reward
+        if settings.kl_in_reward and settings.beta > 0:
+            kl = ro.completion_sums(batches, lambda b: b["old_logps"] - b["ref_logps"])
+        total = made["total"]
+        trained_reward = total if kl is None else total - settings.beta * kl
+        advantages, flat_groups = self._advantages(trained_reward)
+        ro.set_advantages(batches, advantages)
+        if settings.num_iterations > 1:  # reused on the next steps (and checkpointed)
+            self.buffer.keep(key, batches)
+        self._keep_samples(prompts, made["texts"], made["per_reward"], total, step)
+        stats = self._rollout_stats(
+            made["per_reward"], total, flat_groups, made["lengths"], made["finished"], kl
+        )
+        if self.ahead is not None:  # the time training waited for the background rollout since the last step
+            stats["rollout_wait_seconds"] = self.ahead.wait_seconds - self._waits_logged
+            self._waits_logged = self.ahead.wait_seconds
+        return batches, stats
+
+    def _sample(self, prompts: list[dict], step: int) -> dict[str, Any]:
+        """Sample, score and pack one step's completions (no collective: it may run in the background).
+        With async_rollouts the old log-probs are the sampling copy's, in eval mode as it sampled (the
+        policy the completions came from); the result holds tensors, texts and numbers only (it is
+        checkpointed when it was made ahead)."""
+        settings, group, backend = self.settings, self.settings.num_generations, self._backend()
         params = SamplingParams(
             max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
             top_p=settings.top_p, top_k=settings.top_k, num_return_sequences=group,
         )  # fmt: skip
-        with self._generation_weights(model):
-            completions = ro.sample(
-                self.backend, prompts, params, seed=self.train.seed, step=step,
-                batch_size=settings.generation_batch_size,
-            )  # fmt: skip
+        completions = ro.sample(
+            backend,
+            prompts,
+            params,
+            seed=self.train.seed,
+            step=step,
+            batch_size=settings.generation_batch_size,
+        )
         rows = [json.loads(row["row"]) for row in prompts for _ in range(group)]
-        texts, per_reward, total = ro.score(self.rewards, self.backend, completions, rows)
+        texts, per_reward, total = ro.score(self.rewards, backend, completions, rows)
         sequences = [
             (list(prompts[k // group]["input_ids"]), c.ids, c.finished, 0.0)
             for k, c in enumerate(completions)
@@ -180,17 +255,23 @@ class OnlineObjective:
             mask_truncated=settings.mask_truncated_completions,
             sampling_logps=self._sampling_logps(completions),
         )
-        self._fill_log_probs(model, batches)
-        kl = None  # RLOO's KL term: each completion's sum of log(old / ref), paid out of its reward
-        if settings.kl_in_reward and settings.beta > 0:
-            kl = ro.completion_sums(batches, lambda b: b["old_logps"] - b["ref_logps"])
-        trained_reward = total if kl is None else total - settings.beta * kl
-        advantages, flat_groups = self._advantages(trained_reward)
-        ro.set_advantages(batches, advantages)
-        if settings.num_iterations > 1:  # reused on the next steps (and checkpointed)
-            self.buffer.keep(key, batches)
-        self._keep_samples(prompts, texts, per_reward, total, step)
-        return batches, self._rollout_stats(per_reward, total, flat_groups, completions, kl)
+        if self.ahead is not None:
+            sampler = backend.model
+            with eval_mode(sampler):
+                for batch in batches:
+                    inputs = {
+                        k: batch[k].to(self.accelerator.device)
+                        for k in ("input_ids", "position_ids", "labels")
+                    }
+                    batch["old_logps"] = self._token_logps(sampler, inputs).cpu()
+        return {
+            "batches": batches,
+            "texts": texts,
+            "per_reward": per_reward,
+            "total": total,
+            "lengths": torch.tensor([len(c.ids) for c in completions], dtype=torch.float32),
+            "finished": torch.tensor([c.finished for c in completions]),
+        }
 
     def _sampling_logps(self, completions) -> list[list[float]] | None:
         """The engine's sampling log-probs, kept for the importance-sampling correction (vLLM); None
@@ -222,10 +303,12 @@ class OnlineObjective:
 
     def _fill_log_probs(self, model, batches: list[dict]) -> None:
         """The reference's log-probs (beta > 0) and the sampling policy's (num_iterations > 1, or a KL
-        term in the reward) of every completion token, without gradient, before any update on this
-        rollout."""
+        term in the reward; async_rollouts made them with the sampling copy) of every completion token,
+        without gradient, before any update on this rollout."""
         settings, acc = self.settings, self.accelerator
-        old_needed = settings.num_iterations > 1 or (settings.kl_in_reward and settings.beta > 0)
+        old_needed = self.ahead is None and (
+            settings.num_iterations > 1 or (settings.kl_in_reward and settings.beta > 0)
+        )
         if settings.beta == 0 and not old_needed:
             return
         for batch in batches:
@@ -240,18 +323,17 @@ class OnlineObjective:
     def _token_logps(self, model, batch: dict) -> torch.Tensor:
         return ro.token_logps_at(model, batch, temperature=self.settings.temperature)
 
-    def _rollout_stats(self, per_reward, total, flat_groups, completions, kl=None) -> dict[str, float]:
+    def _rollout_stats(self, per_reward, total, flat_groups, lengths, finished, kl=None) -> dict[str, float]:
         """Sums over all processes (one reduce): the logging interval averages them in log_fields."""
-        lengths = torch.tensor([len(c.ids) for c in completions], dtype=torch.float32)
         group = self.settings.num_generations
         local = {
-            "completions": float(len(completions)),
+            "completions": float(len(lengths)),
             "reward_sum": float(total.sum()),
             "reward_sq_sum": float((total**2).sum()),
-            "groups": float(len(completions) // group),
+            "groups": float(len(lengths) // group),
             "zero_std_groups": float(flat_groups[::group].sum()),
             "completion_length_sum": float(lengths.sum()),
-            "clipped_completions": float(sum(not c.finished for c in completions)),
+            "clipped_completions": float((~finished).sum()),
         }
         if kl is not None:
             local["reward_kl_sum"] = float(kl.sum())
@@ -305,7 +387,10 @@ class OnlineObjective:
         settings = self.settings
         mask = batch["labels"] != IGNORE_INDEX
         logps = self._token_logps(model, batch)[mask]
-        old = batch["old_logps"][mask] if settings.num_iterations > 1 else logps.detach()
+        stale = (
+            settings.num_iterations > 1 or self.ahead is not None
+        )  # sampled by another policy than this one
+        old = batch["old_logps"][mask] if stale else logps.detach()
         weights, sampling_metrics = self._sampling_weights(batch, mask, old)
         index, num_sequences = batch["seq_index"][mask], int(batch["num_sequences"].sum())
         if settings.loss_type == "rloo":  # one ratio per completion, no KL term in the loss
@@ -380,6 +465,8 @@ class OnlineObjective:
             self.accelerator, self.flops, interval, train_seconds, totals, forward_passes=passes
         )
         fields |= {"rollout_seconds": rollout_seconds, "train_seconds": train_seconds}
+        if "rollout_wait_seconds" in interval:  # async_rollouts: training waiting for the background rollout
+            fields["rollout_wait_seconds"] = interval["rollout_wait_seconds"]
         return (
             fields
             | ro.rollout_fields(interval, self.rewards)
@@ -398,10 +485,10 @@ class OnlineObjective:
         (grpo.sharded_generation: gather), or its layers gathered one at a time (layerwise, with the
         processes' generate loops kept in step); nothing for whole weights. The transformers backend
         generates with the training model; an engine with its own copy (vLLM) needs neither."""
-        if self.sharding is None or getattr(self.backend, "copies_weights", False):
+        if self.sharding is None or self._backend().copies_weights:
             return contextlib.nullcontext()
         layerwise = self.settings.sharded_generation == "layerwise"
-        self.backend.synced_processes = layerwise and self.accelerator.num_processes > 1
+        self._backend().synced_processes = layerwise and self.accelerator.num_processes > 1
         return whole_weights(model, self.accelerator, gather=not layerwise)
 
     def _eval_rewards(self, model, step: int) -> dict[str, Any]:
@@ -411,7 +498,7 @@ class OnlineObjective:
         if acc.is_main_process or self.sharding is not None:
             with self._generation_weights(model):
                 metrics = ro.eval_rewards(
-                    self.backend, self.eval_rows, self.rewards,
+                    self._backend(), self.eval_rows, self.rewards,
                     max_new_tokens=self.settings.max_new_tokens, batch_size=self.eval_settings.batch_size,
                 )  # fmt: skip
             trackers.log_scalars(acc, metrics, step)

@@ -231,11 +231,21 @@ def eval_rewards(
 
 
 def prompt_loader(
-    rows, *, prompts_per_step: int, repeat: int, seed: int, shuffle: bool, drop_last: bool, accelerator
+    rows,
+    *,
+    prompts_per_step: int,
+    repeat: int,
+    seed: int,
+    shuffle: bool,
+    drop_last: bool,
+    accelerator,
+    lookahead: bool = False,
 ):
     """Loader items of this process's prompts for one step (a list of prepared prompt rows), each
-    given `repeat` times in a row (grpo.num_iterations: the rollout is reused)."""
+    given `repeat` times in a row (grpo.num_iterations: the rollout is reused); with `lookahead`
+    (async_rollouts) each item also holds the next step's rows after a None (objectives.ahead)."""
     from finetune.data.sampler import RankBatchSampler, RepeatBatchSampler
+    from finetune.objectives.ahead import LookaheadBatchSampler, MarkedRows
     from finetune.objectives.lm import with_row_index
 
     sampler = RankBatchSampler(
@@ -247,9 +257,11 @@ def prompt_loader(
         shuffle=shuffle,
         drop_last=drop_last,
     )
+    dataset = with_row_index(rows).select_columns(["input_ids", "row", "row_index"])
+    batches = LookaheadBatchSampler(sampler) if lookahead else RepeatBatchSampler(sampler, repeat)
     return torch.utils.data.DataLoader(
-        with_row_index(rows).select_columns(["input_ids", "row", "row_index"]),
-        batch_sampler=RepeatBatchSampler(sampler, repeat),
+        MarkedRows(dataset) if lookahead else dataset,
+        batch_sampler=batches,
         collate_fn=list,
         generator=torch.Generator().manual_seed(seed),
     )

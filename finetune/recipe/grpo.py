@@ -213,6 +213,12 @@ class GrpoSection(_Section):
         "time (layerwise: for weights that do not fit whole; every generated token gathers every layer, so it is "
         "slow).",
     )
+    async_rollouts: bool = Field(
+        False,
+        description="Sample the next step's completions in the background while this step trains, on a copy of "
+        "the policy one step old (one more copy of the weights in memory); the clipped ratio to the sampling "
+        "copy's log-probs corrects the staleness. The first step of a run and of each epoch samples in step.",
+    )
     generation_batch_size: int = Field(
         8, ge=1, description="Prompts per generate call (each with its num_generations completions)."
     )
@@ -274,6 +280,27 @@ class GrpoSection(_Section):
                     "vllm_importance_sampling_mode",
                     self.vllm_importance_sampling_mode,
                     "loss_type rloo weighs whole completions: use sequence_truncate or sequence_mask",
+                )
+            )
+        if ok("async_rollouts", "num_iterations") and self.async_rollouts and self.num_iterations > 1:
+            problems.append(
+                (
+                    "async_rollouts",
+                    True,
+                    "reuses no rollout: set num_iterations: 1 (or async_rollouts: false)",
+                )
+            )
+        if (
+            ok("async_rollouts", "generation_backend")
+            and self.async_rollouts
+            and self.generation_backend == "vllm"
+        ):
+            problems.append(
+                (
+                    "async_rollouts",
+                    True,
+                    "with generation_backend vllm is not built yet (the staleness and vLLM's own numerics would "
+                    "need one correction, not two): use async_rollouts with the transformers backend, or vllm in step",
                 )
             )
         if (

@@ -195,3 +195,24 @@ def test_zero3_generates_from_its_gathered_weights_what_one_process_does(tmp_pat
     }
     for key in ("eval_reward", "eval_completion_length", "eval_prompts"):
         assert evals["b"][key] == pytest.approx(evals["a"][key], abs=1e-6), key
+
+
+def test_async_rollouts_resume_exactly_with_the_rollout_made_ahead(tmp_path, prepared):
+    """grpo.async_rollouts: the rollout made in the background for step 3 is in step 2's checkpoint, so a
+    run resumed from it trains steps 3-4 on the same completions, rewards and losses as the run that went
+    on; each step logs how long it waited for the background rollout."""
+    args = ["--train.max_steps", "4", "--train.save_steps", "2", "--train.eval_steps", "null",
+            "--train.log_steps", "1", "--grpo.async_rollouts", "true", "--lora.lora_dropout", "0.1"]  # fmt: skip
+    straight = tmp_path / "straight"
+    finetune("train", straight, prepared, *args)
+    expected = steps_of(straight)
+    assert sorted(expected) == [1, 2, 3, 4] and all("rollout_wait_seconds" in r for r in expected.values())
+    resumed = tmp_path / "resumed"
+    checkpoint = straight / "checkpoints" / "step-2"
+    finetune("train", resumed, prepared, *args, "--train.load_checkpoint_path", str(checkpoint))
+    after = steps_of(resumed)
+    assert sorted(after) == [3, 4]
+    for step in (3, 4):
+        assert after[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-6), step
+        assert after[step]["reward"] == pytest.approx(expected[step]["reward"], abs=1e-6), step
+        assert after[step]["completions_sample"] == expected[step]["completions_sample"], step

@@ -40,6 +40,7 @@ def sequences(n: int = 6, seed: int = 0) -> list[tuple[list[int], list[int], boo
 
 def objective(loss_type: str, **settings) -> OnlineObjective:
     obj = OnlineObjective.__new__(OnlineObjective)  # the parts `loss` and `units` read, without a build
+    obj.ahead = None
     obj.settings = GrpoSection(
         loss_type=loss_type, max_new_tokens=8, rewards=[{"name": "length"}], **settings
     )
@@ -196,6 +197,7 @@ class RecordingBackend:
 
     name = "recording"
     processor = None
+    copies_weights = False
     stops = (2,)
 
     def __init__(self, tokenizer, completions, logprobs=None):
@@ -240,6 +242,7 @@ def online_objective(tokenizer, completions, logprobs=None, **settings) -> Onlin
     )
     obj.backend = RecordingBackend(tokenizer, completions, logprobs)
     obj.sharding = None  # whole weights (finetune.distributed.sharding_of)
+    obj.ahead = None  # in step (async_rollouts: false)
 
     def is_seven(completions, rows):
         return [float(text.strip() == "7") for text in completions]
@@ -399,3 +402,55 @@ def test_rloo_rolls_out_leave_one_out_advantages_with_the_kl_paid_from_the_rewar
     torch.testing.assert_close(torch.tensor(stats["reward_kl_sum"]), kl.sum().double(), check_dtype=False)
     loss, metrics = obj.loss(policy, batches[0], obj.units(batches[0]))
     assert "kl" not in metrics and torch.isfinite(loss)  # the KL is in the reward, not the loss
+
+
+def test_async_rollouts_sample_the_next_step_with_one_step_old_weights():
+    """grpo.async_rollouts: the rollout of step n starts the next step's in the background, on the
+    policy copy as it is at step n; the update of step n does not reach it (the copy is synced after the
+    background rollout has finished); its old log-probs are the sampling copy's. A rollout is used once,
+    only for the rows it was made for; any other rows are sampled in step."""
+    from transformers import AutoTokenizer
+
+    from finetune.generation.protocol import SamplingParams
+    from finetune.generation.transformers_backend import TransformersBackend
+    from finetune.objectives.ahead import AheadRollout, MarkedRows
+    from finetune.objectives.rollout import completion_seed
+
+    tokenizer = AutoTokenizer.from_pretrained("recipes/demo/tokenizer")
+    policy = tiny_model(vocab_size=len(tokenizer), initializer_range=0.2, eos_token_id=2, pad_token_id=3)
+    obj = online_objective(tokenizer, [[5, 2]], temperature=1.0)
+    obj.ahead, obj.backend = AheadRollout(), TransformersBackend(copy.deepcopy(policy), tokenizer)
+    obj._waits_logged = 0.0
+    obj.model = policy
+    obj.accelerator.unwrap_model = lambda m: m
+    obj.reference = SimpleNamespace(forward_passes=0)
+    rows = [{"input_ids": [1, 5 + k, 6], "row_index": k, "row": '{"q": "x"}'} for k in range(4)]
+    marked = MarkedRows(rows)
+
+    def items(now, later):
+        return [[marked[k] for k in [*now, -1, *later]]]
+
+    obj.rollout(policy, items([0], [1]), step=1)  # samples row 0 in step, starts row 1 in the background
+    before = copy.deepcopy(policy)  # the weights step 2's completions must come from
+    with torch.no_grad():  # the update of step 1
+        for param in policy.parameters():
+            param.add_(0.5 * torch.randn(param.shape, generator=torch.Generator().manual_seed(1)))
+    obj.after_update(policy)
+    made_ahead = obj.ahead.result  # finished: after_update waited for it
+    second, _ = obj.rollout(policy, items([1], [2]), step=2)
+    assert obj.ahead.key == [2]
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, num_return_sequences=3)
+    seeds = [[completion_seed(11, 2, 1, j) for j in range(3)]]
+    want = TransformersBackend(before, tokenizer).generate([rows[1]["input_ids"]], params, seeds=seeds)[0]
+    now = TransformersBackend(policy, tokenizer).generate([rows[1]["input_ids"]], params, seeds=seeds)[0]
+    got = [b["input_ids"][0][b["seq_index"][0] == j].tolist() for b in second for j in range(3)]
+    assert got == [c.ids for c in want] and got != [c.ids for c in now]  # one step old, not the new weights
+    mask = second[0]["labels"] != -100
+    with torch.no_grad():
+        before.eval()
+        old = obj._token_logps(before, second[0])
+    torch.testing.assert_close(second[0]["old_logps"][mask], old[mask])
+    assert made_ahead is not None and obj.ahead.take([1]) is None  # used once
+    obj.after_update(policy)
+    third, _ = obj.rollout(policy, items([3], []), step=3)  # rows 3 were not made ahead (2 were): in step
+    assert obj.ahead.key is None and len(third) == 1
