@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from finetune.errors import FinetuneError, write_error, write_failure_reason
 from finetune.notices import warn
+
+if TYPE_CHECKING:
+    import torch
 
 STATE_FILE = "train_state.json"
 CHECKSUMS_FILE = "checksums.json"
@@ -71,6 +75,7 @@ def save_checkpoint(
                 shutil.rmtree(tmp)
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp))
+        save_rng_state(tmp, accelerator.process_index)  # every process its own (not accelerate's pickle)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             (tmp / STATE_FILE).write_text(json.dumps(train_state, indent=2))
@@ -321,3 +326,133 @@ def describe_checkpoints(output_dir: str | Path) -> list[dict[str, Any]]:
         }
         for path in folders
     ]
+
+
+# ------------------------------------------------------------------------------ RNG states
+# The random number generators' states in a checkpoint, one file pair per process, without pickle.
+#
+# accelerate saves them as random_states_N.pkl and, on resume, loads that file inside a bare
+# `except Exception`: a truncated, wrong-shape or replaced file (its checksum rewritten to match) resumed
+# silently with fresh RNG states, and the losses after the resume differed from an uninterrupted run.
+# finetune writes them itself instead, as rng_state_N.safetensors (the torch and CUDA generators' byte
+# states, numpy's key) and rng_state_N.json (Python's and numpy's other fields), removes accelerate's
+# pickle from the checkpoint, and on resume restores every state or stops with an error naming the file:
+# there is no resume that is silently not exact.
+
+RNG_ACCELERATE_FILE = "random_states_{rank}.pkl"
+RNG_JSON_FILE = "rng_state_{rank}.json"
+RNG_TENSORS_FILE = "rng_state_{rank}.safetensors"
+
+
+def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(JSON-able fields, tensors) of this process's Python, numpy, torch and CUDA generators."""
+    import numpy as np
+    import torch
+
+    version, internal, gauss = random.getstate()
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    plain = {
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss},
+        "numpy": {
+            "kind": kind,
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch_cuda_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
+    tensors = {"torch": torch.get_rng_state(), "numpy_key": torch.from_numpy(key.astype(np.int64))}
+    for k, cuda in enumerate(torch.cuda.get_rng_state_all() if plain["torch_cuda_count"] else []):
+        tensors[f"cuda_{k}"] = cuda
+    return plain, tensors
+
+
+def restore_rng(state: tuple[dict[str, Any], dict[str, torch.Tensor]], where: str) -> None:
+    """Set every generator from `state` (capture's), checking each part first; a part that does not fit
+    is a FinetuneError naming `where` (the checkpoint files), with nothing half-restored."""
+    import numpy as np
+    import torch
+
+    plain, tensors = state
+    try:
+        python = plain["python"]
+        internal = tuple(int(x) for x in python["internal"])
+        python_state = (int(python["version"]), internal, python["gauss_next"])
+        numpy = plain["numpy"]
+        key = tensors["numpy_key"]
+        torch_state = tensors["torch"]
+        if torch_state.dtype != torch.uint8 or torch_state.shape != torch.get_rng_state().shape:
+            raise ValueError(
+                f"the torch generator state has shape {tuple(torch_state.shape)} {torch_state.dtype}"
+            )
+        if key.shape != (624,) or len(internal) != 625:
+            raise ValueError("the numpy or Python Mersenne Twister state has the wrong length")
+        numpy_state = (str(numpy["kind"]), key.numpy().astype(np.uint32), int(numpy["pos"]),
+                       int(numpy["has_gauss"]), float(numpy["cached_gaussian"]))  # fmt: skip
+        cuda = [tensors[f"cuda_{k}"] for k in range(int(plain["torch_cuda_count"]))]
+        check = random.Random()
+        check.setstate(python_state)  # raises on a malformed state, before anything is changed
+        np.random.RandomState().set_state(numpy_state)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FinetuneError(
+            f"{where}: the random number generators' state cannot be restored ({type(exc).__name__}: {exc}); "
+            "the resumed run would not continue the interrupted one exactly. Resume from another checkpoint "
+            "(`finetune checkpoints OUTPUT_DIR` lists them)"
+        ) from None
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(torch_state)
+    if cuda and torch.cuda.is_available():
+        if len(cuda) != torch.cuda.device_count():
+            raise FinetuneError(
+                f"{where}: the checkpoint holds {len(cuda)} CUDA generators' states and this process sees "
+                f"{torch.cuda.device_count()} devices: resume with the same devices (CUDA_VISIBLE_DEVICES)"
+            )
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def save_rng_state(folder: Path, rank: int) -> None:
+    """This process's generators into `folder`, replacing accelerate's pickled file of them."""
+    from safetensors.torch import save_file
+
+    plain, tensors = capture_rng()
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(folder / RNG_TENSORS_FILE.format(rank=rank))
+    )
+    (folder / RNG_JSON_FILE.format(rank=rank)).write_text(json.dumps(plain))
+    (folder / RNG_ACCELERATE_FILE.format(rank=rank)).unlink(missing_ok=True)
+
+
+def load_rng_state(folder: Path, rank: int) -> None:
+    """Restore this process's generators from `folder` (after accelerate's load_state, which finds no
+    RNG file of its own there). A checkpoint from before finetune kept them itself has only
+    accelerate's pickle, which accelerate loaded tensors-only or skipped without a word: said loudly."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    json_path, tensors_path = (
+        folder / RNG_JSON_FILE.format(rank=rank),
+        folder / RNG_TENSORS_FILE.format(rank=rank),
+    )
+    if not json_path.exists() and not tensors_path.exists():
+        if (folder / RNG_ACCELERATE_FILE.format(rank=rank)).exists():
+            warn(
+                f"{folder} keeps its random number generators only in accelerate's pickle, which is loaded "
+                "without checks (an older finetune wrote it): the resumed run may not repeat the interrupted "
+                "one exactly; resume from a checkpoint this version wrote for that"
+            )
+            return
+        raise FinetuneError(
+            f"{folder}: no {json_path.name} for process {rank}: the checkpoint was written by fewer processes "
+            "or is incomplete; resume with the number of processes that wrote it, or from another checkpoint"
+        )
+    where = f"{json_path} / {tensors_path.name}"
+    try:
+        plain = json.loads(json_path.read_text())
+        tensors = load_file(str(tensors_path))
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise FinetuneError(
+            f"{where}: unreadable ({type(exc).__name__}: {exc}); resume from another checkpoint "
+            "(`finetune checkpoints OUTPUT_DIR` lists them)"
+        ) from None
+    restore_rng((plain, tensors), where)

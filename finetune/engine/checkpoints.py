@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint import find_checkpoint, load_train_state, save_checkpoint
+from finetune.checkpoint import find_checkpoint, load_rng_state, load_train_state, save_checkpoint
 from finetune.engine.extra_state import collect_states, load_extra, save_extra
 from finetune.engine.lifecycle import extend_schedule
 from finetune.engine.state import LoopState
@@ -98,6 +98,7 @@ def resume(run) -> None:
     check_no_pickled_objects(path)
     with tensors_only_loads(path):
         acc.load_state(str(path))
+    load_rng_state(path, acc.process_index)  # finetune's own file: restored exactly, or an error
     load_extra(run.extra_state, path)
     run.state = LoopState.from_dict(load_train_state(path)["state"])
     run.resumed_at = run.state.step

@@ -69,4 +69,4 @@ def test_two_processes_train_each_image_once_per_epoch_and_save_once(tmp_path) -
     assert (out / "pytorch_lora_weights.safetensors").is_file()
     assert sorted(p.name for p in (out / "samples" / "step-3").iterdir()) == ["00-00-a-red-square.png"]
     checkpoint = out / "checkpoints" / "step-3"
-    assert (checkpoint / "random_states_0.pkl").is_file() and (checkpoint / "random_states_1.pkl").is_file()
+    assert (checkpoint / "rng_state_0.json").is_file() and (checkpoint / "rng_state_1.json").is_file()

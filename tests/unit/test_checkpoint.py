@@ -307,3 +307,66 @@ def test_describe_lists_every_checkpoint_and_the_one_auto_picks(tmp_path):
         (9, False, False),
     ]
     assert rows[1]["path"] == str(good) and rows[0]["bytes"] > 16_000
+
+
+# ----------------------------------------------------------------------------- RNG states, no pickle
+
+
+def _draws() -> tuple:
+    import random
+
+    import numpy as np
+
+    return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+
+def test_rng_states_are_saved_without_pickle_and_restored_exactly(tmp_path):
+    from finetune.checkpoint import load_rng_state, save_rng_state
+
+    (tmp_path / "random_states_0.pkl").write_bytes(b"accelerate's pickle")
+    save_rng_state(tmp_path, 0)
+    assert not (tmp_path / "random_states_0.pkl").exists()  # accelerate's pickle is not kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rng_state_0.json", "rng_state_0.safetensors"]
+    want = _draws()
+    _draws()  # move every generator on
+    load_rng_state(tmp_path, 0)
+    assert _draws() == want
+
+
+@pytest.mark.parametrize("damage", ["truncated-json", "wrong-shape", "wrong-dtype", "short-key", "missing"])
+def test_a_damaged_rng_state_stops_the_resume_with_the_file_named(tmp_path, damage):
+    from safetensors.torch import load_file, save_file
+
+    from finetune.checkpoint import load_rng_state, save_rng_state
+    from finetune.errors import FinetuneError
+
+    save_rng_state(tmp_path, 0)
+    json_file, tensors_file = tmp_path / "rng_state_0.json", tmp_path / "rng_state_0.safetensors"
+    tensors = load_file(str(tensors_file))
+    if damage == "truncated-json":
+        json_file.write_text(json_file.read_text()[:40])
+    elif damage == "wrong-shape":
+        save_file({**tensors, "torch": tensors["torch"][:100].contiguous()}, str(tensors_file))
+    elif damage == "wrong-dtype":
+        save_file({**tensors, "torch": tensors["torch"].float()}, str(tensors_file))
+    elif damage == "short-key":
+        save_file({**tensors, "numpy_key": tensors["numpy_key"][:10].contiguous()}, str(tensors_file))
+    else:
+        json_file.unlink()
+        tensors_file.unlink()
+    from finetune.checkpoint import capture_rng, restore_rng
+
+    now = capture_rng()
+    expected = _draws()
+    restore_rng(now, "now")
+    with pytest.raises(FinetuneError, match=r"rng_state_0|no rng_state_0\.json for process 0"):
+        load_rng_state(tmp_path, 0)
+    assert _draws() == expected  # nothing was half-restored: every generator is where it was
+
+
+def test_a_checkpoint_with_only_accelerates_pickle_warns(tmp_path, capsys):
+    from finetune.checkpoint import load_rng_state
+
+    (tmp_path / "random_states_0.pkl").write_bytes(b"older finetune")
+    load_rng_state(tmp_path, 0)
+    assert "may not repeat the interrupted one exactly" in capsys.readouterr().err
