@@ -110,6 +110,8 @@ def test_two_process_ddp_resumes_exactly_with_dropout(tmp_path, prepared):
     ddp = tmp_path / "ddp"
     finetune_train(ddp, prepared, *dropout)
     checkpoint = ddp / "checkpoints" / "step-3"
+    from safetensors.torch import load_file
+
     states = [load_file(str(checkpoint / f"rng_state_{rank}.safetensors")) for rank in (0, 1)]
     assert not torch.equal(states[0]["torch"], states[1]["torch"])
 
