@@ -202,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--output", metavar="FILE", help="the .gguf file (default: OUTPUT_DIR/<name>-<outtype>.gguf)"
     )
     export.add_argument("--base", help="the adapter's base model, when it moved since training")
+    export.add_argument("--overwrite", action="store_true", help="replace the .gguf file if it exists")
     return parser
 
 
@@ -332,7 +333,9 @@ def export_gguf_command(args: argparse.Namespace) -> int:
     """`finetune export-gguf`: write the file, then say where it is and how to run it."""
     from finetune.model.inference import export_gguf
 
-    path = export_gguf(args.output_dir, outtype=args.outtype, output=args.output, base=args.base)
+    path = export_gguf(
+        args.output_dir, outtype=args.outtype, output=args.output, base=args.base, overwrite=args.overwrite
+    )
     print(f"GGUF file written to {path} ({path.stat().st_size / 2**20:,.1f} MiB, {args.outtype})")
     print(f"run it with llama.cpp: llama-cli -m {path}")
     print(f"or with Ollama: a Modelfile holding `FROM {path}`, then `ollama create NAME -f Modelfile`")

@@ -84,11 +84,12 @@ def write_gguf(net, tokenizer, path: Path, *, outtype: str, name: str) -> dict[s
     import gguf
 
     arch = gguf_architecture(net.config.model_type)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        tmp = Path(tmp_name)
         writer = gguf.GGUFWriter(str(tmp), arch)
         _add_hyperparameters(writer, net.config, name, outtype)
         _add_tokenizer(writer, tokenizer, net)
@@ -97,9 +98,14 @@ def write_gguf(net, tokenizer, path: Path, *, outtype: str, name: str) -> dict[s
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
+        # mkstemp made it 0600; the file gets the modes a plain open gives (0644 under umask 022)
+        umask = os.umask(0)  # reading the umask means setting it: put it straight back
+        os.umask(umask)
+        tmp.chmod(0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException as exc:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         if write_failure_reason(exc) is None:
             raise
         raise write_error(

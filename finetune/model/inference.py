@@ -266,22 +266,43 @@ def _check_base_tokenizer(adapter: Path, tokenizer, base_path: str) -> None:
 
 
 def export_gguf(
-    output_dir: str, *, outtype: str = "f16", output: str | None = None, base: str | None = None
+    output_dir: str,
+    *,
+    outtype: str = "f16",
+    output: str | None = None,
+    base: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write what training left in `output_dir` (an adapter is merged into its base first) as a GGUF
-    file at `output` (default: `default_output`); returns its path."""
+    file at `output` (default: `default_output`); returns its path. The file must be a .gguf name (so
+    no file of the run, its adapter or weights, can be replaced) and must not exist unless `overwrite`."""
     if outtype not in OUTTYPES:
         raise FinetuneError(f"export-gguf: --outtype {outtype!r} is not one of {', '.join(OUTTYPES)}")
+    target = Path(output) if output else default_output(output_dir, outtype)
+    check_export_target(target, overwrite=overwrite)
     _refuse_unsupported_early(output_dir, base)
     # The checkpoint's own dtype (as merge-lora loads it): a bf16 model is not doubled in memory, and
     # PEFT computes the merge's delta in float32 on CPU whatever the weights' dtype.
     net, tokenizer = load_for_inference(output_dir, base=base, dtype="auto", merge=True)
     gguf_architecture(net.config.model_type)  # before anything is written
-    target = Path(output) if output else default_output(output_dir, outtype)
-    if target.is_dir():
-        raise FinetuneError(f"export-gguf: --output {target} is a folder; name the .gguf file to write")
     write_gguf(net, tokenizer, target, outtype=outtype, name=Path(output_dir).resolve().name)
     return target
+
+
+def check_export_target(target: Path, *, overwrite: bool) -> None:
+    """Refuse an export target that would destroy something: a folder, a file that is not a .gguf (the
+    run's adapter or weights, say), or an existing .gguf without `overwrite`."""
+    if target.is_dir():
+        raise FinetuneError(f"export-gguf: --output {target} is a folder; name the .gguf file to write")
+    if target.suffix != ".gguf":
+        raise FinetuneError(
+            f"export-gguf: --output {target} is not a .gguf file name; name the file NAME.gguf (a run's own "
+            "files, its adapter and weights, are never written over)"
+        )
+    if target.exists() and not overwrite:
+        raise FinetuneError(
+            f"export-gguf: {target} exists; pass --overwrite to replace it, or --output another .gguf file"
+        )
 
 
 def _refuse_unsupported_early(output_dir: str, base: str | None) -> None:

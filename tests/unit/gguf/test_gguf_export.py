@@ -11,6 +11,7 @@ from __future__ import annotations
 import doctest
 import errno
 import importlib.util
+import os
 import shutil
 from pathlib import Path
 from unittest import mock
@@ -354,3 +355,43 @@ def test_llama_cpp_generates_from_the_exported_file(tmp_path, demo_tokenizer) ->
     llm.reset()
     out = llm.create_completion(TEXTS[0], max_tokens=4, temperature=0.0)
     assert out["usage"]["completion_tokens"] >= 1
+
+
+def test_export_never_replaces_a_runs_files_and_asks_before_replacing_a_gguf(
+    tmp_path, demo_tokenizer
+) -> None:
+    """--output at the run's adapter (or any file that is not a .gguf) is refused before anything loads;
+    an existing .gguf needs --overwrite; the file gets the umask's mode, not mkstemp's 0600."""
+    run = save_tiny_lora_run(tmp_path / "run", demo_tokenizer)
+    adapter = run / "adapter_model.safetensors"
+    before = adapter.read_bytes()
+    with pytest.raises(FinetuneError, match=r"is not a \.gguf file name"):
+        export_gguf(str(run), output=str(adapter))
+    from finetune.cli import main
+
+    assert main(["export-gguf", str(run), "--output", str(run / "adapter_config.json")]) == 2
+    assert adapter.read_bytes() == before
+    path = export_gguf(str(run), outtype="f16")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+    with pytest.raises(FinetuneError, match="exists; pass --overwrite to replace it"):
+        export_gguf(str(run), outtype="f16")
+    assert export_gguf(str(run), outtype="f16", overwrite=True) == path
+
+
+def test_export_into_a_read_only_folder_is_a_clear_error(tmp_path, demo_tokenizer, monkeypatch) -> None:
+    """A folder it may not write in (as a non-root user sees a read-only one: the temporary file cannot
+    be created) is a FinetuneError naming the file, and nothing is left behind."""
+    import errno
+    import tempfile
+
+    run = save_tiny_lora_run(tmp_path / "run", demo_tokenizer)
+
+    def refused(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", kwargs.get("dir"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    with pytest.raises(FinetuneError, match=r"writing the GGUF file .*m\.gguf"):
+        export_gguf(str(run), output=str(tmp_path / "locked" / "m.gguf"))
+    assert not list((tmp_path / "locked").glob("*"))
