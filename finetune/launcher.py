@@ -73,13 +73,7 @@ def watch_supervisor() -> threading.Thread | None:
         return None
 
     def watch() -> None:
-        while True:
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                break
-            except PermissionError:  # alive, owned by another user (a reused pid would be too)
-                pass
+        while alive(int(pid)):
             time.sleep(SUPERVISOR_POLL_S)
         with contextlib.suppress(OSError):
             os.killpg(os.getpgid(0), signal.SIGKILL)
@@ -88,6 +82,27 @@ def watch_supervisor() -> threading.Thread | None:
     thread = threading.Thread(target=watch, name="finetune-supervisor-watch", daemon=True)
     thread.start()
     return thread
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs. A killed process stays a zombie until its parent reaps it, and where
+    nothing reaps orphans (a container whose first process does not), signal 0 still reaches it: its
+    state in /proc says it is dead.
+
+    >>> alive(os.getpid())
+    True
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user (a reused pid would be too)
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no /proc (not Linux), or it ended just now
+        return not Path("/proc").is_dir()
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")  # after the command name, the state
 
 
 def write_status(code: int, error: str) -> None:

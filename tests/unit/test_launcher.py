@@ -8,6 +8,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from finetune.launcher import run_supervised
 
 
@@ -29,11 +31,13 @@ def test_a_stop_before_the_launcher_started_training_is_a_clean_exit(capsys):
     assert err.rstrip().endswith("finetune train: stopped before training started; nothing to save")
 
 
-def test_training_processes_end_with_their_supervisor():
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
+def test_training_processes_end_with_their_supervisor(reaped):
     """`finetune train` runs the launcher in a session of its own (terminal signals stay away from it),
     so a SIGKILL of `finetune train`'s process group would leave training running as an orphan, into
     the output_dir the next run resumes (found by the GRPO SIGKILL test once output_dirs were locked).
-    A process under watch_supervisor ends its session once the supervisor is gone."""
+    A process under watch_supervisor ends its session once the supervisor is gone, also while the dead
+    supervisor is a zombie nobody reaps (a container whose first process does not reap orphans)."""
     import subprocess
 
     from finetune.launcher import SUPERVISOR_ENV
@@ -53,7 +57,8 @@ def test_training_processes_end_with_their_supervisor():
         time.sleep(0.5)
         assert child.poll() is None  # the supervisor lives: so does training
         supervisor.kill()
-        supervisor.wait()
+        if reaped:
+            supervisor.wait()
         assert child.wait(timeout=10) == -signal.SIGKILL
     finally:
         for proc in (supervisor, child):
