@@ -60,12 +60,15 @@ def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
     [2.6, 2.8, 3.0, 3.2, 3.4]
     >>> nice_ticks(1, 7)
     [0, 2, 4, 6, 8]
+    >>> nice_ticks(-1e308, 1e308)  # a range beyond the largest float: no overflow
+    [-1e+308, -5e+307, 0, 5e+307, 1e+308]
     """
     if high <= low:
         pad = abs(low) / 10 or 1.0
         low, high = low - pad, high + pad
-    raw = (high - low) / max(count, 1)
-    power = 10 ** math.floor(math.log10(raw))
+    count = max(count, 1)
+    raw = high / count - low / count  # (high - low) / count, which overflows for huge values
+    power = 10.0 ** math.floor(math.log10(raw))
     step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
     digits = max(0, -math.floor(math.log10(step)) + 1)  # no 0.6000000000000001 on an axis
     first = math.floor(low / step)
@@ -73,7 +76,7 @@ def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
     k = first
     while not ticks or ticks[-1] < high:
         value = round(k * step, digits)
-        ticks.append(int(value) if float(step).is_integer() else value)
+        ticks.append(int(value) if float(step).is_integer() and abs(value) < 1e15 else value)
         k += 1
     return ticks
 

@@ -167,3 +167,15 @@ def test_long_runs_are_decimated_and_say_how_many_points_were_logged():
     chart = line_chart("loss", "loss", [Series("long", "#000", points)], source="steps")
     assert f'data-logged="20000" data-drawn="{len(kept)}"' in chart
     assert chart.count('<circle class="point"') == len(kept) and "of 20000 points drawn" in chart
+
+
+def test_a_run_whose_loss_reached_the_largest_floats_still_gets_its_page(tmp_path):
+    """A loss of +-1e308 (a diverged run: the range between them overflows a float) is charted, not an
+    OverflowError."""
+    run = tmp_path / "diverged"
+    run.mkdir()
+    rows = [{"step": k, "loss": v} for k, v in enumerate([1e308, -1e308, 2.0], 1)]
+    (run / "progress.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "recipe.resolved.yaml").write_text("train:\n  objective: sft\n")
+    assert main(["report", str(run), "--output", str(tmp_path / "page.html")]) == 0
+    assert "<svg" in (tmp_path / "page.html").read_text()
