@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, write_error, write_failure_reason
 from finetune.gguf.convert import resolve_model_source
 from finetune.gguf.names import portable_base
 from finetune.model import vlm
@@ -254,5 +255,17 @@ def save_base_model(net, folder: Path, *, is_main_process: bool = True) -> None:
         gather = deepspeed.zero.GatheredParameters(list(net.parameters()), modifier_rank=None)
     with gather:
         if is_main_process:
-            folder.mkdir(parents=True, exist_ok=True)
-            net.save_pretrained(folder, safe_serialization=True)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                net.save_pretrained(folder, safe_serialization=True)
+            except BaseException as exc:
+                if write_failure_reason(exc) is None:
+                    raise
+                shutil.rmtree(folder, ignore_errors=True)  # half a model would be loaded as the base later
+                raise write_error(
+                    exc,
+                    f"writing the randomly initialised base model to {folder}",
+                    folder.parent,
+                    "Nothing was trained yet; free space (or fix the folder's permissions) and run again, or "
+                    "choose another train.output_dir",
+                ) from None

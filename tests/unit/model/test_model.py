@@ -438,3 +438,24 @@ def test_a_vision_language_model_is_refused_for_text_generation(tmp_path):
     for folder in (vlm, adapter):
         with pytest.raises(FinetuneError, match="is a vision-language model"):
             load_for_inference(str(folder))
+
+
+def test_a_full_disk_while_the_base_model_is_written_is_a_clear_error(tmp_path, monkeypatch):
+    """The random-init base written at the start (so the adapter can be loaded later): a full disk is a
+    FinetuneError naming the folder, and no half-written base is left to be loaded later."""
+    import errno
+
+    from finetune.errors import FinetuneError
+    from finetune.model.build import save_base_model
+    from tests.tiny import tiny_model
+
+    net = tiny_model()
+
+    def full(folder, **kwargs):
+        (Path(folder) / "model.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(net, "save_pretrained", full)
+    with pytest.raises(FinetuneError, match=r"writing the randomly initialised base model .*no space left"):
+        save_base_model(net, tmp_path / "base_model")
+    assert not (tmp_path / "base_model").exists()
