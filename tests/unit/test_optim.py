@@ -307,3 +307,23 @@ def test_unknown_schedule_is_an_error():
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     with pytest.raises(FinetuneError, match="lr_decay_style"):
         build_scheduler(optimizer, style="step", num_warmup_steps=0, num_training_steps=2, lr=1.0, lr_min=0)
+
+
+@pytest.mark.parametrize("args", [{"momentum": "x"}, {"nope": 1}])
+def test_muon_arguments_it_refuses_are_a_clear_error(args):
+    """train.optim_args that torch's Muon cannot take (a string where a number goes, an unknown name) are a
+    FinetuneError naming the field and what Muon takes, not a traceback from inside torch."""
+    from finetune.errors import FinetuneError
+    from finetune.optim import muon_optimizer
+    from tests.tiny import tiny_model
+
+    with pytest.raises(FinetuneError, match=r"train\.optim_args .*it takes weight_decay, momentum"):
+        muon_optimizer(
+            tiny_model(),
+            lr=1e-3,
+            weight_decay=0.0,
+            no_decay_params=[],
+            betas=(0.9, 0.99),
+            eps=1e-8,
+            muon_args=args,
+        )
