@@ -166,13 +166,23 @@ def _load_weights(model: ModelSection, lora: LoraSection, mixed_precision: str):
             lora, compute_dtype=DTYPES.get(mixed_precision, torch.float32), skip_modules=skip
         )
     if model.model_path is not None:
-        return auto.from_pretrained(
-            model.model_path,
-            config=_load_config(model) if model.config_path is not None else None,
-            revision=model.revision,
-            trust_remote_code=model.trust_remote_code,
-            **common,
-        )
+        try:
+            return auto.from_pretrained(
+                model.model_path,
+                config=_load_config(model) if model.config_path is not None else None,
+                revision=model.revision,
+                trust_remote_code=model.trust_remote_code,
+                **common,
+            )
+        except OSError as exc:  # transformers' word for a location without loadable weights
+            if not Path(str(model.model_path)).is_dir():
+                raise
+            raise FinetuneError(
+                f"model.model_path {model.model_path}: the folder holds no weights transformers can load "
+                f"({str(exc).strip().splitlines()[0]}); point it at a folder with model.safetensors (or "
+                "pytorch_model.bin and its shards), or leave it unset and give model.config_path to train from "
+                "a random init"
+            ) from None
     config = _load_config(model)
     if lora.enable_qlora:
         raise FinetuneError(

@@ -459,3 +459,17 @@ def test_a_full_disk_while_the_base_model_is_written_is_a_clear_error(tmp_path, 
     with pytest.raises(FinetuneError, match=r"writing the randomly initialised base model .*no space left"):
         save_base_model(net, tmp_path / "base_model")
     assert not (tmp_path / "base_model").exists()
+
+
+def test_a_model_folder_without_weights_is_a_clear_error(tmp_path):
+    from finetune.errors import FinetuneError
+    from finetune.model.build import build_model
+    from finetune.recipe import LoraSection, ModelSection
+    from tests.tiny import tiny_model
+
+    tiny_model().config.save_pretrained(tmp_path)  # config.json, no weights
+    with pytest.raises(FinetuneError, match=r"model\.model_path .*holds no weights transformers can load"):
+        build_model(
+            ModelSection(model_path=str(tmp_path)), LoraSection(), mixed_precision="no", vocab_size=64,
+            gradient_checkpointing=False,
+        )  # fmt: skip
