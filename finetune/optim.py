@@ -183,11 +183,18 @@ def muon_optimizer(
     ]
     muon_kwargs = {"adjust_lr_fn": "match_rms_adamw", **muon_args}
     try:
-        return MuonWithAdamW(groups, lr=lr, muon_kwargs=muon_kwargs, adamw_kwargs={"betas": betas, "eps": eps})
-    except (TypeError, ValueError) as exc:  # torch's Muon checks its arguments (a wrong type, an unknown name)
+        return MuonWithAdamW(
+            groups, lr=lr, muon_kwargs=muon_kwargs, adamw_kwargs={"betas": betas, "eps": eps}
+        )
+    except (
+        TypeError,
+        ValueError,
+    ) as exc:  # torch's Muon checks its arguments (a wrong type, an unknown name)
         import inspect
 
-        known = [n for n in inspect.signature(torch.optim.Muon).parameters if n not in ("self", "params", "lr")]
+        known = [
+            n for n in inspect.signature(torch.optim.Muon).parameters if n not in ("self", "params", "lr")
+        ]
         raise FinetuneError(
             f"train.optim_args {muon_args}: torch's Muon refuses them ({exc}); it takes {', '.join(known)} "
             "(numbers, and adjust_lr_fn a name)"

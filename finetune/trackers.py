@@ -23,6 +23,7 @@ without importing torch or accelerate.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,13 +263,52 @@ def missing_notes(names: Sequence[str]) -> list[str]:
     return notes
 
 
-def start(accelerator, names: Sequence[str], *, run_name: str, config: dict[str, Any]) -> None:
+def start(
+    accelerator,
+    names: Sequence[str],
+    *,
+    run_name: str,
+    config: dict[str, Any],
+    output_dir: Path | None = None,
+) -> None:
     """Start the trackers of `train.report_to` on the main process with the run's flat settings, and
     say once what a tracker will not receive (make_accelerator has checked they are installed)."""
     if names and accelerator.is_main_process:
+        if "mlflow" in names:
+            note = mlflow_store(output_dir)
+            if note:
+                accelerator.print(note)
         accelerator.init_trackers(run_name, config=config)
         for note in missing_notes(names):
             accelerator.print(note)
+
+
+def mlflow_store(output_dir: Path | None, environ=os.environ) -> str | None:
+    """Where MLflow keeps the run when nothing says so: mlflow-skinny's own default (sqlite:///mlflow.db)
+    needs the SQL extras it does not ship (`KeyError: 'sqlite'`), and MLflow 3 refuses a file store
+    unless MLFLOW_ALLOW_FILE_STORE is true. Without MLFLOW_TRACKING_URI the run goes to a file store in
+    output_dir/mlruns; a file: URI the user set is allowed as such. Returns the note to say once, or None.
+
+    >>> env = {}
+    >>> mlflow_store(Path("/runs/a"), env).startswith("train.report_to: mlflow")
+    True
+    >>> env["MLFLOW_TRACKING_URI"], env["MLFLOW_ALLOW_FILE_STORE"]
+    ('file:///runs/a/mlruns', 'true')
+    """
+    uri = environ.get("MLFLOW_TRACKING_URI")
+    if not uri and output_dir is not None:
+        store = (Path(output_dir).resolve() / "mlruns").as_uri()
+        environ["MLFLOW_TRACKING_URI"] = store
+        environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        return (
+            f"train.report_to: mlflow logs to a file store in {Path(output_dir) / 'mlruns'} (MLFLOW_TRACKING_URI "
+            f"is not set; `mlflow ui --backend-store-uri {store}` shows it)"
+        )
+    if uri and uri.startswith("file:") and "MLFLOW_ALLOW_FILE_STORE" not in environ:
+        environ["MLFLOW_ALLOW_FILE_STORE"] = (
+            "true"  # the user asked for a file store: MLflow 3 wants this too
+        )
+    return None
 
 
 def log_scalars(accelerator, values: dict[str, Any], step: int) -> None:

@@ -265,7 +265,13 @@ def train_loop(run: Run, log: ProgressLog) -> None:
     profiler = None
     interval: dict = {"t0": time.perf_counter()}
     skip = set(train.iterations_to_skip)
-    trackers.start(acc, train.report_to, run_name=run.output_dir.name, config=flat(run.recipe_dict))
+    trackers.start(
+        acc,
+        train.report_to,
+        run_name=run.output_dir.name,
+        config=flat(run.recipe_dict),
+        output_dir=run.output_dir,
+    )
     if train.eval_on_start and objective.can_evaluate and st.step == 0:
         evaluate(run, log)  # the baseline: the model before any update
         interval["t0"] = time.perf_counter()  # its time is not the first steps'

@@ -310,3 +310,33 @@ def test_validate_accepts_the_peers_trackers_and_explain_lists_them(tmp_path, ca
     description = next(line for line in out.splitlines() if line.strip().startswith("# Trackers"))
     assert all(name in description for name in trackers.TRACKERS)
     assert "  report_to:\n  - mlflow\n  - trackio\n" in out
+
+
+def test_mlflow_without_a_tracking_uri_logs_to_a_file_store_in_output_dir(tmp_path, monkeypatch, capsys):
+    """mlflow-skinny's own default store (sqlite:///mlflow.db) fails with KeyError 'sqlite', and MLflow 3
+    refuses a file store unless asked: with no MLFLOW_TRACKING_URI the run starts a file store in
+    output_dir/mlruns (said once), and metrics land there."""
+    pytest.importorskip("mlflow", reason="mlflow-skinny is in the test extra")
+    from accelerate.tracking import MLflowTracker
+    from mlflow.tracking import MlflowClient
+
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):  # unset, and unset again afterwards
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    run = tmp_path / "run"
+    started = []
+    acc = SimpleNamespace(
+        is_main_process=True,
+        print=print,
+        init_trackers=lambda name, config: started.append(MLflowTracker(name)),
+    )
+    trackers.start(acc, ["mlflow"], run_name="run", config={}, output_dir=run)
+    assert "logs to a file store in" in capsys.readouterr().out
+    (tracker,) = started
+    tracker.start()
+    tracker.log({"loss": 0.5}, step=1)
+    run_id = tracker.tracker.info.run_id
+    tracker.finish()
+    assert (run / "mlruns").is_dir()
+    client = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [(1, 0.5)]
