@@ -119,7 +119,11 @@ class OnlineObjective:
         )
         self.reference.attach(model, accelerator)
         self.rewards = ro.rewards_for(self.settings, self.tokenizer, recipe_path=_recipe_path(self.recipe))
-        ro.check_reward_columns(self.settings.rewards, prepared.train, section=self.section)
+        for split in (prepared.train, prepared.eval):
+            if split is not None:
+                ro.check_reward_columns(self.settings.rewards, split, section=self.section)
+                limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+                ro.check_lengths(split, self.settings.max_new_tokens, limit, section=self.section)
         train_loader = ro.prompt_loader(
             prepared.train,
             prompts_per_step=self.prompts_per_step,

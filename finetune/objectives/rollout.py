@@ -268,18 +268,47 @@ def prompt_loader(
 
 
 def check_reward_columns(specs, rows, *, section: str = "grpo") -> None:
-    """Each built-in reward's field_expected is a column of the prompt rows (checked on the first)."""
+    """Each built-in reward's field_expected is a column of the prompt rows, and no row leaves it empty
+    (a reward would score that row 0 without a word): an error naming the field, the count and the first
+    rows."""
     from finetune.errors import FinetuneError
 
     if len(rows) == 0:
         return
-    columns = set(json.loads(rows[0]["row"]))
+    parsed = [json.loads(row) for row in rows["row"]]
+    columns = set(parsed[0])
     for i, spec in enumerate(specs):
-        if spec.field_expected is not None and spec.field_expected not in columns:
+        field = spec.field_expected
+        if field is None:
+            continue
+        if field not in columns:
             raise FinetuneError(
-                f"{section}.rewards.{i}.field_expected: the prompt data has no column {spec.field_expected!r} "
+                f"{section}.rewards.{i}.field_expected: the prompt data has no column {field!r} "
                 f"(columns: {', '.join(sorted(columns))})"
             )
+        empty = [k for k, row in enumerate(parsed) if row.get(field) in (None, "")]
+        if empty:
+            raise FinetuneError(
+                f"{section}.rewards.{i}.field_expected: {len(empty)} of {len(parsed)} prompt rows have no "
+                f"{field!r} (empty or null; prepared rows {', '.join(map(str, empty[:5]))}"
+                f"{', ...' if len(empty) > 5 else ''}), which {spec.label} would score 0 without a word: fill "
+                "them in or remove those rows, and prepare again"
+            )
+
+
+def check_lengths(rows, max_new_tokens: int, limit: int | None, *, section: str = "grpo") -> None:
+    """The longest prompt plus max_new_tokens fits the model's positions (max_position_embeddings)."""
+    from finetune.errors import FinetuneError
+
+    if not limit or len(rows) == 0:
+        return
+    longest = max(len(ids) for ids in rows["input_ids"])
+    if longest + max_new_tokens > limit:
+        raise FinetuneError(
+            f"{section}.max_new_tokens {max_new_tokens}: the longest prompt ({longest} tokens) plus it exceeds "
+            f"the model's {limit} positions (max_position_embeddings): lower max_new_tokens to "
+            f"{limit - longest} or less, or keep prompts shorter (data.sequence_len)"
+        )
 
 
 def rewards_for(settings, tokenizer, *, recipe_path: str | None) -> list:

@@ -9,6 +9,7 @@ so all are fixed on resume.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field
@@ -310,3 +311,24 @@ class GrpoSection(_Section):
         ):
             problems.append(("epsilon_high", self.epsilon_high, f"is below epsilon ({self.epsilon})"))
         return problems
+
+
+def function_file_problems(section: GrpoSection | None, folder: Path, *, name: str = "grpo") -> list[str]:
+    """`path: problem` lines for each reward `function: file.py:fn` whose file is neither beside the recipe
+    (`folder`) nor in the current folder, as finetune.generation.rewards looks for it: said by
+    `finetune validate`, without importing anything (importing would run the user's code)."""
+    if section is None:
+        return []
+    problems = []
+    for i, reward in enumerate(section.rewards):
+        module = str(reward.function or "").rpartition(":")[0]
+        if not module.endswith(".py"):
+            continue
+        candidates = [Path(module)] if Path(module).is_absolute() else [folder / module, Path.cwd() / module]
+        if not any(c.is_file() for c in candidates):
+            looked = " or ".join(str(c) for c in dict.fromkeys(candidates))
+            problems.append(
+                f"{name}.rewards[{i}].function: got {reward.function!r}: the file {module} does not exist (looked "
+                f"for {looked}); give the path relative to the recipe's folder"
+            )
+    return problems
