@@ -38,6 +38,9 @@ TrainOnInputs = Annotated[
     bool, Field(False, description="Train on prompt tokens too (otherwise they get label -100).")
 ]
 
+# The largest mixture weight: each row that many times (a weight of 1e6 asked for a 21 GiB index).
+MAX_WEIGHT = 1000.0
+
 
 def _apply_chat_template(turns: str) -> Any:
     return Field(
@@ -130,6 +133,13 @@ class _Entry(_Section):
                 "weight",
                 "must be a number > 0 (1.0: each row once; 0.25: a seeded quarter of the rows; 3.0: each row "
                 "three times); to leave a dataset out, remove its entry",
+            )
+        if not value <= MAX_WEIGHT:  # also NaN and inf
+            raise PydanticCustomError(
+                "weight",
+                f"is at most {MAX_WEIGHT:g} (each row {MAX_WEIGHT:g} times; the mixture holds every drawn row, so a "
+                "larger weight asks for more rows than memory or disk can hold): lower it, or weigh the other "
+                "datasets down instead",
             )
         return value
 
