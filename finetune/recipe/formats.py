@@ -122,7 +122,7 @@ class _Entry(_Section):
         description="How much of this dataset a training mixture draws, from its kept training rows (after "
         "drops and the validation split): 1.0 each row once, 0.25 a seeded quarter of them, 3.0 each row three "
         "times; the fractional part f of a weight k + f draws round(f * rows) distinct rows once more (half "
-        "rounds up), seeded by train.seed and the entry's index (docs/data.md, Weighted mixtures).",
+        "rounds up), seeded by train.seed and the entry's index (docs/data.md, Weighted mixtures). At most 1000.",
     )
 
     @field_validator("weight")
