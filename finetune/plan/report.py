@@ -116,6 +116,11 @@ def logits_line(est) -> str | None:
         return f"logits: {loss.note}; {share:.0%} of the activation memory"
     if share < 0.5:
         return None
+    if est.rollout is not None:  # online objectives take full logits (train.loss_chunk_size is SFT's)
+        return (
+            f"logits: the full logits take {share:.0%} of the activation memory ({gib_text(loss.gpu_bytes)} GiB); "
+            "the online loss takes full logits: a smaller train.micro_batch_size (more accumulation) lowers them"
+        )
     return (
         f"logits: the full logits take {share:.0%} of the activation memory ({gib_text(loss.gpu_bytes)} GiB); "
         "--train.loss_chunk_size 512 computes the loss in chunks without them"

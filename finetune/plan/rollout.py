@@ -361,54 +361,52 @@ def generation_of(
 
 
 def _generation_parts(gen: Generation, settings, recipe, prompts: int) -> list[Part]:
-    """The generate call's lines at its peak: the last step's, or the prompt forward's."""
+    """The generate call's lines at its peak (they sum to `gen.peak`): the last step's forward or its
+    logits and sampling, or the prompt forward."""
     shape = (
         f"{gen.sequences} sequences (grpo.generation_batch_size {settings.generation_batch_size} -> {prompts} "
         f"prompts a call x num_generations {settings.num_generations})"
     )
-    if gen.decode_peak >= gen.prefill_peak:
-        lengths = (
-            f"{gen.cached_tokens} tokens (data.sequence_len {recipe.data.sequence_len} + grpo.max_new_tokens "
-            f"{settings.max_new_tokens} - 1)"
-        )
+    kv = "2 (k, v) x layers x KV heads x head_dim x bytes"
+    if gen.prefill_peak > gen.decode_peak:
         parts = [
             Part(
-                "KV cache (generate)",
-                gen.kv_cache + gen.kv_growth,
-                note=f"2 (k, v) x layers x KV heads x head_dim x bytes x {shape} x {lengths}, + one layer's "
-                "keys as the cache grows",
-            )
+                "KV cache (generate, prompts)",
+                gen.prompt_kv,
+                note=f"{kv} x {shape} x {gen.prompt_tokens} tokens (data.sequence_len), at the prompt forward "
+                "(the call's peak)",
+            ),
+            Part(
+                "prompt forward (generate)",
+                gen.prefill,
+                note="one decoder layer's activations over every prompt token, without grad; ids",
+            ),
         ]
-        forward = gen.kv_growth + gen.held_scores + gen.autocast_copies
-        if gen.step_logits >= forward:
-            note = (
-                "one step: the model's logits, generate's fp32 copy, the previous scores, the sampler's tempered "
-                f"scores, probabilities and output{' (+ top_p sort)' if settings.top_p < 1 else ''}; ids"
-            )
-            parts.append(Part("logits + sampling (generate)", gen.step_logits + gen.ids, note=note))
-        else:
-            note = "during a step's forward: the previous step's fp32 logits and scores, the new tokens' hidden states; ids"
-            parts.append(
-                Part("scores + ids (generate)", gen.held_scores + gen.step_activations + gen.ids, note=note)
-            )
-            if gen.autocast_copies:
-                parts.append(_copies_part(gen))
-        return parts
+        return parts + ([_copies_part(gen)] if gen.autocast_copies else [])
+    lengths = (
+        f"{gen.cached_tokens} tokens (data.sequence_len {recipe.data.sequence_len} + grpo.max_new_tokens "
+        f"{settings.max_new_tokens} - 1)"
+    )
+    forward = gen.kv_growth + gen.held_scores + gen.step_activations + gen.autocast_copies
+    if gen.step_logits >= forward:
+        note = (
+            "the last step's: the model's logits, generate's fp32 copy, the previous scores, the sampler's "
+            f"tempered scores, probabilities and output{' (+ top_p sort)' if settings.top_p < 1 else ''}; ids"
+        )
+        return [
+            Part("KV cache (generate)", gen.kv_cache, note=f"{kv} x {shape} x {lengths}"),
+            Part("logits + sampling (generate)", gen.step_logits + gen.ids, note=note),
+        ]
+    note = "the last step's forward: the previous step's fp32 logits and scores, the new tokens' hidden states; ids"
     parts = [
         Part(
-            "KV cache (generate, prompts)",
-            gen.prompt_kv,
-            note=f"at the prompt forward, the peak: {shape} x {gen.prompt_tokens} tokens (data.sequence_len)",
+            "KV cache (generate)",
+            gen.kv_cache + gen.kv_growth,
+            note=f"{kv} x {shape} x {lengths}, + one layer's keys as the cache grows",
         ),
-        Part(
-            "prompt forward (generate)",
-            gen.prefill,
-            note="one decoder layer's activations over every prompt token, without grad; ids",
-        ),
+        Part("scores + ids (generate)", gen.held_scores + gen.step_activations + gen.ids, note=note),
     ]
-    if gen.autocast_copies:
-        parts.append(_copies_part(gen))
-    return parts
+    return parts + ([_copies_part(gen)] if gen.autocast_copies else [])
 
 
 def _copies_part(gen: Generation) -> Part:
