@@ -415,6 +415,28 @@ def test_training_prediction_of_an_online_recipe():
     json.dumps(recorded)
 
 
+def test_the_run_report_shows_the_rollout_beside_the_training_step(tmp_path):
+    """`finetune report` lists what training recorded for an online run: the training step's parts, the
+    rollout's, and the larger total as the prediction it sets beside the measured peak."""
+    from finetune.plan import training_prediction
+    from finetune.report import build_report
+
+    recorded = training_prediction(_recipe(), DistributedSetup("single"))
+    run = tmp_path / "grpo"
+    run.mkdir()
+    (run / "recipe.resolved.yaml").write_text("model:\n  model_path: null\ntrain:\n  objective: grpo\n")
+    started = {"step": 0, "event": "started", "memory_plan": recorded, "device": "cuda"}
+    (run / "progress.jsonl").write_text(
+        json.dumps(started) + "\n" + json.dumps({"step": 1, "loss": 0.1}) + "\n"
+    )
+    page = build_report([str(run)], str(tmp_path / "report.html")).read_text()
+    memory = page.split('<section id="memory">')[1].split("</section>")[0]
+    assert (
+        "rollout: KV cache (generate, prompts)" in memory and "rollout: stays through the rollout" in memory
+    )
+    assert "training step" in memory and "total predicted per device" in memory
+
+
 LLAMA3 = json.dumps(
     {
         "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
