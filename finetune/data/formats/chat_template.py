@@ -5,7 +5,7 @@ is rendered by the tokenizer's template (or model.chat_template); the turns of `
 and their end-of-turn tokens (per ``train_on_eos``) are trained, everything with
 ``train_on_inputs``. ShareGPT files map their keys and roles: ``message_field_role: from``,
 ``message_field_content: value``, ``role_map: {human: user, gpt: assistant}``. How the trained
-spans are found is finetune.data.chat.chat_spans.
+spans are found is finetune.data.formats.chat.chat_spans.
 
 >>> from types import SimpleNamespace as NS
 >>> e = NS(field_messages="conversations", message_field_role="from", message_field_content="value",
@@ -21,11 +21,12 @@ from typing import Any
 
 import datasets
 
-from finetune.data import encode, images, tool_calls, vision
-from finetune.data.chat import conversation as _conversation
-from finetune.data.chat import known_roles, message_keys
-from finetune.data.encode import Encoder
-from finetune.data.rows import (
+from finetune.data.batching import vision
+from finetune.data.formats import encode, images, tool_calls
+from finetune.data.formats.chat import conversation as _conversation
+from finetune.data.formats.chat import known_roles, message_keys
+from finetune.data.formats.encode import Encoder
+from finetune.data.formats.rows import (
     TEMPLATE_WITHOUT_TOOLS,
     WRONG_TYPE,
     BadRow,
@@ -64,7 +65,7 @@ def check(entry: Any, features: datasets.Features, entry_label: str) -> None:
 
 
 def conversation(value: Any, entry: Any) -> list[dict[str, Any]] | BadRow:
-    """One row's messages normalized (finetune.data.chat.conversation), or why it can't be used."""
+    """One row's messages normalized (finetune.data.formats.chat.conversation), or why it can't be used."""
     return _conversation(value, entry.field_messages, message_keys(entry))
 
 

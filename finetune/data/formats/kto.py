@@ -9,7 +9,7 @@ The label must be a boolean (or 0/1).
 For a vision-language model (model.kind vlm) the prompt may hold images, as a preference pair's does
 (finetune.data.formats.preference): image parts in its messages, or an ``images`` column
 (``field_images``) with one ``<image>`` placeholder per image in its text; an image in the completion
-is a bad row (finetune.data.vision.pair_images).
+is a bad row (finetune.data.batching.vision.pair_images).
 
 >>> from types import SimpleNamespace as NS
 >>> e = NS(field_prompt="prompt", field_completion="completion", field_label="label", role_map={},
@@ -27,11 +27,11 @@ from typing import Any
 
 import datasets
 
-from finetune.data import completions
-from finetune.data.completions import CompletionsRow
-from finetune.data.encode import Encoder
+from finetune.data.formats import completions
+from finetune.data.formats.completions import CompletionsRow
+from finetune.data.formats.encode import Encoder
 from finetune.data.formats.preference import with_images
-from finetune.data.rows import MISSING_FIELD, NOT_A_BOOLEAN, BadRow, Example, optional_column
+from finetune.data.formats.rows import MISSING_FIELD, NOT_A_BOOLEAN, BadRow, Example, optional_column
 
 FEATURES = {"desirable": datasets.Value("bool"), "prompt_len": datasets.Value("int32")}
 """Per-example columns besides input_ids and labels: the label, and where the completion starts."""

@@ -4,12 +4,12 @@ A row ``{"prompt": "2+2?", "chosen": "4", "rejected": "5"}`` is one example: ``[
 then ``[bos] 2+2? 5 eos`` in ``input_ids`` / ``labels`` (prompts masked), ``chosen_len`` saying where
 the rejected sequence starts. Each value may be a list of messages instead (then the row is rendered
 with the chat template, as every row is with ``apply_chat_template``); without a prompt column the
-shared start of chosen and rejected is the prompt (finetune.data.completions). The length limit
-applies to the pair, the unit that is packed and never split (finetune.data.preference).
+shared start of chosen and rejected is the prompt (finetune.data.formats.completions). The length limit
+applies to the pair, the unit that is packed and never split (finetune.data.batching.pairs).
 
 For a vision-language model (model.kind vlm) the prompt may hold images: image parts in its messages,
 or an ``images`` column (``field_images``) with one ``<image>`` placeholder per image in its text.
-Chosen and rejected share them: both sequences get the images' tokens (finetune.data.vision.pair_images).
+Chosen and rejected share them: both sequences get the images' tokens (finetune.data.batching.vision.pair_images).
 
 >>> from types import SimpleNamespace as NS
 >>> e = NS(field_prompt="prompt", field_chosen="chosen", field_rejected="rejected", role_map={},
@@ -28,11 +28,11 @@ from typing import Any
 
 import datasets
 
-from finetune.data import completions, images
-from finetune.data.completions import CompletionsRow
-from finetune.data.encode import Encoder
+from finetune.data.formats import completions, images
 from finetune.data.formats.chat_template import with_row_images
-from finetune.data.rows import IDENTICAL_COMPLETIONS, BadRow, Example, optional_column
+from finetune.data.formats.completions import CompletionsRow
+from finetune.data.formats.encode import Encoder
+from finetune.data.formats.rows import IDENTICAL_COMPLETIONS, BadRow, Example, optional_column
 
 FEATURES = {"chosen_len": datasets.Value("int32")}
 """Per-example column besides input_ids and labels: the length of the chosen sequence."""
