@@ -20,7 +20,7 @@ from finetune.data.formats.images import SENTINEL
 from finetune.generation.prompts import vlm_prompt_inputs
 from finetune.model.inference import load_vlm_for_inference
 from tests.integration._run import REPO, cli, progress, step_losses
-from tests.unit.data.test_vlm_masking import tiny_config
+from tests.unit.data.formats.test_vlm_masking import tiny_config
 from tests.vlm_processors import PROCESSORS
 
 pytestmark = pytest.mark.slow
