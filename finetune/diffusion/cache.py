@@ -53,7 +53,7 @@ from finetune.data.prepare.cache import (
     load_complete,
     write_atomically,
 )
-from finetune.data.prepare.fingerprint import file_hash
+from finetune.data.sources.location import file_hash
 from finetune.diffusion import images as img
 from finetune.diffusion.model import (
     PipelineInfo,

@@ -12,34 +12,17 @@ imported only when there is something to build or load.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.data.prepare.cache import MANIFEST_NAME, compute_fingerprint
+from finetune.data.sources.location import file_hash, image_files, looks_local, source_fingerprint
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
     from finetune.recipe import Recipe
 
-# File extension -> datasets builder (the ds_type values plus the common aliases).
-EXTENSION_TO_BUILDER = {
-    ".json": "json",
-    ".jsonl": "json",
-    ".ndjson": "json",
-    ".csv": "csv",
-    ".tsv": "csv",
-    ".parquet": "parquet",
-    ".arrow": "arrow",
-    ".txt": "text",
-}
-COMPRESSION_EXTENSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
-SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")
-_HASH_CHUNK_BYTES = 1 << 20
-# Image files a vision-language source may point at (hashed with it: finetune.data.formats.images).
-IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
 # Bump when the prepared layout or the meaning of its columns changes: old caches are then ignored.
 # 2: chats with tool calls are trained (they were bad rows) and rendered with their row's tools.
 # 3: message contents may be lists of parts (text; images for vision-language models): they were bad rows.
@@ -76,153 +59,6 @@ _FORMAT_1_FIELDS = {
 }
 # What one example of each kind is, for the summary.
 _UNIT_NAMES = {"sft": "examples", "preference": "pairs", "kto": "examples", "prompt": "prompts"}
-
-
-# ------------------------------------------------------------------------------------------ sources
-
-
-def is_url(path: str) -> bool:
-    """True for fsspec URLs (``s3://bucket/x.jsonl``, ``https://...``, ``file:///...``).
-
-    >>> is_url("s3://bucket/train.jsonl"), is_url("data/train.jsonl"), is_url("org/name")
-    (True, False, False)
-    """
-    return "://" in path
-
-
-def looks_local(path: str) -> bool:
-    """True when a path that doesn't exist was meant as a local path, not a Hub id.
-
-    >>> looks_local("./data.jsonl"), looks_local("data/train.jsonl"), looks_local("openai/gsm8k")
-    (True, True, False)
-    """
-    # Hub ids are "name" or "org/name"; anything else with a slash or a data extension is a path.
-    return path.startswith(("/", ".", "~")) or path.count("/") > 1 or builder_for(path) is not None
-
-
-def builder_for(path: str) -> str | None:
-    """The ``datasets`` builder for a file name, from its extension (compression suffixes skipped).
-
-    >>> builder_for("a/train.jsonl.gz"), builder_for("x.parquet"), builder_for("org/name")
-    ('json', 'parquet', None)
-    """
-    return EXTENSION_TO_BUILDER.get(extension(path))
-
-
-def extension(path: str) -> str:
-    """A file name's data extension, compression suffixes skipped (``a.jsonl.gz`` -> ``.jsonl``)."""
-    name = path.rstrip("/").rsplit("/", 1)[-1].lower()
-    for ext in COMPRESSION_EXTENSIONS:
-        name = name.removesuffix(ext)
-    return os.path.splitext(name)[1]
-
-
-def source_fingerprint(entry: Any) -> dict:
-    """What identifies the content of ``entry``'s source (JSON-serializable).
-
-    Local files: each file's relative name, size and blake2b hash. save_to_disk directories: the
-    same for their arrow and json files. Hub ids: the commit sha the revision resolves to. URLs:
-    the storage's metadata (etag, size, modification time).
-    """
-    path = entry.path
-    if is_url(path):
-        return {"kind": "url", "files": _url_info(entry)}
-    local = Path(path).expanduser()
-    if local.exists():
-        if local.is_dir():
-            files = local_dir_files(local, entry)
-            kind = "saved_dataset" if any((local / n).exists() for n in SAVED_DATASET_FILES) else "local_dir"
-            return {"kind": kind, "files": [_file_entry(f, f.relative_to(local).as_posix()) for f in files]}
-        return {"kind": "local_file", "files": [_file_entry(local, local.name)]}
-    if looks_local(path):
-        raise DataError(f"{path!r} does not exist (resolved to {local.resolve()})")
-    return {"kind": "hub", "repo": path, "revision": entry.revision, "sha": _hub_sha(path, entry.revision)}
-
-
-def local_dir_files(root: Path, entry: Any) -> list[Path]:
-    """The files of a local directory source that loading reads (and the fingerprint hashes)."""
-    if any((root / n).exists() for n in SAVED_DATASET_FILES):
-        files = [p for p in root.rglob("*") if p.is_file() and p.suffix in (".arrow", ".json")]
-    elif entry.data_files:
-        patterns = [entry.data_files] if isinstance(entry.data_files, str) else entry.data_files
-        files = [p for pattern in patterns for p in root.glob(pattern) if p.is_file()]
-        if not files:
-            raise DataError(f"no file in {root} matches data_files {patterns}")
-    else:  # what load_dataset would read: data files (any file when ds_type names the format)
-        files = [
-            p
-            for p in root.rglob("*")
-            if p.is_file()
-            and not any(part.startswith(".") for part in p.relative_to(root).parts)
-            and (entry.ds_type or builder_for(p.name))
-        ]
-    return sorted(set(files))
-
-
-def _file_entry(path: Path, name: str) -> dict:
-    return {"name": name, "size": path.stat().st_size, "blake2b": file_hash(path)}
-
-
-def file_hash(path: str | os.PathLike) -> str:
-    """blake2b (128-bit) of a file's bytes, read in 1 MiB chunks."""
-    digest = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _hub_sha(repo: str, revision: str | None) -> str:
-    from huggingface_hub import HfApi
-
-    try:
-        return HfApi().dataset_info(repo, revision=revision).sha
-    except Exception as e:
-        raise DataError(
-            f"could not resolve Hub dataset {repo!r} (revision {revision or 'main'}): the Hub is unreachable or the "
-            f"dataset doesn't exist ({type(e).__name__}: {e}). Use a local path for the data, or set "
-            "data.skip_prepare_dataset: true to train from an already prepared cache."
-        ) from e
-
-
-_URL_INFO_KEYS = (
-    "size",
-    "etag",
-    "ETag",
-    "mtime",
-    "LastModified",
-    "last_modified",
-    "md5Hash",
-    "crc32c",
-    "generation",
-)
-
-
-def _url_info(entry: Any) -> list[dict]:
-    import fsspec
-
-    url = entry.path
-    files = entry.data_files
-    urls = (
-        [url]
-        if not files
-        else [f"{url.rstrip('/')}/{f}" for f in ([files] if isinstance(files, str) else files)]
-    )
-    out = []
-    try:
-        for u in urls:
-            fs, p = fsspec.core.url_to_fs(u)
-            infos = [fs.info(p)]
-            if infos[0].get("type") == "directory":
-                infos = [fs.info(f) for f in sorted(fs.find(p))]
-            for info in infos:
-                out.append(
-                    {"name": str(info.get("name", p))}
-                    | {k: str(info[k]) for k in _URL_INFO_KEYS if k in info}
-                )
-    except Exception as e:
-        raise DataError(f"could not read the metadata of {url!r}: {type(e).__name__}: {e}") from e
-    return out
 
 
 # --------------------------------------------------------------------------------------- the recipe
@@ -286,23 +122,6 @@ def _entry_inputs(entry: Any, with_files: bool = True, vision: bool = False) -> 
     if vision and with_files:
         out["images"] = image_files(entry)
     return out
-
-
-def image_files(entry: Any) -> list[dict]:
-    """Name, size and hash of every image file under a local source's folder (where the rows' relative
-    image paths point; images stored as bytes are in the source's own hash)."""
-    local = Path(entry.path).expanduser()
-    if is_url(entry.path) or not local.exists():
-        return []
-    root = local if local.is_dir() else local.parent
-    files = sorted(
-        p
-        for p in root.rglob("*")
-        if p.is_file()
-        and p.suffix.lower() in IMAGE_EXTENSIONS
-        and not any(part.startswith(".") for part in p.relative_to(root).parts)
-    )
-    return [_file_entry(p, p.relative_to(root).as_posix()) for p in files]
 
 
 def has_eval(data: Any) -> bool:

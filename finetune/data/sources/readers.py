@@ -1,6 +1,6 @@
-"""Load a dataset entry's raw rows (what identifies them, for the fingerprint, is finetune/data/prepare/fingerprint.py).
+"""Read a dataset entry's raw rows, as a Dataset (`load_source`) or as a stream (`load_stream`).
 
-Where ``entry.path`` can point (checked in this order):
+Where ``entry.path`` points is finetune.data.sources.location's `locate` (checked in this order):
 
 * an fsspec URL (``s3://``, ``gs://``, ``https://``, ``file://``, ...): data file(s) read by the
   builder of ``ds_type`` or of the file extension, or a ``save_to_disk`` directory when neither
@@ -31,18 +31,18 @@ import pyarrow as pa
 from datasets.fingerprint import Hasher
 from datasets.utils.json import get_json_field_paths_from_feature
 
-from finetune.data.prepare.fingerprint import (  # where sources point, and what identifies them (no datasets import)
+from finetune.data.sources import damage
+from finetune.data.sources.location import (
+    BUILDERS,
     COMPRESSION_EXTENSIONS,
     EXTENSION_TO_BUILDER,
-    SAVED_DATASET_FILES,
-    builder_for,
-    extension,
+    Location,
+    builder_kwargs,
     file_hash,
-    is_url,
+    file_list,
     local_dir_files,
-    looks_local,
+    locate,
 )
-from finetune.data.sources import damage
 from finetune.errors import DataError
 from finetune.notices import warn
 
@@ -62,18 +62,15 @@ def load_source(
     fields) raises a DataError naming the file, line and byte, or with ``on_bad_row="skip"`` is
     loaded as a placeholder row marked in ``damage.BAD_ROW_COLUMN`` (see damage.py).
     """
-    path = entry.path
-    if is_url(path):
-        ds = _load_url(entry, num_proc, entry_label)
-    elif Path(path).expanduser().exists():
-        ds = _load_local(entry, Path(path).expanduser(), num_proc, entry_label, on_bad_row)
-    elif looks_local(path):
-        raise DataError(
-            f"{entry_label}: {path!r} does not exist (resolved to {os.path.abspath(os.path.expanduser(path))}). "
-            f"Check {entry_label}.path; relative paths are taken from the current directory."
-        )
-    else:
+    where = locate(entry)
+    if where.kind == "url":
+        ds = _load_url(entry, where, num_proc, entry_label)
+    elif where.kind == "missing":
+        raise DataError(_missing(entry.path, entry_label))
+    elif where.kind == "hub":
         ds = _load_hub(entry, num_proc, entry_label)
+    else:
+        ds = _load_local(entry, where, num_proc, entry_label, on_bad_row)
     if entry.shards:
         index = entry.shards_idx or 0
         if not 0 <= index < entry.shards:
@@ -82,32 +79,39 @@ def load_source(
     return ds
 
 
-def _builder_kwargs(builder: str, data_files: str | list[str] | None) -> dict[str, Any]:
-    """Extra builder arguments the file names imply (tab-separated .tsv files)."""
-    files = [data_files] if isinstance(data_files, str) else list(data_files or [])
-    if builder == "csv" and files and all(extension(f) == ".tsv" for f in files):
-        return {"sep": "\t"}
-    return {}
+def _missing(path: str, label: str) -> str:
+    """The error for a local path where nothing is."""
+    return (
+        f"{label}: {path!r} does not exist (resolved to {os.path.abspath(os.path.expanduser(path))}). "
+        f"Check {label}.path; relative paths are taken from the current directory."
+    )
+
+
+def _unknown_format(path: Any, label: str) -> str:
+    """The error for a local file whose extension names no builder."""
+    return (
+        f"{label}: can't tell the format of {path} from its extension; set {label}.ds_type to one of "
+        f"{', '.join(BUILDERS)}"
+    )
 
 
 # -------------------------------------------------------------------------------------------- loading
 
 
 def _load_local(
-    entry: Any, path: Path, num_proc: int | None, label: str, on_bad_row: str
+    entry: Any, where: Location, num_proc: int | None, label: str, on_bad_row: str
 ) -> datasets.Dataset:
-    if path.is_dir() and any((path / name).exists() for name in SAVED_DATASET_FILES):
+    path, builder = Path(entry.path).expanduser(), where.builder
+    if where.kind == "saved_dataset":
         if entry.data_files:
             raise DataError(
                 f"{label}: {path} is a save_to_disk directory; remove data_files (it has no files to pick)"
             )
         return _from_disk(str(path), entry, label)
-    if path.is_dir():
+    if where.kind == "local_dir":
         _check_has_data_files(path, entry, label)
-        data_files = entry.data_files
-        builder = entry.ds_type or _builder_of_files(data_files)
         if builder:
-            kwargs = {"data_dir": str(path), "data_files": data_files}
+            kwargs = {"data_dir": str(path), "data_files": entry.data_files}
             return _load_dataset(builder, entry, label, on_bad_row, num_proc=num_proc, **kwargs)
         return _load_dataset(str(path), entry, label, on_bad_row, num_proc=num_proc)
     if entry.data_files:
@@ -115,30 +119,27 @@ def _load_local(
             f"{label}: data_files needs path to be a directory or a Hub dataset, but {path} is a file; "
             "put the file in path and remove data_files"
         )
-    builder = entry.ds_type or builder_for(str(path))
     if builder is None:
-        raise DataError(
-            f"{label}: can't tell the format of {path} from its extension; set {label}.ds_type to one of "
-            f"json, csv, parquet, arrow, text"
-        )
+        raise DataError(_unknown_format(path, label))
     if path.stat().st_size == 0:
         raise DataError(f"{label}: {path} is empty (0 bytes). Point {label}.path at a file with rows.")
     return _load_dataset(builder, entry, label, on_bad_row, num_proc=num_proc, data_files=str(path))
 
 
-def _load_url(entry: Any, num_proc: int | None, label: str) -> datasets.Dataset:
+def _load_url(entry: Any, where: Location, num_proc: int | None, label: str) -> datasets.Dataset:
     url = entry.path
     check_filesystem(url, label)
-    if entry.data_files:
-        files = [entry.data_files] if isinstance(entry.data_files, str) else list(entry.data_files)
-        data_files: str | list[str] = [f"{url.rstrip('/')}/{f}" for f in files]
-        builder = entry.ds_type or _builder_of_files(files)
-    else:
-        data_files, builder = url, entry.ds_type or builder_for(url)
-    if builder is None:
+    if where.builder is None:
         # Not a data file by its name: a dataset written with save_to_disk to remote storage.
         return _from_disk(url, entry, label)
-    return _load_dataset(builder, entry, label, None, num_proc=num_proc, data_files=data_files)
+    data_files = _url_files(entry)
+    return _load_dataset(where.builder, entry, label, None, num_proc=num_proc, data_files=data_files)
+
+
+def _url_files(entry: Any) -> str | list[str]:
+    """The data files of a URL entry: its data_files under the URL, else the URL itself."""
+    files = file_list(entry.data_files)
+    return [f"{entry.path.rstrip('/')}/{f}" for f in files] if files else entry.path
 
 
 # fsspec imports a URL scheme's filesystem from another package, and only when such a URL is read.
@@ -199,7 +200,7 @@ def _load_dataset(
     path_or_builder: str, entry: Any, label: str, on_bad_row: str | None, **kwargs: Any
 ) -> datasets.Dataset:
     """``datasets.load_dataset`` with its failures explained; ``on_bad_row`` None: not local files."""
-    kwargs |= _builder_kwargs(path_or_builder, kwargs.get("data_files"))
+    kwargs |= builder_kwargs(path_or_builder, kwargs.get("data_files"))
     try:
         ds = datasets.load_dataset(path_or_builder, split=entry.split, **kwargs)
     except FileNotFoundError as e:
@@ -547,12 +548,6 @@ def _from_disk(path: str, entry: Any, label: str) -> datasets.Dataset:
     return loaded
 
 
-def _builder_of_files(data_files: str | list[str] | None) -> str | None:
-    files = [data_files] if isinstance(data_files, str) else list(data_files or [])
-    builders = {builder_for(f) for f in files}
-    return builders.pop() if len(builders) == 1 else None
-
-
 # ------------------------------------------------------------------------------------------ streaming
 
 
@@ -561,49 +556,38 @@ def load_stream(entry: Any, *, entry_label: str = "data.datasets[0]") -> dataset
     from the same places as `load_source` (local files and folders of them, save_to_disk folders, Hub
     ids, fsspec URLs). A folder of files or a saved dataset gives several shards (one per file or
     Arrow file), which is what lets each process read its own files (split_dataset_by_node)."""
-    path, label = entry.path, entry_label
+    path, label, where = entry.path, entry_label, locate(entry)
     local = Path(path).expanduser()
-    if not is_url(path) and local.exists():
-        if local.is_dir() and any((local / name).exists() for name in SAVED_DATASET_FILES):
-            saved = _from_disk(str(local), entry, label)
-            return saved.to_iterable_dataset(num_shards=max(1, len(saved.cache_files)))
-        if local.is_dir():
-            _check_has_data_files(local, entry, label)
-            builder = entry.ds_type or _builder_of_files(entry.data_files)
-            if builder:
-                return _stream_dataset(
-                    builder, entry, label, data_dir=str(local), data_files=entry.data_files
-                )
-            return _stream_dataset(str(local), entry, label)
-        builder = entry.ds_type or builder_for(str(local))
-        if builder is None:
-            raise DataError(
-                f"{label}: can't tell the format of {local} from its extension; set {label}.ds_type to one of "
-                "json, csv, parquet, arrow, text"
-            )
-        return _stream_dataset(builder, entry, label, data_files=str(local))
-    if looks_local(path) and not is_url(path):
-        raise DataError(
-            f"{label}: {path!r} does not exist (resolved to {os.path.abspath(os.path.expanduser(path))}). "
-            f"Check {label}.path; relative paths are taken from the current directory."
-        )
-    if is_url(path):
+    if where.kind == "missing":
+        raise DataError(_missing(path, label))
+    if where.kind == "hub":
+        kwargs = {"name": entry.name, "data_files": entry.data_files, "revision": entry.revision}
+        return _stream_dataset(path, entry, label, **kwargs)
+    if where.kind == "url":
         check_filesystem(path, label)
-        files = [entry.data_files] if isinstance(entry.data_files, str) else list(entry.data_files or [])
-        data_files: Any = [f"{path.rstrip('/')}/{f}" for f in files] if files else path
-        builder = entry.ds_type or (_builder_of_files(files) if files else builder_for(path))
-        if builder is None:  # a save_to_disk folder on remote storage
-            saved = _from_disk(path, entry, label)
-            return saved.to_iterable_dataset(num_shards=max(1, len(saved.cache_files)))
-        return _stream_dataset(builder, entry, label, data_files=data_files)
-    kwargs = {"name": entry.name, "data_files": entry.data_files, "revision": entry.revision}
-    return _stream_dataset(path, entry, label, **kwargs)
+    if where.kind == "local_dir":
+        _check_has_data_files(local, entry, label)
+    if where.kind == "saved_dataset" or (where.kind == "url" and where.builder is None):
+        # a save_to_disk folder, local or on remote storage (a URL whose name is no data file)
+        saved = _from_disk(str(local) if where.kind == "saved_dataset" else path, entry, label)
+        return saved.to_iterable_dataset(num_shards=max(1, len(saved.cache_files)))
+    if where.kind == "url":
+        return _stream_dataset(where.builder, entry, label, data_files=_url_files(entry))
+    if where.kind == "local_dir":
+        if where.builder:
+            return _stream_dataset(
+                where.builder, entry, label, data_dir=str(local), data_files=entry.data_files
+            )
+        return _stream_dataset(str(local), entry, label)
+    if where.builder is None:
+        raise DataError(_unknown_format(local, label))
+    return _stream_dataset(where.builder, entry, label, data_files=str(local))
 
 
 def _stream_dataset(path_or_builder: str, entry: Any, label: str, **kwargs: Any) -> datasets.IterableDataset:
     """``load_dataset(..., streaming=True)`` with its failures explained (nothing is read yet: damaged
     rows surface while the stream is read, finetune.data.batching.streaming)."""
-    kwargs |= _builder_kwargs(path_or_builder, kwargs.get("data_files"))
+    kwargs |= builder_kwargs(path_or_builder, kwargs.get("data_files"))
     try:
         return datasets.load_dataset(path_or_builder, split=entry.split, streaming=True, **kwargs)
     except FileNotFoundError as e:

@@ -25,7 +25,7 @@ from finetune.data.prepare.build import (
     prepare_on_main_process,
 )
 from finetune.data.prepare.cache import MANIFEST_NAME, PAUSE_ENV, compute_fingerprint
-from finetune.data.prepare.fingerprint import file_hash
+from finetune.data.sources.location import file_hash
 from finetune.errors import DataError, RecipeError, WriteError
 from finetune.recipe import Recipe, validate_recipe
 

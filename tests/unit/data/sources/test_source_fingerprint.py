@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import datasets
 import pytest
 
-from finetune.data.prepare.fingerprint import source_fingerprint
+from finetune.data.sources.location import source_fingerprint
 from finetune.data.sources.readers import load_source
 from finetune.errors import DataError
 from finetune.recipe import DatasetEntry, dataset_entry
