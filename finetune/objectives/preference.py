@@ -24,11 +24,11 @@ not packed but one padded row per sequence (chosen_0, rejected_0, ...) with the 
 images in both rows (finetune.data.batching.vision.collate_vlm_pairs), so the same per-sequence sums come from
 per-row sums, and the policy, the reference and the precomputed log-probs all see the images. Its kto
 examples come the same way, one padded row each, with their KL rows beside them (`kl_` keys, the same
-pixels: finetune.data.batching.vision_kto).
+pixels: finetune.data.batching.vision).
 
 KTO's reference point is TRL's: the KL estimate from mismatched completions (each packed row's KL
 row, finetune.data.batching.pairs.kto_kl_row; with images, each example's prompt and the previous
-example's completion in the prepared split, finetune.data.batching.vision_kto), detached, averaged over
+example's completion in the prepared split, finetune.data.batching.vision), detached, averaged over
 processes and clamped at 0.
 """
 
@@ -371,10 +371,9 @@ def loader(data, train, rows, tokenizer, *, training: bool, accelerator=None, pr
     packed (one pair per row without sample_packing); training's and `finetune eval`'s. With a
     vision-language `processor`, pairs with images come as one padded row per sequence, with pixels
     (finetune.data.batching.vision.collate_vlm_pairs), and kto examples as one padded row each beside their KL
-    rows (finetune.data.batching.vision_kto)."""
+    rows (finetune.data.batching.vision)."""
     from finetune.data.batching.collate import collate_preference
-    from finetune.data.batching.vision import collate_vlm_pairs
-    from finetune.data.batching.vision_kto import KL_COLUMNS, collate_vlm_kto, with_kl_rows
+    from finetune.data.batching.vision import KL_COLUMNS, collate_vlm_kto, collate_vlm_pairs, with_kl_rows
     from finetune.model.build import pad_token_id
 
     pad_id = pad_token_id(tokenizer)

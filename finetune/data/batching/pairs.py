@@ -1,4 +1,4 @@
-"""The data side of preference tuning: pair lengths, the shared-prefix check, packing pairs, KTO's KL rows.
+"""Preference pairs and kto examples in rows: packed whole, and KTO's KL rows.
 
 Tokenized examples (the preference and kto formats, finetune/data/formats/completions.py) hold a
 preference pair as one example: the chosen sequence then the rejected one in `input_ids` /
@@ -17,8 +17,6 @@ row and is as long.
 
 Without packing (`bins=None`) a row holds one pair (both sequences) or one kto example.
 
->>> fit_lengths([30, 90], limit=100)
-[30, 70]
 >>> kto_kl_row([1, 5, 6, 1, 7, 8, 9], [-100, -100, 6, -100, -100, -100, 9], [3, 4], [2, 3])[:2]
 ([1, 5, 9, 1, 7, 8, 6], [-100, -100, 9, -100, -100, -100, 6])
 """
@@ -27,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
 
 import datasets
 import numpy as np
@@ -37,77 +34,6 @@ from finetune.constants import IGNORE_INDEX
 from finetune.data.batching.packing import build_packed_rows
 
 PACKED_KINDS = ("preference", "kto")
-
-
-def fit_lengths(lengths: Sequence[int], limit: int) -> list[int]:
-    """Sequence lengths cut so that they sum to at most `limit`: a sequence no longer than an equal
-    share of what is left keeps its length, the longer ones share the rest equally (the policy of
-    `excess_length_strategy: truncate` for a pair, whose sequences are cut from their end).
-
-    >>> fit_lengths([80, 90], limit=100), fit_lengths([10], limit=4)
-    ([50, 50], [4])
-    """
-    out = list(lengths)
-    remaining = limit
-    order = sorted(range(len(out)), key=out.__getitem__)
-    for k, i in enumerate(order):
-        out[i] = min(out[i], remaining // (len(order) - k))
-        remaining -= out[i]
-    return out
-
-
-def cut_sequences(values: list[int], lengths: Sequence[int], kept: Sequence[int]) -> list[int]:
-    """Concatenated sequences of `lengths`, each cut to its `kept` length.
-
-    >>> cut_sequences([1, 2, 3, 4, 5], [2, 3], [1, 2])
-    [1, 3, 4]
-    """
-    out, start = [], 0
-    for n, keep in zip(lengths, kept, strict=True):
-        out += values[start : start + keep]
-        start += n
-    return out
-
-
-def shared_prefix_problem(
-    texts: Sequence[str], spans: Sequence[list[tuple[int, int]]], encodings
-) -> str | None:
-    """Why chosen and rejected do not share their conversation prefix token for token, or None.
-
-    `texts` are the rendered chosen and rejected conversations, `spans` their trained character
-    spans (the completion's first span starts where the completion does), `encodings` their fast
-    tokenizer encodings (ids and offsets). The text before each completion must be the same, and so
-    must its tokens, up to its trailing whitespace (which may merge with a completion's first word,
-    as Llama's `▁It`): a template that renders the shared turns differently depending on the
-    completion would make the two sequences differ in more than their completions.
-    """
-    if len(texts) < 2:
-        return None
-    starts = [s[0][0] if s else len(t) for t, s in zip(texts, spans, strict=True)]
-    prefixes = [t[:start] for t, start in zip(texts, starts, strict=True)]
-    if any(p != prefixes[0] for p in prefixes[1:]):
-        at = next(
-            (i for i, chars in enumerate(zip(*prefixes, strict=False)) if len(set(chars)) > 1),
-            min(map(len, prefixes)),
-        )
-        return (
-            f"the chat template renders the shared conversation differently before chosen and before rejected "
-            f"(first difference at character {at}: {prefixes[0][at : at + 30]!r} vs {prefixes[1][at : at + 30]!r}); "
-            "use a template that renders earlier turns independently of the last one"
-        )
-    stable = len(prefixes[0].rstrip())
-    heads = [e.ids[: _tokens_ending_by(e.offsets, stable)] for e in encodings]
-    if any(h != heads[0] for h in heads[1:]):
-        return (
-            "the shared conversation tokenizes differently before chosen and before rejected (a token merges "
-            "the prompt's end with the completion); the pair would not compare completions of one prompt"
-        )
-    return None
-
-
-def _tokens_ending_by(offsets: Sequence[tuple[int, int]], end: int) -> int:
-    """How many leading tokens lie entirely within the first `end` characters."""
-    return next((i for i, (_, stop) in enumerate(offsets) if stop > end), len(offsets))
 
 
 # ------------------------------------------------------------------------------------------ packing
@@ -194,8 +120,3 @@ def kto_kl_row(
     if labs:
         labs[0] = IGNORE_INDEX
     return list(ids), labs, list(pos)
-
-
-def row_units(rows: Any) -> int:
-    """Pairs (kto: examples) in prepared rows, from their `num_units` column."""
-    return int(np.asarray(rows["num_units"], dtype=np.int64).sum()) if len(rows) else 0

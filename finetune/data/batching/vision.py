@@ -1,159 +1,43 @@
-"""Vision-language chat rows: token ids with every image's tokens in place, labels, and image bytes.
-
-A conversation with images (finetune.data.formats.images: a `SENTINEL` per image in the text) is rendered by
-the chat template with image parts, so the text holds the template's own image markup (Qwen2-VL's
-``<|vision_start|><|image_pad|><|vision_end|>``, Idefics3's ``<image>``, Gemma 3's
-``<start_of_image>``); its trained spans are found exactly as for text (finetune.data.formats.chat), and the
-text is tokenized with offsets into ids and labels. The model's processor then expands each image's
-markup into the tokens the model expects for that image (their number depends on the image's size:
-Qwen2-VL's grid, Idefics3's tiles, Gemma 3's fixed 256): `expand` runs the processor on the same text
-with the images and carries the labels over by aligning the two id sequences (the processor changes
-only the tokens around images). Image tokens are never trained.
+"""Batches of rows with images (model.kind vlm): their pixels processed at collate time, preference
+pairs as one row per sequence, and KTO's KL rows, which rotate completions over the prepared split.
 
 Where pixels are processed: at collate time (`collate_vlm`), as TRL does. The prepared rows hold the
 image bytes, not pixel values: pixel_values are far larger than the encoded image (about 150 times on
 the demo; Qwen2-VL: 1176 floats per 14x14 patch), which would make the cache dominate the disk and the
 page cache, and on the demo processing the images per batch was faster than reading cached arrays back
 (benchmarks/RESULTS.md, "Vision-language: where pixels are processed"). The processor's output is
-deterministic, so the token counts fixed at prepare time match the features computed at collate time.
-"""
+deterministic, so the token counts fixed at prepare time (finetune.data.formats.encode.expand) match
+the features computed at collate time.
+
+KTO on image-text examples: KTO's reference point z0 is a KL estimate from mismatched completions: each
+prompt scored with a completion that is not its own (TRL's KTOTrainer rotates completions by one within
+each batch, its vision collator included). Text kto rows are packed, and each packed row's KL row
+rotates the completions within the row (finetune.data.batching.pairs.kto_kl_row). Rows with images are
+never packed (finetune.recipe.schema.VLM_NO_PACKING), so the rotation is over the prepared split
+instead:
+
+    the KL sequence of example i = the prompt of example i (with its own images)
+                                   + the completion of example i - 1 in the prepared order
+                                   (example 0 takes the last one's)
+
+the labels marking that completion only. It is fixed by the prepared order, not by the shuffled
+batches, so training, evaluation and the precomputed reference log-probs (looked up by row) all score
+the same KL sequences, and it is TRL's rotation exactly when a batch is the split in order. A split
+of one example gets its own completion back (the KL estimate is then its own log-ratio), as a text
+row of one example does. A KL sequence is cut to the data's sequence_len from the end of its
+borrowed completion (never the prompt: its image tokens stay whole)."""
 
 from __future__ import annotations
 
-import difflib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from finetune.constants import IGNORE_INDEX
 from finetune.data.batching.collate import collate_rows
-from finetune.data.formats import encode, images
-from finetune.data.formats.encode import Encoder
-from finetune.data.formats.rows import BadRow, Example
-from finetune.model.families import IMAGE_MARKUP_ATTRIBUTES, patch_grid_of
-
-PROCESSOR_REJECTED = "processor_rejected"
-"""Bad-row reason: the processor could not turn the row's text and images into model inputs."""
-
-IMAGE_IN_COMPLETION = "image_in_completion"
-"""Bad-row reason: a preference pair's chosen or rejected messages hold an image (only prompts may)."""
-
-
-def chat_examples(
-    convs: list[list[dict[str, Any]] | BadRow],
-    enc: Encoder,
-    entry: Any,
-    *,
-    field: str,
-    tools: list[list[dict[str, Any]] | None] | None = None,
-) -> list[Example | BadRow]:
-    """Each conversation as (ids, labels, {"images": [bytes]}): rendered, masked (as
-    encode.chat_examples) and its images expanded into their tokens; or the row's BadRow."""
-    loaded = [c if isinstance(c, BadRow) else _load_images(c, enc, field) for c in convs]
-    convs = [img if isinstance(img, BadRow) else c for c, img in zip(convs, loaded, strict=True)]
-    texts, found = encode.chat_texts(convs, enc, entry, field=field, tools=tools)
-    rows: list[Example | BadRow] = []
-    for text, spans, encoding, imgs in zip(
-        texts, found, enc.encode(texts, offsets=True), loaded, strict=True
-    ):
-        if isinstance(spans, BadRow):
-            rows.append(spans)
-            continue
-        ids, labels = enc.labelled(encoding, None if entry.train_on_inputs else spans)
-        if imgs:
-            expanded = expand(enc, text, imgs, ids, labels, field=field)
-            if isinstance(expanded, BadRow):
-                rows.append(expanded)
-                continue
-            ids, labels = expanded
-        rows.append((ids, labels, {"images": imgs}))
-    return rows
-
-
-def pair_images(
-    shared: list[dict[str, Any]], completions: list[list[dict[str, Any]]], enc: Encoder, field: str
-) -> list[bytes] | BadRow:
-    """The images of a preference pair's (or kto example's) shared prompt, opened and checked: both
-    completions are scored given them. An image inside a completion is a bad row (the pair would compare
-    completions that see different pictures), and so is any image when the model reads only text."""
-    if not any(m.get("images") for c in (shared, *completions) for m in c):
-        return []
-    if enc.processor is None:
-        detail = (
-            "the row has images, but the model reads only text; for a vision-language model set model.kind: "
-            "vlm (its processor then reads the images), or remove the image parts"
-        )
-        return BadRow(field, images.IMAGES_NEED_VLM, detail)
-    if any(m.get("images") for c in completions for m in c):
-        detail = (
-            "an image is in a completion, not in the prompt: completions (a pair's chosen and rejected, a kto "
-            "example's completion) are scored given the prompt and its images, so put the images in the prompt's "
-            "messages"
-        )
-        return BadRow(field, IMAGE_IN_COMPLETION, detail)
-    return _load_images(shared, enc, field)
-
-
-def _load_images(conv: list[dict[str, Any]], enc: Encoder, field: str) -> list[bytes] | BadRow:
-    """The bytes of a conversation's images in order, each opened and checked (images.load_image)."""
-    out = []
-    for j, message in enumerate(conv):
-        for k, ref in enumerate(message.get("images") or []):
-            where = f"{field}[{j}].content (image {k})"
-            data = images.load_image(ref, where, enc.image_root, enc.image_max_pixels)
-            if isinstance(data, BadRow):
-                return data
-            out.append(data)
-    return out
-
-
-def expand(
-    enc: Encoder, text: str, imgs: list[bytes], ids: list[int], labels: list[int], *, field: str
-) -> tuple[list[int], list[int]] | BadRow:
-    """(ids, labels) with each image's markup expanded by the processor into the model's image tokens;
-    the labels carried over from the unexpanded ids, image tokens masked."""
-    try:
-        out = enc.processor(text=[text], images=[[images.decode(b) for b in imgs]], add_special_tokens=False)
-    except Exception as exc:  # the processor's own checks (too small an image, token count mismatch ...)
-        return BadRow(field, PROCESSOR_REJECTED, f"the processor rejected the row's text and images: {exc}")
-    full = [int(t) for t in out["input_ids"][0]]
-    prefix = enc.prefix_ids
-    if prefix and full[: len(prefix)] != prefix:
-        full = [*prefix, *full]
-    return full, align(ids, labels, full, image_token_ids(enc.processor))
-
-
-def align(ids: list[int], labels: list[int], full: list[int], masked: set[int]) -> list[int]:
-    """Labels for `full` (the processor's ids): those of `ids` where the two sequences match (difflib's
-    matching blocks), -100 on what the processor inserted or changed and on the `masked` ids.
-
-    >>> align([5, 9, 7, 8], [-100, -100, 7, 8], [5, 3, 9, 9, 9, 3, 7, 8], {9})
-    [-100, -100, -100, -100, -100, -100, 7, 8]
-    """
-    out = [IGNORE_INDEX] * len(full)
-    matcher = difflib.SequenceMatcher(None, ids, full, autojunk=False)
-    for a, b, size in matcher.get_matching_blocks():
-        out[b : b + size] = labels[a : a + size]
-    return [IGNORE_INDEX if t in masked else label for t, label in zip(full, out, strict=True)]
-
-
-def image_token_ids(processor: Any) -> set[int]:
-    """The ids of the image markup tokens a processor and its tokenizer name (never trained): the
-    attributes the vision families table lists (finetune.model.families.IMAGE_MARKUP_ATTRIBUTES)."""
-    tokenizer = processor.tokenizer
-    ids = set()
-    for owner in (processor, tokenizer):
-        if isinstance(getattr(owner, "image_token_id", None), int):
-            ids.add(owner.image_token_id)
-        for name in IMAGE_MARKUP_ATTRIBUTES:
-            token = getattr(owner, name, None)
-            token = getattr(token, "content", token)  # an AddedToken
-            if isinstance(token, str) and token:
-                token_id = tokenizer.convert_tokens_to_ids(token)
-                if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
-                    ids.add(token_id)
-    return ids
-
+from finetune.data.formats import images
+from finetune.model.families import patch_grid_of
 
 # --------------------------------------------------------------------------------------------- collate
 
@@ -255,3 +139,89 @@ def _pixels_twice(pixels: dict[str, torch.Tensor], per_pair: list[list], process
     twice = [imgs for imgs in per_pair for _ in range(2)]
     again = processor.image_processor(images=twice, return_tensors="pt")
     return {k: v for k, v in again.items() if isinstance(v, torch.Tensor)}
+
+
+# ------------------------------------------------------------------------------------------- kto rows
+
+
+KL_COLUMNS = ("kl_input_ids", "kl_labels")
+"""The columns `with_kl_rows` adds: each example's KL sequence and its labels."""
+
+
+def kl_rows(
+    input_ids: Sequence[Sequence[int]],
+    labels: Sequence[Sequence[int]],
+    prompt_lens: Sequence[int],
+    *,
+    max_len: int | None = None,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(ids, labels) of each example's KL sequence: its prompt (its first `prompt_lens` tokens) then the
+    completion of the example before it (the first takes the last one's), cut to `max_len` tokens.
+
+    >>> kl_rows([[1, 5, 6], [1, 7, 8, 9]], [[-100, -100, 6], [-100, -100, 8, 9]], [2, 2])
+    ([[1, 5, 8, 9], [1, 7, 6]], [[-100, -100, 8, 9], [-100, -100, 6]])
+    """
+    n = len(input_ids)
+    out_ids, out_labels = [], []
+    for i in range(n):
+        j = (i - 1) % n
+        prompt, start = list(input_ids[i][: prompt_lens[i]]), prompt_lens[j]
+        room = None if max_len is None else max(max_len - len(prompt), 0)
+        completion = list(input_ids[j][start:])[:room]
+        out_ids.append([*prompt, *completion])
+        out_labels.append([IGNORE_INDEX] * len(prompt) + list(labels[j][start:])[:room])
+    return out_ids, out_labels
+
+
+def with_kl_rows(rows: Any, *, max_len: int | None = None) -> Any:
+    """Prepared unpacked kto rows (one example a row: finetune.data.batching.pairs.pack_examples without
+    bins) with their KL sequences added as `kl_input_ids` / `kl_labels` (see the module docstring).
+
+    The whole split is read once to rotate completions across rows (a copy of its token ids: small
+    next to the image bytes the rows already hold)."""
+    if any(n != 1 for n in rows["num_units"]):
+        raise ValueError("kto rows with images hold one example each (they are never packed)")
+    table = rows.select_columns(["input_ids", "labels", "seq_lens", "prompt_lens"]).to_dict()
+    ends = [lens[0] for lens in table["seq_lens"]]  # drop any padding after the example
+    ids = [r[:end] for r, end in zip(table["input_ids"], ends, strict=True)]
+    labs = [r[:end] for r, end in zip(table["labels"], ends, strict=True)]
+    kl_ids, kl_labels = kl_rows(ids, labs, [p[0] for p in table["prompt_lens"]], max_len=max_len)
+    return rows.add_column("kl_input_ids", kl_ids).add_column("kl_labels", kl_labels)
+
+
+def collate_vlm_kto(
+    rows: list[dict], *, pad_token_id: int, pad_to_multiple_of: int = 1, processor: Any
+) -> dict:
+    """Batch kto rows with images (`with_kl_rows`'s): the examples as padded rows with their pixels
+    (`collate_vlm`), their KL sequences as `kl_`-prefixed padded rows beside them (the same pixels:
+    each KL sequence keeps its example's prompt and images), `desirable`, `num_units` and `row_index`.
+
+    The pixels are processed once for both (the KL rows' image tokens are the examples', in the same
+    order); only the image-token types, read from the ids, are made for the KL rows.
+    """
+    examples = [
+        {
+            "input_ids": r["input_ids"][: r["seq_lens"][0]],
+            "labels": r["labels"][: r["seq_lens"][0]],
+            "images": r.get("images") or [],
+        }
+        for r in rows
+    ]
+    batch = collate_vlm(
+        examples, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of, processor=processor
+    )
+    kl = collate_rows(
+        [{"input_ids": r["kl_input_ids"], "labels": r["kl_labels"]} for r in rows],
+        pad_token_id=pad_token_id,
+        pad_to_multiple_of=pad_to_multiple_of,
+        packed=False,
+    )
+    del kl["position_ids"]  # the model derives them from the attention mask, as collate_vlm's rows
+    types = image_inputs(processor, [[] for _ in rows], kl["input_ids"])  # token types only: no images
+    pixels = {k: v for k, v in batch.items() if k not in kl and k not in types and k != "labels"}
+    batch |= {f"kl_{k}": v for k, v in (kl | types | pixels).items()}
+    batch["num_units"] = torch.ones(len(rows), dtype=torch.long)
+    batch["desirable"] = torch.tensor([d for r in rows for d in r["desirable"]], dtype=torch.bool)
+    if "row_index" in rows[0]:
+        batch["row_index"] = torch.tensor([r["row_index"] for r in rows], dtype=torch.long)
+    return batch

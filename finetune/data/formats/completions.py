@@ -6,7 +6,7 @@ tokenize as ``[bos] prompt completion eos`` (the prompt tokenized once for both 
 message lists, and every row with apply_chat_template, are rendered with the chat template and
 train only the completion's turns. The shared conversation prefix must give the same tokens before
 both completions of a pair, else the row is bad (``prefix_mismatch``,
-finetune.data.batching.pairs.shared_prefix_problem).
+`shared_prefix_problem`).
 
 >>> row = CompletionsRow("2+2?", ("4", "5"))
 >>> is_conversational(row), shared_text_prefix(["Q: 2+2? A: 4", "Q: 2+2? A: 5"])
@@ -22,8 +22,7 @@ from typing import Any
 import datasets
 
 from finetune.constants import IGNORE_INDEX
-from finetune.data.batching import pairs as preference
-from finetune.data.batching import vision
+from finetune.data.formats import images
 from finetune.data.formats.chat import (
     ChatTemplateError,
     MessageKeys,
@@ -32,7 +31,7 @@ from finetune.data.formats.chat import (
     known_roles,
     message_keys,
 )
-from finetune.data.formats.encode import Encoder
+from finetune.data.formats.encode import Encoder, expand, load_images
 from finetune.data.formats.rows import EMPTY_COMPLETION, PREFIX_MISMATCH, BadRow, Example, empty_detail, text
 
 
@@ -160,6 +159,47 @@ def shared_text_prefix(texts: Sequence[str]) -> str:
     return first[: cut + 1] if cut >= 0 else ""
 
 
+def shared_prefix_problem(
+    texts: Sequence[str], spans: Sequence[list[tuple[int, int]]], encodings
+) -> str | None:
+    """Why chosen and rejected do not share their conversation prefix token for token, or None.
+
+    `texts` are the rendered chosen and rejected conversations, `spans` their trained character
+    spans (the completion's first span starts where the completion does), `encodings` their fast
+    tokenizer encodings (ids and offsets). The text before each completion must be the same, and so
+    must its tokens, up to its trailing whitespace (which may merge with a completion's first word,
+    as Llama's `▁It`): a template that renders the shared turns differently depending on the
+    completion would make the two sequences differ in more than their completions.
+    """
+    if len(texts) < 2:
+        return None
+    starts = [s[0][0] if s else len(t) for t, s in zip(texts, spans, strict=True)]
+    prefixes = [t[:start] for t, start in zip(texts, starts, strict=True)]
+    if any(p != prefixes[0] for p in prefixes[1:]):
+        at = next(
+            (i for i, chars in enumerate(zip(*prefixes, strict=False)) if len(set(chars)) > 1),
+            min(map(len, prefixes)),
+        )
+        return (
+            f"the chat template renders the shared conversation differently before chosen and before rejected "
+            f"(first difference at character {at}: {prefixes[0][at : at + 30]!r} vs {prefixes[1][at : at + 30]!r}); "
+            "use a template that renders earlier turns independently of the last one"
+        )
+    stable = len(prefixes[0].rstrip())
+    heads = [e.ids[: _tokens_ending_by(e.offsets, stable)] for e in encodings]
+    if any(h != heads[0] for h in heads[1:]):
+        return (
+            "the shared conversation tokenizes differently before chosen and before rejected (a token merges "
+            "the prompt's end with the completion); the pair would not compare completions of one prompt"
+        )
+    return None
+
+
+def _tokens_ending_by(offsets: Sequence[tuple[int, int]], end: int) -> int:
+    """How many leading tokens lie entirely within the first `end` characters."""
+    return next((i for i, (_, stop) in enumerate(offsets) if stop > end), len(offsets))
+
+
 def _as_messages(value: str | list[dict[str, Any]], role: str) -> list[dict[str, Any]]:
     return [{"role": role, "content": value}] if isinstance(value, str) else list(value)
 
@@ -167,6 +207,34 @@ def _as_messages(value: str | list[dict[str, Any]], role: str) -> list[dict[str,
 def _common_start(lists: list[list]) -> int:
     n = min(len(x) for x in lists)
     return next((i for i in range(n) if any(x[i] != lists[0][i] for x in lists[1:])), n)
+
+
+IMAGE_IN_COMPLETION = "image_in_completion"
+"""Bad-row reason: a preference pair's chosen or rejected messages hold an image (only prompts may)."""
+
+
+def pair_images(
+    shared: list[dict[str, Any]], completions: list[list[dict[str, Any]]], enc: Encoder, field: str
+) -> list[bytes] | BadRow:
+    """The images of a preference pair's (or kto example's) shared prompt, opened and checked: both
+    completions are scored given them. An image inside a completion is a bad row (the pair would compare
+    completions that see different pictures), and so is any image when the model reads only text."""
+    if not any(m.get("images") for c in (shared, *completions) for m in c):
+        return []
+    if enc.processor is None:
+        detail = (
+            "the row has images, but the model reads only text; for a vision-language model set model.kind: "
+            "vlm (its processor then reads the images), or remove the image parts"
+        )
+        return BadRow(field, images.IMAGES_NEED_VLM, detail)
+    if any(m.get("images") for c in completions for m in c):
+        detail = (
+            "an image is in a completion, not in the prompt: completions (a pair's chosen and rejected, a kto "
+            "example's completion) are scored given the prompt and its images, so put the images in the prompt's "
+            "messages"
+        )
+        return BadRow(field, IMAGE_IN_COMPLETION, detail)
+    return load_images(shared, enc, field)
 
 
 # ------------------------------------------------------------------------------------------ tokenize
@@ -251,7 +319,7 @@ def _chat_examples(
             out[k] = convs
             continue
         shared, completions = convs
-        pictures = vision.pair_images(shared, completions, enc, image_field)  # checked and loaded
+        pictures = pair_images(shared, completions, enc, image_field)  # checked and loaded
         if isinstance(pictures, BadRow):
             out[k] = pictures
             continue
@@ -263,16 +331,14 @@ def _chat_examples(
     encodings = iter(enc.encode([text for _, seqs, _ in pending for text, _ in seqs], offsets=True))
     for k, seqs, pictures in pending:
         encs = [next(encodings) for _ in seqs]
-        mismatch = preference.shared_prefix_problem(
-            [text for text, _ in seqs], [spans for _, spans in seqs], encs
-        )
+        mismatch = shared_prefix_problem([text for text, _ in seqs], [spans for _, spans in seqs], encs)
         if mismatch:
             out[k] = BadRow(mismatch_field, PREFIX_MISMATCH, mismatch)
             continue
         sequences = [enc.labelled(e, spans) for e, (_, spans) in zip(encs, seqs, strict=True)]
         if pictures:  # each sequence's image markup expanded into the model's image tokens
             sequences = [
-                vision.expand(enc, text, pictures, ids, labels, field=field)
+                expand(enc, text, pictures, ids, labels, field=field)
                 for (text, _), (ids, labels) in zip(seqs, sequences, strict=True)
             ]
             bad = next((s for s in sequences if isinstance(s, BadRow)), None)

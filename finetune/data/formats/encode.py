@@ -13,6 +13,15 @@ completion) pairs or conversations, and hands them to one of these paths (`chat_
   span (finetune.data.formats.chat.chat_spans) trained (chat_template; alpaca and input_output with
   apply_chat_template).
 
+* `expand`: for a vision-language model, a rendered text with images (finetune.data.formats.images: a
+  `SENTINEL` per image, rendered as image parts) holds the template's own image markup (Qwen2-VL's
+  ``<|vision_start|><|image_pad|><|vision_end|>``, Idefics3's ``<image>``, Gemma 3's
+  ``<start_of_image>``); after the ids and labels are found as for text, the model's processor expands
+  each image's markup into the tokens the model expects for that image (their number depends on the
+  image's size: Qwen2-VL's grid, Idefics3's tiles, Gemma 3's fixed 256), and the labels are carried
+  over by aligning the two id sequences (the processor changes only the tokens around images). Image
+  tokens are never trained (chat_template's `image_examples`; preference and kto prompts with images).
+
 ``bos`` is whatever the tokenizer itself adds (its post-processor); the eos is trained unless
 ``train_on_eos: none``. The tokenizer's bos is prepended to a rendered chat when the text doesn't
 start with it already. Labels here may still train the first token: tokenize.py sets it to -100.
@@ -20,6 +29,7 @@ start with it already. Labels here may still train the first token: tokenize.py 
 
 from __future__ import annotations
 
+import difflib
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +39,7 @@ from finetune.constants import IGNORE_INDEX
 from finetune.data.formats import images
 from finetune.data.formats.chat import ChatTemplateError, chat_spans, empty_turns, pair_turns, render_messages
 from finetune.data.formats.rows import BadRow, Example
+from finetune.model.families import IMAGE_MARKUP_ATTRIBUTES
 
 
 @dataclass(frozen=True)
@@ -253,3 +264,71 @@ def pair_examples(
     return prompt_completion_examples(
         pairs, enc, train_on_inputs=entry.train_on_inputs, train_eos=entry.train_on_eos != "none"
     )
+
+
+# ---------------------------------------------------------------------------------------------- images
+
+
+PROCESSOR_REJECTED = "processor_rejected"
+"""Bad-row reason: the processor could not turn the row's text and images into model inputs."""
+
+
+def load_images(conv: list[dict[str, Any]], enc: Encoder, field: str) -> list[bytes] | BadRow:
+    """The bytes of a conversation's images in order, each opened and checked (images.load_image)."""
+    out = []
+    for j, message in enumerate(conv):
+        for k, ref in enumerate(message.get("images") or []):
+            where = f"{field}[{j}].content (image {k})"
+            data = images.load_image(ref, where, enc.image_root, enc.image_max_pixels)
+            if isinstance(data, BadRow):
+                return data
+            out.append(data)
+    return out
+
+
+def expand(
+    enc: Encoder, text: str, imgs: list[bytes], ids: list[int], labels: list[int], *, field: str
+) -> tuple[list[int], list[int]] | BadRow:
+    """(ids, labels) with each image's markup expanded by the processor into the model's image tokens;
+    the labels carried over from the unexpanded ids, image tokens masked."""
+    try:
+        out = enc.processor(text=[text], images=[[images.decode(b) for b in imgs]], add_special_tokens=False)
+    except Exception as exc:  # the processor's own checks (too small an image, token count mismatch ...)
+        return BadRow(field, PROCESSOR_REJECTED, f"the processor rejected the row's text and images: {exc}")
+    full = [int(t) for t in out["input_ids"][0]]
+    prefix = enc.prefix_ids
+    if prefix and full[: len(prefix)] != prefix:
+        full = [*prefix, *full]
+    return full, align(ids, labels, full, image_token_ids(enc.processor))
+
+
+def align(ids: list[int], labels: list[int], full: list[int], masked: set[int]) -> list[int]:
+    """Labels for `full` (the processor's ids): those of `ids` where the two sequences match (difflib's
+    matching blocks), -100 on what the processor inserted or changed and on the `masked` ids.
+
+    >>> align([5, 9, 7, 8], [-100, -100, 7, 8], [5, 3, 9, 9, 9, 3, 7, 8], {9})
+    [-100, -100, -100, -100, -100, -100, 7, 8]
+    """
+    out = [IGNORE_INDEX] * len(full)
+    matcher = difflib.SequenceMatcher(None, ids, full, autojunk=False)
+    for a, b, size in matcher.get_matching_blocks():
+        out[b : b + size] = labels[a : a + size]
+    return [IGNORE_INDEX if t in masked else label for t, label in zip(full, out, strict=True)]
+
+
+def image_token_ids(processor: Any) -> set[int]:
+    """The ids of the image markup tokens a processor and its tokenizer name (never trained): the
+    attributes the vision families table lists (finetune.model.families.IMAGE_MARKUP_ATTRIBUTES)."""
+    tokenizer = processor.tokenizer
+    ids = set()
+    for owner in (processor, tokenizer):
+        if isinstance(getattr(owner, "image_token_id", None), int):
+            ids.add(owner.image_token_id)
+        for name in IMAGE_MARKUP_ATTRIBUTES:
+            token = getattr(owner, name, None)
+            token = getattr(token, "content", token)  # an AddedToken
+            if isinstance(token, str) and token:
+                token_id = tokenizer.convert_tokens_to_ids(token)
+                if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+                    ids.add(token_id)
+    return ids

@@ -12,7 +12,7 @@ loss rely on them):
 * The length limit is ``entry.max_seq_len`` or ``sequence_len``; longer examples are dropped,
   truncated or raise (``excess_length_strategy``). A preference pair (chosen + rejected) is one
   example, the unit that is packed and never split; ``truncate`` shortens its longer sequence(s)
-  from their end (`finetune.data.batching.pairs.fit_lengths`). Every sequence must keep a trained token.
+  from their end (`fit_lengths`). Every sequence must keep a trained token.
 * Rows loaded as placeholders for damaged lines (marked in ``damage.BAD_ROW_COLUMN``, see
   sources.py) become bad rows here, so they are raised or counted like any other.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,15 +35,14 @@ import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
 
 from finetune.constants import IGNORE_INDEX
-from finetune.data.batching import pairs as preference
-from finetune.data.batching import vision
-from finetune.data.formats import chat, completions, encode, images, registry, rows, tool_calls
+from finetune.data.formats import images, registry
 from finetune.data.formats.chat import check_roles_to_train
 from finetune.data.formats.encode import Encoder, make_encoder
 from finetune.data.formats.registry import Format, format_of
 from finetune.data.formats.rows import TEMPLATE_WITHOUT_TOOLS, BadRow, Example
 from finetune.data.sources import damage
 from finetune.errors import DataError
+from finetune.model import families
 
 BATCH_SIZE = 1000
 # Below this many rows, formats other than chat run in one process: the Rust tokenizer already
@@ -70,8 +69,6 @@ _FEATURES = datasets.Features(
         "_truncated": datasets.Value("bool"),
     }
 )
-# The modules whose code decides the tokenized rows (see _map_fingerprint).
-_CODE = (chat, completions, encode, images, preference, rows, tool_calls, vision)
 # Bad rows raised whatever data.on_bad_row says: every such row would lose something (its tools, its images).
 ALWAYS_RAISED = (TEMPLATE_WITHOUT_TOOLS, images.IMAGES_NEED_VLM)
 
@@ -184,8 +181,10 @@ def _map_fingerprint(
     else:
         vocab = sorted(tokenizer.get_vocab().items())
     dump = entry.model_dump(mode="json") if hasattr(entry, "model_dump") else dict(vars(entry))
-    files = [Path(m.__file__) for m in _CODE] + sorted(Path(registry.__file__).parent.glob("*.py"))
-    code = [p.read_bytes() for p in [*files, Path(__file__)]]
+    # This wing's modules (the formats, the paths they share and this one) and the families table
+    # (which processor attributes name image markup, never trained).
+    files = [*sorted(Path(__file__).parent.glob("*.py")), Path(families.__file__)]
+    code = [p.read_bytes() for p in files]
     state = [type(tokenizer).__name__, vocab, tokenizer.special_tokens_map, tokenizer.chat_template]
     settings = [enc.prefix_ids, enc.eos_id, enc.chat_template, enc.vocab_size]
     if enc.processor is not None:  # the image processor's settings and the resize policy change the rows
@@ -312,9 +311,9 @@ def _finish(
         if extra.get("images") and strategy != "raise":
             drop = TOO_LONG_IMAGE_ROW  # cutting would cut image tokens: the model needs all of an image's
         elif strategy == "truncate":
-            kept = preference.fit_lengths(lengths, limit)
-            ids = preference.cut_sequences(ids, lengths, kept)
-            labels = preference.cut_sequences(labels, lengths, kept)
+            kept = fit_lengths(lengths, limit)
+            ids = cut_sequences(ids, lengths, kept)
+            labels = cut_sequences(labels, lengths, kept)
             lengths, truncated = kept, True
         else:
             drop = TOO_LONG
@@ -334,6 +333,36 @@ def _finish(
     if drop:
         ids, labels = [], []
     return _columns(ids, labels, extra, drop=drop, num_tokens=num_tokens, truncated=truncated)
+
+
+def fit_lengths(lengths: Sequence[int], limit: int) -> list[int]:
+    """Sequence lengths cut so that they sum to at most `limit`: a sequence no longer than an equal
+    share of what is left keeps its length, the longer ones share the rest equally (the policy of
+    `excess_length_strategy: truncate` for a pair, whose sequences are cut from their end).
+
+    >>> fit_lengths([80, 90], limit=100), fit_lengths([10], limit=4)
+    ([50, 50], [4])
+    """
+    out = list(lengths)
+    remaining = limit
+    order = sorted(range(len(out)), key=out.__getitem__)
+    for k, i in enumerate(order):
+        out[i] = min(out[i], remaining // (len(order) - k))
+        remaining -= out[i]
+    return out
+
+
+def cut_sequences(values: list[int], lengths: Sequence[int], kept: Sequence[int]) -> list[int]:
+    """Concatenated sequences of `lengths`, each cut to its `kept` length.
+
+    >>> cut_sequences([1, 2, 3, 4, 5], [2, 3], [1, 2])
+    [1, 3, 4]
+    """
+    out, start = [], 0
+    for n, keep in zip(lengths, kept, strict=True):
+        out += values[start : start + keep]
+        start += n
+    return out
 
 
 def _columns(

@@ -562,7 +562,7 @@ def _pack(
         "num_padding_tokens": num_padded - num_tokens,
         "packing_efficiency": round(packing_efficiency(lengths, len(rows), capacity), 6),
     }
-    # Unpacked kto rows (images) take their KL rows from the split instead (finetune.data.batching.vision_kto).
+    # Unpacked kto rows (images) take their KL rows from the split instead (finetune.data.batching.vision).
     if kind == "kto" and packed:
         stats["examples_alone_in_row"] = int(sum(n == 1 for n in rows["num_units"]))
     return rows, stats

@@ -375,7 +375,7 @@ def test_vision_language_recipes_take_the_offline_preference_objectives_and_refu
 
     for name in ("dpo", "ipo", "simpo", "orpo"):
         assert validate_recipe(recipe(name)).data.sample_packing is False
-    # kto too, unpacked: its KL rows are built over the split (finetune.data.batching.vision_kto).
+    # kto too, unpacked: its KL rows are built over the split (finetune.data.batching.vision).
     assert validate_recipe(recipe("kto", "kto")).data.sample_packing is False
     with pytest.raises(ValidationError) as info:
         validate_recipe(recipe("grpo", "prompt"))

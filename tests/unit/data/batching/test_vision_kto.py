@@ -14,8 +14,8 @@ import torch
 
 from finetune.constants import IGNORE_INDEX
 from finetune.data.batching.pairs import pack_examples
-from finetune.data.batching.vision import collate_vlm, image_token_ids
-from finetune.data.batching.vision_kto import collate_vlm_kto, kl_rows, with_kl_rows
+from finetune.data.batching.vision import collate_vlm, collate_vlm_kto, kl_rows, with_kl_rows
+from finetune.data.formats.encode import image_token_ids
 from finetune.errors import DataError
 from tests.vlm_processors import PROCESSORS, png, tokenize_rows
 

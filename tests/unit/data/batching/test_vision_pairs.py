@@ -14,7 +14,8 @@ import torch
 
 from finetune.constants import IGNORE_INDEX
 from finetune.data.batching.pairs import pack_examples
-from finetune.data.batching.vision import collate_vlm, collate_vlm_pairs, image_token_ids
+from finetune.data.batching.vision import collate_vlm, collate_vlm_pairs
+from finetune.data.formats.encode import image_token_ids
 from finetune.data.formats.tokenize import tokenize_dataset
 from finetune.errors import DataError
 from finetune.recipe import dataset_entry

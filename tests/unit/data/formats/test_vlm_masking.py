@@ -18,7 +18,8 @@ from PIL import Image
 from transformers import AutoTokenizer
 
 from finetune.constants import IGNORE_INDEX
-from finetune.data.batching.vision import collate_vlm, image_token_ids
+from finetune.data.batching.vision import collate_vlm
+from finetune.data.formats.encode import image_token_ids
 from finetune.data.formats.tokenize import tokenize_dataset
 from finetune.errors import DataError
 from finetune.model.vlm import parts

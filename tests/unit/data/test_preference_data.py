@@ -1,4 +1,4 @@
-"""Preference pairs and kto examples: formats, tokenization (plain and chat-rendered, the shared-prefix
+"""Preference pairs and kto examples through the data wings: formats, tokenization (plain and chat-rendered, the shared-prefix
 check, the pair length policy), packing (chosen_i, rejected_i side by side, never split), kto's KL
 rows, and prepare() with its manifest, cache and Hub round trip."""
 
@@ -14,9 +14,10 @@ import torch
 
 from finetune.data.batching.collate import collate_preference
 from finetune.data.batching.packing import pack_multipack
-from finetune.data.batching.pairs import fit_lengths, kto_kl_row, pack_examples, shared_prefix_problem
+from finetune.data.batching.pairs import kto_kl_row, pack_examples
 from finetune.data.formats import completions
-from finetune.data.formats.tokenize import tokenize_dataset
+from finetune.data.formats.completions import shared_prefix_problem
+from finetune.data.formats.tokenize import fit_lengths, tokenize_dataset
 from finetune.data.prepare import build as prepare_mod
 from finetune.data.prepare.build import prepare
 from finetune.errors import DataError
