@@ -1,6 +1,6 @@
 """Preference pairs and kto examples in rows: packed whole, and KTO's KL rows.
 
-Tokenized examples (the preference and kto formats, finetune/data/formats/completions.py) hold a
+Tokenized examples (the preference and kto formats, finetune/data/formats/preference.py) hold a
 preference pair as one example: the chosen sequence then the rejected one in `input_ids` /
 `labels`, `chosen_len` saying where the rejected one starts; a kto example is one sequence with
 `desirable` and `prompt_len`. A pair is the unit of the length limit and of packing: it is never

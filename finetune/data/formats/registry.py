@@ -1,7 +1,7 @@
 """The data formats of LLM dataset entries: one module per `type`, found through `FORMATS`.
 
 Every format reduces a batch of raw rows to one of a few shapes and tokenizes it with a path the
-formats share (finetune/data/formats/encode.py, finetune/data/formats/completions.py):
+formats share (finetune/data/formats/encode.py, chat.py, images.py; the kto format shares preference.py's):
 
 * ``completion``: one text, trained whole.
 * ``alpaca`` and ``input_output``: a (prompt, completion) pair, the prompt masked unless

@@ -15,8 +15,8 @@ import torch
 from finetune.data.batching.collate import collate_preference
 from finetune.data.batching.packing import pack_multipack
 from finetune.data.batching.pairs import kto_kl_row, pack_examples
-from finetune.data.formats import completions
-from finetune.data.formats.completions import shared_prefix_problem
+from finetune.data.formats import preference
+from finetune.data.formats.preference import shared_prefix_problem
 from finetune.data.formats.tokenize import fit_lengths, tokenize_dataset
 from finetune.data.prepare import build as prepare_mod
 from finetune.data.prepare.build import prepare
@@ -72,16 +72,16 @@ def trained_text(tokenizer, labels: list[int]) -> str:
 
 def test_conversations_drop_a_repeated_prompt_and_find_the_implicit_one():
     user = {"role": "user", "content": "2+2?"}
-    row = completions.CompletionsRow(
+    row = preference.CompletionsRow(
         "2+2?",
         ([user, {"role": "assistant", "content": "4"}], [user, {"role": "assistant", "content": "5"}]),
     )
-    shared, (chosen, _) = completions.completion_conversations(row, "chosen")
+    shared, (chosen, _) = preference.completion_conversations(row, "chosen")
     assert shared == [user] and chosen == [{"role": "assistant", "content": "4"}]
-    implicit = completions.CompletionsRow(None, row.completions)
-    assert completions.completion_conversations(implicit, "chosen")[0] == [user]
-    kto = completions.CompletionsRow(None, ([user, {"role": "assistant", "content": "4"}],), True)
-    assert completions.completion_conversations(kto, "completion") == (
+    implicit = preference.CompletionsRow(None, row.completions)
+    assert preference.completion_conversations(implicit, "chosen")[0] == [user]
+    kto = preference.CompletionsRow(None, ([user, {"role": "assistant", "content": "4"}],), True)
+    assert preference.completion_conversations(kto, "completion") == (
         [user],
         [[{"role": "assistant", "content": "4"}]],
     )
