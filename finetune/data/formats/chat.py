@@ -1,5 +1,5 @@
-"""Chats: the roles a message may have, one row's messages normalized, and the character spans of
-a rendered conversation that are trained.
+"""Chats: the roles a message may have, one row's messages normalized (tool calls included), and the
+character spans of a rendered conversation that are trained.
 
 Shared by the formats that render rows with the chat template (finetune/data/formats/: chat_template,
 alpaca and input_output with apply_chat_template, preference and kto): pure functions of the
@@ -10,17 +10,35 @@ messages and of a `render` function (the tokenizer's apply_chat_template, see en
 [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello'}]
 >>> conversation([{"from": "wizard", "value": "Hi"}], "conversations", keys).reason
 'unknown_role'
+
+Tool calls: an assistant turn's ``tool_calls``, the ``tool`` turns that answer them, and a
+row's tool definitions, normalized to what Hugging Face chat templates expect.
+
+Rows come in the OpenAI form (``function.arguments`` a JSON string, ``content: null``) or the HF form
+(``arguments`` a mapping); templates differ in what they read (Qwen writes ``arguments | tojson``,
+Llama 3.1 ``tool_call.function``, Mistral the call's ``id``), so every call becomes
+``{"type": "function", "function": {"name", "arguments": {...}}, "id"?}`` (transformers' documented
+shape, see its chat templating docs on tool use). A call may also be written flat,
+``{"name", "arguments"}``, as some datasets do.
+
+>>> normalized_calls([{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}], "m[1]")
+[{'type': 'function', 'function': {'name': 'add', 'arguments': {'a': 1}}, 'id': 'c1'}]
+>>> normalized_calls([{"function": {"name": "add", "arguments": "{a: 1}"}}], "m[1]").field
+'m[1].tool_calls[0].function.arguments'
+>>> tool_definitions('[{"type": "function", "function": {"name": "add"}}]', "tools")
+[{'type': 'function', 'function': {'name': 'add'}}]
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.data.formats import images, tool_calls
+from finetune.data.formats import images
 from finetune.data.formats.rows import (
     EMPTY_COMPLETION,
     EMPTY_CONVERSATION,
@@ -38,6 +56,12 @@ from finetune.errors import DataError
 DEFAULT_ROLES = ("system", "user", "assistant", "tool")
 """The roles chat templates know. Others are known only as targets of the entry's ``role_map``
 (map a role to itself, ``{ipython: ipython}``, to declare one the template supports)."""
+
+
+# Bad-row reasons of tool calls (the manifest counts them as "bad_row:<reason>").
+BAD_TOOL_CALL = "bad_tool_call"
+ORPHAN_TOOL_RESULT = "orphan_tool_result"
+BAD_TOOLS = "bad_tools"
 
 
 # ----------------------------------------------------------------------------------------- messages
@@ -100,7 +124,7 @@ def conversation(
         if extra.get("tool_calls") == []:
             del extra["tool_calls"]  # no calls: a plain turn (templates test the key, not its length)
         if "tool_calls" in extra:
-            extra["tool_calls"] = tool_calls.calls(extra["tool_calls"], where)
+            extra["tool_calls"] = normalized_calls(extra["tool_calls"], where)
             if isinstance(extra["tool_calls"], BadRow):
                 return extra["tool_calls"]
         # A turn that only calls tools has content null (OpenAI) or "": templates expect a string.
@@ -121,7 +145,7 @@ def conversation(
         if role not in known:  # role_map targets are known: only a role the map left alone gets here
             return BadRow(f"{where}.{keys.role}", UNKNOWN_ROLE, _unknown_role_detail(j, role, known))
         turns.append({**extra, "role": role, "content": content})
-    return tool_calls.orphan_result(turns, field) or turns
+    return orphan_result(turns, field) or turns
 
 
 def _unknown_role_detail(j: int, role: str, known: set[str]) -> str:
@@ -160,13 +184,128 @@ def check_roles_to_train(roles_to_train: list[str], role_map: Mapping[str, str],
 
 def empty_turns(conv: list[dict[str, Any]], roles_to_train: list[str], field: str) -> BadRow | None:
     """A drop when every turn to train is empty or whitespace (the row would train only end tokens)."""
-    trained = [m["content"] for m in conv if m["role"] in roles_to_train and not tool_calls.has_calls(m)]
-    calls = any(tool_calls.has_calls(m) for m in conv if m["role"] in roles_to_train)
+    trained = [m["content"] for m in conv if m["role"] in roles_to_train and not has_calls(m)]
+    calls = any(has_calls(m) for m in conv if m["role"] in roles_to_train)
     if trained and not calls and not any(c.strip() for c in trained):
         roles = "/".join(roles_to_train)
         detail = f"every {roles} turn is empty or whitespace: the row would train nothing"
         return BadRow(field, EMPTY_COMPLETION, detail, malformed=False)
     return None
+
+
+# --------------------------------------------------------------------------------------- tool calls
+
+
+def normalized_calls(value: Any, where: str) -> list[dict[str, Any]] | BadRow:
+    """A message's ``tool_calls`` in the HF shape, or the bad row naming the call and field at fault
+    (`where` is the message's path, e.g. ``messages[1]``)."""
+    if not isinstance(value, list):
+        return BadRow(
+            f"{where}.tool_calls", WRONG_TYPE, f"tool_calls should be a list, got {type(value).__name__}"
+        )
+    out = []
+    for k, call in enumerate(value):
+        at = f"{where}.tool_calls[{k}]"
+        if not isinstance(call, dict):
+            return BadRow(at, WRONG_TYPE, f"tool call {k} should be a mapping, got {type(call).__name__}")
+        function = call.get("function", call)  # the flat form {"name", "arguments"} is its own function
+        if not isinstance(function, dict):
+            return BadRow(f"{at}.function", WRONG_TYPE, f"{at}.function should be a mapping")
+        fn_at = f"{at}.function" if "function" in call else at
+        name = function.get("name")
+        if not isinstance(name, str) or not name.strip():
+            return BadRow(
+                f"{fn_at}.name", MISSING_FIELD, f"tool call {k} has no function name ({fn_at}.name)"
+            )
+        arguments = _arguments(function.get("arguments"), f"{fn_at}.arguments")
+        if isinstance(arguments, BadRow):
+            return arguments
+        normalized: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        if call.get("id") is not None:
+            normalized["id"] = call["id"]
+        out.append(normalized)
+    return out
+
+
+def _arguments(value: Any, field: str) -> dict[str, Any] | BadRow:
+    """A call's arguments as a mapping: the OpenAI form's JSON string parsed, the HF form's kept."""
+    if value is None:
+        return BadRow(field, MISSING_FIELD, f"{field!r} is missing: write the call's arguments, {{}} if none")
+    if isinstance(value, str):
+        value = _parsed(value, field, BAD_TOOL_CALL)
+        if isinstance(value, BadRow):
+            return value
+    if not isinstance(value, dict):
+        return BadRow(
+            field, BAD_TOOL_CALL, f"{field!r} should be a JSON object of named arguments, got {value!r:.80}"
+        )
+    return value
+
+
+def _parsed(text: str, field: str, reason: str) -> Any:
+    """`text` parsed as JSON, or the bad row (under `reason`) saying where the parse failed."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return BadRow(field, reason, f"{field!r} is not valid JSON ({e.msg} at char {e.pos}): {text[:80]!r}")
+
+
+def orphan_result(turns: list[dict[str, Any]], field: str) -> BadRow | None:
+    """The bad row of a ``tool`` turn that no assistant tool call comes before (its result answers
+    nothing the model asked), else None. Only in rows that use ``tool_calls``: data that writes its
+    calls as the assistant's text (ShareGPT ``function_call`` / ``observation`` turns) has no calls to
+    pair its results with.
+
+    >>> turns = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "3"}]
+    >>> orphan_result([*turns, {"role": "assistant", "content": "", "tool_calls": [{}]}], "messages").field
+    'messages[1]'
+    >>> orphan_result(turns, "messages") is None
+    True
+    """
+    if not any(has_calls(turn) for turn in turns):
+        return None
+    called = False
+    for j, turn in enumerate(turns):
+        if turn["role"] == "tool" and not called:
+            return BadRow(
+                f"{field}[{j}]",
+                ORPHAN_TOOL_RESULT,
+                f"message {j} is a tool result, but no assistant message before it has tool_calls",
+            )
+        if turn["role"] != "tool":  # results answer the calls of the turn right before them
+            called = has_calls(turn)
+    return None
+
+
+def tool_definitions(value: Any, field: str) -> list[dict[str, Any]] | BadRow | None:
+    """A row's tool definitions (a list of JSON schemas, or a JSON string of one), None when the row
+    has none (null or an empty list), or the bad row saying why they can't be used."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        value = _parsed(value, field, BAD_TOOLS)
+        if isinstance(value, BadRow):
+            return value
+    if not isinstance(value, list):
+        return BadRow(
+            field, BAD_TOOLS, f"{field!r} should be a list of function schemas, got {type(value).__name__}"
+        )
+    for k, schema in enumerate(value):
+        if not isinstance(schema, dict):
+            return BadRow(f"{field}[{k}]", BAD_TOOLS, f"tool {k} should be a JSON object (a function schema)")
+    return value or None
+
+
+def has_calls(message: dict[str, Any]) -> bool:
+    """Whether a normalized message carries tool calls."""
+    return bool(message.get("tool_calls"))
+
+
+def called_names(message: dict[str, Any]) -> list[str]:
+    """The function names a normalized message calls."""
+    return [c["function"]["name"] for c in message.get("tool_calls") or []]
 
 
 # ------------------------------------------------------------------------------------- chat masking
@@ -231,7 +370,7 @@ def chat_spans(
         return full, []
     content = _content_spans(messages, full, render, needed=sorted({*trained, *eos_turns}))
     spans = [content[i] for i in trained if content[i] and content[i][1] > content[i][0]]
-    calls = [i for i in trained if tool_calls.has_calls(messages[i])]
+    calls = [i for i in trained if has_calls(messages[i])]
     for i in eos_turns:
         if content[i] is None or i in calls:
             continue  # a turn with tool calls trains its end with its calls (below)
@@ -291,7 +430,7 @@ def _calls_span(
     that markup is what the model must learn to emit, so all of it is trained."""
     start = content[0] if content else _calls_start(messages, i, full, render)
     span = _stripped(full, start, _turn_end(messages, i, full, render))
-    names = tool_calls.called_names(messages[i])
+    names = called_names(messages[i])
     if span is None or not all(name in full[span[0] : span[1]] for name in names):
         raise ChatTemplateError(
             TEMPLATE_WITHOUT_TOOLS,
@@ -359,7 +498,7 @@ def _content_spans(
     # A turn with only tool calls keeps its empty content: templates write it differently once it
     # has text (Qwen's newline before the calls), which would throw the walk off; _calls_start
     # finds where its calls start.
-    bare = {i for i, m in enumerate(messages) if tool_calls.has_calls(m) and not m["content"]}
+    bare = {i for i, m in enumerate(messages) if has_calls(m) and not m["content"]}
     marked = [m if i in bare else {**m, "content": _MARK.format(i)} for i, m in enumerate(messages)]
     spans = _walk(full, render_messages(render, marked), messages)
     if spans is not None:

@@ -21,9 +21,9 @@ from typing import Any
 
 import datasets
 
-from finetune.data.formats import encode, images, tool_calls
+from finetune.data.formats import encode, images
 from finetune.data.formats.chat import conversation as _conversation
-from finetune.data.formats.chat import known_roles, message_keys
+from finetune.data.formats.chat import known_roles, message_keys, tool_definitions
 from finetune.data.formats.encode import Encoder
 from finetune.data.formats.rows import (
     TEMPLATE_WITHOUT_TOOLS,
@@ -171,7 +171,7 @@ def images_need_vlm(conv: list[dict[str, Any]] | BadRow, field: str) -> list[dic
 def row_tools(value: Any, field: str, enc: Encoder) -> list[dict[str, Any]] | BadRow | None:
     """One row's tool definitions for ``apply_chat_template(tools=...)``, or why they can't be used
     (not a list of schemas; a chat template with no ``tools`` variable, which would drop them)."""
-    tools = tool_calls.tools(value, field)
+    tools = tool_definitions(value, field)
     if tools and not isinstance(tools, BadRow) and not enc.renders_tools():
         return BadRow(
             field,

@@ -14,7 +14,7 @@ loss rely on them):
   example, the unit that is packed and never split; ``truncate`` shortens its longer sequence(s)
   from their end (`fit_lengths`). Every sequence must keep a trained token.
 * Rows loaded as placeholders for damaged lines (marked in ``damage.BAD_ROW_COLUMN``, see
-  sources.py) become bad rows here, so they are raised or counted like any other.
+  finetune.data.sources.readers) become bad rows here, so they are raised or counted like any other.
 
 Every input row is accounted for: ``rows_in == len(dataset) + sum(dropped.values())``.
 """
@@ -269,7 +269,7 @@ def _tokenize_batch(
     every row's fate is recorded in the ``_drop`` column and counted.
     """
     examples = fmt.tokenize(batch, entry, enc)
-    if damage.BAD_ROW_COLUMN in batch:  # placeholders for damaged lines (see sources.py)
+    if damage.BAD_ROW_COLUMN in batch:  # placeholders for damaged lines (see sources/readers.py)
         examples = [
             _damaged(mark) if mark else row
             for row, mark in zip(examples, batch[damage.BAD_ROW_COLUMN], strict=True)

@@ -6,13 +6,13 @@ one, fail with an error that names no file, or (pyarrow's JSON reader) load byte
 UTF-8 without complaint, so that they surface later as a traceback in the middle of tokenization.
 When a load fails, this module reads the files itself, line by line, to say where the damage is:
 file, line, byte offset and what is wrong. It runs only on that error path: clean data pays nothing
-but one UTF-8 check of loaded JSON (see sources.py).
+but one UTF-8 check of loaded JSON (see readers.py).
 
 Two kinds of damage:
 
 * A damaged line (invalid JSON, bytes that are not UTF-8, a CSV row with more fields than the
   header): `scan` finds every one. With ``on_bad_row: skip``, `write_clean_copy` replaces each by
-  a placeholder row (all fields null) in a copy of the file, and sources.py marks the row with
+  a placeholder row (all fields null) in a copy of the file, and readers.py marks the row with
   `mark` in the `BAD_ROW_COLUMN` column, so that tokenization counts it as ``bad_row:<reason>``.
   Rows keep their positions, so row numbers in errors and manifest samples match the source.
 * A damaged file (empty, compressed data cut short, not parquet, a JSON array that does not
@@ -215,7 +215,7 @@ def json_rows(path: str) -> Iterator[Any]:
     """Each row of a JSON lines file, or of a file holding one JSON array, as datasets reads them
     (blank lines skipped, a leading BOM dropped, an array's string elements as ``{"text": ...}``).
 
-    For a file that loaded: sources.py reads mixed-type JSON columns again with it.
+    For a file that loaded: readers.py reads mixed-type JSON columns again with it.
     """
     if _first_byte(path) == b"[":
         text = _read_all(path).removeprefix(codecs.BOM_UTF8).decode("utf-8")

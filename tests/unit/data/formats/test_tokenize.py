@@ -291,7 +291,7 @@ def test_roles_to_train_must_be_known_roles(tok) -> None:
 
 
 def test_placeholder_rows_become_bad_rows(tok) -> None:
-    # Rows that sources.py loaded in place of damaged lines carry their reason in BAD_ROW_COLUMN.
+    # Rows that the readers loaded in place of damaged lines carry their reason in BAD_ROW_COLUMN.
     from finetune.data.sources.damage import BAD_ROW_COLUMN
 
     mark = "invalid_json\td.jsonl line 2 (byte 14): invalid JSON: Expecting value"

@@ -1,9 +1,8 @@
-"""finetune.data.formats.tool_calls and the chat normalization of tool-calling messages."""
+"""The tool calls of chat messages normalized (finetune.data.formats.chat)."""
 
 from __future__ import annotations
 
-from finetune.data.formats import tool_calls
-from finetune.data.formats.chat import conversation, empty_turns
+from finetune.data.formats.chat import conversation, empty_turns, normalized_calls, tool_definitions
 from finetune.data.formats.rows import BadRow
 
 
@@ -13,12 +12,12 @@ def test_openai_hf_and_flat_calls_normalize_alike() -> None:
     hf = [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]
     flat = [{"id": "c1", "name": "add", "arguments": '{"a": 1}'}]
     assert (
-        tool_calls.calls(openai, "m[1]")
-        == tool_calls.calls(hf, "m[1]")
-        == tool_calls.calls(flat, "m[1]")
+        normalized_calls(openai, "m[1]")
+        == normalized_calls(hf, "m[1]")
+        == normalized_calls(flat, "m[1]")
         == want
     )
-    no_id = tool_calls.calls([{"function": {"name": "add", "arguments": {}}}], "m[1]")
+    no_id = normalized_calls([{"function": {"name": "add", "arguments": {}}}], "m[1]")
     assert no_id == [{"type": "function", "function": {"name": "add", "arguments": {}}}]
 
 
@@ -36,19 +35,19 @@ def test_bad_calls_name_their_field() -> None:
         ([{"name": "f", "arguments": "{x"}], "m[1].tool_calls[0].arguments", "bad_tool_call"),
     ]
     for value, field, reason in cases:
-        bad = tool_calls.calls(value, "m[1]")
+        bad = normalized_calls(value, "m[1]")
         assert isinstance(bad, BadRow) and (bad.field, bad.reason) == (field, reason), value
 
 
 def test_tools_column_values() -> None:
     schema = {"type": "function", "function": {"name": "f"}}
-    assert tool_calls.tools(None, "tools") is None
-    assert tool_calls.tools("", "tools") is None and tool_calls.tools([], "tools") is None
-    assert tool_calls.tools([schema], "tools") == tool_calls.tools(
+    assert tool_definitions(None, "tools") is None
+    assert tool_definitions("", "tools") is None and tool_definitions([], "tools") is None
+    assert tool_definitions([schema], "tools") == tool_definitions(
         '[{"type": "function", "function": {"name": "f"}}]', "tools"
     )
-    assert tool_calls.tools("{", "tools").reason == "bad_tools"
-    assert tool_calls.tools([1], "tools").field == "tools[0]"
+    assert tool_definitions("{", "tools").reason == "bad_tools"
+    assert tool_definitions([1], "tools").field == "tools[0]"
 
 
 def test_conversation_with_calls() -> None:
