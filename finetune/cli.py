@@ -429,7 +429,8 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         if recipe.model.kind == "diffusion":  # images -> cached latents and text embeddings
             from finetune.diffusion.cache import prepare_images as prepare
         else:
-            from finetune.data.prepare.fingerprint import cached, reusing, summary
+            from finetune.data.prepare.fingerprint import cached
+            from finetune.data.prepare.manifest import reusing, summary
 
             # A recipe already prepared is found from its fingerprint alone (file hashes), without
             # importing datasets or transformers: a cache hit costs little more than `validate`.

@@ -6,5 +6,6 @@
   found without importing datasets or transformers.
 * `cache.py`: the folders, atomic writes, the lock and stale-folder cleanup (shared with the image
   prepare step, finetune.diffusion.cache).
+* `manifest.py`: the manifest of a preparation (every row accounted for) and the summary printed from it.
 * `mixture.py`: weighted mixtures: which rows each training dataset contributes.
 """

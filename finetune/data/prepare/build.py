@@ -17,7 +17,6 @@ manifest's `kind` says which (`sft`, `preference`, `kto`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -48,11 +47,11 @@ from finetune.data.prepare.cache import (
     canonical_json,
     complete_dirs,
     compute_fingerprint,
-    library_versions,
     load_complete,
     write_atomically,
 )
-from finetune.data.prepare.fingerprint import FORMAT_VERSION, fingerprint_inputs, reusing, summary
+from finetune.data.prepare.fingerprint import fingerprint_inputs
+from finetune.data.prepare.manifest import make_manifest, reusing, summary
 from finetune.data.prepare.mixture import (
     EFFECTIVE_WEIGHT_WARN,
     draw_count,
@@ -305,7 +304,11 @@ def _build(
     for name, (ds, split_stats) in splits.items():
         rows[name], stats[name] = ds, split_stats
         _warn_kto_alone(name, split_stats, log)
-    manifest = _manifest(fingerprint, inputs, parts, stats, timings) | {"kind": kind, "mixture": mixture}
+    sources, samples = [p.stats for p in parts], [s for p in parts for s in p.bad_row_samples]
+    manifest = make_manifest(fingerprint, inputs, sources, samples, stats, timings) | {
+        "kind": kind,
+        "mixture": mixture,
+    }
     num_shards = data.num_dataset_shards_to_save
     write_atomically(
         root, fingerprint, rows, manifest, num_proc=num_proc, num_shards=num_shards, started=t_start
@@ -577,36 +580,6 @@ def _warn_kto_alone(split: str, stats: dict, log: Callable[[str], None]) -> None
             "estimate uses their own completion; raise data.sample_packing_sequence_len so rows hold several",
             emit=log,
         )
-
-
-def _manifest(fingerprint: str, inputs: dict, parts: list[_Part], splits: dict, timings: dict) -> dict:
-    sources = [p.stats for p in parts]
-    dropped: dict[str, int] = {}
-    for s in sources:
-        for reason, count in s["dropped"].items():
-            dropped[reason] = dropped.get(reason, 0) + count
-    train = splits["train"]
-    return {
-        "fingerprint": fingerprint,
-        "fingerprint_sha256": hashlib.sha256(canonical_json(inputs).encode()).hexdigest(),
-        "format_version": FORMAT_VERSION,
-        "fingerprint_inputs": inputs,
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "rows_in": sum(s["rows_in"] for s in sources),
-        "rows_kept": sum(s["rows_kept"] for s in sources),
-        "rows_dropped": sum(dropped.values()),
-        "dropped": dict(sorted(dropped.items())),
-        "truncated": sum(s["truncated"] for s in sources),
-        "rows_out": {name: s["rows"] for name, s in splits.items()},
-        "num_tokens": train["num_tokens"],
-        "num_trainable_tokens": train["num_trainable_tokens"],
-        "packing_efficiency": train["packing_efficiency"],
-        "splits": splits,
-        "sources": sources,
-        "bad_row_samples": [s for p in parts for s in p.bad_row_samples],
-        "timings": {k: round(v, 4) for k, v in timings.items()},
-        "versions": library_versions(),
-    }
 
 
 # -------------------------------------------------------------------------------------------- hub

@@ -5,7 +5,8 @@ The fingerprint (finetune.data.prepare.cache.compute_fingerprint of `fingerprint
 that changes the prepared output: the sources (file contents, Hub commits, URL metadata), the
 tokenizer files (hashed as files: no tokenizer is loaded), the entries' settings and the data
 section's. `cached` finds the complete preparation of a recipe from it, so that
-`finetune prepare-dataset` on an already prepared recipe reads a few files and prints the summary:
+`finetune prepare-dataset` on an already prepared recipe reads a few files and prints the summary
+(finetune.data.prepare.manifest):
 the libraries that build a preparation (datasets, transformers, torch; finetune.data.prepare.build) are
 imported only when there is something to build or load.
 """
@@ -57,10 +58,6 @@ _FORMAT_1_FIELDS = {
     "train_on_eos": "turn",
     "apply_chat_template": False,
 }
-# What one example of each kind is, for the summary.
-_UNIT_NAMES = {"sft": "examples", "preference": "pairs", "kto": "examples", "prompt": "prompts"}
-
-
 # --------------------------------------------------------------------------------------- the recipe
 
 
@@ -180,54 +177,3 @@ def cached(recipe: Recipe) -> tuple[Path, dict] | None:
     if not manifest_path.is_file():
         return None
     return path, json.loads(manifest_path.read_text(encoding="utf-8"))
-
-
-def reusing(path: Path) -> str:
-    """The line said when a preparation is reused from the cache."""
-    return f"reusing prepared dataset {path.name} at {path} (nothing to tokenize)"
-
-
-def summary(manifest: dict, source: str, path: Path) -> str:
-    """A few lines for the end of `finetune prepare-dataset`: rows, drops, tokens, packing, location;
-    `source` says how it was got (built, cache, hub)."""
-    m = manifest
-    drops = ", ".join(f"{k}={v}" for k, v in m.get("dropped", {}).items()) or "none"
-    lines = [
-        f"prepared dataset {m['fingerprint']} ({source}) at {path}",
-        f"  rows: {m['rows_in']} in, {m['rows_kept']} kept, {m['rows_dropped']} dropped ({drops}), "
-        f"{m['truncated']} truncated",
-    ]
-    unit = _UNIT_NAMES[m.get("kind", "sft")]
-    for name in ("train", "eval"):
-        if name not in m["splits"]:
-            continue
-        s = m["splits"][name]
-        lines.append(
-            f"  {name}: {s['examples']} {unit} -> {s['rows']} rows of {s['row_capacity']} "
-            f"({'packed, ' + s['packing_method'] if s['packed'] else 'unpacked'}); {s['num_tokens']:,} tokens, "
-            f"{s['num_trainable_tokens']:,} trainable; packing efficiency {s['packing_efficiency']:.4f}"
-        )
-    return "\n".join(lines + mixture_lines(m.get("mixture", [])))
-
-
-def mixture_lines(mixture: list[dict]) -> list[str]:
-    """One summary line per training dataset when there are several or any is weighted: its weight,
-    rows for training and drawn, and its shares of the training rows and trained tokens.
-
-    >>> row = {"dataset": "data.datasets[0]", "path": "a.jsonl", "weight": 0.5, "rows_train": 9,
-    ...        "rows_drawn": 5, "share_of_rows": 0.25, "share_of_trained_tokens": 0.3}
-    >>> mixture_lines([row])
-    ['  data.datasets[0] (a.jsonl): weight 0.5, 9 training rows -> 5 drawn; 25.0% of the rows, 30.0% of the trained tokens']
-    """
-    if len(mixture) < 2 and all(d["weight"] == 1 for d in mixture):
-        return []
-
-    def percent(share: float | None) -> str:
-        return "n/a" if share is None else f"{share:.1%}"
-
-    return [
-        f"  {d['dataset']} ({Path(d['path']).name}): weight {d['weight']:g}, {d['rows_train']} training rows -> "
-        f"{d['rows_drawn']} drawn; {percent(d['share_of_rows'])} of the rows, "
-        f"{percent(d['share_of_trained_tokens'])} of the trained tokens"
-        for d in mixture
-    ]

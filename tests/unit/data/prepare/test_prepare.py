@@ -25,6 +25,7 @@ from finetune.data.prepare.build import (
     prepare_on_main_process,
 )
 from finetune.data.prepare.cache import MANIFEST_NAME, PAUSE_ENV, compute_fingerprint
+from finetune.data.prepare.fingerprint import FORMAT_VERSION
 from finetune.data.sources.location import file_hash
 from finetune.errors import DataError, RecipeError, WriteError
 from finetune.recipe import Recipe, validate_recipe
@@ -171,9 +172,7 @@ def test_prepare_builds_balanced_manifest_and_rows(workdir: Path):
     assert m["packing_efficiency"] == pytest.approx(m["num_tokens"] / (len(train) * 128), abs=1e-6)
     assert all(len(r) % 8 == 0 and len(r) <= 128 for r in train["input_ids"])
     assert set(m["timings"]) >= {"load", "tokenize", "pack", "save", "total"}
-    assert (
-        m["versions"]["datasets"] and m["fingerprint_inputs"]["format_version"] == prepare_mod.FORMAT_VERSION
-    )
+    assert m["versions"]["datasets"] and m["fingerprint_inputs"]["format_version"] == FORMAT_VERSION
     assert any("packing efficiency" in line and str(prepared.path) in line for line in logs)
 
 
