@@ -9,7 +9,7 @@ The label must be a boolean (or 0/1).
 For a vision-language model (model.kind vlm) the prompt may hold images, as a preference pair's does
 (finetune.data.formats.preference): image parts in its messages, or an ``images`` column
 (``field_images``) with one ``<image>`` placeholder per image in its text; an image in the completion
-is a bad row (finetune.data.batching.vision.pair_images).
+is a bad row (finetune.data.formats.preference.pair_images).
 
 >>> from types import SimpleNamespace as NS
 >>> e = NS(field_prompt="prompt", field_completion="completion", field_label="label", role_map={},
