@@ -17,14 +17,14 @@ extension and the datasets builder that reads it (docs/CONTRIBUTING.md, "Add a d
 
 >>> from types import SimpleNamespace as NS
 >>> locate(NS(path="s3://bucket/train.jsonl", ds_type=None, data_files=None))
-Location(kind='url', builder='json')
+Location(kind='url', builder='json', options={})
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +104,7 @@ def builder_of_files(data_files: str | list[str] | None) -> str | None:
     return builders.pop() if len(builders) == 1 else None
 
 
-def builder_kwargs(builder: str, data_files: str | list[str] | None) -> dict[str, Any]:
+def builder_kwargs(builder: str | None, data_files: str | list[str] | None) -> dict[str, Any]:
     """Extra builder arguments the file names imply (tab-separated .tsv files).
 
     >>> builder_kwargs("csv", ["a.tsv"]), builder_kwargs("csv", "a.csv")
@@ -123,12 +123,14 @@ def is_saved_dataset(folder: Path) -> bool:
 
 @dataclass(frozen=True)
 class Location:
-    """Where an entry's path points (`kind`, see the module docstring) and the datasets builder that
-    reads its files: the entry's ds_type, else the one its file names give (None: datasets decides
-    for a folder, a URL without one is a save_to_disk folder, a local file without one is an error)."""
+    """Where an entry's path points (`kind`, see the module docstring), the datasets builder that reads
+    its files (the entry's ds_type, else the one its file names give; None: datasets decides for a
+    folder, a URL without one is a save_to_disk folder, a local file without one is an error), and the
+    builder's options its file names imply (`builder_kwargs`)."""
 
     kind: str
     builder: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 def locate(entry: Any) -> Location:
@@ -136,14 +138,17 @@ def locate(entry: Any) -> Location:
     path = entry.path
     if is_url(path):
         files = file_list(entry.data_files)
-        return Location("url", entry.ds_type or (builder_of_files(files) if files else builder_for(path)))
+        builder = entry.ds_type or (builder_of_files(files) if files else builder_for(path))
+        return Location("url", builder, builder_kwargs(builder, files or path))
     local = Path(path).expanduser()
     if local.is_dir():
         if is_saved_dataset(local):
             return Location("saved_dataset")
-        return Location("local_dir", entry.ds_type or builder_of_files(entry.data_files))
+        builder = entry.ds_type or builder_of_files(entry.data_files)
+        return Location("local_dir", builder, builder_kwargs(builder, entry.data_files))
     if local.exists():
-        return Location("local_file", entry.ds_type or builder_for(str(local)))
+        builder = entry.ds_type or builder_for(str(local))
+        return Location("local_file", builder, builder_kwargs(builder, str(local)))
     return Location("missing" if looks_local(path) else "hub")
 
 

@@ -37,7 +37,6 @@ from finetune.data.sources.location import (
     COMPRESSION_EXTENSIONS,
     EXTENSION_TO_BUILDER,
     Location,
-    builder_kwargs,
     file_hash,
     file_list,
     local_dir_files,
@@ -111,7 +110,7 @@ def _load_local(
     if where.kind == "local_dir":
         _check_has_data_files(path, entry, label)
         if builder:
-            kwargs = {"data_dir": str(path), "data_files": entry.data_files}
+            kwargs = {"data_dir": str(path), "data_files": entry.data_files, **where.options}
             return _load_dataset(builder, entry, label, on_bad_row, num_proc=num_proc, **kwargs)
         return _load_dataset(str(path), entry, label, on_bad_row, num_proc=num_proc)
     if entry.data_files:
@@ -123,7 +122,8 @@ def _load_local(
         raise DataError(_unknown_format(path, label))
     if path.stat().st_size == 0:
         raise DataError(f"{label}: {path} is empty (0 bytes). Point {label}.path at a file with rows.")
-    return _load_dataset(builder, entry, label, on_bad_row, num_proc=num_proc, data_files=str(path))
+    kwargs = {"data_files": str(path), **where.options}
+    return _load_dataset(builder, entry, label, on_bad_row, num_proc=num_proc, **kwargs)
 
 
 def _load_url(entry: Any, where: Location, num_proc: int | None, label: str) -> datasets.Dataset:
@@ -133,7 +133,8 @@ def _load_url(entry: Any, where: Location, num_proc: int | None, label: str) -> 
         # Not a data file by its name: a dataset written with save_to_disk to remote storage.
         return _from_disk(url, entry, label)
     data_files = _url_files(entry)
-    return _load_dataset(where.builder, entry, label, None, num_proc=num_proc, data_files=data_files)
+    kwargs = {"data_files": data_files, **where.options}
+    return _load_dataset(where.builder, entry, label, None, num_proc=num_proc, **kwargs)
 
 
 def _url_files(entry: Any) -> str | list[str]:
@@ -200,7 +201,6 @@ def _load_dataset(
     path_or_builder: str, entry: Any, label: str, on_bad_row: str | None, **kwargs: Any
 ) -> datasets.Dataset:
     """``datasets.load_dataset`` with its failures explained; ``on_bad_row`` None: not local files."""
-    kwargs |= builder_kwargs(path_or_builder, kwargs.get("data_files"))
     try:
         ds = datasets.load_dataset(path_or_builder, split=entry.split, **kwargs)
     except FileNotFoundError as e:
@@ -572,22 +572,20 @@ def load_stream(entry: Any, *, entry_label: str = "data.datasets[0]") -> dataset
         saved = _from_disk(str(local) if where.kind == "saved_dataset" else path, entry, label)
         return saved.to_iterable_dataset(num_shards=max(1, len(saved.cache_files)))
     if where.kind == "url":
-        return _stream_dataset(where.builder, entry, label, data_files=_url_files(entry))
+        return _stream_dataset(where.builder, entry, label, data_files=_url_files(entry), **where.options)
     if where.kind == "local_dir":
         if where.builder:
-            return _stream_dataset(
-                where.builder, entry, label, data_dir=str(local), data_files=entry.data_files
-            )
+            kwargs = {"data_dir": str(local), "data_files": entry.data_files, **where.options}
+            return _stream_dataset(where.builder, entry, label, **kwargs)
         return _stream_dataset(str(local), entry, label)
     if where.builder is None:
         raise DataError(_unknown_format(local, label))
-    return _stream_dataset(where.builder, entry, label, data_files=str(local))
+    return _stream_dataset(where.builder, entry, label, data_files=str(local), **where.options)
 
 
 def _stream_dataset(path_or_builder: str, entry: Any, label: str, **kwargs: Any) -> datasets.IterableDataset:
     """``load_dataset(..., streaming=True)`` with its failures explained (nothing is read yet: damaged
     rows surface while the stream is read, finetune.data.batching.streaming)."""
-    kwargs |= builder_kwargs(path_or_builder, kwargs.get("data_files"))
     try:
         return datasets.load_dataset(path_or_builder, split=entry.split, streaming=True, **kwargs)
     except FileNotFoundError as e:
