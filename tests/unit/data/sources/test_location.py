@@ -29,6 +29,8 @@ def test_locate_every_kind(tmp_path: Path):
     assert locate(entry(str(tmp_path / "folder"), data_files=["a.csv", "b.tsv"])) == Location(
         "local_dir", "csv"
     )
+    tsv = entry(str(tmp_path / "folder"), data_files="a.tsv")
+    assert locate(tsv) == Location("local_dir", "csv", {"sep": "\t"})
     assert locate(entry(str(tmp_path / "saved"))) == Location("saved_dataset")
     assert locate(entry(str(tmp_path / "absent.jsonl"))) == Location("missing")
     assert locate(entry("org/name")) == Location("hub")
