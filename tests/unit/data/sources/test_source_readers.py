@@ -12,7 +12,7 @@ import datasets
 import pandas as pd
 import pytest
 
-from finetune.data.sources import readers as sources
+from finetune.data.sources import readers
 from finetune.data.sources.damage import BAD_ROW_COLUMN
 from finetune.data.sources.readers import load_source
 from finetune.errors import DataError
@@ -32,7 +32,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def test_doctests() -> None:
-    assert doctest.testmod(sources).failed == 0
+    assert doctest.testmod(readers).failed == 0
 
 
 # ------------------------------------------------------------------------------------ local formats
