@@ -345,6 +345,11 @@ def check_before_launch(recipe, config: Path | None, launch: dict) -> None:
 
     from finetune.accelerate_config import read_accelerate_config
     from finetune.distributed import check_combination
+    from finetune.quiet import quiet_third_party
+
+    # torch is loaded now: the launcher (accelerate launch imports DeepSpeed when the config uses it)
+    # inherits the settings that keep DeepSpeed's device detection quiet (finetune/quiet.py).
+    quiet_third_party(torch.cuda.is_available())
 
     engine = read_accelerate_config(config, num_processes=launch.get("num_processes"))
     check_combination(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from finetune.accelerate_config import DistributedSetup, load_ds_config
@@ -217,3 +218,102 @@ def accelerator_kwargs(train: TrainSection, engine: DistributedSetup) -> dict:
     if engine.kind == "deepspeed":
         return {"deepspeed_plugin": deepspeed_plugin(train, engine, world_size=engine.num_processes)}
     return {}
+
+
+# ------------------------------------------------------------------------- whole weights for generation
+
+
+def sharding_of(accelerator) -> str | None:
+    """How the prepared model's weights are split across processes: "zero3", "fsdp", or None (every
+    process holds them whole: DDP, ZeRO-1/2, one process)."""
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind == DistributedType.FSDP:
+        return "fsdp"
+    if kind == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        return "zero3"
+    return None
+
+
+@contextmanager
+def whole_weights(model, accelerator, *, gather: bool = True):
+    """Inside, the prepared `model`'s weights are whole on every process, so a generation loop runs
+    locally at full speed; outside, they are sharded again. Every process must enter together (the
+    gather is a collective).
+
+    * ZeRO-3 (`gather`): DeepSpeed's GatheredParameters over all parameters, with the engine's
+      per-module fetch/release hooks taken off meanwhile (else every module's forward would release its
+      parameters again), and put back after.
+    * FSDP2 (`gather`): every `fully_shard`ed module unsharded, and kept unsharded across forwards.
+    * `gather=False`: the engine's own hooks fetch each layer's weights for its forward and release them
+      after, for a model whose whole weights do not fit on one device (slow: every generated token
+      gathers every layer; the caller keeps the processes' forwards in step, e.g. transformers'
+      `synced_gpus`). Under FSDP2 the outermost sharded module is unsharded for the whole call: its
+      forward hook is on the wrapper (a PEFT model), whose `generate` calls the inner model directly,
+      so the weights it holds itself (embeddings, output head) would stay sharded.
+    * Otherwise: nothing to do.
+    Memory cost: one whole copy of the weights per process while inside.
+    """
+    sharding = sharding_of(accelerator)
+    if sharding == "zero3" and gather:
+        with _zero3_gathered(model):
+            yield
+    elif sharding == "fsdp":
+        with _fsdp2_unsharded(model, outermost_only=not gather):
+            yield
+    else:
+        yield
+
+
+@contextmanager
+def _zero3_gathered(engine):
+    """GatheredParameters with the engine's ZeRO-3 module hooks off (DeepSpeed has no public switch for
+    this: the hooks are its parameter offload's, removed and registered again by its own methods)."""
+    import deepspeed
+
+    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+    module = getattr(engine, "module", engine)
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        if offload is not None:
+            for handle in [*offload.forward_hooks, *offload.backward_hooks]:
+                handle.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+            for param in module.parameters():
+                param.ds_active_sub_modules.clear()
+        try:
+            yield
+        finally:
+            if offload is not None:
+                offload._register_deepspeed_module(offload.module)
+
+
+@contextmanager
+def _fsdp2_unsharded(model, *, outermost_only: bool = False):
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if outermost_only:
+        inner = {id(c) for m in sharded for c in m.modules() if c is not m and isinstance(c, FSDPModule)}
+        sharded = [m for m in sharded if id(m) not in inner]
+    # What each module did after a forward before (the root keeps its weights; torch decides that on
+    # the first forward), put back after: torch has no getter, so it is read from the module's state.
+    before = {id(m): _fsdp2_state(m) for m in sharded}
+    for module in sharded:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.reshard()
+            auto, post_forward = before[id(module)]
+            state = module._get_fsdp_state()
+            state._auto_reshard_after_forward = auto
+            for group, mesh in zip(state._fsdp_param_groups, post_forward, strict=True):
+                group.post_forward_mesh_info = mesh
+
+
+def _fsdp2_state(module) -> tuple[bool, list]:
+    state = module._get_fsdp_state()
+    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]

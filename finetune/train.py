@@ -42,9 +42,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    import torch  # training needs it anyway; whether CUDA is there decides what DeepSpeed is told
+
     from finetune.quiet import quiet_third_party
 
-    quiet_third_party()  # before the imports below pull in bitsandbytes, DeepSpeed and diffusers
+    quiet_third_party(
+        torch.cuda.is_available()
+    )  # before the imports below pull in bitsandbytes, DeepSpeed, diffusers
     from finetune import engine
     from finetune.notices import warn
     from finetune.objectives import objective_for

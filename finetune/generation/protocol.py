@@ -17,7 +17,10 @@ rewards and generation sets (greedy answers), and `finetune chat` (one streamed 
   has nothing to copy; an engine with its own copy (vLLM) loads the new weights here.
 
 Attributes: `name` (the recipe's value, for messages), `tokenizer`, `processor` (a vision-language
-model's, else None) and `stops` (the stop token ids; finetune.generation.prompts.stop_token_ids).
+model's, else None), `stops` (the stop token ids; finetune.generation.prompts.stop_token_ids) and
+`copies_weights` (True: the engine holds its own copy of the weights, which `sync_weights` reads whole,
+gathered from their shards under ZeRO-3 / FSDP; False: it generates with the training model, whose
+weights the caller makes whole for the rollout).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class GenerationBackend(Protocol):
     tokenizer: Any
     processor: Any
     stops: list[int]
+    copies_weights: bool
 
     def generate(
         self,

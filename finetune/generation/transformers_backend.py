@@ -31,9 +31,13 @@ class TransformersBackend:
     see finetune.generation.protocol for the interface."""
 
     name = "transformers"
+    copies_weights = False  # it generates with the training model's own parameters
 
     def __init__(self, model, tokenizer, *, processor=None):
         self.model, self.tokenizer, self.processor = model, tokenizer, processor
+        # Every process runs each generate step together (transformers' synced_gpus): set for a model
+        # whose layers are gathered one at a time across processes (ZeRO-3 without a whole gather).
+        self.synced_processes = False
 
     @property
     def stops(self) -> list[int]:
@@ -63,6 +67,7 @@ class TransformersBackend:
             progress=progress,
             processor=self.processor,
             images=images,
+            synced_processes=self.synced_processes,
         )
 
     def stream(self, inputs: Mapping[str, torch.Tensor], params: SamplingParams) -> Iterator[str]:
@@ -168,6 +173,7 @@ def generate_ids(
     progress: bool = False,
     processor=None,
     images: Sequence[Sequence[Any]] | None = None,
+    synced_processes: bool = False,
 ) -> list[list[Completion]]:
     """For each prompt (token ids, e.g. from `prompt_ids`), its `num_return_sequences` completions.
 
@@ -177,7 +183,8 @@ def generate_ids(
     length), each expanded to its completions; the model is in eval mode without autograd inside and
     given back in its mode. A vision-language model's prompts (ids with their image tokens expanded,
     `vlm_prompt_ids`) come with `images[k]`, prompt k's images (bytes or PIL images, in order), which
-    its `processor` turns into the batch's pixels as training's collate does.
+    its `processor` turns into the batch's pixels as training's collate does. `synced_processes`: every
+    process calls this with as many prompts and runs each generate step together until all are done.
     """
     from tqdm.auto import tqdm
 
@@ -186,6 +193,8 @@ def generate_ids(
         raise ValueError("sampling needs one seed per completion: seeds[k] holds num_return_sequences seeds")
     order = sorted(range(len(prompts)), key=lambda k: -len(prompts[k]))
     kwargs = generation_kwargs(tokenizer, model, max_new_tokens)
+    if synced_processes:
+        kwargs["synced_gpus"] = True
     stops = set(kwargs["eos_token_id"] or [])
     outputs: list[list[Completion]] = [[] for _ in prompts]
     batches = [order[k : k + batch_size] for k in range(0, len(order), batch_size)]

@@ -50,6 +50,7 @@ class VLLMBackend:
     """See the module docstring; the interface is finetune.generation.protocol's."""
 
     name = "vllm"
+    copies_weights = True  # the engine holds its own copy: sync_weights reads the trained weights whole
 
     def __init__(
         self,

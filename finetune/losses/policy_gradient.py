@@ -22,7 +22,9 @@ what the engine normalises by, its `unit`:
 * ``dapo``: token losses averaged over every completion token of the window (Yu et al. 2025; unit:
   tokens);
 * ``bnpo``: token losses averaged over each micro-batch's tokens, then over micro-batches (unit:
-  micro-batches), TRL's per-batch normalisation.
+  micro-batches), TRL's per-batch normalisation;
+* ``rloo``: one ratio per completion, exp of the sum of its token log-ratios, clipped, times its
+  advantage, averaged over completions (TRL's RLOOTrainer; unit: completions; `sequence_loss`).
 
 `policy_loss_sums` returns the micro-batch's sum over its units; the engine divides by the units of
 the whole accumulation window on all processes, so the window's loss is TRL's for equal micro-batches.
@@ -31,7 +33,9 @@ Advantage estimators turn each completion's reward into its advantage, from the 
 group (the num_generations completions of one prompt). `ESTIMATORS` names them; an online objective
 picks one by its row in the objective table (finetune.recipe.objectives: `estimator`):
 
-* ``group``: the reward against its group's mean, scaled by a std (GRPO; `group_advantages`).
+* ``group``: the reward against its group's mean, scaled by a std (GRPO; `group_advantages`);
+* ``leave_one_out``: the reward against the mean of the other completions of its group (RLOO,
+  Ahmadian et al. 2024; `leave_one_out_advantages`).
 
 >>> import torch
 >>> out = per_token_loss(torch.zeros(2), torch.zeros(2), torch.tensor([1.0, -1.0]), epsilon_low=0.2, epsilon_high=0.2)
@@ -48,12 +52,13 @@ from typing import Literal
 
 import torch
 
-LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo"]
+LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo", "rloo"]
 UNITS: dict[str, str] = {
     "grpo": "completions",
     "dr_grpo": "completions",
     "dapo": "tokens",
     "bnpo": "micro_batches",
+    "rloo": "completions",
 }
 """What each loss type averages over (the engine's normalisation unit)."""
 
@@ -108,6 +113,44 @@ def per_token_loss(
     )
 
 
+def sequence_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    sequence_index: torch.Tensor,
+    num_sequences: int,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+    sampling_weights: torch.Tensor | None = None,
+) -> TokenLosses:
+    """The clipped surrogate of every completion (TRL's RLOOTrainer): its ratio is the exp of the sum of
+    its tokens' log-ratios, its advantage the one its tokens carry. Inputs are per completion token
+    (`sequence_index` says whose); the result is per completion (`losses`, with gradient; no KL term:
+    RLOO puts it in the reward). `sampling_weights` (per token, constant over a completion:
+    a sequence_* importance mode) multiply each completion's surrogate.
+
+    >>> out = sequence_loss(torch.zeros(3), torch.zeros(3), torch.tensor([1.0, 1.0, -2.0]), torch.tensor([0, 0, 1]), 2,
+    ...                     epsilon_low=0.2, epsilon_high=0.2)
+    >>> out.losses.tolist()
+    [-1.0, 2.0]
+    """
+    zeros = torch.zeros(num_sequences, dtype=logps.dtype, device=logps.device)
+    ratio = torch.exp(zeros.index_add(0, sequence_index, logps - old_logps))
+    per_sequence = zeros.detach().scatter(0, sequence_index, advantages.to(zeros.dtype))
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    losses = -torch.min(ratio * per_sequence, clipped * per_sequence)
+    if sampling_weights is not None:
+        losses = losses * zeros.detach().scatter(0, sequence_index, sampling_weights.to(zeros.dtype))
+    ratio = ratio.detach()
+    return TokenLosses(
+        losses=losses,
+        kl=None,
+        low_clipped=(ratio < 1 - epsilon_low) & (per_sequence < 0),
+        high_clipped=(ratio > 1 + epsilon_high) & (per_sequence > 0),
+    )
+
+
 def policy_loss_sums(
     losses: torch.Tensor,
     sequence_index: torch.Tensor,
@@ -117,7 +160,7 @@ def policy_loss_sums(
     max_completion_length: int,
 ) -> torch.Tensor:
     """The micro-batch's loss summed over its units (see UNITS): token losses `losses` belong to the
-    completions `sequence_index` (0..num_sequences-1).
+    completions `sequence_index` (0..num_sequences-1); rloo's `losses` are already one per completion.
 
     >>> import torch
     >>> losses, index = torch.tensor([1.0, 3.0, 2.0]), torch.tensor([0, 0, 1])
@@ -125,7 +168,7 @@ def policy_loss_sums(
     ...  for t in ("grpo", "dr_grpo", "dapo", "bnpo")]
     [4.0, 1.5, 6.0, 2.0]
     """
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "rloo"):
         return losses.sum()
     if loss_type == "bnpo":
         return losses.sum() / max(losses.numel(), 1)
@@ -219,9 +262,43 @@ def group_advantages(
     return advantages, torch.isclose(group_std, torch.zeros_like(group_std))
 
 
+def leave_one_out_advantages(
+    rewards: torch.Tensor,
+    *,
+    num_generations: int,
+    scale_rewards: Literal["group", "batch", "none"],
+    batch_std: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, whether each completion's group has zero reward spread), RLOO's: each reward minus
+    the mean of the other rewards of its group, as TRL's RLOOTrainer computes them. scale_rewards
+    batch is TRL's normalize_advantages: (advantages - their mean) / (their std + 1e-4) over `rewards`
+    (the caller passes every process's, laid out group after group); group divides by the std of the
+    group's rewards + 1e-4 (GRPO's scale on RLOO's baseline); none leaves them.
+
+    >>> adv, flat = leave_one_out_advantages(torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 2.0]), num_generations=3,
+    ...                                      scale_rewards="none")
+    >>> adv.tolist(), flat.tolist()
+    ([1.0, -0.5, -0.5, 0.0, 0.0, 0.0], [False, False, False, True, True, True])
+    """
+    if num_generations < 2:
+        raise ValueError("the leave-one-out baseline needs at least 2 completions per prompt")
+    grouped = rewards.view(-1, num_generations)
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (num_generations - 1)
+    advantages = (grouped - others).view(-1)
+    group_std = grouped.std(dim=1).repeat_interleave(num_generations)
+    if scale_rewards == "batch":
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-4)
+    elif scale_rewards == "group":
+        advantages = advantages / (group_std + 1e-4)
+    elif scale_rewards != "none":
+        raise ValueError(f"unknown scale_rewards {scale_rewards!r}; choose group, batch or none")
+    return advantages, torch.isclose(group_std, torch.zeros_like(group_std))
+
+
 Estimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ESTIMATORS: dict[str, Estimator] = {
     "group": group_advantages,
+    "leave_one_out": leave_one_out_advantages,
 }
 """Advantage estimators by name: each is called as fn(rewards, num_generations=..., scale_rewards=...,
 batch_std=...) on rewards laid out group after group, and returns (advantages, whether each

@@ -22,13 +22,17 @@ num_iterations > 1 the loader gives each step's prompts num_iterations times in 
 is reused (it is checkpointed with the run, so a resume continues it). After every applied update the
 backend syncs its weights from the trained model (`after_update`).
 
+Sharded models (ZeRO-3, FSDP2) generate with their weights gathered whole on every process for the
+rollout (finetune.distributed.whole_weights; grpo.sharded_generation: layerwise gathers one layer at a
+time instead, for weights that do not fit whole), and a vLLM engine reads them gathered at every sync.
+
 What was simplified, and why: the sampling policy's log-probs of num_iterations == 1 are the
-policy's own, detached (ratio 1, as TRL does); generation under FSDP or ZeRO-3 is refused (the
-weights would have to be gathered for every generated token) rather than run slowly.
+policy's own, detached (ratio 1, as TRL does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -40,6 +44,7 @@ import finetune.objectives.rollout as ro
 from finetune import trackers
 from finetune.constants import IGNORE_INDEX
 from finetune.data.batching.loader import seq_stats
+from finetune.distributed import sharding_of, whole_weights
 from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
 from finetune.generation.backends import backend_for
@@ -87,7 +92,7 @@ class OnlineObjective:
         from finetune.model.build import load_tokenizer
 
         self.accelerator = accelerator
-        _refuse_sharded_generation(accelerator, self.name)
+        self.sharding = sharding_of(accelerator)
         self.tokenizer = load_tokenizer(self.model_settings)
         prepared = prepare_on_main_process(self.recipe, accelerator)
         self.manifest = prepared.manifest
@@ -134,8 +139,13 @@ class OnlineObjective:
         return {"rollout": self.buffer} if self.settings.num_iterations > 1 else None
 
     def after_update(self, model) -> None:
-        """The generation backend generates with the updated weights from the next rollout on."""
-        self.backend.sync_weights(self.accelerator.unwrap_model(model))
+        """The generation backend generates with the updated weights from the next rollout on (an engine
+        with its own copy reads them whole: gathered from their shards, on every process)."""
+        if getattr(self.backend, "copies_weights", False):
+            with whole_weights(model, self.accelerator):
+                self.backend.sync_weights(self.accelerator.unwrap_model(model))
+        else:
+            self.backend.sync_weights(self.accelerator.unwrap_model(model))
 
     # --------------------------------------------------------------------------------- rollout
 
@@ -151,21 +161,16 @@ class OnlineObjective:
             max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
             top_p=settings.top_p, top_k=settings.top_k, num_return_sequences=group,
         )  # fmt: skip
-        completions = ro.sample(
-            self.backend, prompts, params, seed=self.train.seed, step=step,
-            batch_size=settings.generation_batch_size,
-        )  # fmt: skip
+        with self._generation_weights(model):
+            completions = ro.sample(
+                self.backend, prompts, params, seed=self.train.seed, step=step,
+                batch_size=settings.generation_batch_size,
+            )  # fmt: skip
         rows = [json.loads(row["row"]) for row in prompts for _ in range(group)]
         texts, per_reward, total = ro.score(self.rewards, self.backend, completions, rows)
-        advantages, flat_groups = self.estimator(
-            total,
-            num_generations=group,
-            scale_rewards=settings.scale_rewards,
-            batch_std=self._batch_std(total),
-        )
         sequences = [
-            (list(prompts[k // group]["input_ids"]), c.ids, c.finished, float(a))
-            for k, (c, a) in enumerate(zip(completions, advantages.tolist(), strict=True))
+            (list(prompts[k // group]["input_ids"]), c.ids, c.finished, 0.0)
+            for k, c in enumerate(completions)
         ]
         batches = ro.pack_completions(
             sequences,
@@ -176,10 +181,16 @@ class OnlineObjective:
             sampling_logps=self._sampling_logps(completions),
         )
         self._fill_log_probs(model, batches)
+        kl = None  # RLOO's KL term: each completion's sum of log(old / ref), paid out of its reward
+        if settings.kl_in_reward and settings.beta > 0:
+            kl = ro.completion_sums(batches, lambda b: b["old_logps"] - b["ref_logps"])
+        trained_reward = total if kl is None else total - settings.beta * kl
+        advantages, flat_groups = self._advantages(trained_reward)
+        ro.set_advantages(batches, advantages)
         if settings.num_iterations > 1:  # reused on the next steps (and checkpointed)
             self.buffer.keep(key, batches)
         self._keep_samples(prompts, texts, per_reward, total, step)
-        return batches, self._rollout_stats(per_reward, total, flat_groups, completions)
+        return batches, self._rollout_stats(per_reward, total, flat_groups, completions, kl)
 
     def _sampling_logps(self, completions) -> list[list[float]] | None:
         """The engine's sampling log-probs, kept for the importance-sampling correction (vLLM); None
@@ -194,23 +205,32 @@ class OnlineObjective:
 
         return pad_token_id(self.tokenizer)
 
-    def _batch_std(self, total: torch.Tensor) -> torch.Tensor | None:
-        """The std of the step's rewards on all processes (scale_rewards: batch); a sync point."""
-        if self.settings.scale_rewards != "batch":
-            return None
-        acc = self.accelerator
-        gathered = acc.gather(total.to(acc.device)).float().cpu() if acc.num_processes > 1 else total
-        return gathered.std() if gathered.numel() > 1 else torch.zeros(())
+    def _advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The estimator's advantages of this process's completions. With scale_rewards batch, over the
+        step's rewards on all processes (gathered in process order, every process's share equal: a sync
+        point), then this process's slice."""
+        settings, acc = self.settings, self.accelerator
+        everyone = settings.scale_rewards == "batch" and acc.num_processes > 1
+        values = acc.gather(rewards.to(acc.device)).float().cpu() if everyone else rewards
+        advantages, flat = self.estimator(
+            values, num_generations=settings.num_generations, scale_rewards=settings.scale_rewards
+        )
+        if everyone:
+            mine = slice(acc.process_index * len(rewards), (acc.process_index + 1) * len(rewards))
+            advantages, flat = advantages[mine], flat[mine]
+        return advantages, flat
 
     def _fill_log_probs(self, model, batches: list[dict]) -> None:
-        """The reference's log-probs (beta > 0) and the sampling policy's (num_iterations > 1) of every
-        completion token, without gradient, before any update on this rollout."""
+        """The reference's log-probs (beta > 0) and the sampling policy's (num_iterations > 1, or a KL
+        term in the reward) of every completion token, without gradient, before any update on this
+        rollout."""
         settings, acc = self.settings, self.accelerator
-        if settings.beta == 0 and settings.num_iterations == 1:
+        old_needed = settings.num_iterations > 1 or (settings.kl_in_reward and settings.beta > 0)
+        if settings.beta == 0 and not old_needed:
             return
         for batch in batches:
             inputs = {k: batch[k].to(acc.device) for k in ("input_ids", "position_ids", "labels")}
-            if settings.num_iterations > 1:
+            if old_needed:
                 with torch.no_grad():
                     batch["old_logps"] = self._token_logps(model, inputs).detach().cpu()
             if settings.beta > 0:
@@ -220,7 +240,7 @@ class OnlineObjective:
     def _token_logps(self, model, batch: dict) -> torch.Tensor:
         return ro.token_logps_at(model, batch, temperature=self.settings.temperature)
 
-    def _rollout_stats(self, per_reward, total, flat_groups, completions) -> dict[str, float]:
+    def _rollout_stats(self, per_reward, total, flat_groups, completions, kl=None) -> dict[str, float]:
         """Sums over all processes (one reduce): the logging interval averages them in log_fields."""
         lengths = torch.tensor([len(c.ids) for c in completions], dtype=torch.float32)
         group = self.settings.num_generations
@@ -233,6 +253,8 @@ class OnlineObjective:
             "completion_length_sum": float(lengths.sum()),
             "clipped_completions": float(sum(not c.finished for c in completions)),
         }
+        if kl is not None:
+            local["reward_kl_sum"] = float(kl.sum())
         for i, reward in enumerate(self.rewards):
             local[f"reward/{reward.name}_sum"] = float(per_reward[:, i].sum())
             local[f"reward/{reward.name}_sq_sum"] = float((per_reward[:, i] ** 2).sum())
@@ -285,25 +307,34 @@ class OnlineObjective:
         logps = self._token_logps(model, batch)[mask]
         old = batch["old_logps"][mask] if settings.num_iterations > 1 else logps.detach()
         weights, sampling_metrics = self._sampling_weights(batch, mask, old)
-        out = pg.per_token_loss(
-            logps, old, batch["advantages"][mask],
-            epsilon_low=settings.epsilon, epsilon_high=settings.epsilon_high or settings.epsilon,
-            beta=settings.beta, ref_logps=batch["ref_logps"][mask] if settings.beta else None,
-            kl_bias_correction=settings.kl_bias_correction, sampling_weights=weights,
-        )  # fmt: skip
+        index, num_sequences = batch["seq_index"][mask], int(batch["num_sequences"].sum())
+        if settings.loss_type == "rloo":  # one ratio per completion, no KL term in the loss
+            out = pg.sequence_loss(
+                logps, old, batch["advantages"][mask], index, num_sequences,
+                epsilon_low=settings.epsilon, epsilon_high=settings.epsilon_high or settings.epsilon,
+                sampling_weights=weights,
+            )  # fmt: skip
+        else:
+            beta = 0.0 if settings.kl_in_reward else settings.beta  # kl_in_reward: paid in the reward
+            out = pg.per_token_loss(
+                logps, old, batch["advantages"][mask],
+                epsilon_low=settings.epsilon, epsilon_high=settings.epsilon_high or settings.epsilon,
+                beta=beta, ref_logps=batch["ref_logps"][mask] if beta else None,
+                kl_bias_correction=settings.kl_bias_correction, sampling_weights=weights,
+            )  # fmt: skip
         total = pg.policy_loss_sums(
-            out.losses, batch["seq_index"][mask], int(batch["num_sequences"].sum()),
+            out.losses, index, num_sequences,
             loss_type=settings.loss_type, max_completion_length=settings.max_new_tokens,
         )  # fmt: skip
-        tokens = mask.sum().float()
-        metrics = {
+        clip_units = out.low_clipped.new_tensor(float(out.low_clipped.numel()), dtype=torch.float)
+        metrics = {  # over tokens, or over completions for a sequence-level loss
             "clip_ratio/low": out.low_clipped.float().sum(),
             "clip_ratio/high": out.high_clipped.float().sum(),
-            "count:clip_ratio/low": tokens,
-            "count:clip_ratio/high": tokens,
+            "count:clip_ratio/low": clip_units,
+            "count:clip_ratio/high": clip_units,
         }
         if out.kl is not None:
-            metrics |= {"kl": out.kl.sum(), "count:kl": tokens}
+            metrics |= {"kl": out.kl.sum(), "count:kl": mask.sum().float()}
         return total / num_units, metrics | sampling_metrics
 
     def _sampling_weights(self, batch: dict, mask: torch.Tensor, old: torch.Tensor) -> tuple:
@@ -362,13 +393,27 @@ class OnlineObjective:
         generation sets' scores."""
         return lm.evaluate_lm(self, model, step, self._eval_rewards if self.eval_rows else None)
 
+    def _generation_weights(self, model):
+        """The context the backend generates in: whole weights on every process for a sharded model
+        (grpo.sharded_generation: gather), or its layers gathered one at a time (layerwise, with the
+        processes' generate loops kept in step); nothing for whole weights. The transformers backend
+        generates with the training model; an engine with its own copy (vLLM) needs neither."""
+        if self.sharding is None or getattr(self.backend, "copies_weights", False):
+            return contextlib.nullcontext()
+        layerwise = self.settings.sharded_generation == "layerwise"
+        self.backend.synced_processes = layerwise and self.accelerator.num_processes > 1
+        return whole_weights(model, self.accelerator, gather=not layerwise)
+
     def _eval_rewards(self, model, step: int) -> dict[str, Any]:
         acc, metrics = self.accelerator, {}
-        if acc.is_main_process:
-            metrics = ro.eval_rewards(
-                self.backend, self.eval_rows, self.rewards,
-                max_new_tokens=self.settings.max_new_tokens, batch_size=self.eval_settings.batch_size,
-            )  # fmt: skip
+        # A sharded model generates on every process together (the gathers are collectives); the main
+        # process logs. Whole weights: the main process alone.
+        if acc.is_main_process or self.sharding is not None:
+            with self._generation_weights(model):
+                metrics = ro.eval_rewards(
+                    self.backend, self.eval_rows, self.rewards,
+                    max_new_tokens=self.settings.max_new_tokens, batch_size=self.eval_settings.batch_size,
+                )  # fmt: skip
             trackers.log_scalars(acc, metrics, step)
         acc.wait_for_everyone()
         return metrics
@@ -405,15 +450,3 @@ class OnlineObjective:
 def _recipe_path(recipe) -> str | None:
     """The recipe file's path, if known (relative reward files are looked up beside it)."""
     return getattr(recipe, "source_path", None)
-
-
-def _refuse_sharded_generation(accelerator, name: str) -> None:
-    from accelerate.utils import DistributedType
-
-    kind = accelerator.distributed_type
-    zero3 = kind == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3
-    if kind == DistributedType.FSDP or zero3:
-        raise FinetuneError(
-            f"train.objective {name} samples with the training model, which FSDP and ZeRO-3 shard (every "
-            "generated token would gather all weights): use DDP, ZeRO-1/2, or LoRA on one device per process"
-        )

@@ -139,6 +139,34 @@ def pack_completions(
     return batches
 
 
+def completion_sums(batches: list[dict], values) -> torch.Tensor:
+    """Per completion, in rollout order over the micro-batches, the sum of `values(batch)` (a per-token
+    tensor) over its trained tokens.
+
+    >>> b = pack_completions([([1], [3, 4], True, 0.0), ([1], [5], True, 0.0)], per_batch=1, pad_token_id=0)
+    >>> completion_sums(b, lambda batch: batch["input_ids"].float()).tolist()
+    [7.0, 5.0]
+    """
+    sums = []
+    for batch in batches:
+        owners, n = batch["seq_index"], int(batch["num_sequences"].sum())
+        trained = owners >= 0
+        tokens = values(batch)[trained].double()
+        sums.append(torch.zeros(n, dtype=torch.float64).index_add(0, owners[trained], tokens.cpu()))
+    return torch.cat(sums).float()
+
+
+def set_advantages(batches: list[dict], advantages: torch.Tensor) -> None:
+    """Write each completion's advantage (rollout order over the micro-batches) on its tokens."""
+    start = 0
+    for batch in batches:
+        n = int(batch["num_sequences"].sum())
+        owners = batch["seq_index"]
+        mine = advantages[start : start + n].to(batch["advantages"].dtype)
+        batch["advantages"] = torch.where(owners >= 0, mine[owners.clamp(min=0)], torch.zeros_like(mine[:1]))
+        start += n
+
+
 def token_logps_at(model, batch: dict, *, temperature: float = 1.0) -> torch.Tensor:
     """log p(token) of every position of a packed row (input_ids, position_ids, labels) at the
     sampling temperature, 0 where the label is -100."""
@@ -171,6 +199,8 @@ def rollout_fields(interval: dict[str, float], rewards) -> dict[str, float]:
     fields["completion_length"] = interval["completion_length_sum"] / n
     fields["completion_length_max"] = interval["max:completion_length"]
     fields["clipped_ratio"] = interval["clipped_completions"] / n
+    if "reward_kl_sum" in interval:  # kl_in_reward: the mean KL each completion's reward paid
+        fields["reward_kl"] = interval["reward_kl_sum"] / n
     return fields
 
 

@@ -18,6 +18,7 @@ import copy
 from typing import Any
 
 from finetune.recipe.diffusion import DIFFUSION_DEFAULT_LORA_TARGETS
+from finetune.recipe.objectives import OBJECTIVES
 
 
 def resolve_defaults(data: dict[str, Any]) -> dict[str, Any]:
@@ -46,4 +47,21 @@ def resolve_defaults(data: dict[str, Any]) -> dict[str, Any]:
         if isinstance(lora, dict):
             lora.setdefault("enable_lora", True)
             lora.setdefault("lora_target_modules", list(DIFFUSION_DEFAULT_LORA_TARGETS))
+    _objective_section_defaults(data)
     return data
+
+
+def _objective_section_defaults(data: dict[str, Any]) -> None:
+    """The chosen objective's defaults for its section (an online variant's loss type, say), where the
+    section is written and the field is not.
+
+    >>> resolve_defaults({"train": {"objective": "rloo"}, "grpo": {"loss_type": "dapo"}})["grpo"]
+    {'loss_type': 'dapo', 'scale_rewards': 'none', 'kl_in_reward': True}
+    """
+    train = data.get("train")
+    objective = train.get("objective") if isinstance(train, dict) else None
+    spec = OBJECTIVES.get(objective) if isinstance(objective, str) else None
+    if spec is None or not spec.section_defaults or not isinstance(data.get(spec.section), dict):
+        return
+    for name, value in spec.section_defaults:
+        data[spec.section].setdefault(name, value)

@@ -124,10 +124,12 @@ class GrpoSection(_Section):
         1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens holding top_p."
     )
     top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens (0 = all).")
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field(
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "rloo"] = Field(
         "dapo",
         description="TRL's loss types: grpo (per-completion token means), dr_grpo (token sums over "
-        "max_new_tokens), dapo (token mean over the step's completion tokens), bnpo (token mean per micro-batch).",
+        "max_new_tokens), dapo (token mean over the step's completion tokens), bnpo (token mean per micro-batch), "
+        "rloo (one clipped ratio per completion, the exp of its summed token log-ratios, averaged over "
+        "completions: TRL's RLOOTrainer; the default of train.objective rloo).",
     )
     beta: float = Field(
         0.0,
@@ -137,6 +139,12 @@ class GrpoSection(_Section):
     )
     kl_bias_correction: bool = Field(
         True, description="Multiply the KL estimate by the importance ratio (TRL's use_bias_correction_kl)."
+    )
+    kl_in_reward: bool = Field(
+        False,
+        description="Pay beta x each completion's KL to the reference (the sum of its tokens' log(policy / "
+        "reference), at sampling time) out of its reward before the advantages, instead of a per-token KL term "
+        "in the loss (RLOO, Ahmadian et al. 2024; the default of train.objective rloo).",
     )
     epsilon: float = Field(
         0.2, gt=0, lt=1, description="Clipping of the probability ratio below (and above)."
@@ -198,6 +206,13 @@ class GrpoSection(_Section):
         gt=0,
         description="vllm: the largest importance weight (TRL's vllm_importance_sampling_clip_max).",
     )
+    sharded_generation: Literal["gather", "layerwise"] = Field(
+        "gather",
+        description="A model sharded by ZeRO-3 or FSDP generates with its weights gathered whole on every process "
+        "for the rollout (gather: one whole copy per process while it samples, at full speed), or one layer at a "
+        "time (layerwise: for weights that do not fit whole; every generated token gathers every layer, so it is "
+        "slow).",
+    )
     generation_batch_size: int = Field(
         8, ge=1, description="Prompts per generate call (each with its num_generations completions)."
     )
@@ -242,6 +257,25 @@ class GrpoSection(_Section):
                         "two rewards log under the same name; use functions with different names",
                     )
                 )
+        rloo_kl = ok("loss_type", "beta", "kl_in_reward") and self.loss_type == "rloo" and self.beta > 0
+        if rloo_kl and not self.kl_in_reward:
+            problems.append(
+                ("kl_in_reward", False, "loss_type rloo has no per-token KL term: set kl_in_reward: true")
+            )
+        if (
+            ok("loss_type", "generation_backend", "vllm_importance_sampling_mode")
+            and self.loss_type == "rloo"
+            and self.generation_backend == "vllm"
+            and self.vllm_importance_sampling_correction
+            and self.vllm_importance_sampling_mode.startswith("token")
+        ):
+            problems.append(
+                (
+                    "vllm_importance_sampling_mode",
+                    self.vllm_importance_sampling_mode,
+                    "loss_type rloo weighs whole completions: use sequence_truncate or sequence_mask",
+                )
+            )
         if (
             ok("epsilon", "epsilon_high")
             and self.epsilon_high is not None

@@ -34,6 +34,8 @@ class ObjectiveSpec:
     `section` is the recipe section that holds all of its settings; only objectives that name it may
     have it (the online objectives share theirs). `estimator` (online objectives) names the advantage
     estimator of finetune.losses.policy_gradient.ESTIMATORS that turns rewards into advantages.
+    `section_defaults` are the variant's defaults for fields of its section (filled in where the user
+    wrote nothing, finetune.recipe.defaults; the resolved recipe shows them).
     """
 
     name: str
@@ -45,6 +47,7 @@ class ObjectiveSpec:
     summary: str
     section: str | None = None
     estimator: str | None = None
+    section_defaults: tuple[tuple[str, object], ...] = ()
 
 
 _PREFERENCE = "preference"
@@ -87,6 +90,14 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
             "Group Relative Policy Optimization with verifiable rewards (Shao et al. 2024), and TRL's "
             "DAPO / Dr. GRPO / BNPO loss types",
             section="grpo", estimator="group",
+        ),
+        ObjectiveSpec(
+            "rloo", "online", "prompt", "completions", False, (),
+            "REINFORCE Leave-One-Out (Ahmadian et al. 2024): each reward against the mean of the others of its "
+            "group, one clipped ratio per completion, the KL to the reference paid out of the reward (TRL's "
+            "RLOOTrainer)",
+            section="grpo", estimator="leave_one_out",
+            section_defaults=(("loss_type", "rloo"), ("scale_rewards", "none"), ("kl_in_reward", True)),
         ),
     )
 }  # fmt: skip

@@ -273,3 +273,114 @@ def test_importance_weights_by_mode():
     torch.testing.assert_close(sequence, torch.tensor([2.0, 2.0, 0.5, 0.5]))
     uncapped = pg.importance_weights(old, sampled, index, 2, mode="sequence_mask", cap=None)
     torch.testing.assert_close(uncapped, torch.tensor([e, e, 1 / e, 1 / e]))
+
+
+# ------------------------------------------------------------------------------------------- RLOO
+
+
+def trl_rloo_trainer(model, tmp: str, **options):
+    trl = pytest.importorskip("trl", reason="trl is not installed (it is in the test extra)")
+    from datasets import Dataset
+
+    from tests.unit.losses.test_preference_losses import word_tokenizer
+
+    args = trl.RLOOConfig(
+        output_dir=tmp, report_to=[], use_cpu=True, seed=0, bf16=False, num_generations=2, per_device_train_batch_size=4,
+        beta=0.0, **options,
+    )  # fmt: skip
+    trainer = trl.RLOOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["w1 w2", "w3"]}),
+        processing_class=word_tokenizer(),
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"epsilon": 0.1, "epsilon_high": 0.28}], ids=["symmetric", "asymmetric"]
+)
+def test_rloo_sequence_loss_and_gradients_equal_trls(options):
+    """RLOO's loss: one ratio per completion (exp of its summed token log-ratios), clipped, times its
+    advantage, averaged over completions; TRL's RLOOTrainer._compute_loss on the same tokens."""
+    data = rollout(seed=1)
+    # old = policy + a shift per completion: ratios 1.5 and 0.6 clip (high with A > 0, low with A < 0)
+    data["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    data["noise"] = torch.tensor([-0.4, 0.5, 0.0, 0.01])[:, None] / data["completion_mask"].sum(
+        1, keepdim=True
+    )
+    policy = tiny_llama()
+    ours_model = copy.deepcopy(policy)
+    mask = data["completion_mask"].bool()
+    with torch.no_grad():
+        old = padded_logps(policy, data, 1.0) + data["noise"]
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = trl_rloo_trainer(
+            policy, tmp, max_completion_length=data["completion_ids"].shape[1], **options
+        )
+        inputs = {
+            **{k: data[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")},
+            "advantages": data["advantages"],
+            "old_logps": (old * data["completion_mask"]).sum(1),
+        }
+        trl_loss = trainer._compute_loss(trainer.model, inputs)
+        trl_loss.backward()
+        trl_grads = grads(trainer.model)
+    logps, owners = packed_completion_logps(ours_model, data, 1.0)
+    n = len(data["advantages"])
+    out = pg.sequence_loss(
+        logps, old[mask], data["advantages"][owners], owners, n,
+        epsilon_low=options.get("epsilon", 0.2), epsilon_high=options.get("epsilon_high", options.get("epsilon", 0.2)),
+    )  # fmt: skip
+    loss = pg.policy_loss_sums(out.losses, owners, n, loss_type="rloo", max_completion_length=6) / n
+    loss.backward()
+    torch.testing.assert_close(loss, trl_loss.detach(), rtol=1e-5, atol=1e-6)
+    # Gradients to 2e-5 absolute (of entries up to about 2): a completion's ratio is the exp of a sum of
+    # token log-ratios, which the two layouts add in different orders.
+    for name, value in trl_grads.items():
+        torch.testing.assert_close(grads(ours_model)[name], value, rtol=1e-4, atol=2e-5, msg=name)
+    assert out.low_clipped.any() or out.high_clipped.any()
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_rloo_advantages_and_reward_kl_equal_trls(normalize):
+    """TRL's formula (RLOOTrainer._generate_and_score_completions): rewards minus beta x each completion's
+    summed log(old / ref), then each minus the mean of its group's others, then (normalize_advantages)
+    (A - mean) / (std + 1e-4) over the step."""
+    g = torch.Generator().manual_seed(2)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.0, 2.0, 1.0, 0.0])
+    old, ref = torch.randn(9, 5, generator=g), torch.randn(9, 5, generator=g)
+    completion_mask = (torch.rand(9, 5, generator=g) > 0.3).float()
+    beta, num_generations = 0.05, 3
+    # TRL's lines, on the padded layout:
+    kl = ((old - ref) * completion_mask).sum(-1)
+    trl_rewards = rewards - beta * kl
+    grouped = trl_rewards.view(-1, num_generations)
+    baselines = ((grouped.sum(1, keepdim=True) - grouped) / (num_generations - 1)).view(-1)
+    expected = trl_rewards - baselines
+    if normalize:
+        expected = (expected - expected.mean()) / (expected.std() + 1e-4)
+    # Ours: the KL sums through the rollout's packed micro-batches, then the estimator.
+    from finetune.objectives.rollout import completion_sums, pack_completions
+
+    lengths = completion_mask.sum(1).long().tolist()
+    sequences = [([1], list(range(3, 3 + n)), True, 0.0) for n in lengths]
+    batches = pack_completions(sequences, per_batch=4, pad_token_id=0)
+    kept = [completion_mask[r].bool() for r in range(9)]
+    start = 0
+    for batch in batches:  # each completion's kept tokens' log-probs, in order
+        n = int(batch["num_sequences"])
+        trained = batch["seq_index"] >= 0
+        batch["old_logps"][trained] = torch.cat([old[r][kept[r]] for r in range(start, start + n)])
+        batch["ref_logps"][trained] = torch.cat([ref[r][kept[r]] for r in range(start, start + n)])
+        start += n
+    ours_kl = completion_sums(batches, lambda b: b["old_logps"] - b["ref_logps"])
+    torch.testing.assert_close(ours_kl, kl)
+    advantages, _ = pg.leave_one_out_advantages(
+        rewards - beta * ours_kl,
+        num_generations=num_generations,
+        scale_rewards="batch" if normalize else "none",
+    )
+    torch.testing.assert_close(advantages, expected)

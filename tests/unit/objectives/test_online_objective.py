@@ -18,7 +18,8 @@ from finetune.losses.preference import token_logps
 from finetune.objectives.online import OnlineObjective
 from finetune.objectives.rollout import RolloutBuffer, completion_seed, pack_completions
 from finetune.recipe.grpo import GrpoSection
-from tests.tiny import loss_test_model
+from finetune.recipe.objectives import OBJECTIVES
+from tests.tiny import loss_test_model, tiny_model
 
 VOCAB = 64
 
@@ -173,26 +174,21 @@ def test_sampling_temperature_scales_the_trained_log_probs():
     torch.testing.assert_close(logps, token_logps(logits, batch["labels"]))
 
 
-@pytest.mark.parametrize("kind, stage", [("FSDP", None), ("DEEPSPEED", 3)])
-def test_generation_under_sharded_weights_is_refused_clearly(kind, stage):
-    from types import SimpleNamespace
-
+@pytest.mark.parametrize(
+    "kind, stage, sharding",
+    [("FSDP", None, "fsdp"), ("DEEPSPEED", 3, "zero3"), ("DEEPSPEED", 2, None), ("MULTI_CPU", None, None)],
+)
+def test_how_the_weights_are_sharded_decides_the_generation_context(kind, stage, sharding):
+    """ZeRO-3 and FSDP shard the weights (the rollout gathers them); ZeRO-2 and DDP keep them whole."""
     from accelerate.utils import DistributedType
 
-    from finetune.errors import FinetuneError
-    from finetune.objectives.online import _refuse_sharded_generation
+    from finetune.distributed import sharding_of
 
-    plugin = SimpleNamespace(zero_stage=stage)
     acc = SimpleNamespace(
-        distributed_type=getattr(DistributedType, kind), state=SimpleNamespace(deepspeed_plugin=plugin)
+        distributed_type=getattr(DistributedType, kind),
+        state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage)),
     )
-    with pytest.raises(FinetuneError, match="use DDP, ZeRO-1/2, or LoRA"):
-        _refuse_sharded_generation(acc, "grpo")
-    plugin.zero_stage = 2
-    if kind == "DEEPSPEED":
-        _refuse_sharded_generation(
-            acc, "grpo"
-        )  # ZeRO-2 keeps whole weights on every process: generation works
+    assert sharding_of(acc) == sharding
 
 
 class RecordingBackend:
@@ -232,7 +228,8 @@ def online_objective(tokenizer, completions, logprobs=None, **settings) -> Onlin
     """An online objective ready to roll out through a RecordingBackend (no model build)."""
     from finetune.generation.rewards import Reward
 
-    obj = objective("grpo", **{"num_generations": 3, "log_completions": 0, **settings})
+    settings = {"loss_type": "grpo", "num_generations": 3, "log_completions": 0, **settings}
+    obj = objective(settings.pop("loss_type"), **settings)
     obj.estimator = pg.ESTIMATORS["group"]
     obj.train = SimpleNamespace(seed=11, micro_batch_size=3)
     obj.data = SimpleNamespace(pad_to_multiple_of=1)
@@ -242,6 +239,7 @@ def online_objective(tokenizer, completions, logprobs=None, **settings) -> Onlin
         num_processes=1, device=torch.device("cpu"), unwrap_model=lambda m: ("unwrapped", m)
     )
     obj.backend = RecordingBackend(tokenizer, completions, logprobs)
+    obj.sharding = None  # whole weights (finetune.distributed.sharding_of)
 
     def is_seven(completions, rows):
         return [float(text.strip() == "7") for text in completions]
@@ -357,3 +355,47 @@ def test_sampling_log_probs_of_another_engine_are_corrected_and_logged(correctio
     gap = (logps - sampled).abs()[known]
     torch.testing.assert_close(metrics["sampling/logp_gap"] / metrics["count:sampling/logp_gap"], gap.mean())
     assert 0 < float(metrics["sampling/capped"]) < float(metrics["count:sampling/capped"])
+
+
+def test_rloo_rolls_out_leave_one_out_advantages_with_the_kl_paid_from_the_reward():
+    """train.objective rloo: the table row's estimator and section defaults reach the rollout; with beta
+    > 0 each completion's summed log(old / ref) is paid out of its reward before the advantages."""
+    from transformers import AutoTokenizer
+
+    from finetune.objectives.rollout import completion_sums
+    from finetune.recipe.defaults import resolve_defaults
+
+    tokenizer = AutoTokenizer.from_pretrained("recipes/demo/tokenizer")
+    digits = [tokenizer(f" {n}", add_special_tokens=False)["input_ids"] for n in (7, 13, 7)]
+    section = resolve_defaults({"train": {"objective": "rloo"}, "grpo": {"beta": 0.5}})["grpo"]
+    assert section == {"beta": 0.5, "loss_type": "rloo", "scale_rewards": "none", "kl_in_reward": True}
+    obj = online_objective(tokenizer, [[*ids, 2] for ids in digits], **section)
+    obj.estimator = pg.ESTIMATORS[OBJECTIVES["rloo"].estimator]
+    policy = tiny_model(vocab_size=len(tokenizer), initializer_range=0.2)
+    shifted = copy.deepcopy(policy)
+    with torch.no_grad():
+        shifted.lm_head.weight.add_(
+            0.5 * torch.randn(shifted.lm_head.weight.shape, generator=torch.Generator().manual_seed(0))
+        )
+
+    class Ref:  # the reference model: another set of weights
+        forward_passes = 1
+
+        @staticmethod
+        def model(model, acc):
+            import contextlib
+
+            return contextlib.nullcontext(shifted)
+
+    obj.reference = Ref()
+    batches, stats = obj.rollout(policy, [PROMPTS], step=1)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    kl = completion_sums(batches, lambda b: b["old_logps"] - b["ref_logps"])
+    assert (kl.abs() > 1e-3).all()
+    expected, _ = pg.leave_one_out_advantages(rewards - 0.5 * kl, num_generations=3, scale_rewards="none")
+    trained = torch.cat([b["advantages"][b["seq_index"] >= 0] for b in batches])
+    lengths = torch.tensor([len(ids) + 1 for ids in digits] * 2)
+    torch.testing.assert_close(trained, expected.repeat_interleave(lengths))
+    torch.testing.assert_close(torch.tensor(stats["reward_kl_sum"]), kl.sum().double(), check_dtype=False)
+    loss, metrics = obj.loss(policy, batches[0], obj.units(batches[0]))
+    assert "kl" not in metrics and torch.isfinite(loss)  # the KL is in the reward, not the loss
