@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune import trackers
-from finetune.data.rows import BadRow
+from finetune.data.formats.rows import BadRow
 from finetune.errors import FinetuneError
 from finetune.generation.backends import answers, backend_for
 from finetune.generation.metrics import GSM8K_ANSWER_PATTERN, METRICS, require_math_verify, score
@@ -107,8 +107,8 @@ def load_generation_rows(
     for the samples) and "image_bytes" (each opened and checked now, resized to `image_max_pixels`).
     A text model's set with images is an error: the images would be lost.
     """
-    from finetune.data.images import base_dir
-    from finetune.data.sources import load_source
+    from finetune.data.formats.images import base_dir
+    from finetune.data.sources.readers import load_source
     from finetune.recipe import dataset_entry
 
     label = f"eval.generation_sets[{gen_set.name}]"
@@ -172,9 +172,9 @@ def image_prompt(prompt: Any, refs: Any, gen_set, *, root, max_pixels: int | Non
     ({"type": "image", "image": path relative to the set's file, or bytes}), or "<image>"
     placeholders in its text with the images in the row's `field_images` column (a string prompt is
     one user turn). Returns {"messages" (an image a SENTINEL in the text), "images" (where each came
-    from), "image_bytes" (opened and checked: finetune.data.images.load_image)}, or the bad row."""
-    from finetune.data import images
-    from finetune.data.chat import conversation
+    from), "image_bytes" (opened and checked: finetune.data.formats.images.load_image)}, or the bad row."""
+    from finetune.data.formats import images
+    from finetune.data.formats.chat import conversation
     from finetune.data.formats.chat_template import with_row_images
 
     field = gen_set.field_prompt
@@ -206,7 +206,7 @@ def _image_name(ref: Any, root) -> str:
     it is (an image stored in the set: its size)."""
     from PIL import Image
 
-    from finetune.data.images import describe
+    from finetune.data.formats.images import describe
 
     path = ref if isinstance(ref, str) else (ref.get("path") if isinstance(ref, dict) else None)
     if isinstance(ref, Image.Image):  # a datasets Image feature, decoded by the loader
@@ -310,7 +310,7 @@ def _log_samples(acc, name: str, samples: list[dict], rows: list[dict], step: in
     trackers.log_table(acc, f"eval/{name}_samples", columns, table, step)
     shown = [(s, row) for s, row in zip(samples, rows, strict=False) if row.get("image_bytes")]
     if shown and acc.trackers:
-        from finetune.data.images import decode
+        from finetune.data.formats.images import decode
 
         pictures = [[decode(b) for b in row["image_bytes"]] for _, row in shown]
         captions = [f"{_text(s['prompt'])} -> {s['output']}" for s, _ in shown]

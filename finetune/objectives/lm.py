@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from finetune.checkpoint import write_checksums
-from finetune.data.loader import make_dataloader
+from finetune.data.batching.loader import make_dataloader
 from finetune.errors import FinetuneError
 from finetune.metrics import device_peak_flops, forward_flops_per_token, model_flops_per_token
 

@@ -44,7 +44,7 @@ import finetune.objectives.lm as lm
 import finetune.objectives.rollout as ro
 from finetune import trackers
 from finetune.constants import IGNORE_INDEX
-from finetune.data.loader import seq_stats
+from finetune.data.batching.loader import seq_stats
 from finetune.distributed import sharding_of, whole_weights
 from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
@@ -95,7 +95,7 @@ class OnlineObjective:
     # ----------------------------------------------------------------------------------- build
 
     def build(self, accelerator) -> Parts:
-        from finetune.data.prepare import prepare_on_main_process
+        from finetune.data.prepare.build import prepare_on_main_process
         from finetune.model.build import load_tokenizer
 
         self.accelerator = accelerator

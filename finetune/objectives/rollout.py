@@ -244,7 +244,7 @@ def prompt_loader(
     """Loader items of this process's prompts for one step (a list of prepared prompt rows), each
     given `repeat` times in a row (grpo.num_iterations: the rollout is reused); with `lookahead`
     (async_rollouts) each item also holds the next step's rows after a None (objectives.ahead)."""
-    from finetune.data.sampler import RankBatchSampler, RepeatBatchSampler
+    from finetune.data.batching.sampler import RankBatchSampler, RepeatBatchSampler
     from finetune.objectives.ahead import LookaheadBatchSampler, MarkedRows
     from finetune.objectives.lm import with_row_index
 

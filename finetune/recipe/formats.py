@@ -9,7 +9,7 @@ only another format reads is an error, and the message names the type(s) that re
 other key, since which keys are allowed depends on the type.
 
 The data side of each LLM format is finetune/data/formats/<type>.py, found by the registry in
-finetune/data/formats/__init__.py; images and dreambooth entries are read by finetune/diffusion.
+finetune/data/formats/registry.py; images and dreambooth entries are read by finetune/diffusion.
 A new format is a class here, added to `ENTRY_CLASSES`, plus its module there.
 
 >>> entry = dataset_entry(path="qa.jsonl", type="input_output", field_prompt="question")

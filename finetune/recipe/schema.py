@@ -382,7 +382,7 @@ def objective_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
     sft trains on any text type; every other objective on its own data type (dpo, ipo, simpo and orpo
     on `preference` pairs, kto on `kto` examples, packed: its KL reference point comes from mismatched
     completions within each packed row; a vision-language model's kto rows are never packed, their KL
-    rows are built over the split instead, finetune.data.vision_kto).
+    rows are built over the split instead, finetune.data.batching.vision).
     """
     if not ok("train.objective", "model.kind"):
         return []

@@ -13,7 +13,7 @@ import datasets
 import pytest
 import yaml
 
-from finetune.data.mixture import draw_count
+from finetune.data.prepare.mixture import draw_count
 
 
 def _run_cli(repo_root: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -345,7 +345,7 @@ def test_fractional_save_epochs(steps_per_epoch, save_epochs, expected):
 def test_unpacked_batches_carry_attention_masks_and_packed_ones_position_ids(tmp_path):
     from datasets import Dataset
 
-    from finetune.data.loader import count_tokens, make_dataloader, seq_stats
+    from finetune.data.batching.loader import count_tokens, make_dataloader, seq_stats
 
     rows = Dataset.from_list(
         [

@@ -1,5 +1,5 @@
 """Qwen2-VL and Gemma 3 train through the CLI: a tiny random model of each (its config inline in a recipe
-the test writes), its processor built offline as tests/unit/data/test_vlm_masking.py builds it (the demo
+the test writes), its processor built offline as tests/unit/data/formats/test_vlm_masking.py builds it (the demo
 tokenizer with the model's image tokens, the real chat template, transformers' PIL image processor), and
 the demo's first rows. LoRA trains with a finite, falling loss; the saved adapter loads on its base, and
 answers a question about a picture (`finetune chat --image` for Gemma 3; for Qwen2-VL the same
@@ -16,11 +16,11 @@ import torch
 import yaml
 from PIL import Image
 
-from finetune.data.images import SENTINEL
+from finetune.data.formats.images import SENTINEL
 from finetune.generation.prompts import vlm_prompt_inputs
 from finetune.model.inference import load_vlm_for_inference
 from tests.integration._run import REPO, cli, progress, step_losses
-from tests.unit.data.test_vlm_masking import tiny_config
+from tests.unit.data.formats.test_vlm_masking import tiny_config
 from tests.vlm_processors import PROCESSORS
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ import torch
 import yaml
 from transformers import AutoModelForImageTextToText, AutoProcessor, Idefics3Config
 
-from finetune.data.vision import collate_vlm
+from finetune.data.batching.vision import collate_vlm
 from finetune.losses.causal_lm import token_loss_sums
 from tests.integration._run import (
     REPO,

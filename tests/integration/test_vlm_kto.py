@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from finetune.data.vision_kto import collate_vlm_kto, with_kl_rows
+from finetune.data.batching.vision import collate_vlm_kto, with_kl_rows
 from finetune.model.inference import load_vlm_for_inference
 from finetune.objectives.preference_eval import score_batches, summarize
 from finetune.recipe import validate_recipe

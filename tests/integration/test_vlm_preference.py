@@ -14,7 +14,7 @@ import datasets
 import pytest
 import yaml
 
-from finetune.data.vision import collate_vlm_pairs
+from finetune.data.batching.vision import collate_vlm_pairs
 from finetune.model.inference import load_vlm_for_inference
 from finetune.objectives.preference_eval import score_batches, summarize
 from finetune.recipe import validate_recipe

@@ -28,7 +28,7 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-from finetune.data.vision import collate_vlm
+from finetune.data.batching.vision import collate_vlm
 from finetune.losses.causal_lm import token_loss_sums
 from finetune.model.inference import load_vlm_for_inference
 from tests.integration._run import REPO, cli, env, progress, run, short_run, step_losses

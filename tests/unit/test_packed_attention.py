@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune.data.collate import collate_rows
+from finetune.data.batching.collate import collate_rows
 from finetune.losses.causal_lm import forward
 from tests.tiny import sequences, tiny_model
 

@@ -293,7 +293,8 @@ def test_lora_on_a_gguf_base_reloads_by_its_base_and_merges(smollm2: SmolLM2, tm
 
 
 def test_prepare_fingerprints_the_gguf_tokenizer(smollm2: SmolLM2) -> None:
-    from finetune.data.fingerprint import _tokenizer_inputs, file_hash
+    from finetune.data.prepare.fingerprint import _tokenizer_inputs
+    from finetune.data.sources.location import file_hash
 
     inputs = _tokenizer_inputs(ModelSection(model_path=SMOLLM2_REF))
     assert inputs["kind"] == "local"
