@@ -220,7 +220,9 @@ def _number(reward: Reward, value: Any, k: int, completions: list[str], rows: li
     if isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_":
         number = float(value)
     if number is None or not math.isfinite(number) or abs(number) > MAX_REWARD:
-        allowed = "finite numbers" if number is None or not math.isfinite(number) else f"within +-{MAX_REWARD:g}"
+        allowed = (
+            "finite numbers" if number is None or not math.isfinite(number) else f"within +-{MAX_REWARD:g}"
+        )
         raise FinetuneError(
             f"reward {reward.name} returned {value!r} for completion {k} (row {_short(rows[k])}, completion "
             f"{completions[k][:80]!r}): rewards must be {allowed}"
