@@ -24,6 +24,9 @@ import pytest
 
 from tests.hub_server import HubServer
 
+# The fast tier's guard (tests/tiers.py): a test not marked slow launches no process.
+pytest_plugins = ["tests.tiers"]
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The most pytest-xdist workers `-n auto` starts: two, for CI's 2-core machine (docs/CONTRIBUTING.md);
 # more would run as many training subprocesses side by side, each holding a model, and none was
