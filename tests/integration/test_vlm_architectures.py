@@ -19,11 +19,11 @@ from PIL import Image
 from finetune.data.formats.images import SENTINEL
 from finetune.generation.prompts import vlm_prompt_inputs
 from finetune.model.inference import load_vlm_for_inference
-from tests.integration._run import REPO, cli, progress, step_losses
+from tests.integration._run import REPO, cli_here, progress, step_losses
 from tests.unit.data.formats.test_vlm_masking import tiny_config
 from tests.vlm_processors import PROCESSORS
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # long: two VLM architectures trained (in this process: tests/inprocess.py)
 DEMO_DATA = REPO / "recipes" / "demo" / "data" / "vlm"
 STEPS = 6
 
@@ -112,7 +112,7 @@ def write_recipe(root: Path, name: str) -> Path:
 def trained(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param.replace(".", "-"))
     recipe = write_recipe(root, request.param)
-    result = cli("train", str(recipe), timeout=600)
+    result = cli_here("train", str(recipe))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return request.param, root
 
@@ -131,7 +131,7 @@ def test_the_adapter_loads_and_answers_about_a_picture(trained):
     assert (out / "adapter_model.safetensors").is_file()
     picture = DEMO_DATA / "images" / "00001.png"
     if name == "gemma3":
-        result = cli("chat", str(out), "--image", str(picture), "--prompt", "What colour is the shape?",
+        result = cli_here("chat", str(out), "--image", str(picture), "--prompt", "What colour is the shape?",
                      "--max-new-tokens", "4")  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.strip(), result.stdout

@@ -21,13 +21,13 @@ from finetune.losses.causal_lm import token_loss_sums
 from tests.integration._run import (
     REPO,
     assert_resumes_exactly,
-    cli,
     ddp_and_single,
     progress,
     step_grad_norms,
     step_losses,
     train_into,
 )
+from tests.integration._run import cli_here as cli  # in this process (tests/inprocess.py)
 from tests.vlm_processors import shuffled_images
 
 pytestmark = pytest.mark.slow

@@ -267,6 +267,7 @@ def test_dvclive_gets_a_table_file_and_step_named_images(tmp_path):
     assert (method, name, image.size) == ("log_image", "validation/step2_00_0.png", (4, 4))
 
 
+@pytest.mark.slow  # mlflow runs `git` (GitPython) to tag the run with the repository's state
 def test_mlflow_receives_scalars_tables_and_images_for_real(tmp_path, monkeypatch):
     pytest.importorskip("mlflow", reason="mlflow-skinny is in the test extra")
     from accelerate.tracking import MLflowTracker

@@ -319,6 +319,7 @@ def _two_process_worker(rank: int, folder: str, port: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two processes (a gloo group)
 def test_two_processes_checkpoint_every_position(tmp_path):
     import socket
 

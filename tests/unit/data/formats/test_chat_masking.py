@@ -428,6 +428,7 @@ def test_apply_chat_template_needs_a_pair_format() -> None:
     ) in format_validation_error(info.value, Recipe)
 
 
+@pytest.mark.slow  # the real model's tokenizer, read from its GGUF file
 def test_gsm8k_through_the_real_smollm2_template(smollm2_tok, shared_data: Path) -> None:
     path = shared_data / "gsm8k" / "train.jsonl"
     if not path.is_file():

@@ -381,6 +381,7 @@ def test_options_are_checked(tok) -> None:
 # ------------------------------------------------------------------------------- processes and cache
 
 
+@pytest.mark.slow  # num_proc 2: datasets forks worker processes
 @pytest.mark.parametrize("kind", ["completion", "chat_template"])
 def test_num_proc_gives_the_same_result(tok, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if kind == "completion":

@@ -533,6 +533,7 @@ def _wait_for(proc: subprocess.Popen, text: str, timeout: float = 90) -> None:
     raise AssertionError(f"no {text!r} within {timeout} s")
 
 
+@pytest.mark.slow  # processes, paused and killed
 def test_two_processes_prepare_once(workdir: Path, repo_root: Path):
     recipe_path = _write_recipe(workdir)
     root = workdir / "prepared"
@@ -557,6 +558,7 @@ def test_two_processes_prepare_once(workdir: Path, repo_root: Path):
     assert results[0]["train"] == results[1]["train"]
 
 
+@pytest.mark.slow  # processes, paused and killed
 def test_killed_prepare_leaves_nothing_loadable(workdir: Path, repo_root: Path):
     recipe_path = _write_recipe(workdir)
     root = workdir / "prepared"
@@ -621,6 +623,7 @@ def _prepare_rank(rank: int, world: int, init_file: str, recipe: Recipe, out: st
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two processes (a gloo group)
 def test_prepare_on_main_process_waits_without_timeout(workdir: Path, tmp_path: Path):
     """Two real processes: rank 0 builds (slower than the default group's timeout), rank 1 waits, then
     loads the same folder from the cache."""
