@@ -313,6 +313,7 @@ def test_validate_accepts_the_peers_trackers_and_explain_lists_them(tmp_path, ca
     assert "  report_to:\n  - mlflow\n  - trackio\n" in out
 
 
+@pytest.mark.slow  # MLflow runs `git version` for its run tags: a process
 def test_mlflow_without_a_tracking_uri_logs_to_a_file_store_in_output_dir(tmp_path, monkeypatch, capsys):
     """mlflow-skinny's own default store (sqlite:///mlflow.db) fails with KeyError 'sqlite', and MLflow 3
     refuses a file store unless asked: with no MLFLOW_TRACKING_URI the run starts a file store in

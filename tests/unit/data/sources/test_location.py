@@ -47,6 +47,7 @@ def test_ds_type_choices_are_the_builders_of_the_file_table():
     assert set(BUILDERS) == set(EXTENSION_TO_BUILDER.values())
 
 
+@pytest.mark.slow  # a fresh interpreter: a process
 @pytest.mark.parametrize("module", ["finetune.data.sources.location", "finetune.data.prepare.fingerprint"])
 def test_location_and_fingerprint_import_no_heavy_library(module: str):
     code = (
