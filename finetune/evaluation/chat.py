@@ -24,7 +24,7 @@ def open_image(path: str, flag: str = "--image"):
     from finetune.data.formats import images
     from finetune.data.formats.rows import BadRow
 
-    data = images.load_image(path, flag, Path.cwd(), None)
+    data = images.load_image(path, flag, Path.cwd(), None, outside_ok=True)  # the user named it: not data
     if isinstance(data, BadRow):
         raise FinetuneError(f"{flag} {path}: {data.detail}. Give the path of a PNG, JPEG or other image file")
     return images.decode(data)

@@ -149,6 +149,7 @@ def run_eval(recipe, args) -> int:
         device=inference_device(),
         processor=processor,
         image_max_pixels=recipe.data.image_max_pixels,
+        images_outside=recipe.data.allow_image_paths_outside,
     )
     default = Path(targets[-1] if targets else recipe.train.output_dir) / "eval.json"
     path = Path(args.output) if args.output else default

@@ -42,6 +42,7 @@ def evaluate_models(
     device: torch.device | None = None,
     processor=None,
     image_max_pixels: int | None = None,
+    images_outside: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Evaluate each model: eval loss on the eval split when `eval_batches(tokenizer)` gives batches,
     `score(name, model, tokenizer)`'s results (preference recipes: the held-out pairs), and every
@@ -59,7 +60,12 @@ def evaluate_models(
     from finetune.generation.sets import load_generation_rows, score_generation_sets
 
     vision = processor is not None
-    rows = {s.name: load_generation_rows(s, vision=vision, image_max_pixels=image_max_pixels) for s in sets}
+    rows = {
+        s.name: load_generation_rows(
+            s, vision=vision, image_max_pixels=image_max_pixels, images_outside=images_outside
+        )
+        for s in sets
+    }
     for name, load in list(models.items())[1:]:  # the first loads next anyway
         say(f"checking that {name} loads")
         load()  # and dropped at once: only one model is in memory at any time

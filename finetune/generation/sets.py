@@ -96,7 +96,7 @@ def summarize(
 
 
 def load_generation_rows(
-    gen_set, *, vision: bool = False, image_max_pixels: int | None = None
+    gen_set, *, vision: bool = False, image_max_pixels: int | None = None, images_outside: bool = False
 ) -> list[dict[str, Any]]:
     """The rows of one generation set as {"prompt", "expected"} (its first num_rows rows).
 
@@ -143,7 +143,9 @@ def load_generation_rows(
             rows.append(out)
             continue
         refs = row.get(field_images) if field_images else None
-        found = image_prompt(out["prompt"], refs, gen_set, root=root, max_pixels=image_max_pixels)
+        found = image_prompt(
+            out["prompt"], refs, gen_set, root=root, max_pixels=image_max_pixels, outside_ok=images_outside
+        )
         if isinstance(found, BadRow):
             raise FinetuneError(f"{label}: {gen_set.path} row {k}: {found.detail}; {IMAGE_ROW_FIX}")
         rows.append(out | found)
@@ -167,7 +169,9 @@ def has_image_parts(prompt: Any) -> bool:
     )
 
 
-def image_prompt(prompt: Any, refs: Any, gen_set, *, root, max_pixels: int | None) -> dict[str, Any] | BadRow:
+def image_prompt(
+    prompt: Any, refs: Any, gen_set, *, root, max_pixels: int | None, outside_ok: bool = False
+) -> dict[str, Any] | BadRow:
     """A prompt's images, in the shapes the SFT data reads: image parts in its messages
     ({"type": "image", "image": path relative to the set's file, or bytes}), or "<image>"
     placeholders in its text with the images in the row's `field_images` column (a string prompt is
@@ -192,7 +196,7 @@ def image_prompt(prompt: Any, refs: Any, gen_set, *, root, max_pixels: int | Non
     for j, message in enumerate(conv):
         for i, ref in enumerate(message.get("images") or []):
             at = f"{field}[{j}] (image {i})" if not isinstance(prompt, str) else f"{field} (image {i})"
-            data = images.load_image(ref, at, root, max_pixels)
+            data = images.load_image(ref, at, root, max_pixels, outside_ok=outside_ok)
             if isinstance(data, BadRow):
                 return data
             where.append(_image_name(ref, root))
@@ -252,7 +256,12 @@ def score_generation_sets(
 
 
 def training_generation_rows(
-    eval_settings, accelerator, *, vision: bool = False, image_max_pixels: int | None = None
+    eval_settings,
+    accelerator,
+    *,
+    vision: bool = False,
+    image_max_pixels: int | None = None,
+    images_outside: bool = False,
 ) -> dict[str, list[dict]]:
     """The eval.generation_sets' rows by set name, when they are scored during training ({} otherwise);
     a vision-language model's (`vision`) with their images (`load_generation_rows`)."""
@@ -270,7 +279,9 @@ def training_generation_rows(
             "supported; set eval.during_training: false and run `finetune eval` on the saved model"
         )
     return {
-        s.name: load_generation_rows(s, vision=vision, image_max_pixels=image_max_pixels)
+        s.name: load_generation_rows(
+            s, vision=vision, image_max_pixels=image_max_pixels, images_outside=images_outside
+        )
         for s in eval_settings.generation_sets
     }
 

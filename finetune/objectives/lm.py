@@ -53,6 +53,7 @@ def finish_build(objective, accelerator, *, held_out: bool) -> None:
         accelerator,
         vision=objective.model_settings.kind == "vlm",
         image_max_pixels=objective.data.image_max_pixels,
+        images_outside=objective.data.allow_image_paths_outside,
     )
     if objective.lora.enable_lora:  # checkpoints hold the adapters, not the frozen base
         checkpoint_trainable_only(accelerator)

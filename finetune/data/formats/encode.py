@@ -56,6 +56,7 @@ class Encoder:
     )
     image_root: Path | None = None  # where relative image paths start (the data file's folder)
     image_max_pixels: int | None = None  # images are resized to at most this many pixels (aspect kept)
+    image_paths_outside: bool = False  # data.allow_image_paths_outside: paths may leave image_root
 
     def ids(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, without special tokens, in one call for the whole batch."""
@@ -279,7 +280,9 @@ def load_images(conv: list[dict[str, Any]], enc: Encoder, field: str) -> list[by
     for j, message in enumerate(conv):
         for k, ref in enumerate(message.get("images") or []):
             where = f"{field}[{j}].content (image {k})"
-            data = images.load_image(ref, where, enc.image_root, enc.image_max_pixels)
+            data = images.load_image(
+                ref, where, enc.image_root, enc.image_max_pixels, outside_ok=enc.image_paths_outside
+            )
             if isinstance(data, BadRow):
                 return data
             out.append(data)

@@ -29,6 +29,9 @@ from finetune.data.formats.rows import MISSING_FIELD, WRONG_TYPE, BadRow
 IMAGE_MISSING = "image_missing"
 IMAGE_UNREADABLE = "image_unreadable"
 IMAGE_COUNT_MISMATCH = "image_count_mismatch"
+IMAGE_OUTSIDE = "image_outside_data_folder"
+"""Bad-row reason: an image path that resolves (symlinks followed) outside the data file's folder: a data
+row must not pull any file of the machine into the prepared data (data.allow_image_paths_outside)."""
 # A row with images for a model that cannot read them (model.kind is not vlm): an error whatever
 # data.on_bad_row says, as every such row would lose its images.
 IMAGES_NEED_VLM = "images_need_vlm"
@@ -49,8 +52,10 @@ def fits(width: int, height: int, max_pixels: int | None) -> tuple[int, int]:
     return max(1, int(width * scale)), max(1, int(height * scale))
 
 
-def image_bytes(value: Any, where: str, base_dir: Path | None) -> bytes | BadRow:
-    """The encoded bytes of one image reference, or the bad row saying why there are none."""
+def image_bytes(value: Any, where: str, base_dir: Path | None, *, outside_ok: bool = False) -> bytes | BadRow:
+    """The encoded bytes of one image reference, or the bad row saying why there are none. A path must
+    resolve inside `base_dir` (the data file's folder; symlinks followed) unless `outside_ok`: it is
+    checked before the file is opened."""
     from PIL import Image
 
     if value is None:
@@ -64,7 +69,7 @@ def image_bytes(value: Any, where: str, base_dir: Path | None) -> bytes | BadRow
     if isinstance(value, dict):  # a Parquet / datasets.Image struct
         if value.get("bytes"):
             return bytes(value["bytes"])
-        return image_bytes(value.get("path"), where, base_dir)
+        return image_bytes(value.get("path"), where, base_dir, outside_ok=outside_ok)
     if not isinstance(value, str):
         return BadRow(
             where,
@@ -82,6 +87,10 @@ def image_bytes(value: Any, where: str, base_dir: Path | None) -> bytes | BadRow
             where, IMAGE_MISSING, detail + "; store the images as bytes (Parquet) or use absolute paths"
         )
     path = Path(value) if base_dir is None else base_dir / value
+    if not outside_ok:
+        outside = outside_folder(path, base_dir)
+        if outside is not None:
+            return BadRow(where, IMAGE_OUTSIDE, f"{where!r}: image path {value!r} {outside}")
     try:
         return path.read_bytes()
     except OSError as exc:
@@ -91,12 +100,35 @@ def image_bytes(value: Any, where: str, base_dir: Path | None) -> bytes | BadRow
         return BadRow(where, IMAGE_MISSING, detail)
 
 
-def load_image(value: Any, where: str, base_dir: Path | None, max_pixels: int | None) -> bytes | BadRow:
+def outside_folder(path: Path, base_dir: Path | None) -> str | None:
+    """Why `path` may not be read as a data row's image (it resolves outside `base_dir`, symlinks
+    followed, or there is no folder to be inside: a Hub dataset's row naming a local file), or None.
+
+    >>> import tempfile
+    >>> root = Path(tempfile.mkdtemp())
+    >>> outside_folder(root / "images" / "a.png", root) is None
+    True
+    >>> outside_folder(root / ".." / "etc" / "passwd", root).startswith("resolves to")
+    True
+    """
+    fix = "keep the images in the data file's folder, or set data.allow_image_paths_outside: true if you trust the data"
+    if base_dir is None:
+        return f"names a local file, and the dataset has no local folder to hold it; {fix}"
+    resolved, root = path.resolve(), base_dir.resolve()
+    if resolved == root or root in resolved.parents:
+        return None
+    return f"resolves to {resolved}, outside the data file's folder {root}; {fix}"
+
+
+def load_image(
+    value: Any, where: str, base_dir: Path | None, max_pixels: int | None, *, outside_ok: bool = False
+) -> bytes | BadRow:
     """One image's bytes, opened and fully decoded here (so a damaged file fails now, not in training),
-    resized to ``max_pixels`` when larger (then re-encoded as PNG); or the bad row of why it can't be."""
+    resized to ``max_pixels`` when larger (then re-encoded as PNG); or the bad row of why it can't be. A
+    path outside `base_dir` is a bad row unless `outside_ok` (`image_bytes`)."""
     from PIL import Image
 
-    data = image_bytes(value, where, base_dir)
+    data = image_bytes(value, where, base_dir, outside_ok=outside_ok)
     if isinstance(data, BadRow):
         return data
     try:

@@ -105,6 +105,7 @@ def tokenize_dataset(
     entry_label: str = "data.datasets[0]",
     processor: Any = None,
     image_max_pixels: int | None = None,
+    allow_image_paths_outside: bool = False,
 ) -> TokenizeResult:
     """Tokenize and label every row of ``ds`` as ``entry.type`` says; apply the length policy.
 
@@ -135,7 +136,10 @@ def tokenize_dataset(
     enc = _encoder(entry, fmt, tokenizer, chat_template, entry_label, chat=renders_chat, processor=processor)
     if processor is not None:
         enc = dataclasses.replace(
-            enc, image_root=images.base_dir(entry.path), image_max_pixels=image_max_pixels
+            enc,
+            image_root=images.base_dir(entry.path),
+            image_max_pixels=image_max_pixels,
+            image_paths_outside=allow_image_paths_outside,
         )
     fn = _batch_function(fmt, entry, enc, features, limit, excess_length_strategy)
     out = ds.map(
@@ -190,6 +194,8 @@ def _map_fingerprint(
     if enc.processor is not None:  # the image processor's settings and the resize policy change the rows
         state.append(enc.processor.to_json_string())
         settings += [str(enc.image_root), enc.image_max_pixels]
+        if enc.image_paths_outside:  # only then: the cache keys of confined data stay what they were
+            settings.append("image_paths_outside")
     return Hasher.hash([ds._fingerprint, dump, state, settings, limit, strategy, code])
 
 

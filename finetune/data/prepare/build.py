@@ -277,6 +277,7 @@ def _build(
             entry_label=label,
             processor=processor,
             image_max_pixels=data.image_max_pixels,
+            allow_image_paths_outside=data.allow_image_paths_outside,
         )
         timings["load"] += t1 - t0
         timings["tokenize"] += time.perf_counter() - t1

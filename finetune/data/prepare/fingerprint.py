@@ -86,6 +86,8 @@ def fingerprint_inputs(recipe: Recipe, *, with_files: bool = True) -> dict:
     vision = model.kind == "vlm"
     if vision:  # only then: the fingerprints of text recipes stay what they were
         settings["image_max_pixels"] = data.image_max_pixels
+        if data.allow_image_paths_outside:  # only when set: the fingerprints of confined data stay
+            settings["allow_image_paths_outside"] = True
     if packs:
         settings |= {
             "sample_packing_method": data.sample_packing_method,

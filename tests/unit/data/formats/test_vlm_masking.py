@@ -10,6 +10,7 @@ tokenizer plus each model's image tokens, and transformers' PIL image processors
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import datasets
@@ -66,7 +67,9 @@ CONVERSATIONS = [
 ANSWERS = [["It is red."], ["Blue.", "Red, like a tomato."]]
 
 
-def tokenize(rows, root, proc, *, on_bad_row="raise", strategy="drop", sequence_len=512, **entry_fields):
+def tokenize(
+    rows, root, proc, *, on_bad_row="raise", strategy="drop", sequence_len=512, outside=False, **entry_fields
+):
     data_file = root / "data.jsonl"
     entry = dataset_entry(path=str(data_file), type="chat_template", **entry_fields)
     return tokenize_dataset(
@@ -77,11 +80,24 @@ def tokenize(rows, root, proc, *, on_bad_row="raise", strategy="drop", sequence_
         excess_length_strategy=strategy,
         on_bad_row=on_bad_row,
         processor=proc,
+        allow_image_paths_outside=outside,
     )
 
 
-def squeeze(value: str) -> str:
-    return "".join(value.split())
+def trained_runs(tokenizer, ids, labels) -> list[str]:
+    """Each run of consecutive trained tokens, decoded, compared exactly (a newline trained after an
+    end-of-turn fails the test). One allowance: a leading space, which SmolVLM's template puts between
+    "Assistant:" and the answer and its tokenizer merges into the answer's first token (" It")."""
+    runs, current = [], []
+    for token, label in zip(ids, labels, strict=True):
+        if label != IGNORE_INDEX:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return [tokenizer.decode(run).removeprefix(" ") for run in runs]
 
 
 def test_trained_tokens_are_the_assistant_turns_and_images_are_expanded(processor, image_dir):
@@ -91,10 +107,7 @@ def test_trained_tokens_are_the_assistant_turns_and_images_are_expanded(processo
         result = tokenize([{"messages": conv}], image_dir, proc)
         row = result.dataset[0]
         ids, labels = row["input_ids"], row["labels"]
-        trained = proc.tokenizer.decode(
-            [t for t, label in zip(ids, labels, strict=False) if label != IGNORE_INDEX]
-        )
-        assert squeeze(trained) == squeeze("".join(a + end_of_turn for a in answers)), name
+        assert trained_runs(proc.tokenizer, ids, labels) == [a + end_of_turn for a in answers], name
         assert len(row["images"]) == sum(p["type"] == "image" for m in conv for p in m["content"])
         # The ids are the processor's own for the rendered text and the images: every image expanded.
         rendered = proc.tokenizer.apply_chat_template(conv, tokenize=False)
@@ -120,10 +133,7 @@ def test_llava_style_placeholders_and_bytes(processor, image_dir):
         }
     ]
     row = tokenize(rows, image_dir, proc).dataset[0]
-    trained = proc.tokenizer.decode(
-        [t for t, label in zip(row["input_ids"], row["labels"], strict=False) if label != IGNORE_INDEX]
-    )
-    assert squeeze(trained) == squeeze("Blue." + end_of_turn)
+    assert trained_runs(proc.tokenizer, row["input_ids"], row["labels"]) == ["Blue." + end_of_turn]
     assert row["images"] == [png((20, 20, 220))]
 
 
@@ -152,6 +162,36 @@ def test_bad_images_are_errors_or_counted_drops(image_dir, path, reason):
         tokenize(rows, image_dir, proc)
     result = tokenize(rows, image_dir, proc, on_bad_row="skip")
     assert result.dropped == {f"bad_row:{reason}": 1} and len(result.dataset) == 1
+
+
+def test_image_paths_outside_the_data_folder_are_counted_drops_never_read(image_dir, tmp_path):
+    """A row's image path must resolve inside its data file's folder (symlinks followed): `../`, an
+    absolute path, a symlink leading out and a system file are counted drops (image_outside_data_folder),
+    refused before the file is opened; data.allow_image_paths_outside lets a trusted dataset reach out."""
+    proc, _ = ready("smolvlm")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "secret.png").write_bytes(png((1, 2, 3)))
+    link = image_dir / "images" / "link.png"
+    if not link.exists():
+        link.symlink_to(outside / "secret.png")
+    climb = os.path.relpath(outside / "secret.png", image_dir)  # ../../.../elsewhere/secret.png
+    paths = [climb, str(outside / "secret.png"), "images/link.png", "/etc/hostname", "../../../etc/passwd"]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": [image(path), text("Colour?")]},
+                {"role": "assistant", "content": [text("Red.")]},
+            ]
+        }
+        for path in paths
+    ] + [{"messages": CONVERSATIONS[0]}]
+    with pytest.raises(Exception, match=r"resolves to .*outside the data file's folder"):
+        tokenize(rows, image_dir, proc)
+    result = tokenize(rows, image_dir, proc, on_bad_row="skip")
+    assert result.dropped == {"bad_row:image_outside_data_folder": len(paths)} and len(result.dataset) == 1
+    trusted = tokenize(rows[:3], image_dir, proc, outside=True)
+    assert len(trusted.dataset) == 3 and trusted.dataset[0]["images"] == [png((1, 2, 3))]
 
 
 def test_placeholder_count_and_long_rows(image_dir):
@@ -203,10 +243,7 @@ def test_datasets_image_feature(image_dir):
     )
     row = result.dataset[0]
     assert Image.open(io.BytesIO(row["images"][0])).getpixel((5, 5)) == (200, 0, 0)
-    trained = proc.tokenizer.decode(
-        [t for t, label in zip(row["input_ids"], row["labels"], strict=False) if label != IGNORE_INDEX]
-    )
-    assert squeeze(trained) == squeeze("Red." + end_of_turn)
+    assert trained_runs(proc.tokenizer, row["input_ids"], row["labels"]) == ["Red." + end_of_turn]
 
 
 def test_fingerprint_covers_images_and_processor_settings(tmp_path):
