@@ -116,6 +116,15 @@ PREFERENCE_ROWS = (
     "eval_kl",
 )
 
+# Reward-model recipes (train.objective reward): the held-out pairs' metrics, as training logs them.
+REWARD_MODEL_ROWS = (
+    "eval_loss",
+    "eval_accuracy",
+    "eval_margin",
+    "eval_rewards/chosen",
+    "eval_rewards/rejected",
+)
+
 
 def comparison_rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, list[str]]]:
     """(metric, one formatted value per model) for every metric eval.json's results hold, in the
@@ -134,6 +143,11 @@ def comparison_rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, list[
         for key in PREFERENCE_ROWS:
             if key in first["preference"]:
                 rows.append((key, [f"{results[n]['preference'][key]:.4f}" for n in names]))
+    if "reward" in first:  # a reward model: the held-out pairs' scores, and which score head scored them
+        rows.append(("held-out pairs", [str(results[n]["reward"]["eval_pairs"]) for n in names]))
+        rows.append(("score head", [results[n]["reward"]["score_head"] for n in names]))
+        for key in REWARD_MODEL_ROWS:
+            rows.append((key, [f"{results[n]['reward'][key]:.4f}" for n in names]))
     if "rewards" in first:  # online RL: the held-out prompts' greedy completions, scored by the rewards
         rows.append(("held-out prompts", [str(results[n]["rewards"]["eval_prompts"]) for n in names]))
         for key in first["rewards"]:
