@@ -62,7 +62,8 @@ def _say(text: str) -> None:
 
 def _held_out(recipe) -> dict[str, Any]:
     """What the objective scores on the prepared eval split ({} without one): its class's `held_out`
-    (token-loss batches, or a per-model `score` hook, and whether the base is the reference)."""
+    (token-loss batches, or a per-model `score` hook, whether the base is the reference, and how its
+    models `load` when they are not causal LMs)."""
     from finetune.data.prepare import prepare
 
     if not (recipe.data.val_set_size or recipe.data.test_datasets):

@@ -13,14 +13,13 @@ stays on `device` (the rollout's), in eval mode, without gradient.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from finetune.errors import FinetuneError
 from finetune.generation.prompts import _prefix_ids
-from finetune.generation.rewards import RewardFn
 
 
 def reward_text_ids(tokenizer, prompt: str | list[dict[str, Any]], completion: str) -> list[int]:
@@ -45,8 +44,8 @@ def reward_text_ids(tokenizer, prompt: str | list[dict[str, Any]], completion: s
 
 def reward_model_reward(
     path: str, *, batch_size: int, device, prompt_fields: Sequence[str], where: str
-) -> RewardFn:
-    """The reward function of the reward model at `path` (loaded now, on `device`: a wrong location or head
+) -> Callable[[list[str], list[dict[str, Any]]], list[float]]:
+    """The reward function (finetune.generation.rewards.RewardFn) of the reward model at `path` (loaded now, on `device`: a wrong location or head
     is a FinetuneError starting with `where`, the recipe path). A row's prompt is its first column among
     `prompt_fields` (grpo.rewards[].field_prompt, else the prompt entries' field_prompt)."""
     from finetune.losses.reward import sequence_scores

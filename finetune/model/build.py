@@ -138,6 +138,7 @@ def build_model(
     if head == "score":
         net.config.pad_token_id = pad_token_id
         if new_head:
+            logger.info("the weights hold no score head: a new one, drawn from seed %d", seed)
             init_score_head(net, seed)
     if portable is not None:
         # PEFT records the model's name_or_path as the adapter's base: the GGUF file's portable name,

@@ -138,3 +138,20 @@ def test_the_base_gets_the_score_head_its_reward_run_started_from(tmp_path):
     assert score_text(base, IDS) == pytest.approx(score_text(trained.eval(), IDS), abs=1e-6)
     other, _, _ = load_reward_model(path, tokenizer=tokenizer, new_head_seed=43)
     assert not torch.equal(other.score.weight, base.score.weight)
+
+
+def test_the_load_report_of_a_new_score_head_is_quiet_and_any_other_shows():
+    import logging
+
+    from finetune.quiet import _DropNewScoreHeadReport
+
+    def record(*rows: str) -> logging.LogRecord:
+        table = "\n".join(["Key | Status | ", "---+---+-", *rows])
+        message = f"\x1b[1mLlamaForSequenceClassification LOAD REPORT\x1b[0m from: x\n{table}\n\nNotes: ..."
+        return logging.LogRecord("transformers.modeling_utils", logging.WARNING, "f", 1, message, None, None)
+
+    keep = _DropNewScoreHeadReport().filter
+    assert not keep(record("score.weight | MISSING | ", "lm_head.weight | UNEXPECTED | "))
+    assert keep(record("score.weight | MISSING | ", "model.norm.weight | MISSING | "))
+    assert keep(record("score.weight | MISMATCH | shape"))
+    assert keep(logging.LogRecord("t", logging.WARNING, "f", 1, "another warning", None, None))
