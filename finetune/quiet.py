@@ -41,7 +41,9 @@ class _DropNewScoreHeadReport(logging.Filter):
         if "LOAD REPORT" not in message:
             return True
         cells = [[c.strip() for c in line.split("|")] for line in message.splitlines() if "|" in line]
-        entries = [(c[0], c[1]) for c in cells if len(c) > 1 and c[1] not in ("Status", "") and set(c[0]) != {"-"}]
+        entries = [
+            (c[0], c[1]) for c in cells if len(c) > 1 and c[1] not in ("Status", "") and set(c[0]) != {"-"}
+        ]
         expected = {("MISSING", "score."), ("UNEXPECTED", "lm_head.")}
         return not entries or not all(
             any(status == s and key.startswith(prefix) for s, prefix in expected) for key, status in entries

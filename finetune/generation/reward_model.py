@@ -7,8 +7,9 @@ rendered its pairs (finetune.data.formats.preference): with its chat template wh
 turns, then the completion as the assistant's turn), else `[its bos] prompt completion eos`, the prompt and
 the completion tokenized apart. So a reward model whose tokenizer differs from the policy's scores the same
 texts. `batch_size` completions share one packed row (position_ids restart per sequence), and each is
-scored at its last token that is not the pad token, as in training (finetune.losses.reward). The model
-stays on `device` (the rollout's), in eval mode, without gradient.
+scored at its last token that is not the pad token, as in training (finetune.losses.reward); a text longer
+than the model's positions keeps its end. The model stays on `device` (the rollout's), in eval mode,
+without gradient.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def reward_model_reward(
     model, tokenizer, _ = load_reward_model(path, where=where)
     model.to(device)
     pad_id = model.config.pad_token_id
+    # A text longer than the reward model's positions keeps its end (where it is scored), cut from the left.
+    longest = getattr(model.config.get_text_config(), "max_position_embeddings", None)
 
     def prompt_of(row: dict[str, Any]):
         field = next((f for f in prompt_fields if f in row), None)
@@ -66,7 +69,7 @@ def reward_model_reward(
 
     def score(completions: list[str], rows: list[dict[str, Any]]) -> list[float]:
         sequences = [
-            reward_text_ids(tokenizer, prompt_of(row), completion)
+            reward_text_ids(tokenizer, prompt_of(row), completion)[-longest if longest else 0 :]
             for completion, row in zip(completions, rows, strict=True)
         ]
         values: list[float] = []

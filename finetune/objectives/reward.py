@@ -108,8 +108,8 @@ class RewardObjective:
         return batch["num_units"].sum()
 
     def loss(self, model, batch: dict, num_units: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        values = pair_values(model, batch, center_rewards_coefficient=self.settings.center_rewards_coefficient,
-                             pad_token_id=self.pad_id)  # fmt: skip
+        center = self.settings.center_rewards_coefficient
+        values = pair_values(model, batch, center_rewards_coefficient=center, pad_token_id=self.pad_id)
         losses = values.pop("loss")
         return losses.sum() / num_units, {name: v.detach().sum() for name, v in values.items()}
 
@@ -229,8 +229,8 @@ def held_out_means(
     gather: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
 ) -> dict[str, float]:
     """eval_loss and eval_<metric> means over every held-out pair, and eval_pairs, without gradient.
-    `gather` collects a table of per-row sums from every process (training's gather_for_metrics, which
-    drops the rows Accelerate repeated to even out the processes)."""
+    `gather` collects a table of per-row sums from every process (training's gather_for_metrics; a sync
+    point per batch)."""
     names = ("loss", *METRICS)
     totals = torch.zeros(len(names) + 1, dtype=torch.float64)
     with torch.no_grad():
@@ -238,11 +238,13 @@ def held_out_means(
             values = pair_values(
                 model, batch, center_rewards_coefficient=center_rewards_coefficient, pad_token_id=pad_token_id
             )
-            rows = torch.repeat_interleave(torch.arange(len(batch["num_units"]), device=values["loss"].device),
-                                           batch["num_units"].to(values["loss"].device))  # fmt: skip
+            # Per-row sums: gather_for_metrics drops the rows Accelerate repeated to even the processes.
+            units = batch["num_units"].to(values["loss"].device)
+            rows = torch.repeat_interleave(torch.arange(len(units), device=units.device), units)
             columns = torch.stack([*(values[n].float() for n in names), torch.ones_like(values["loss"])], 1)
-            table = torch.zeros(len(batch["num_units"]), len(names) + 1, device=columns.device)
-            table.index_add_(0, rows, columns)
+            table = torch.zeros(len(units), len(names) + 1, device=columns.device).index_add_(
+                0, rows, columns
+            )
             totals += gather(table).sum(0).double().cpu()
     pairs = totals[-1].item()
     metrics = {

@@ -30,7 +30,8 @@ class RewardSection(_Section):
 
 def reward_problems(recipe: Any, ok: Callable[..., bool]) -> list[Problem]:
     """What train.objective reward cannot do, and the margin column's rules: a reward model scores, it
-    does not generate (no eval.generation_sets); EVA and CorDA initialise from the causal LM's training
+    does not generate (no eval.generation_sets); its scores are read by a forward hook, which torch.compile
+    does not reliably run (no model.enable_compile); EVA and CorDA initialise from the causal LM's training
     batches, which a reward model's are not; `field_margin` is read by the reward objective only, and set
     on every preference entry or on none (pairs of all entries are batched together).
 
@@ -78,6 +79,15 @@ def reward_problems(recipe: Any, ok: Callable[..., bool]) -> list[Problem]:
                 "...",
                 "a reward model scores text, it does not generate: remove them (its held-out pairs are scored "
                 "with data.val_set_size or data.test_datasets)",
+            )
+        )
+    if ok("model.enable_compile") and recipe.model.enable_compile:
+        problems.append(
+            (
+                "model.enable_compile",
+                True,
+                "a reward model's per-sequence scores are read from its score head by a forward hook, which a "
+                "compiled graph does not reliably run: set it false",
             )
         )
     init = recipe.lora.init_lora_weights if ok("lora.init_lora_weights") else None

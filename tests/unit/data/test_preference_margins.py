@@ -98,6 +98,7 @@ def test_the_margin_field_is_fingerprinted_only_when_set(tmp_path):
             {"lora": {"enable_lora": True, "init_lora_weights": "eva"}},
             "lora.init_lora_weights: .* train.objective reward",
         ),
+        ({"model_compile": True}, "model.enable_compile: .* forward hook"),
     ],
 )
 def test_what_a_reward_recipe_cannot_do_is_refused(tmp_path, change, message):
@@ -105,6 +106,8 @@ def test_what_a_reward_recipe_cannot_do_is_refused(tmp_path, change, message):
     if change.pop("extra_entry", False):
         data["data"]["test_datasets"] = [{"path": "t.jsonl", "type": "preference"}]
         del data["data"]["val_set_size"]
+    if change.pop("model_compile", False):
+        data["model"]["enable_compile"] = True
     data.update(change)
     with pytest.raises(ValidationError, match=message):
         validate_recipe(data)

@@ -169,3 +169,20 @@ def test_an_unreachable_reward_model_or_one_with_the_wrong_head_stops_the_start(
             FinetuneError, match=rf"^grpo.rewards.1.model: .*{message}.*train.objective reward"
         ):
             ro.rewards_for(recipe.grpo, word_tokenizer(), recipe_path=None, prompt_fields=("question",))
+
+
+def test_a_text_longer_than_the_reward_models_positions_keeps_its_end(reward_model_dir, demo_tokenizer):
+    fn = reward_model_reward(
+        reward_model_dir, batch_size=2, device="cpu", prompt_fields=("question",), where="w"
+    )
+    completion = "1 2 " * 100  # 400 tokens: beyond the tiny model's 128 positions
+    ids = reward_text_ids(demo_tokenizer, "Count.", completion)
+    assert len(ids) > TINY_LLAMA["max_position_embeddings"]
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+    with torch.no_grad():
+        expected = model(
+            input_ids=torch.tensor([ids[-TINY_LLAMA["max_position_embeddings"] :]])
+        ).logits.item()
+    assert fn([completion, "5"], [{"question": "Count."}, {"question": "2 + 3?"}])[0] == pytest.approx(
+        expected, abs=1e-5
+    )
