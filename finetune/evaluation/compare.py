@@ -170,7 +170,7 @@ def format_table(results: dict[str, dict[str, Any]], *, samples: int = 2, width:
     first = results[names[0]]
     rows = comparison_rows(results)
     label_width = max([len("metric"), *(len(r[0]) for r in rows)])
-    col = max(12, *(len(n) for n in names))
+    col = max(12, *(len(n) for n in names), *(len(v) for _, values in rows for v in values))
     lines = [f"{'metric':<{label_width}}  " + "  ".join(f"{n:>{col}}" for n in names)]
     lines += [
         f"{label:<{label_width}}  " + "  ".join(f"{v:>{col}}" for v in values) for label, values in rows
