@@ -69,6 +69,7 @@ COLUMNS = (
     "desirable",
     "prompt_lens",
     "row_index",
+    "margins",  # pairs with a margin column (train.objective reward, which reads these rows too)
 )
 METRICS = (
     "rewards/chosen",

@@ -310,6 +310,12 @@ class PreferenceEntry(_ScoredEntry):
         "hold images as parts ({type: image, image: PATH}). Images need model.kind: vlm (see docs/objectives.md, "
         "Preference pairs with images).",
     )
+    field_margin: str | None = Field(
+        None,
+        description="train.objective reward: column holding each pair's margin, a number by which the chosen "
+        "reward should exceed the rejected one (the loss is -log sigmoid(r_chosen - r_rejected - margin), TRL's "
+        "margin column). Set it on every preference entry or on none.",
+    )
 
 
 class KtoEntry(_ScoredEntry):

@@ -53,13 +53,16 @@ def collate_preference(rows: list[dict], *, pad_token_id: int, pad_to_multiple_o
 
     Besides the packed token tensors: `num_units` (pairs or examples per row) and, when the rows
     carry them, `row_index` (their index in the prepared split: where precomputed reference
-    log-probs are looked up); kto rows add `desirable` (one flag per example, row-major) and the KL
-    rows (`kl_input_ids`, `kl_labels`, `kl_position_ids`, as long as the rows themselves).
+    log-probs are looked up) and `margin` (their `margins`, one per pair, row-major); kto rows add
+    `desirable` (one flag per example, row-major) and the KL rows (`kl_input_ids`, `kl_labels`,
+    `kl_position_ids`, as long as the rows themselves).
     """
     batch = collate_rows(rows, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of, packed=True)
     batch["num_units"] = torch.tensor([r["num_units"] for r in rows], dtype=torch.long)
     if "row_index" in rows[0]:
         batch["row_index"] = torch.tensor([r["row_index"] for r in rows], dtype=torch.long)
+    if "margins" in rows[0]:  # one per pair, row-major (train.objective reward's margin column)
+        batch["margin"] = torch.tensor([m for r in rows for m in r["margins"]], dtype=torch.float32)
     if "prompt_lens" in rows[0]:
         kl_rows = []
         for r in rows:

@@ -10,7 +10,8 @@ Packed rows (`pack_examples`) carry what SFT rows carry (`input_ids`, `labels`, 
 restarting at 0 for every sequence, `seq_lens`) plus `num_units` (pairs or kto examples in the
 row). Pairs are laid out chosen_0, rejected_0, chosen_1, rejected_1, ... (each a sequence of its
 own: prompt, completion, end of turn), the layout finetune.losses.preference reads with
-`sums[0::2]` / `sums[1::2]`. Kto rows add `desirable` and `prompt_lens` per example; the collator
+`sums[0::2]` / `sums[1::2]`; pairs with a margin column (field_margin) add `margins`, one per pair.
+Kto rows add `desirable` and `prompt_lens` per example; the collator
 builds each row's KL row from them (`kto_kl_row`): every prompt followed by the previous example's
 completion, as TRL rotates completions within a batch, so the KL row holds the same tokens as the
 row and is as long.
@@ -58,7 +59,11 @@ def pack_examples(
         rows = build_packed_rows(
             sequences, sequence_bins, pad_to_multiple_of=pad_to_multiple_of, pad_token_id=pad_token_id
         )
-        return rows.add_column("num_units", [len(b) for b in bins])
+        rows = rows.add_column("num_units", [len(b) for b in bins])
+        if "margin" in ds.column_names:  # field_margin (train.objective reward): the row's pairs' margins
+            margin = ds["margin"]
+            rows = rows.add_column("margins", [[margin[i] for i in b] for b in bins])
+        return rows
     rows = build_packed_rows(ds, bins, pad_to_multiple_of=pad_to_multiple_of, pad_token_id=pad_token_id)
     desirable, prompt_len = ds["desirable"], ds["prompt_len"]
     rows = rows.add_column("num_units", [len(b) for b in bins])

@@ -11,6 +11,9 @@ For a vision-language model (model.kind vlm) the prompt may hold images: image p
 or an ``images`` column (``field_images``) with one ``<image>`` placeholder per image in its text.
 Chosen and rejected share them: both sequences get the images' tokens (`pair_images`).
 
+With ``field_margin`` (train.objective reward) each pair also carries its ``margin``, a number read from
+that column (TRL's margin column).
+
 >>> from types import SimpleNamespace as NS
 >>> e = NS(field_prompt="prompt", field_chosen="chosen", field_rejected="rejected", role_map={},
 ...        message_field_role="role", message_field_content="content")
@@ -38,6 +41,7 @@ both completions of a pair, else the row is bad (``prefix_mismatch``,
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +63,9 @@ from finetune.data.formats.encode import Encoder, expand, load_images
 from finetune.data.formats.rows import (
     EMPTY_COMPLETION,
     IDENTICAL_COMPLETIONS,
+    MISSING_FIELD,
     PREFIX_MISMATCH,
+    WRONG_TYPE,
     BadRow,
     Example,
     empty_detail,
@@ -81,6 +87,8 @@ def columns(entry: Any, column_names: Sequence[str]) -> dict[str, str]:
     """{entry field: column} of the columns read; the prompt only when the data has it, unless the
     recipe names it."""
     cols = {"field_chosen": entry.field_chosen, "field_rejected": entry.field_rejected}
+    if getattr(entry, "field_margin", None) is not None:
+        cols["field_margin"] = entry.field_margin
     return (
         cols
         | optional_column(entry, "field_prompt", column_names)
@@ -108,9 +116,31 @@ def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example |
     """Each pair as one example, chosen then rejected (`completion_examples`); with a
     vision-language processor, the images column (when the data has it) placed in the prompts."""
     parsed = with_images(rows(batch, entry), batch, entry, enc)
-    return completion_examples(
+    examples = completion_examples(
         parsed, enc, entry, field=entry.field_chosen, mismatch_field=entry.field_rejected
     )
+    field = getattr(entry, "field_margin", None)
+    if field is None:
+        return examples
+    return [with_margin(example, value, field) for example, value in zip(examples, batch[field], strict=True)]
+
+
+def with_margin(example: Example | BadRow, value: Any, field: str) -> Example | BadRow:
+    """The pair with its `margin` column (train.objective reward), or the bad row of a value that is not a
+    finite number.
+
+    >>> with_margin(([1, 2], [-100, 2], {"chosen_len": 1}), 0.5, "m")[2]
+    {'chosen_len': 1, 'margin': 0.5}
+    >>> with_margin(([1, 2], [-100, 2], {"chosen_len": 1}), "big", "m").reason
+    'wrong_type'
+    """
+    if isinstance(example, BadRow):
+        return example
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        detail = f"{field!r} should be a finite number (the pair's margin), got {value!r}"
+        return BadRow(field, MISSING_FIELD if value is None else WRONG_TYPE, detail)
+    ids, labels, extra = example
+    return ids, labels, {**extra, "margin": float(value)}
 
 
 def with_images(parsed: list, batch: dict[str, list], entry: Any, enc: Encoder) -> list:

@@ -73,8 +73,10 @@ _FEATURES = datasets.Features(
 ALWAYS_RAISED = (TEMPLATE_WITHOUT_TOOLS, images.IMAGES_NEED_VLM)
 
 
-def _features(fmt: Format, *, images: bool = False) -> datasets.Features:
+def _features(fmt: Format, *, images: bool = False, margin: bool = False) -> datasets.Features:
     extra = {"images": datasets.List(datasets.Value("binary"))} if images else {}
+    if margin:  # a preference entry's field_margin (train.objective reward): one number per pair
+        extra["margin"] = datasets.Value("float32")
     return datasets.Features({**_FEATURES, **fmt.features, **extra})
 
 
@@ -82,8 +84,8 @@ def _features(fmt: Format, *, images: bool = False) -> datasets.Features:
 class TokenizeResult:
     """The tokenized rows of one dataset entry and what happened to the others."""
 
-    # input_ids, labels (list[int]), source_row (row index in the source); preference: chosen_len;
-    # kto: desirable, prompt_len
+    # input_ids, labels (list[int]), source_row (row index in the source); preference: chosen_len
+    # (and margin, with field_margin); kto: desirable, prompt_len
     dataset: datasets.Dataset
     rows_in: int
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> rows
@@ -128,7 +130,8 @@ def tokenize_dataset(
     fmt = format_of(entry)
     registry.check_columns(entry, ds.column_names, features=ds.features, entry_label=entry_label)
     limit = entry.max_seq_len or sequence_len
-    features = _features(fmt, images=processor is not None)
+    margin = getattr(entry, "field_margin", None) is not None
+    features = _features(fmt, images=processor is not None, margin=margin)
     if len(ds) == 0:  # datasets skips the function on an empty dataset: no columns would exist
         public = datasets.Features({k: v for k, v in features.items() if k not in _INTERNAL})
         return TokenizeResult(datasets.Dataset.from_dict({k: [] for k in public}, features=public), rows_in=0)

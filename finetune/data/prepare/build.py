@@ -69,8 +69,9 @@ if TYPE_CHECKING:
     from finetune.recipe import Recipe
 
 # Per-example columns of preference pairs and kto examples, kept through merge and split.
-# Vision-language rows keep their image bytes (finetune.data.batching.vision) the same way.
-_EXTRA_COLUMNS = (*(name for fmt in FORMATS.values() for name in fmt.features), "images")
+# Vision-language rows keep their image bytes (finetune.data.batching.vision) the same way, and pairs
+# with a margin column (field_margin) their margins.
+_EXTRA_COLUMNS = (*(name for fmt in FORMATS.values() for name in fmt.features), "images", "margin")
 # Above this share of kto examples alone in their packed row (no mismatched completion for the KL
 # estimate), prepare warns.
 _KTO_ALONE_WARN = 0.05

@@ -113,6 +113,10 @@ def _entry_inputs(entry: Any, with_files: bool = True, vision: bool = False) -> 
     settings = _FORMAT_1_FIELDS | entry.model_dump(mode="json", exclude=_ENTRY_FIELDS_NOT_HASHED)
     if not vision:  # a text model reads no images: the field is left out, as before it existed
         settings.pop("field_images", None)
+    if settings.get("field_margin", "") is None:
+        # No margin column (preference pairs of every objective but reward): left out, as before the
+        # field existed, so the fingerprints of preference recipes stay what they were.
+        del settings["field_margin"]
     if settings.get("weight") == 1:
         # The default draws each row once, as before weights existed: left out, so the fingerprints
         # (and the caches) of recipes without weights stay what they were.

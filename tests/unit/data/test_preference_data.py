@@ -400,7 +400,7 @@ def test_objective_and_dataset_types_must_agree():
     from pydantic import ValidationError
 
     base = {"model": {"model_path": "org/m"}, "train": {"output_dir": "o"}}
-    with pytest.raises(ValidationError, match=r"needs train.objective dpo, ipo, simpo or orpo"):
+    with pytest.raises(ValidationError, match=r"needs train.objective dpo, ipo, simpo, orpo or reward"):
         validate_recipe({**base, "data": {"datasets": [{"path": "p.jsonl", "type": "preference"}]}})
     with pytest.raises(ValidationError, match=r"train.objective kto trains on examples .* use type kto"):
         validate_recipe(
