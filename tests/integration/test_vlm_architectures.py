@@ -9,6 +9,7 @@ generation path in-process, see `qwen_folder`).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,7 @@ def write_recipe(root: Path, name: str) -> Path:
     config = tiny_config(name, processor).to_dict()
     data = root / "data"
     data.mkdir()
-    (data / "images").symlink_to(DEMO_DATA / "images")
+    shutil.copytree(DEMO_DATA / "images", data / "images")  # images stay inside the data folder
     rows = (DEMO_DATA / "train.jsonl").read_text().splitlines()[:48]
     (data / "train.jsonl").write_text("\n".join(rows) + "\n")
     recipe = {

@@ -588,8 +588,17 @@ def examples_state(examples: list[tuple[list[int], list[int]]]) -> dict:
 
 
 def examples_from_state(state: dict) -> list[tuple[list[int], list[int]]]:
-    """The examples `examples_state` stored."""
+    """The examples `examples_state` stored (none: an empty buffer, as a checkpoint taken when the packer
+    had no example waiting holds it).
+
+    >>> examples_from_state(examples_state([([1, 2], [-100, 2]), ([3], [3])]))
+    [([1, 2], [-100, 2]), ([3], [3])]
+    >>> examples_from_state(examples_state([]))
+    []
+    """
     ends = np.cumsum(np.asarray(state["lengths"], dtype=np.int64)).tolist()
+    if not ends:
+        return []
     ids, labels = np.asarray(state["input_ids"]).tolist(), np.asarray(state["labels"]).tolist()
     return [(ids[a:b], labels[a:b]) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 

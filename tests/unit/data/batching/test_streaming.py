@@ -51,8 +51,7 @@ def settings(path: Path, **data) -> tuple[DataSection, SimpleNamespace]:
         sample_packing_sequence_len=256,
         pad_to_multiple_of=8,
         on_bad_row="skip",
-        stream_buffer_size=32,
-        **data,
+        **({"stream_buffer_size": 32} | data),
     )
     return section, SimpleNamespace(seed=0, micro_batch_size=2, max_steps=1000, gradient_accumulation_steps=1)
 
@@ -406,3 +405,26 @@ def test_a_url_streams_as_the_local_file_does(tmp_path, tok):
         assert first(url) == first(tmp_path / "rows.jsonl")
     finally:
         server.shutdown()
+
+
+def test_the_stream_resumes_from_every_state_of_its_buffers(shards, tok, tmp_path):
+    """data.stream_buffer_size 16: checkpoints taken at every position of the first 12 batches, whatever
+    the packer and ready-row buffers hold then (empty, partial, full), resume to the uninterrupted stream
+    (an empty buffer's state once failed to load: zip() argument 2 is shorter than argument 1)."""
+    data, train = settings(shards, stream_buffer_size=16)
+    want = batches(make_stream_loader(data, train, tok, chat_template=None), 16)
+    held = set()
+    for cut in range(1, 13):
+        loader = make_stream_loader(data, train, tok, chat_template=None)
+        head = batches(loader, cut)
+        folder = tmp_path / f"cut-{cut}"
+        folder.mkdir()
+        save_extra({"data_stream": loader}, folder)
+        local = loader.state_dict()["ranks"][0]
+        held.add((len(local["pending"]["lengths"]) > 0, len(local["ready_row_sizes"]) > 0))
+        resumed = make_stream_loader(data, train, tok, chat_template=None)
+        load_extra({"data_stream": resumed}, folder)
+        for got, expected in zip(head + batches(resumed, 16 - cut), want, strict=True):
+            for key in expected:
+                assert got[key].equal(expected[key]), (cut, key)
+    assert len(held) >= 2, held  # the cuts met the buffers in more than one state
