@@ -6,7 +6,8 @@ sequence draws from its own seeded generator (`SeededSampler`). It runs wherever
 or GPU), and needs no weight sync: it holds the training model itself, so `sync_weights` only
 re-binds the module it was given.
 
-Works on a plain transformers model and on a PEFT model; the model is put in eval mode for the
+Works on a plain transformers model and on a PEFT model (with `merge_adapters`, its LoRA adapters
+merged for each call and taken out again exactly); the model is put in eval mode for the
 call and given back in the mode it was in, so the in-training evaluation can call it between steps
 (with `accelerator.unwrap_model(model)`: DDP's wrapper has no `generate`). Each process generates
 for the prompts it is given; a sharded model (FSDP, ZeRO-3) would need every rank in each step.
@@ -33,8 +34,12 @@ class TransformersBackend:
     name = "transformers"
     copies_weights = False  # it generates with the training model's own parameters
 
-    def __init__(self, model, tokenizer, *, processor=None):
+    def __init__(self, model, tokenizer, *, processor=None, merge_adapters: bool = False):
         self.model, self.tokenizer, self.processor = model, tokenizer, processor
+        # LoRA merged into the weights for each generate call and taken out bit for bit after
+        # (finetune.model.adapters.merged_adapters): the plain layers decode faster, for one more copy
+        # of the adapted weights while generating.
+        self.merge_adapters = merge_adapters
         # Every process runs each generate step together (transformers' synced_gpus): set for a model
         # whose layers are gathered one at a time across processes (ZeRO-3 without a whole gather).
         self.synced_processes = False
@@ -53,6 +58,13 @@ class TransformersBackend:
         images: Sequence[Sequence[Any]] | None = None,
         progress: bool = False,
     ) -> list[list[Completion]]:
+        from finetune.model.adapters import merged_adapters
+
+        merging = merged_adapters(self.model) if self.merge_adapters else contextlib.nullcontext()
+        with merging:
+            return self._generate(prompts, params, seeds, batch_size, images, progress)
+
+    def _generate(self, prompts, params, seeds, batch_size, images, progress) -> list[list[Completion]]:
         return generate_ids(
             self.model,
             self.tokenizer,

@@ -10,9 +10,11 @@ How it is set up, and why:
   from the model's config and tokenizer written to a temporary folder (no second read of the weights
   from disk, and models built from an inline config or converted from GGUF work), then
   `sync_weights` loads the trained weights into it, before the first rollout and after every update.
-* **LoRA**: the adapters are merged into the base weights for the copy (PEFT's merge_adapter, then
-  unmerge_adapter), so vLLM runs the plain architecture at full speed; vLLM's own LoRA path would send
-  only the adapter but run the slower punica kernels. Which is faster per step was not measured: no
+* **LoRA**: the adapters are merged into the base weights for the copy (PEFT's safe merge into new
+  tensors, the originals put back bit for bit: finetune.model.adapters.merged_adapters; PEFT's
+  merge_adapter / unmerge_adapter, which round, where that cannot be: QLoRA, DoRA), so vLLM runs the
+  plain architecture at full speed; vLLM's own LoRA path would send only the adapter but run the
+  slower punica kernels. Which is faster per step was not measured: no
   GPU was lent when this was built (benchmarks/RESULTS.md says so).
 * **Prompts go in as token ids**; each completion is its own request with its own seed
   (finetune.objectives.rollout.completion_seed), so a prompt's completions do not depend on its
@@ -211,16 +213,21 @@ def vllm_named_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in model.named_parameters():
             yield name, param.data
         return
-    model.merge_adapter()
-    try:
-        prefix = getattr(model, "prefix", "lora_")
-        for name, param in model.named_parameters():
-            if prefix in name or "original_module" in name:
-                continue  # the adapters are merged; a module to save keeps its trained copy only
-            name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-            yield name.replace("modules_to_save.default.", ""), param.data
-    finally:
-        model.unmerge_adapter()
+    from finetune.model.adapters import merged_adapters
+
+    with merged_adapters(model) as exact:  # the base weights put back bit for bit afterwards
+        if not exact:  # QLoRA, DoRA: PEFT's merge and unmerge (which round)
+            model.merge_adapter()
+        try:
+            prefix = getattr(model, "prefix", "lora_")
+            for name, param in model.named_parameters():
+                if prefix in name or "original_module" in name:
+                    continue  # the adapters are merged; a module to save keeps its trained copy only
+                name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+                yield name.replace("modules_to_save.default.", ""), param.data
+        finally:
+            if not exact:
+                model.unmerge_adapter()
 
 
 def _base_model(model):

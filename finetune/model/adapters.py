@@ -1,12 +1,15 @@
 """LoRA adapters through PEFT: adding them (new, continued from a saved adapter, or data-driven inits
 from finetune.model.lora_init), saving PiSSA/OLoRA/CorDA adapters converted for the original base, the
-save arguments of an adapter on a GGUF base, NEFTune noise, and fp32 trainable weights.
+save arguments of an adapter on a GGUF base, NEFTune noise, fp32 trainable weights, and the adapters
+merged for a generate call and taken out again bit for bit (`merged_adapters`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -265,3 +268,59 @@ def adapter_save_kwargs(net) -> dict[str, Any]:
         net.get_base_model().config.vocab_size != AutoConfig.from_pretrained(resolve_path(base)).vocab_size
     )
     return {"save_embedding_layers": resized}
+
+
+def unmergeable(net) -> str | None:
+    """Why `merged_adapters` would leave `net` unmerged, or None when it can merge: a model without
+    LoRA adapters, adapters already merged, a LoRA variant (DoRA, ...) or a bias adapter, a base weight
+    that is not a plain tensor (bitsandbytes 4-bit, DeepSpeed ZeRO-3 partitions, FSDP's DTensor shards)."""
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in net.modules() if isinstance(m, BaseTunerLayer)]
+    if not layers:
+        return "no LoRA adapters"
+    for layer in layers:
+        if not isinstance(layer, LoraLayer):
+            return f"a {type(layer).__name__} adapter (LoRA only)"
+        if layer.merged:
+            return "the adapters are merged already"
+        if any(layer.lora_variant.values()) or any(layer.lora_bias.values()):
+            return "a LoRA variant (DoRA) or a bias adapter"
+        weight = getattr(layer.get_base_layer(), "weight", None)
+        if (
+            type(weight) is not torch.nn.Parameter
+            or hasattr(weight, "ds_id")
+            or not weight.is_floating_point()
+        ):
+            return f"a {type(weight).__name__} base weight (quantized or sharded)"
+    return None
+
+
+@contextlib.contextmanager
+def merged_adapters(net) -> Iterator[bool]:
+    """Inside, `net`'s LoRA adapters are merged into its base weights, so a forward runs the plain layers
+    (PEFT skips a merged adapter): generation decodes token by token, where every adapter's two extra
+    matmuls cost as much as the layer's own. On exit the base weights are the very tensors they were,
+    bit for bit. Yields whether it merged (`unmergeable` says why not; then nothing changes).
+
+    Written here because PEFT's merge_adapter / unmerge_adapter pair adds the adapter's product to the
+    weight and subtracts it again, which rounds: the base would drift a little at every call, and a
+    resumed run, which reloads the base, would no longer match an uninterrupted one. PEFT's safe merge
+    writes each merged weight into a new tensor instead; the originals are kept and put back, and PEFT's
+    record of what is merged is cleared. The cost: one more copy of the adapted weights while inside."""
+    from peft.tuners.lora import LoraLayer
+
+    if unmergeable(net) is not None:
+        yield False
+        return
+    layers = [m for m in net.modules() if isinstance(m, LoraLayer)]
+    originals = [layer.get_base_layer().weight.data for layer in layers]
+    try:
+        for layer in layers:
+            layer.merge(safe_merge=True)
+        yield True
+    finally:
+        for layer, weight in zip(layers, originals, strict=True):
+            layer.get_base_layer().weight.data = weight
+            layer.merged_adapters.clear()

@@ -24,6 +24,7 @@ The rollout's own parts (`rollout_plan`):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from finetune.accelerate_config import DistributedSetup
@@ -74,15 +75,16 @@ class Generation:
     prompt_kv: float  # the KV cache after the prompt forward
     prefill: float  # the prompt forward's activations (one layer at a time) and the prompts' ids
     autocast_copies: float  # 16-bit casts of trainable fp32 weights autocast keeps through a forward
+    merged_weights: float = 0.0  # LoRA merged into new copies of the adapted weights (grpo.merged_generation)
 
     @property
     def decode_peak(self) -> float:
         forward = self.kv_growth + self.held_scores + self.step_activations + self.autocast_copies
-        return self.kv_cache + self.ids + max(forward, self.step_logits)
+        return self.merged_weights + self.kv_cache + self.ids + max(forward, self.step_logits)
 
     @property
     def prefill_peak(self) -> float:
-        return self.prompt_kv + self.prefill + self.autocast_copies
+        return self.merged_weights + self.prompt_kv + self.prefill + self.autocast_copies
 
     @property
     def peak(self) -> float:
@@ -339,13 +341,16 @@ def generation_of(
     keeps Accelerate's autocast (and its cached casts of trainable fp32 weights)."""
     settings = online_section(recipe)
     r, c, autocast, fp32_lora = layout.residual_bytes, layout.compute_bytes, layout.autocast, ()
+    merged = 0.0
     if recipe.lora.enable_lora:
         c, autocast = r, False
         fsdp_mixed = engine.kind == "fsdp" and recipe.train.mixed_precision != "no"  # LoRA cast to bf16
-        if layout.lora_bytes == 4 and c != 4 and not fsdp_mixed:
+        if merges_for_generation(recipe, engine):  # the plain layers run: no adapter arithmetic
+            merged = float(sum(m.in_features * m.out_features for m in adapter.targets) * r)
+        elif layout.lora_bytes == 4 and c != 4 and not fsdp_mixed:
             first = [m for m in adapter.targets if m.layer is not None and m.kind == "linear"]
             fp32_lora = tuple(m.name.rsplit(".", 1)[-1] for m in first if m.layer == first[0].layer)
-    return generation_bytes(
+    gen = generation_bytes(
         inv,
         sequences=prompts * settings.num_generations,
         prompt_tokens=recipe.data.sequence_len,
@@ -358,6 +363,19 @@ def generation_of(
         autocast_copies=generation_autocast_copies(inv, recipe, layout),
         fp32_lora=fp32_lora,
     )
+    return dataclasses.replace(gen, merged_weights=merged)
+
+
+def merges_for_generation(recipe, engine: DistributedSetup) -> bool:
+    """Whether the transformers backend generates from merged LoRA weights (grpo.merged_generation, as
+    finetune.model.adapters.merged_adapters decides on the model: not a 4-bit base, DoRA or sharded
+    weights)."""
+    settings, lora = online_section(recipe), recipe.lora
+    sharded = engine.kind == "fsdp" or (engine.kind == "deepspeed" and engine.zero_stage == 3)
+    return bool(
+        settings.merged_generation and lora.enable_lora and not lora.enable_qlora and not lora.use_dora
+        and not sharded
+    )  # fmt: skip
 
 
 def _generation_parts(gen: Generation, settings, recipe, prompts: int) -> list[Part]:
@@ -382,7 +400,7 @@ def _generation_parts(gen: Generation, settings, recipe, prompts: int) -> list[P
                 note="one decoder layer's activations over every prompt token, without grad; ids",
             ),
         ]
-        return parts + ([_copies_part(gen)] if gen.autocast_copies else [])
+        return parts + ([_copies_part(gen)] if gen.autocast_copies else []) + _merged_part(gen)
     lengths = (
         f"{gen.cached_tokens} tokens (data.sequence_len {recipe.data.sequence_len} + grpo.max_new_tokens "
         f"{settings.max_new_tokens} - 1)"
@@ -396,6 +414,7 @@ def _generation_parts(gen: Generation, settings, recipe, prompts: int) -> list[P
         return [
             Part("KV cache (generate)", gen.kv_cache, note=f"{kv} x {shape} x {lengths}"),
             Part("logits + sampling (generate)", gen.step_logits + gen.ids, note=note),
+            *_merged_part(gen),
         ]
     note = "the last step's forward: the previous step's fp32 logits and scores, the new tokens' hidden states; ids"
     parts = [
@@ -406,7 +425,17 @@ def _generation_parts(gen: Generation, settings, recipe, prompts: int) -> list[P
         ),
         Part("scores + ids (generate)", gen.held_scores + gen.step_activations + gen.ids, note=note),
     ]
-    return parts + ([_copies_part(gen)] if gen.autocast_copies else [])
+    return parts + ([_copies_part(gen)] if gen.autocast_copies else []) + _merged_part(gen)
+
+
+def _merged_part(gen: Generation) -> list[Part]:
+    if not gen.merged_weights:
+        return []
+    note = (
+        "the adapted weights with LoRA merged in, new copies while generating (grpo.merged_generation; "
+        "false: none, the adapters computed at every token)"
+    )
+    return [Part("merged LoRA weights (generate)", gen.merged_weights, note=note)]
 
 
 def _copies_part(gen: Generation) -> Part:

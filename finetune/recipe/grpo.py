@@ -203,6 +203,13 @@ class GrpoSection(_Section):
         "per process sharing its GPU, synced with the trained weights after every update; pip install -e "
         '".[vllm]").',
     )
+    merged_generation: bool = Field(
+        True,
+        description="transformers: with LoRA, generate from the adapters merged into a copy of the adapted weights "
+        "(PEFT's safe merge; the original weights are put back bit for bit after every generate call): decoding "
+        "runs the plain layers, one more copy of the adapted weights while it samples (the planner counts it). "
+        "Ignored where PEFT cannot merge that way (QLoRA's 4-bit base, DoRA, sharded weights).",
+    )
     vllm_gpu_memory_utilization: float = Field(
         0.3,
         gt=0,
@@ -265,7 +272,7 @@ class GrpoSection(_Section):
     def backend_options(self) -> dict:
         """The generation backend's own settings (finetune.generation.backends.backend_for)."""
         if self.generation_backend != "vllm":
-            return {}
+            return {"merge_adapters": self.merged_generation}
         return {
             "gpu_memory_utilization": self.vllm_gpu_memory_utilization,
             "max_model_len": self.vllm_max_model_len,
@@ -285,6 +292,16 @@ class GrpoSection(_Section):
                             "is read by generation_backend: vllm only; remove it or set that backend",
                         )
                     )
+        vllm = self.generation_backend == "vllm"
+        if ok("merged_generation", "generation_backend") and vllm and not self.merged_generation:
+            problems.append(
+                (
+                    "merged_generation",
+                    False,
+                    "is read by generation_backend: transformers only (vllm is synced with merged weights "
+                    "always); remove it",
+                )
+            )
         if ok("rewards"):
             labels = [r.label for r in self.rewards if r is not None]
             for label in sorted({x for x in labels if labels.count(x) > 1}):

@@ -177,6 +177,11 @@ MEASURED = {  # id: model config, grpo, sequence_len, mixed precision (bf16: LoR
     ),
     # the vocabulary keeps CPU's copies of a frozen bf16 head below the peak (see the test)
     "lora-bf16": ({"hidden_size": 128, "intermediate_size": 384, "vocab_size": 256}, {"max_new_tokens": 24}, 32, "bf16"),
+    # the adapters computed at every token, not merged: their fp32 arithmetic instead of the merged copies
+    "lora-bf16-unmerged": (
+        {"hidden_size": 128, "intermediate_size": 384, "vocab_size": 256},
+        {"max_new_tokens": 24, "merged_generation": False}, 32, "bf16",
+    ),
 }  # fmt: skip
 
 
@@ -186,7 +191,8 @@ def test_predicted_generation_peak_matches_cpu(fresh_accelerator_state, config, 
     alive at once in the same call through the transformers backend on CPU (tests/memory.py): prompts at
     data.sequence_len (one a token shorter, so the batch is padded), every completion to max_new_tokens.
     bf16: Accelerate's autocast, which keeps the bf16 casts of trainable fp32 weights through a forward
-    (full fine-tuning with fp32 weights; LoRA on bf16 weights, generating through PEFT)."""
+    (full fine-tuning with fp32 weights; LoRA on bf16 weights, generating through PEFT: merged into copies of
+    the adapted weights by default, grpo.merged_generation, or computed at every token)."""
     from accelerate import Accelerator
 
     from finetune.generation.protocol import SamplingParams
@@ -222,7 +228,7 @@ def test_predicted_generation_peak_matches_cpu(fresh_accelerator_state, config, 
         max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
         num_return_sequences=settings.num_generations,
     )  # fmt: skip
-    backend = TransformersBackend(net, _Tokenizer())
+    backend = TransformersBackend(net, _Tokenizer(), **settings.backend_options)
 
     def rollout():
         out = backend.generate(prompts, params, seeds=seeds, batch_size=settings.generation_batch_size)
@@ -317,7 +323,9 @@ def test_sharded_generation_gather_and_layerwise(kind):
         assert layers.gpu_bytes >= 2 * inv.non_layer_params
     # ZeRO-1/2 and DDP keep whole weights: nothing to gather
     _, plain = _single(gather, DistributedSetup("deepspeed", num_processes=8, zero_stage=2))
-    assert not any("generate)" in p.name and "weights" in p.name for p in plain.rollout.parts)
+    gathers = ("whole weights (generate)", "gathered layers (generate)")
+    assert not any(p.name in gathers for p in plain.rollout.parts)
+    assert any(p.name == "merged LoRA weights (generate)" for p in plain.rollout.parts)  # whole: it merges
 
 
 # -------------------------------------------------------------------------------------- vLLM's share

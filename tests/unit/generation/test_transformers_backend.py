@@ -210,3 +210,39 @@ def test_greedy_needs_no_seeds_and_sampling_refuses_missing_ones(tokenizer, tiny
     assert [decode_completion(tokenizer, row[0].ids, stops=stops) for row in greedy] == texts
     with pytest.raises(ValueError, match="one seed per completion"):
         generate_ids(tiny, tokenizer, encoded, max_new_tokens=5, temperature=1.0, num_return_sequences=2)
+
+
+def test_merged_adapters_sample_what_the_adapters_sample_without_running_them(tokenizer, tiny) -> None:
+    """merge_adapters (grpo.merged_generation): the trained adapters are merged for the call, so no LoRA
+    matmul runs while decoding, the completions are the unmerged backend's, and the weights after the call
+    are the ones before, bit for bit."""
+    import copy
+
+    peft_model = apply_lora(
+        copy.deepcopy(tiny), LoraSection(enable_lora=True, lora_rank=4), gradient_checkpointing=False
+    )
+    torch.manual_seed(3)
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:  # a trained adapter (B is zero at init)
+            torch.nn.init.normal_(param, std=0.05)
+    encoded = [prompt_ids(tokenizer, p) for p in PROMPTS]
+    seeds = [[10 * k + j for j in range(2)] for k in range(len(PROMPTS))]
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, num_return_sequences=2)
+    calls = []
+    hooks = [
+        m.register_forward_hook(lambda *_: calls.append(1))
+        for name, m in peft_model.named_modules()
+        if name.endswith("lora_A.default")
+    ]
+    unmerged = TransformersBackend(peft_model, tokenizer).generate(encoded, params, seeds=seeds)
+    assert calls  # the adapters ran at every token
+    calls.clear()
+    weights = {name: p.detach().clone() for name, p in peft_model.named_parameters()}
+    merged = TransformersBackend(peft_model, tokenizer, merge_adapters=True).generate(encoded, params, seeds=seeds)
+    assert not calls  # merged: the plain layers ran
+    for hook in hooks:
+        hook.remove()
+    assert [[c.ids for c in row] for row in merged] == [[c.ids for c in row] for row in unmerged]
+    assert all(torch.equal(p, weights[name]) for name, p in peft_model.named_parameters())
+    plain = TransformersBackend(tiny, tokenizer).generate(encoded, params, seeds=seeds)
+    assert [[c.ids for c in row] for row in plain] != [[c.ids for c in row] for row in merged]  # trained
