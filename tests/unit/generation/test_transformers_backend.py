@@ -238,7 +238,9 @@ def test_merged_adapters_sample_what_the_adapters_sample_without_running_them(to
     assert calls  # the adapters ran at every token
     calls.clear()
     weights = {name: p.detach().clone() for name, p in peft_model.named_parameters()}
-    merged = TransformersBackend(peft_model, tokenizer, merge_adapters=True).generate(encoded, params, seeds=seeds)
+    merged = TransformersBackend(peft_model, tokenizer, merge_adapters=True).generate(
+        encoded, params, seeds=seeds
+    )
     assert not calls  # merged: the plain layers ran
     for hook in hooks:
         hook.remove()
