@@ -277,6 +277,7 @@ def start(
         if "mlflow" in names:
             note = mlflow_store(output_dir)
             if note:
+                _use_mlflow_store(os.environ["MLFLOW_TRACKING_URI"])
                 accelerator.print(note)
         accelerator.init_trackers(run_name, config=config)
         for note in missing_notes(names):
@@ -309,6 +310,18 @@ def mlflow_store(output_dir: Path | None, environ=os.environ) -> str | None:
             "true"  # the user asked for a file store: MLflow 3 wants this too
         )
     return None
+
+
+def _use_mlflow_store(store: str) -> None:
+    """MLflow's own tracking URI set to `store` too: a URI set in-process (mlflow.set_tracking_uri, which
+    some libraries call with MLflow's default) wins over the environment variable, and the default
+    (sqlite:///mlflow.db) is what mlflow-skinny cannot open. One set by the user to anything else stays."""
+    import mlflow
+    from mlflow.tracking._tracking_service import utils  # the in-process URI has no public getter
+
+    current = utils._tracking_uri
+    if current is None or (current.startswith("sqlite:") and current.endswith("/mlflow.db")):
+        mlflow.set_tracking_uri(store)
 
 
 def log_scalars(accelerator, values: dict[str, Any], step: int) -> None:

@@ -314,17 +314,25 @@ def test_validate_accepts_the_peers_trackers_and_explain_lists_them(tmp_path, ca
 
 
 @pytest.mark.slow  # MLflow runs `git version` for its run tags: a process
-def test_mlflow_without_a_tracking_uri_logs_to_a_file_store_in_output_dir(tmp_path, monkeypatch, capsys):
+def test_mlflow_without_a_tracking_uri_logs_to_a_file_store_in_output_dir(
+    tmp_path, monkeypatch, capsys, request
+):
     """mlflow-skinny's own default store (sqlite:///mlflow.db) fails with KeyError 'sqlite', and MLflow 3
     refuses a file store unless asked: with no MLFLOW_TRACKING_URI the run starts a file store in
     output_dir/mlruns (said once), and metrics land there."""
     pytest.importorskip("mlflow", reason="mlflow-skinny is in the test extra")
+    import mlflow
     from accelerate.tracking import MLflowTracker
     from mlflow.tracking import MlflowClient
 
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):  # unset, and unset again afterwards
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
+    # MLflow's in-process URI at its default, as a library that called mlflow.set_tracking_uri(
+    # mlflow.get_tracking_uri()) leaves it (CI met this: the in-process URI wins over the variable)
+    mlflow.set_tracking_uri(mlflow.get_tracking_uri())
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")  # set_tracking_uri sets it too
+    request.addfinalizer(lambda: mlflow.set_tracking_uri(None))
     run = tmp_path / "run"
     started = []
     acc = SimpleNamespace(
