@@ -191,7 +191,7 @@ def write_prompts(args, folder: Path, work: Path) -> tuple[Path, Path, float]:
 # --------------------------------------------------------------------------------------- finetune
 
 
-def finetune_recipe(args, folder: Path, data: Path, out: Path) -> dict:
+def finetune_recipe(args, folder: Path, data: Path, out: Path, *, merged: bool = True) -> dict:
     return {
         "model": {"model_path": str(folder), "torch_dtype": "fp32", "attn_implementation": "sdpa"},
         "data": {
@@ -242,6 +242,7 @@ def finetune_recipe(args, folder: Path, data: Path, out: Path) -> dict:
             "scale_rewards": "group",
             "generation_batch_size": args.prompts_per_step,  # one generate call per step, as TRL
             "log_completions": 0,
+            "merged_generation": merged,  # LoRA merged for each generate call (finetune's default)
             "rewards": [{"function": f"{Path(__file__).resolve()}:exact_match_reward"}],
         },
         "lora": {
@@ -254,13 +255,15 @@ def finetune_recipe(args, folder: Path, data: Path, out: Path) -> dict:
     }
 
 
-def run_finetune(args, folder: Path, data: Path, work: Path, index: int) -> dict:
+def run_finetune(args, folder: Path, data: Path, work: Path, index: int, *, merged: bool = True) -> dict:
     import yaml
 
-    out = work / f"finetune-{index}"
+    name = "finetune" if merged else "finetune-unmerged"
+    out = work / f"{name}-{index}"
     shutil.rmtree(out, ignore_errors=True)
-    path = work / f"finetune-{index}.yaml"
-    path.write_text(yaml.safe_dump(finetune_recipe(args, folder, data, out), sort_keys=False))
+    path = work / f"{name}-{index}.yaml"
+    recipe = finetune_recipe(args, folder, data, out, merged=merged)
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     # Prepare first, so the timed run only trains (cached after the first run).
     _run(
         [sys.executable, "-m", "finetune.cli", "prepare-dataset", str(path)],
@@ -479,7 +482,11 @@ def versions() -> str:
 
 
 def print_report(args, runs: dict[str, list[dict]], prompt_tokens: float) -> dict[str, dict]:
-    names = {"finetune": "finetune", "trl": "TRL GRPOTrainer"}
+    names = {
+        "finetune": "finetune",
+        "finetune-unmerged": "finetune, grpo.merged_generation false",
+        "trl": "TRL GRPOTrainer",
+    }
     median = {tool: medians(done) for tool, done in runs.items()}
     per_step = args.prompts_per_step * args.num_generations
     print(
@@ -502,7 +509,7 @@ def print_report(args, runs: dict[str, list[dict]], prompt_tokens: float) -> dic
             f"{r['training_seconds']:.2f} | {spread} | {r['peak_rss_gib']:.2f} | {r['completion_length']:.1f} | "
             f"{per_step} | {r['reward']:.3f} | {r['wall_s']:.0f} |"
         )
-    if len(median) == 2:
+    if "finetune" in median and "trl" in median:
         ft, trl = median["finetune"], median["trl"]
 
         def ratio(key: str) -> float:
@@ -523,7 +530,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--model", choices=sorted(DEFAULTS), default="smollm2")
     parser.add_argument("--data", help="prompt rows with question and answer (default: per --model)")
-    parser.add_argument("--tools", nargs="+", choices=["finetune", "trl"], default=["finetune", "trl"])
+    parser.add_argument(
+        "--tools",
+        nargs="+",
+        choices=["finetune", "finetune-unmerged", "trl"],
+        default=["finetune", "trl"],
+        help="finetune-unmerged: finetune with grpo.merged_generation false (the LoRA computed at every token)",
+    )
     parser.add_argument("--steps", type=int, help="optimizer steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the means")
     parser.add_argument("--num-generations", type=int, help="completions per prompt (the group)")
@@ -567,8 +580,8 @@ def main() -> None:
     ours, theirs, prompt_tokens = write_prompts(args, folder, work)
 
     def run(tool: str, index: int) -> dict:
-        if tool == "finetune":
-            return run_finetune(args, folder, ours, work, index)
+        if tool.startswith("finetune"):
+            return run_finetune(args, folder, ours, work, index, merged=tool == "finetune")
         return run_trl(args, folder, theirs, work, index)
 
     def describe(result: dict) -> str:
