@@ -191,7 +191,7 @@ def write_prompts(args, folder: Path, work: Path) -> tuple[Path, Path, float]:
 # --------------------------------------------------------------------------------------- finetune
 
 
-def finetune_recipe(args, folder: Path, data: Path, out: Path, *, merged: bool = True) -> dict:
+def finetune_recipe(args, folder: Path, data: Path, out: Path, *, merged: bool = False) -> dict:
     return {
         "model": {"model_path": str(folder), "torch_dtype": "fp32", "attn_implementation": "sdpa"},
         "data": {
@@ -242,7 +242,7 @@ def finetune_recipe(args, folder: Path, data: Path, out: Path, *, merged: bool =
             "scale_rewards": "group",
             "generation_batch_size": args.prompts_per_step,  # one generate call per step, as TRL
             "log_completions": 0,
-            "merged_generation": merged,  # LoRA merged for each generate call (finetune's default)
+            "merged_generation": merged,  # LoRA merged for each generate call (off by default)
             "rewards": [{"function": f"{Path(__file__).resolve()}:exact_match_reward"}],
         },
         "lora": {
@@ -255,10 +255,10 @@ def finetune_recipe(args, folder: Path, data: Path, out: Path, *, merged: bool =
     }
 
 
-def run_finetune(args, folder: Path, data: Path, work: Path, index: int, *, merged: bool = True) -> dict:
+def run_finetune(args, folder: Path, data: Path, work: Path, index: int, *, merged: bool = False) -> dict:
     import yaml
 
-    name = "finetune" if merged else "finetune-unmerged"
+    name = "finetune-merged" if merged else "finetune"
     out = work / f"{name}-{index}"
     shutil.rmtree(out, ignore_errors=True)
     path = work / f"{name}-{index}.yaml"
@@ -484,7 +484,7 @@ def versions() -> str:
 def print_report(args, runs: dict[str, list[dict]], prompt_tokens: float) -> dict[str, dict]:
     names = {
         "finetune": "finetune",
-        "finetune-unmerged": "finetune, grpo.merged_generation false",
+        "finetune-merged": "finetune, grpo.merged_generation true",
         "trl": "TRL GRPOTrainer",
     }
     median = {tool: medians(done) for tool, done in runs.items()}
@@ -533,9 +533,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tools",
         nargs="+",
-        choices=["finetune", "finetune-unmerged", "trl"],
+        choices=["finetune", "finetune-merged", "trl"],
         default=["finetune", "trl"],
-        help="finetune-unmerged: finetune with grpo.merged_generation false (the LoRA computed at every token)",
+        help="finetune-merged: finetune with grpo.merged_generation true (LoRA merged for each generate call)",
     )
     parser.add_argument("--steps", type=int, help="optimizer steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the means")
@@ -581,7 +581,7 @@ def main() -> None:
 
     def run(tool: str, index: int) -> dict:
         if tool.startswith("finetune"):
-            return run_finetune(args, folder, ours, work, index, merged=tool == "finetune")
+            return run_finetune(args, folder, ours, work, index, merged=tool == "finetune-merged")
         return run_trl(args, folder, theirs, work, index)
 
     def describe(result: dict) -> str:

@@ -204,11 +204,13 @@ class GrpoSection(_Section):
         '".[vllm]").',
     )
     merged_generation: bool = Field(
-        True,
+        False,
         description="transformers: with LoRA, generate from the adapters merged into a copy of the adapted weights "
         "(PEFT's safe merge; the original weights are put back bit for bit after every generate call): decoding "
-        "runs the plain layers, one more copy of the adapted weights while it samples (the planner counts it). "
-        "Ignored where PEFT cannot merge that way (QLoRA's 4-bit base, DoRA, sharded weights).",
+        "runs the plain layers, for one more copy of the adapted weights while it samples (the planner counts it) "
+        "and a pass over them per call. On CPU it gained nothing measurable (benchmarks/RESULTS.md); it is meant "
+        "for GPUs, where every adapter's extra kernels weigh on each decoded token. Ignored where PEFT cannot "
+        "merge that way (QLoRA's 4-bit base, DoRA, sharded weights).",
     )
     vllm_gpu_memory_utilization: float = Field(
         0.3,
@@ -293,11 +295,11 @@ class GrpoSection(_Section):
                         )
                     )
         vllm = self.generation_backend == "vllm"
-        if ok("merged_generation", "generation_backend") and vllm and not self.merged_generation:
+        if ok("merged_generation", "generation_backend") and vllm and self.merged_generation:
             problems.append(
                 (
                     "merged_generation",
-                    False,
+                    True,
                     "is read by generation_backend: transformers only (vllm is synced with merged weights "
                     "always); remove it",
                 )

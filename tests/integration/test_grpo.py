@@ -118,13 +118,20 @@ def test_grpo_trains_logs_rewards_evaluates_and_saves(tmp_path, prepared):
 def test_sigkill_then_resume_gives_the_same_completions_rewards_and_losses(tmp_path, prepared, variant):
     """LoRA dropout (the RNG matters), a KL term to the reference (adapters disabled; RLOO pays it out of
     the reward) and each rollout reused for two steps (the checkpoint at step 3 falls between them), the
-    LoRA merged for every generate call (grpo.merged_generation, the default): killed once step-3 is
-    saved."""
+    LoRA merged for every generate call (grpo.merged_generation: the weights put back bit for bit):
+    killed once step-3 is saved."""
     # 6 steps: rollouts at 1, 3 and 5; killed once step-3 is saved, the resumed run reuses step 3's
     # rollout (step 4) and makes a new one (step 5).
     args = [*variant, "--train.max_steps", "6", "--train.save_steps", "3", "--train.eval_steps", "null"]
     args += ["--lora.lora_dropout", "0.1", "--grpo.beta", "0.04", "--grpo.num_iterations", "2"]
-    args += ["--train.save_hf_weights", "false", "--grpo.max_new_tokens", "24"]
+    args += [
+        "--train.save_hf_weights",
+        "false",
+        "--grpo.max_new_tokens",
+        "24",
+        "--grpo.merged_generation",
+        "true",
+    ]
     reference = tmp_path / "reference"
     finetune("train", reference, prepared, *args)
     expected = steps_of(reference)

@@ -177,10 +177,10 @@ MEASURED = {  # id: model config, grpo, sequence_len, mixed precision (bf16: LoR
     ),
     # the vocabulary keeps CPU's copies of a frozen bf16 head below the peak (see the test)
     "lora-bf16": ({"hidden_size": 128, "intermediate_size": 384, "vocab_size": 256}, {"max_new_tokens": 24}, 32, "bf16"),
-    # the adapters computed at every token, not merged: their fp32 arithmetic instead of the merged copies
-    "lora-bf16-unmerged": (
+    # merged for the call (grpo.merged_generation): the merged copies instead of the adapters' fp32 arithmetic
+    "lora-bf16-merged": (
         {"hidden_size": 128, "intermediate_size": 384, "vocab_size": 256},
-        {"max_new_tokens": 24, "merged_generation": False}, 32, "bf16",
+        {"max_new_tokens": 24, "merged_generation": True}, 32, "bf16",
     ),
 }  # fmt: skip
 
@@ -191,8 +191,8 @@ def test_predicted_generation_peak_matches_cpu(fresh_accelerator_state, config, 
     alive at once in the same call through the transformers backend on CPU (tests/memory.py): prompts at
     data.sequence_len (one a token shorter, so the batch is padded), every completion to max_new_tokens.
     bf16: Accelerate's autocast, which keeps the bf16 casts of trainable fp32 weights through a forward
-    (full fine-tuning with fp32 weights; LoRA on bf16 weights, generating through PEFT: merged into copies of
-    the adapted weights by default, grpo.merged_generation, or computed at every token)."""
+    (full fine-tuning with fp32 weights; LoRA on bf16 weights, generating through PEFT: computed at every token,
+    or merged into copies of the adapted weights with grpo.merged_generation)."""
     from accelerate import Accelerator
 
     from finetune.generation.protocol import SamplingParams
@@ -325,7 +325,11 @@ def test_sharded_generation_gather_and_layerwise(kind):
     _, plain = _single(gather, DistributedSetup("deepspeed", num_processes=8, zero_stage=2))
     gathers = ("whole weights (generate)", "gathered layers (generate)")
     assert not any(p.name in gathers for p in plain.rollout.parts)
-    assert any(p.name == "merged LoRA weights (generate)" for p in plain.rollout.parts)  # whole: it merges
+    merging = _recipe(lora=lora, train=train, model={"torch_dtype": "auto"}, grpo={"merged_generation": True})
+    _, merged = _single(merging, DistributedSetup("deepspeed", num_processes=8, zero_stage=2))
+    assert any(p.name == "merged LoRA weights (generate)" for p in merged.rollout.parts)  # whole: it merges
+    _, sharded = _single(merging, engine)
+    assert not any(p.name == "merged LoRA weights (generate)" for p in sharded.rollout.parts)  # shards: not
 
 
 # -------------------------------------------------------------------------------------- vLLM's share
