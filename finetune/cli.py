@@ -13,6 +13,7 @@ from pathlib import Path
 
 from finetune.accelerate_config import list_configs, resolve_accelerate_config
 from finetune.errors import FinetuneError
+from finetune.gguf.export import K_QUANTS, OUTTYPES
 from finetune.launcher import run_supervised
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
@@ -196,7 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
         "output_dir", help="a run's train.output_dir: an adapter, a full or a merged model folder"
     )
     export.add_argument(
-        "--outtype", choices=["f16", "bf16", "q8_0"], default="f16", help="weight type of the matrices (f16)"
+        "--outtype",
+        choices=[*OUTTYPES, *K_QUANTS],
+        default="f16",
+        help="weight type of the matrices (f16); the k-quants are refused with what is written",
     )
     export.add_argument(
         "--output", metavar="FILE", help="the .gguf file (default: OUTPUT_DIR/<name>-<outtype>.gguf)"

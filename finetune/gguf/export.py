@@ -9,9 +9,11 @@ GGUFWriter the way llama.cpp's own converter (convert_hf_to_gguf.py) lays out a 
   embeddings are tied (llama.cpp then reuses `token_embd.weight`, and transformers reads the absence as
   `tie_word_embeddings`); the llama architecture's Q and K rows permuted as llama.cpp's rotary
   embedding expects them (transformers permutes them back when it loads the file);
-* 1-D tensors (norms, biases) in F32, matrices in the outtype (F16, BF16, or Q8_0 through
-  gguf.quants.quantize; a matrix whose rows are not a multiple of Q8_0's 32-value block stays F16,
-  and the export says how many did);
+* 1-D tensors (norms, biases) in F32, matrices in the outtype (F16, BF16, or Q8_0, Q4_0, Q4_1,
+  Q5_0, Q5_1 through gguf.quants.quantize; a matrix whose rows are not a multiple of the type's
+  32-value block stays F16, as llama.cpp's converter does for Q8_0, and the export says how many did);
+  the k-quants (Q4_K_M, Q5_K_M, Q6_K) are refused with the list of what is written: the gguf package
+  only reads them, and llama.cpp's quantizer ships on PyPI only as a source build (llama-cpp-python);
 * the hyperparameters llama.cpp reads (`<arch>.context_length`, `embedding_length`, `block_count`,
   `feed_forward_length`, `attention.head_count(_kv)`, `attention.layer_norm_rms_epsilon`,
   `rope.freq_base`, `rope.dimension_count`, rope scaling where set, `vocab_size`, `general.file_type`);
@@ -45,7 +47,38 @@ if TYPE_CHECKING:
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-OUTTYPES = ("f16", "bf16", "q8_0")
+# --outtype values the export writes: the matrices' GGML type (gguf.GGMLQuantizationType[name.upper()]).
+# The quantized ones are those the gguf package quantizes in Python (gguf.quants: a quantize_blocks).
+OUTTYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
+
+# k-quants as Unsloth and llama.cpp's llama-quantize spell them. gguf.quants (0.19) has no quantizer for
+# Q4_K/Q5_K/Q6_K (it only dequantizes them), so they are refused with what is written and how to make
+# one from an f16 export; the _m/_s mixes (Q6_K/Q5_K for some tensors) are llama-quantize's own.
+# tests/unit/gguf/test_gguf_export.py checks that gguf still cannot write them.
+K_QUANTS = ("q4_k", "q4_k_s", "q4_k_m", "q5_k", "q5_k_s", "q5_k_m", "q6_k")
+
+
+def check_outtype(outtype: str) -> None:
+    """Refuse an outtype the export does not write, saying what it writes (and for a k-quant, why not).
+
+    >>> check_outtype("q5_1")
+    """
+    if outtype in OUTTYPES:
+        return
+    from importlib.metadata import version
+
+    written = ", ".join(OUTTYPES)
+    if outtype in K_QUANTS:
+        raise FinetuneError(
+            f"export-gguf: --outtype {outtype!r} is a k-quant, which the installed gguf package "
+            f"({version('gguf')}) reads but cannot write (it has no quantizer for Q4_K, Q5_K, Q6_K), and "
+            "llama.cpp's quantizer is not a package dependency (llama-cpp-python on PyPI is a source "
+            "build, not a wheel). Written here: "
+            f"{written}. For {outtype.upper()}, export f16 and run llama.cpp's "
+            f"`llama-quantize RUN-f16.gguf RUN-{outtype}.gguf {outtype.upper()}`"
+        )
+    raise FinetuneError(f"export-gguf: --outtype {outtype!r} is not one of {written}")
 
 
 # llama.cpp's rope scaling types the export writes (transformers' rope_type -> GGUF's).
@@ -84,6 +117,7 @@ def write_gguf(net, tokenizer, path: Path, *, outtype: str, name: str) -> dict[s
     import gguf
 
     arch = gguf_architecture(net.config.model_type)
+    check_outtype(outtype)
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -139,12 +173,8 @@ def _add_hyperparameters(writer, config, name: str, outtype: str) -> None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_file_type(
-        {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}.get(
-            outtype, gguf.LlamaFileType.MOSTLY_Q8_0
-        )
-    )
-    if outtype == "q8_0":
+    writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{outtype.upper()}"])
+    if outtype not in ("f16", "bf16"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     rope = dict(getattr(config, "rope_parameters", None) or {})
     if "rope_theta" in rope:
@@ -230,7 +260,7 @@ def _add_tensors(writer, net, arch: str, outtype: str) -> dict[str, int]:
             heads = config.num_attention_heads
             data = permute_for_llama_cpp(data, (config.num_key_value_heads or heads) if kv else heads)
         qtype = _tensor_type(data, outtype)
-        if outtype == "q8_0" and qtype != gguf.GGMLQuantizationType.Q8_0 and data.ndim > 1:
+        if data.ndim > 1 and qtype.name != outtype.upper():
             fallback.append(gguf_name)
         writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         counts[qtype.name] = counts.get(qtype.name, 0) + 1
@@ -240,9 +270,10 @@ def _add_tensors(writer, net, arch: str, outtype: str) -> dict[str, int]:
         )
         counts["F32"] = counts.get("F32", 0) + 1
     if fallback:
+        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[outtype.upper()]][0]
         warn(
-            f"{len(fallback)} matrices have rows that are not a multiple of Q8_0's 32-value block and were "
-            f"written as F16 instead (e.g. {fallback[0]}); as llama.cpp's converter does"
+            f"{len(fallback)} matrices have rows that are not a multiple of {outtype.upper()}'s {block}-value "
+            f"block and were written as F16 instead (e.g. {fallback[0]}); as llama.cpp's converter does"
         )
     return counts
 
@@ -259,16 +290,16 @@ def _arch_enum(arch: str):
 
 def _tensor_type(data: np.ndarray, outtype: str):
     """The GGML type a tensor is written in: 1-D ones (norms, biases) in F32, as llama.cpp's converter
-    keeps them; matrices in the outtype, Q8_0 only where each row is whole blocks of 32 values."""
+    keeps them; matrices in the outtype, a quantized one only where each row is whole blocks (F16
+    otherwise)."""
     import gguf
 
     types = gguf.GGMLQuantizationType
     if data.ndim <= 1:
         return types.F32
-    if outtype == "q8_0":
-        block = gguf.GGML_QUANT_SIZES[types.Q8_0][0]
-        return types.Q8_0 if data.shape[-1] % block == 0 else types.F16
-    return types.BF16 if outtype == "bf16" else types.F16
+    qtype = types[outtype.upper()]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    return qtype if data.shape[-1] % block == 0 else types.F16
 
 
 def permute_for_llama_cpp(weights: np.ndarray, heads: int) -> np.ndarray:

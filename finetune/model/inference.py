@@ -15,7 +15,7 @@ import torch
 
 from finetune.errors import FinetuneError, write_error, write_failure_reason
 from finetune.gguf.convert import resolve_model_source, resolve_path
-from finetune.gguf.export import OUTTYPES, default_output, gguf_architecture, write_gguf
+from finetune.gguf.export import check_outtype, default_output, gguf_architecture, write_gguf
 from finetune.gguf.names import is_gguf_name, is_package_ref
 from finetune.model import vlm
 from finetune.model.build import DTYPES
@@ -276,8 +276,7 @@ def export_gguf(
     """Write what training left in `output_dir` (an adapter is merged into its base first) as a GGUF
     file at `output` (default: `default_output`); returns its path. The file must be a .gguf name (so
     no file of the run, its adapter or weights, can be replaced) and must not exist unless `overwrite`."""
-    if outtype not in OUTTYPES:
-        raise FinetuneError(f"export-gguf: --outtype {outtype!r} is not one of {', '.join(OUTTYPES)}")
+    check_outtype(outtype)
     target = Path(output) if output else default_output(output_dir, outtype)
     check_export_target(target, overwrite=overwrite)
     _refuse_unsupported_early(output_dir, base)

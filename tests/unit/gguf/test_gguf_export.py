@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import finetune.gguf.export
 from finetune.errors import FinetuneError, WriteError
-from finetune.gguf.export import write_gguf
+from finetune.gguf.export import K_QUANTS, OUTTYPES, write_gguf
 from finetune.model.inference import export_gguf
 from tests.tiny import save_tiny_lora_run
 
@@ -36,9 +36,12 @@ TEXTS = [
     "<|im_start|>user\nhi<|im_end|>",
 ]
 # Largest logit difference allowed, as a fraction of the largest logit: f16 and bf16 round each weight
-# to 11 and 8 significant bits; Q8_0 stores each block of 32 weights as int8 times one f16 scale.
-# Measured on these models: 0.05%, 0.4% and 1.3% (the weights themselves are checked exactly).
-TOLERANCE = {"f16": 2e-3, "bf16": 1e-2, "q8_0": 3e-2}
+# to 11 and 8 significant bits; Q8_0 stores each block of 32 weights as int8 times one f16 scale;
+# Q5_x and Q4_x as 5 and 4 bits times a scale (and, _1, a minimum). Measured on these models: 0.05%,
+# 0.4%, 1.3%; Q5_1 3.4-15%, Q5_0 4.1-20%, Q4_1 6.6-26%, Q4_0 9.6-37% (Qwen3 the largest: its
+# logits are small, largest 0.6, on random weights, so the rounding weighs more). The weights
+# themselves are checked exactly against gguf's own quantize and dequantize.
+TOLERANCE = {"f16": 2e-3, "bf16": 1e-2, "q8_0": 3e-2, "q5_1": 0.25, "q5_0": 0.3, "q4_1": 0.4, "q4_0": 0.5}
 # One tiny model per supported model type: untied Llama, Mistral, Qwen2 with tied embeddings (and its
 # q/k/v biases), Qwen3 with q/k norms and a head_dim apart from hidden/heads (128, transformers' GGUF
 # loader's Qwen3 default: it does not read attention.key_length back for qwen3).
@@ -86,7 +89,7 @@ def test_export_loads_back_with_the_same_logits_weights_and_tokenizer(tmp_path, 
     ids = torch.tensor([demo_tokenizer(TEXTS[0]).input_ids])
     with torch.no_grad():
         want = net(ids).logits
-    for outtype in ("f16", "bf16", "q8_0"):
+    for outtype in OUTTYPES:
         path = tmp_path / f"tiny-{model_type}-{outtype}.gguf"
         write_gguf(net, demo_tokenizer, path, outtype=outtype, name=f"tiny-{model_type}")
         back, tokenizer = load_back(path)
@@ -96,8 +99,10 @@ def test_export_loads_back_with_the_same_logits_weights_and_tokenizer(tmp_path, 
         assert diff <= TOLERANCE[outtype] * want.abs().max().item(), (outtype, diff)
         assert diff > 0 or outtype == "f16"  # the file's rounding is seen: this is the file's model
         # Weights: each matrix exactly as the outtype rounds it, 1-D tensors exactly (F32).
-        qtype = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16}.get(
-            outtype, gguf.GGMLQuantizationType.Q8_0
+        qtype = gguf.GGMLQuantizationType[outtype.upper()]
+        assert (
+            gguf.GGUFReader(path).fields["general.file_type"].contents()
+            == (gguf.LlamaFileType[f"MOSTLY_{outtype.upper()}"])
         )
         loaded = back.state_dict()
         for name, tensor in net.state_dict().items():
@@ -145,6 +150,15 @@ def test_what_llama_cpp_runs_differently_is_said(tmp_path, demo_tokenizer, capsy
     assert "warning: 14 matrices have rows that are not a multiple of Q8_0's 32-value block" in err
     assert "sliding window of 16 tokens, which llama.cpp's llama architecture does not apply" in err
     assert load_back(tmp_path / "m.gguf")[0].config.hidden_size == 48
+    # The same for the 4- and 5-bit types (blocks of 32 too), named in the warning.
+    assert write_gguf(net, demo_tokenizer, tmp_path / "m5.gguf", outtype="q5_1", name="m") == {
+        "F16": 14,
+        "Q5_1": 2,
+        "F32": 5,
+    }
+    assert "warning: 14 matrices have rows that are not a multiple of Q5_1's 32-value block" in (
+        capsys.readouterr().err
+    )
     spec = {"pre_tokenizer": {"type": "Whitespace"}}
     assert finetune.gguf.export.pre_tokenizer_name(spec) == "default"
     assert "pre-tokenizer (Whitespace) has no name in llama.cpp" in capsys.readouterr().err
@@ -307,8 +321,32 @@ def test_unsupported_architecture_is_refused_listing_the_supported(tmp_path) -> 
     ):
         export_gguf(str(folder))  # from the config alone, before the weights load
     assert list(folder.glob("*.gguf")) == []
-    with pytest.raises(FinetuneError, match="--outtype 'q4_k' is not one of f16, bf16, q8_0"):
-        export_gguf(str(folder), outtype="q4_k")
+    with pytest.raises(
+        FinetuneError, match=r"--outtype 'q3_k_m' is not one of f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1$"
+    ):
+        export_gguf(str(folder), outtype="q3_k_m")
+
+
+@pytest.mark.parametrize("outtype", K_QUANTS)
+def test_k_quants_are_refused_with_what_is_written(tmp_path, demo_tokenizer, outtype) -> None:
+    """Unsloth's k-quant spellings are accepted by the command and refused with the list of what the
+    export writes, because the gguf package cannot write them: the day it can, this test fails."""
+    qtype = gguf.GGMLQuantizationType[outtype.removesuffix("_m").removesuffix("_s").upper()]
+    with pytest.raises(NotImplementedError):  # gguf.quants: the k-quants have no quantize_blocks
+        gguf.quants.quantize(np.zeros((1, 256), dtype=np.float32), qtype)
+    message = (
+        rf"--outtype '{outtype}' is a k-quant, which the installed gguf package \(.+\) reads but cannot "
+        r"write .* Written here: f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1\. For "
+        rf"{outtype.upper()}, export f16 and run llama.cpp's `llama-quantize RUN-f16.gguf "
+        rf"RUN-{outtype}.gguf {outtype.upper()}`"
+    )
+    with pytest.raises(FinetuneError, match=message):
+        export_gguf(str(tmp_path / "never-read"), outtype=outtype)  # before anything is loaded
+    with pytest.raises(FinetuneError, match=message):
+        write_gguf(
+            tiny("llama", len(demo_tokenizer)), demo_tokenizer, tmp_path / "k.gguf", outtype=outtype, name="k"
+        )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_command_says_errors_without_a_traceback(tmp_path, capsys) -> None:
@@ -318,8 +356,11 @@ def test_the_command_says_errors_without_a_traceback(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith(f"error: {tmp_path / 'nowhere'} does not exist") and "Traceback" not in err
     with pytest.raises(SystemExit):  # argparse: exit 2 with the choices
-        main(["export-gguf", str(tmp_path), "--outtype", "q4_0"])
-    assert "invalid choice: 'q4_0' (choose from 'f16', 'bf16', 'q8_0')" in capsys.readouterr().err
+        main(["export-gguf", str(tmp_path), "--outtype", "q2_k"])
+    assert "invalid choice: 'q2_k' (choose from 'f16', 'bf16', 'q8_0', 'q4_0'" in capsys.readouterr().err
+    assert main(["export-gguf", str(tmp_path), "--outtype", "q4_k_m"]) == 2  # a k-quant: why, not a traceback
+    err = capsys.readouterr().err
+    assert err.startswith("error: export-gguf: --outtype 'q4_k_m' is a k-quant") and "Traceback" not in err
 
 
 def test_a_full_disk_is_a_write_error_and_leaves_nothing(tmp_path, demo_tokenizer) -> None:
