@@ -79,6 +79,16 @@ def _load_config(model: ModelSection):
         raise FinetuneError(f"model.config_path: could not load a config from {source!r}: {exc}") from None
 
 
+def _config_for(model: ModelSection):
+    """The config the model is built with: model.config_path's (None: from_pretrained reads model_path's),
+    with model.rope_scaling and model.max_position_embeddings written in (finetune.model.context)."""
+    from finetune.model.context import apply_context_settings
+
+    if model.rope_scaling is None and model.max_position_embeddings is None:
+        return _load_config(model) if model.config_path is not None else None
+    return apply_context_settings(_load_config(model), model)
+
+
 def check_attention_backend(name: str) -> None:
     """Fail early, with a fix, when the attention backend cannot run here."""
     if name == "flash_attention_2":
@@ -115,10 +125,12 @@ def build_model(
     mixed_precision: str,
     vocab_size: int,
     gradient_checkpointing: bool,
+    distributed_config=None,
 ):
     """Load pretrained weights (4-bit for QLoRA) or build a random-init model from a config.
 
-    LoRA adapters are added afterwards by `apply_lora`.
+    LoRA adapters are added afterwards by `apply_lora`. `distributed_config` (transformers'; tensor
+    parallel, finetune.parallel.tensor) splits pretrained weights by the model's TP plan as they load.
 
     `vocab_size` is the tokenizer's length: the embeddings grow to it when special tokens were added.
     A GGUF model loads from its converted folder; an adapter names the GGUF file as its base
@@ -127,7 +139,7 @@ def build_model(
     check_attention_backend(model.attn_implementation)
     portable = portable_base(model.model_path, model.gguf_file, model.revision)
     model = resolve_model_source(model)
-    net = _load_weights(model, lora, mixed_precision)
+    net = _load_weights(model, lora, mixed_precision, distributed_config)
     if portable is not None:
         # PEFT records the model's name_or_path as the adapter's base: the GGUF file's portable name,
         # not the conversion cache's folder, which exists on this machine only (finetune.gguf).
@@ -147,7 +159,7 @@ def build_model(
     return net
 
 
-def _load_weights(model: ModelSection, lora: LoraSection, mixed_precision: str):
+def _load_weights(model: ModelSection, lora: LoraSection, mixed_precision: str, distributed_config=None):
     """The model of a resolved section: its pretrained weights (4-bit for QLoRA, a VLM's vision tower
     and projector left unquantized: finetune.model.vlm.unquantized_modules), or a random init from
     its config."""
@@ -156,6 +168,8 @@ def _load_weights(model: ModelSection, lora: LoraSection, mixed_precision: str):
     auto = AutoModelForImageTextToText if model.kind == "vlm" else AutoModelForCausalLM
     dtype = weight_dtype(model, lora, mixed_precision)
     common: dict[str, Any] = {"attn_implementation": model.attn_implementation, "dtype": dtype}
+    if distributed_config is not None:
+        common["distributed_config"] = distributed_config
     if lora.enable_qlora:
         skip = (
             vlm.unquantized_modules(_load_config(model), trust_remote_code=model.trust_remote_code)
@@ -169,7 +183,7 @@ def _load_weights(model: ModelSection, lora: LoraSection, mixed_precision: str):
         try:
             return auto.from_pretrained(
                 model.model_path,
-                config=_load_config(model) if model.config_path is not None else None,
+                config=_config_for(model),
                 revision=model.revision,
                 trust_remote_code=model.trust_remote_code,
                 **common,
@@ -183,7 +197,7 @@ def _load_weights(model: ModelSection, lora: LoraSection, mixed_precision: str):
                 "pytorch_model.bin and its shards), or leave it unset and give model.config_path to train from "
                 "a random init"
             ) from None
-    config = _load_config(model)
+    config = _config_for(model)
     if lora.enable_qlora:
         raise FinetuneError(
             "lora.enable_qlora quantizes pretrained weights: set model.model_path "
