@@ -14,6 +14,8 @@ Built-ins (grpo.rewards[].name):
 * ``format``: 1.0 when the completion matches a regex, else 0.0;
 * ``length``: DAPO's soft overlong penalty, from the completion's token count.
 
+A trained reward model (grpo.rewards[].model) is a reward function too: finetune.generation.reward_model.
+
 >>> exact = builtin_reward("exact_match", field_expected="answer")
 >>> exact(["so it is 7. #### 7", "#### 8"], [{"answer": "#### 7"}, {"answer": "#### 7"}])
 [1.0, 0.0]
@@ -145,12 +147,29 @@ def load_function(path: str, *, base: Path | None = None) -> RewardFn:
 
 
 def build_rewards(
-    specs: Sequence[Any], *, max_new_tokens: int, count_tokens, base: Path | None = None
+    specs: Sequence[Any],
+    *,
+    max_new_tokens: int,
+    count_tokens,
+    base: Path | None = None,
+    device: Any = "cpu",
+    prompt_fields: Sequence[str] = (),
+    section: str = "grpo",
 ) -> list[Reward]:
-    """The recipe's grpo.rewards as Reward objects (functions imported now, so a bad path fails at start)."""
+    """The recipe's grpo.rewards as Reward objects (functions imported now, reward models loaded now onto
+    `device`, so a bad path or a model with the wrong head fails at start). A reward model reads each
+    row's prompt from its field_prompt, else from the first of `prompt_fields` the row has."""
     rewards = []
-    for spec in specs:
-        if spec.function is not None:
+    for i, spec in enumerate(specs):
+        if getattr(spec, "model", None) is not None:
+            from finetune.generation.reward_model import reward_model_reward
+
+            fields = (spec.field_prompt,) if spec.field_prompt else tuple(prompt_fields)
+            where = f"{section}.rewards.{i}.model"
+            fn = reward_model_reward(
+                spec.model, batch_size=spec.batch_size, device=device, prompt_fields=fields, where=where
+            )
+        elif spec.function is not None:
             fn = load_function(spec.function, base=base)
         else:
             fn = builtin_reward(
@@ -220,7 +239,9 @@ def _number(reward: Reward, value: Any, k: int, completions: list[str], rows: li
     if isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_":
         number = float(value)
     if number is None or not math.isfinite(number) or abs(number) > MAX_REWARD:
-        allowed = "finite numbers" if number is None or not math.isfinite(number) else f"within +-{MAX_REWARD:g}"
+        allowed = (
+            "finite numbers" if number is None or not math.isfinite(number) else f"within +-{MAX_REWARD:g}"
+        )
         raise FinetuneError(
             f"reward {reward.name} returned {value!r} for completion {k} (row {_short(rows[k])}, completion "
             f"{completions[k][:80]!r}): rewards must be {allowed}"

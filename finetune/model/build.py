@@ -11,7 +11,7 @@ import importlib.util
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -79,13 +79,14 @@ def _load_config(model: ModelSection):
         raise FinetuneError(f"model.config_path: could not load a config from {source!r}: {exc}") from None
 
 
-def _config_for(model: ModelSection):
-    """The config the model is built with: model.config_path's (None: from_pretrained reads model_path's),
-    with model.rope_scaling and model.max_position_embeddings written in (finetune.model.context)."""
+def _config_for(model: ModelSection, *, load: bool = False):
+    """The config the model is built with: model.config_path's, or model_path's when `load` (None otherwise:
+    from_pretrained reads model_path's), with model.rope_scaling and model.max_position_embeddings written
+    in (finetune.model.context; the config is then always loaded)."""
     from finetune.model.context import apply_context_settings
 
     if model.rope_scaling is None and model.max_position_embeddings is None:
-        return _load_config(model) if model.config_path is not None else None
+        return _load_config(model) if model.config_path is not None or load else None
     return apply_context_settings(_load_config(model), model)
 
 
@@ -125,12 +126,20 @@ def build_model(
     mixed_precision: str,
     vocab_size: int,
     gradient_checkpointing: bool,
+    head: Literal["lm", "score"] = "lm",
+    pad_token_id: int | None = None,
+    seed: int = 0,
     distributed_config=None,
 ):
     """Load pretrained weights (4-bit for QLoRA) or build a random-init model from a config.
 
     LoRA adapters are added afterwards by `apply_lora`. `distributed_config` (transformers'; tensor
     parallel, finetune.parallel.tensor) splits pretrained weights by the model's TP plan as they load.
+
+    `head` is the output head: the language-model head (`lm`), or one score per token (`score`: a reward
+    model, transformers' AutoModelForSequenceClassification with num_labels 1, whose config records
+    `pad_token_id`, where its pooling stops). A score head the weights do not hold (a causal LM's
+    checkpoint) is new: `init_score_head` draws it from `seed`, so `finetune eval` rebuilds the same one.
 
     `vocab_size` is the tokenizer's length: the embeddings grow to it when special tokens were added.
     A GGUF model loads from its converted folder; an adapter names the GGUF file as its base
@@ -139,7 +148,14 @@ def build_model(
     check_attention_backend(model.attn_implementation)
     portable = portable_base(model.model_path, model.gguf_file, model.revision)
     model = resolve_model_source(model)
-    net = _load_weights(model, lora, mixed_precision, distributed_config)
+    net, new_head = _load_weights(
+        model, lora, mixed_precision, head=head, distributed_config=distributed_config
+    )
+    if head == "score":
+        net.config.pad_token_id = pad_token_id
+        if new_head:
+            logger.info("the weights hold no score head: a new one, drawn from seed %d", seed)
+            init_score_head(net, seed)
     if portable is not None:
         # PEFT records the model's name_or_path as the adapter's base: the GGUF file's portable name,
         # not the conversion cache's folder, which exists on this machine only (finetune.gguf).
@@ -159,17 +175,27 @@ def build_model(
     return net
 
 
-def _load_weights(model: ModelSection, lora: LoraSection, mixed_precision: str, distributed_config=None):
+def _load_weights(
+    model: ModelSection, lora: LoraSection, mixed_precision: str, *, head: str = "lm", distributed_config=None
+):
     """The model of a resolved section: its pretrained weights (4-bit for QLoRA, a VLM's vision tower
     and projector left unquantized: finetune.model.vlm.unquantized_modules), or a random init from
-    its config."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    its config; with `head` score, a one-output sequence-classification model. Returns (the model,
+    whether its score head is new: not in the weights)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
 
     auto = AutoModelForImageTextToText if model.kind == "vlm" else AutoModelForCausalLM
     dtype = weight_dtype(model, lora, mixed_precision)
     common: dict[str, Any] = {"attn_implementation": model.attn_implementation, "dtype": dtype}
     if distributed_config is not None:
         common["distributed_config"] = distributed_config
+    config = _config_for(model, load=head == "score")
+    if head == "score":  # one output; set on the config, which from_pretrained then takes as it is
+        auto, config.num_labels = AutoModelForSequenceClassification, 1
     if lora.enable_qlora:
         skip = (
             vlm.unquantized_modules(_load_config(model), trust_remote_code=model.trust_remote_code)
@@ -181,11 +207,12 @@ def _load_weights(model: ModelSection, lora: LoraSection, mixed_precision: str, 
         )
     if model.model_path is not None:
         try:
-            return auto.from_pretrained(
+            loaded = auto.from_pretrained(
                 model.model_path,
-                config=_config_for(model),
+                config=config,
                 revision=model.revision,
                 trust_remote_code=model.trust_remote_code,
+                output_loading_info=head == "score",
                 **common,
             )
         except OSError as exc:  # transformers' word for a location without loadable weights
@@ -197,18 +224,37 @@ def _load_weights(model: ModelSection, lora: LoraSection, mixed_precision: str, 
                 "pytorch_model.bin and its shards), or leave it unset and give model.config_path to train from "
                 "a random init"
             ) from None
-    config = _config_for(model)
+        if head != "score":
+            return loaded, False
+        net, info = loaded
+        return net, any(key.startswith("score.") for key in info["missing_keys"])
+    config = config or _config_for(model, load=True)
     if lora.enable_qlora:
         raise FinetuneError(
             "lora.enable_qlora quantizes pretrained weights: set model.model_path "
             "(for a random-init model, save it with save_pretrained first)"
         )
-    return auto.from_config(
+    net = auto.from_config(
         config,
         attn_implementation=model.attn_implementation,
         dtype=dtype,
         trust_remote_code=model.trust_remote_code,
     )
+    return net, head == "score"
+
+
+def init_score_head(net, seed: int) -> None:
+    """A new score head's weights drawn from their own generator seeded by `seed` (transformers' init:
+    normal, std initializer_range, zero bias), whatever the global RNG has drawn before: the head a
+    reward run starts from, and the one `finetune eval` gives the base model, are the same."""
+    head = net.score
+    generator = torch.Generator().manual_seed(seed)
+    std = getattr(net.config.get_text_config(), "initializer_range", 0.02)
+    with torch.no_grad():
+        weight = torch.empty(head.weight.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+        head.weight.copy_(weight.to(head.weight.dtype))
+        if head.bias is not None:
+            head.bias.zero_()
 
 
 def qlora_config(lora: LoraSection, *, compute_dtype: torch.dtype, skip_modules: list[str] | None = None):

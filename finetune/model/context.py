@@ -78,18 +78,3 @@ def context_warning(config, model, sequence_len: int) -> str | None:
         f"--model.rope_scaling '{{rope_type: yarn, factor: {needed}}}' with --model.max_position_embeddings "
         f"{sequence_len}"
     )
-
-
-def context_warnings(model, sequence_len: int) -> list[str]:
-    """`context_warning` for the recipe's model section, its config read as the model ships it (a config
-    that cannot be read here gives no warning: loading the model reports that)."""
-    from finetune.model.build import _load_config
-
-    if getattr(model, "kind", "llm") == "diffusion":
-        return []
-    try:
-        config = _load_config(model)
-    except (FinetuneError, OSError, ValueError):
-        return []
-    found = context_warning(config, model, sequence_len)
-    return [found] if found else []

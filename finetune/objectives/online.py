@@ -44,7 +44,7 @@ import finetune.objectives.lm as lm
 import finetune.objectives.rollout as ro
 from finetune import trackers
 from finetune.constants import IGNORE_INDEX
-from finetune.data.loader import seq_stats
+from finetune.data.batching.loader import seq_stats
 from finetune.distributed import sharding_of, whole_weights
 from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
@@ -95,7 +95,7 @@ class OnlineObjective:
     # ----------------------------------------------------------------------------------- build
 
     def build(self, accelerator) -> Parts:
-        from finetune.data.prepare import prepare_on_main_process
+        from finetune.data.prepare.build import prepare_on_main_process
         from finetune.model.build import load_tokenizer
 
         self.accelerator = accelerator
@@ -118,7 +118,10 @@ class OnlineObjective:
             self.model_settings, self.lora, self.train, self.tokenizer, accelerator
         )
         self.reference.attach(model, accelerator)
-        self.rewards = ro.rewards_for(self.settings, self.tokenizer, recipe_path=_recipe_path(self.recipe))
+        self.rewards = ro.rewards_for(
+            self.settings, self.tokenizer, recipe_path=_recipe_path(self.recipe), device=accelerator.device,
+            prompt_fields=ro.prompt_fields(self.data), section=self.section,
+        )  # fmt: skip
         for split in (prepared.train, prepared.eval):
             if split is not None:
                 ro.check_reward_columns(self.settings.rewards, split, section=self.section)
@@ -513,11 +516,16 @@ class OnlineObjective:
     def held_out(recipe, prepared) -> dict[str, Any]:
         """`finetune eval`'s score of the held-out prompts: greedy completions of every model, scored by
         the recipe's rewards (transformers generation: evaluation has no training model to sync from)."""
-        settings = getattr(recipe, OBJECTIVES[recipe.train.objective].section)
-        rows = list(prepared.eval)
+        from finetune.model.inference import inference_device
+
+        section = OBJECTIVES[recipe.train.objective].section
+        settings, rows = getattr(recipe, section), list(prepared.eval)
 
         def score(model_name: str, model, tokenizer) -> dict[str, Any]:
-            rewards = ro.rewards_for(settings, tokenizer, recipe_path=_recipe_path(recipe))
+            rewards = ro.rewards_for(
+                settings, tokenizer, recipe_path=_recipe_path(recipe), device=inference_device(),
+                prompt_fields=ro.prompt_fields(recipe.data), section=section,
+            )  # fmt: skip
             backend = backend_for("transformers", model, tokenizer)
             fields = ro.eval_rewards(
                 backend,

@@ -244,7 +244,7 @@ def prompt_loader(
     """Loader items of this process's prompts for one step (a list of prepared prompt rows), each
     given `repeat` times in a row (grpo.num_iterations: the rollout is reused); with `lookahead`
     (async_rollouts) each item also holds the next step's rows after a None (objectives.ahead)."""
-    from finetune.data.sampler import RankBatchSampler, RepeatBatchSampler
+    from finetune.data.batching.sampler import RankBatchSampler, RepeatBatchSampler
     from finetune.objectives.ahead import LookaheadBatchSampler, MarkedRows
     from finetune.objectives.lm import with_row_index
 
@@ -311,15 +311,28 @@ def check_lengths(rows, max_new_tokens: int, limit: int | None, *, section: str 
         )
 
 
-def rewards_for(settings, tokenizer, *, recipe_path: str | None) -> list:
+def rewards_for(
+    settings, tokenizer, *, recipe_path: str | None, device="cpu", prompt_fields=(), section: str = "grpo"
+) -> list:
     """An online section's rewards, ready to score: functions imported (beside the recipe file at
-    `recipe_path` first), the length reward counting tokens with `tokenizer`."""
+    `recipe_path` first), the length reward counting tokens with `tokenizer`, reward models loaded on
+    `device` (reading the prompt from `prompt_fields`, see `prompt_fields`)."""
     return build_rewards(
         settings.rewards,
         max_new_tokens=settings.max_new_tokens,
         count_tokens=lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
         base=Path(recipe_path).parent if recipe_path else None,
+        device=device,
+        prompt_fields=prompt_fields,
+        section=section,
     )
+
+
+def prompt_fields(data) -> tuple[str, ...]:
+    """The prompt columns of the data section's prompt entries, in order: where a reward model finds the
+    prompt of a row (which keeps every column of its source)."""
+    entries = (*data.datasets, *data.test_datasets)
+    return tuple(dict.fromkeys(e.field_prompt for e in entries if e.type == "prompt"))
 
 
 class RolloutBuffer:

@@ -9,7 +9,7 @@ only another format reads is an error, and the message names the type(s) that re
 other key, since which keys are allowed depends on the type.
 
 The data side of each LLM format is finetune/data/formats/<type>.py, found by the registry in
-finetune/data/formats/__init__.py; images and dreambooth entries are read by finetune/diffusion.
+finetune/data/formats/registry.py; images and dreambooth entries are read by finetune/diffusion.
 A new format is a class here, added to `ENTRY_CLASSES`, plus its module there.
 
 >>> entry = dataset_entry(path="qa.jsonl", type="input_output", field_prompt="question")
@@ -309,6 +309,12 @@ class PreferenceEntry(_ScoredEntry):
         "rejected both see them. Read when the data has it or it is set; the prompt's messages may instead "
         "hold images as parts ({type: image, image: PATH}). Images need model.kind: vlm (see docs/objectives.md, "
         "Preference pairs with images).",
+    )
+    field_margin: str | None = Field(
+        None,
+        description="train.objective reward: column holding each pair's margin, a number by which the chosen "
+        "reward should exceed the rejected one (the loss is -log sigmoid(r_chosen - r_rejected - margin), TRL's "
+        "margin column). Set it on every preference entry or on none.",
     )
 
 

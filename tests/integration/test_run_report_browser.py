@@ -5,21 +5,23 @@ errors, every chart holds exactly the points progress.jsonl logged, per run, wit
 tables hold eval.json's rows and the manifest's numbers; a screenshot is a non-blank PNG.
 
 Training also records the planner's prediction in progress.jsonl's "started" record: it equals what
-`finetune plan` predicts for the same recipe."""
+`finetune plan` predicts for the same recipe.
+
+The runs and commands run in this process (tests/inprocess.py); the browser makes the module slow."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration._run import DEMO, REPO, cli, progress, run, short_run
+from tests.integration._run import DEMO, REPO, progress, short_run, train_here
+from tests.integration._run import cli_here as cli  # in this process (tests/inprocess.py)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # a browser
 
 CHROMIUM = Path("/usr/bin/chromium")
 DPO_DEMO = REPO / "recipes" / "demo" / "tiny_dpo_cpu.yaml"
@@ -27,9 +29,10 @@ GEN_SET = "[{{name: arith, path: {path}, field_prompt: question, field_expected:
 
 
 def _train(recipe: Path, out: Path, prepared: Path, *extra: str) -> None:
-    cmd = [sys.executable, str(REPO / "finetune" / "train.py"), str(recipe)]
-    cmd += short_run("--train.max_steps", "4", "--train.eval_steps", "2", "--train.save_steps", "0", *extra)
-    result = run([*cmd, "--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared)])
+    cmd = short_run("--train.max_steps", "4", "--train.eval_steps", "2", "--train.save_steps", "0", *extra)
+    result = train_here(
+        recipe, *cmd, "--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared)
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune.data.sampler import RankBatchSampler, RepeatBatchSampler
+from finetune.data.batching.sampler import RankBatchSampler, RepeatBatchSampler
 from finetune.engine.extra_state import load_extra, save_extra
 from finetune.losses import policy_gradient as pg
 from finetune.losses.causal_lm import forward

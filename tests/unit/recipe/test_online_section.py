@@ -65,8 +65,8 @@ def test_validate_names_a_reward_file_that_does_not_exist(tmp_path):
     import shutil
     from pathlib import Path
 
-    from finetune.recipe import load_recipe
     from finetune.errors import RecipeError
+    from finetune.recipe import load_recipe
 
     demo = Path(__file__).resolve().parents[3] / "recipes" / "demo"
     recipe = tmp_path / "grpo.yaml"
