@@ -112,7 +112,7 @@ def build_lm(
         upcast_trainable_to_fp32,
     )
     from finetune.model.build import build_model, count_parameters, pad_token_id, save_base_model
-    from finetune.parallel.tensor import check_adapter_layers, distributed_config
+    from finetune.parallel.tensor import check_adapter_layers, check_lora_plan, distributed_config
 
     output_dir = Path(train.output_dir)
     model_settings = _splittable(model_settings, lora, train, tokenizer, accelerator, processor)
@@ -152,6 +152,8 @@ def build_lm(
                 train_vision_tower=model_settings.train_vision_tower,
                 train_projector=model_settings.train_projector,
             )
+        if train.tensor_parallel_size > 1:
+            check_lora_plan(model, lora.modules_to_save)
         model = apply_lora(
             model,
             lora,

@@ -102,6 +102,58 @@ def register_sequence_parallel(model, *, size: int, micro_batch_size: int, attn_
     )
 
 
+def pad_batch(batch: dict, length: int) -> dict:
+    """`batch` with its rows padded on the right to `length` tokens as finetune's collator pads them
+    (finetune.data.batching.collate): labels -100, position_ids restarting at 0 (a segment of its own),
+    attention_mask 0; the padded input ids are 0, which nothing reads (no label, after every real token).
+
+    >>> import torch
+    >>> b = pad_batch({"input_ids": torch.tensor([[5, 6]]), "labels": torch.tensor([[-100, 6]]),
+    ...                "position_ids": torch.tensor([[0, 1]])}, 4)
+    >>> b["input_ids"].tolist(), b["labels"].tolist(), b["position_ids"].tolist()
+    ([[5, 6, 0, 0]], [[-100, 6, -100, -100]], [[0, 1, 0, 1]])
+    """
+    import torch
+
+    missing = length - batch["input_ids"].shape[1]
+    if missing <= 0:
+        return batch
+    fill = {"labels": -100}
+    out = {}
+    for key, value in batch.items():
+        if not torch.is_tensor(value) or value.dim() < 2:
+            out[key] = value
+        elif key == "position_ids":
+            tail = torch.arange(missing, dtype=value.dtype).expand(value.shape[0], missing)
+            out[key] = torch.cat([value, tail], dim=1)
+        else:
+            out[key] = torch.nn.functional.pad(value, (0, missing), value=fill.get(key, 0))
+    return out
+
+
+class EvenLengths:
+    """A loader whose batches are padded to the longest of the sequence-parallel group's current batches.
+    DeepSpeed's loader adapter all-gathers the group's batches, and gloo's all_gather refuses tensors of
+    different lengths (measured: "ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected
+    (1, 504), got (1, 496))"); the padding trains nothing (`pad_batch`). One all-reduce of a length per
+    batch."""
+
+    def __init__(self, loader, group):
+        self.loader, self.group = loader, group
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        import torch
+        import torch.distributed as dist
+
+        for batch in self.loader:
+            length = torch.tensor([batch["input_ids"].shape[1]], dtype=torch.int64)
+            dist.all_reduce(length, op=dist.ReduceOp.MAX, group=self.group)
+            yield pad_batch(batch, int(length))
+
+
 class SequenceShards:
     """The train loader of a sequence-parallel run: DeepSpeed's UlyssesSPDataLoaderAdapter over this
     process's loader, made afresh each epoch. One item is this process's shard of one row batch of the
@@ -125,7 +177,7 @@ class SequenceShards:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
         adapter = UlyssesSPDataLoaderAdapter(
-            self.loader,
+            EvenLengths(self.loader, self.groups.get_sequence_parallel_group()),
             sp_rank=self.groups.get_sequence_parallel_rank(),
             sp_group=self.groups.get_sequence_parallel_group(),
             sp_world_size=self.size,

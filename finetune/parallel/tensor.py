@@ -16,6 +16,7 @@ loads them back into the same plan; Accelerate's FSDP2 checkpoints use it too.
 
 from __future__ import annotations
 
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -42,36 +43,60 @@ def is_tensor_parallel(model) -> bool:
     return getattr(config, "tp_size", 1) > 1
 
 
+def planned_modules(model) -> dict[str, str]:
+    """{module name: TP style} of a TP model's split modules: its resolved plan (`model.tp_plan`, keys with
+    `*` for layer numbers; transformers 5 adds embed_tokens as embedding_rowwise beside the config's
+    base_model_tp_plan and the head's lm_head colwise_gather_output)."""
+    plan = getattr(model, "tp_plan", None) or {}
+    return {
+        name: style
+        for name, _ in model.named_modules()
+        for pattern, style in plan.items()
+        if fnmatch(name, pattern)
+    }
+
+
+def check_lora_plan(model, modules_to_save: list[str] | None) -> None:
+    """Before PEFT wraps a TP model: refuse lora.modules_to_save entries the plan splits. PEFT's trained
+    copy of such a module is a deepcopy of its DTensor weights outside the plan's hooks (measured: the
+    deepcopy itself fails on the second process, 'invalid python storage')."""
+    planned = planned_modules(model)
+    split = sorted(
+        {
+            f"{entry}, which it splits {style}"
+            for entry in modules_to_save or []
+            for name, style in planned.items()
+            if name == entry or name.endswith("." + entry)
+        }
+    )
+    if split:
+        raise FinetuneError(
+            f"tensor parallel with LoRA: lora.modules_to_save names {split[0]} (the model's TP plan): PEFT "
+            "would train a whole copy of its DTensor shards outside the plan; remove it from "
+            "lora.modules_to_save (train it fully without tensor parallel), or train without LoRA "
+            "(lora.enable_lora: false), which splits every weight"
+        )
+
+
 def check_adapter_layers(model) -> None:
-    """Refuse LoRA adapters on layers PEFT cannot shard with the base: PEFT 0.21 shards an adapter only
-    beside a column-wise layer (q/k/v/gate/up in Llama's plan); beside a row-wise one (o_proj,
-    down_proj) its forward fails under transformers 5 (a shape error in the sharded matmul), and beside
-    any other style PEFT leaves the adapter unsharded. modules_to_save copies of a TP-planned module
-    (lm_head) would train a copy whose forward still runs the original's."""
-    wrong, copies = [], []
+    """After PEFT wrapped a TP model: refuse LoRA adapters beside layers PEFT cannot shard them with. PEFT
+    0.21 shards an adapter beside a column-wise layer (q/k/v/gate/up in Llama's plan); beside a row-wise
+    one (o_proj, down_proj) the forward fails under transformers 5 (measured: "shape '[32, 32]' is
+    invalid for input of size 2048" in the sharded matmul), and beside any other style PEFT leaves the
+    adapter unsharded."""
+    wrong = []
     for name, module in model.named_modules():
         base = getattr(module, "base_layer", None)
         plan = getattr(base, "_hf_tp_plan", None) if base is not None else None
         if plan is not None and plan != "colwise":
-            wrong.append(f"{name} ({plan})")
-        if type(module).__name__ == "ModulesToSaveWrapper" and getattr(
-            module.original_module, "_is_hooked", 0
-        ):
-            copies.append(name)
-    problems = []
+            wrong.append(f"{name.removeprefix('base_model.model.')} ({plan})")
     if wrong:
-        problems.append(
-            f"LoRA on {len(wrong)} layer(s) that the TP plan does not split column-wise, e.g. {wrong[0]}: PEFT "
-            "shards adapters only beside column-wise layers; set lora.lora_target_modules to those (Llama, "
-            "Qwen2: [q_proj, k_proj, v_proj, gate_proj, up_proj]) or train without tensor parallel"
+        raise FinetuneError(
+            f"tensor parallel with LoRA: {len(wrong)} adapted layer(s) the TP plan does not split column-wise, "
+            f"e.g. {wrong[0]}: PEFT shards adapters only beside column-wise layers; set "
+            "lora.lora_target_modules to those (Llama, Qwen2: [q_proj, k_proj, v_proj, gate_proj, up_proj]), "
+            "or train without tensor parallel"
         )
-    if copies:
-        problems.append(
-            f"lora.modules_to_save {copies[0]}: the TP plan splits it, and PEFT's trained copy would still run "
-            "the original's sharded forward; remove it from modules_to_save (embed_tokens is not split)"
-        )
-    if problems:
-        raise FinetuneError("tensor parallel with LoRA:\n  - " + "\n  - ".join(problems))
 
 
 def prepare_tensor_parallel(accelerator, model, optimizer, scheduler):

@@ -10,6 +10,7 @@ it is built.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -109,7 +110,8 @@ def _shards_problem(recipe: Any, ok: Callable[..., bool], shards: int, what: str
             "data.pad_to_multiple_of",
             multiple,
             f"rows are padded to a multiple of {multiple} tokens, which does not split into the {shards} "
-            f"equal shards {what} needs; set data.pad_to_multiple_of to a multiple of {shards} (64 is one)",
+            f"equal shards {what} needs; set data.pad_to_multiple_of to a multiple of {shards} "
+            f"({math.lcm(multiple, shards)} is one)",
         )
     ]
 
