@@ -18,6 +18,25 @@ from tests.integration._sp_rows import MODEL, packed_row
 from tests.tiny import tiny_model
 
 
+def saved_bytes(model, batch: dict, total: torch.Tensor) -> int:
+    """Bytes of the unique storages autograd saves in this process's forward of its shard (parameters
+    excluded), as tests/memory.saved_tensor_bytes counts them: what the planner's activation term
+    predicts per rank under sequence parallel (finetune.plan.parallel)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = forward(model, batch, num_items=total).loss
+    loss.backward()  # every process runs the same collectives in backward
+    return sum(storages.values())
+
+
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -37,10 +56,10 @@ def main(out: str) -> None:
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     for grad in grads.values():
         dist.all_reduce(grad)
+    saved = saved_bytes(model, batch, total)
     if rank == 0:
-        torch.save(
-            {"loss": summed, "grads": grads, "tokens": int(total), "shard": batch["input_ids"].shape[1]}, out
-        )
+        result = {"loss": summed, "grads": grads, "tokens": int(total), "shard": batch["input_ids"].shape[1]}
+        torch.save({**result, "saved": saved}, out)
     dist.destroy_process_group()
 
 
