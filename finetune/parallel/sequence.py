@@ -11,9 +11,12 @@ the all-to-all's backward brings each process the gradient of its shard's keys a
 others.
 
 Why finetune registers DeepSpeed's components itself rather than through Accelerate's ParallelismConfig
-(sp_backend deepspeed): Accelerate runs them only inside its DeepSpeed engine, which it starts on GPUs
-only (several CPU processes would each take themselves for the whole world); registered here they run
-under DDP (CPU gloo or GPUs), ZeRO and FSDP2 alike.
+(sp_size, sp_backend deepspeed): Accelerate 1.15 registers them only in `Accelerator._prepare_deepspeed`,
+inside its DeepSpeed engine, and its ParallelismConfig refuses a MULTI_CPU run ("ParallelismConfig is
+only compatible DistributedType.FSDP (version 2) or DistributedType.Multi{Device} or
+DistributedType.DEEPSPEED"), while Accelerate runs DeepSpeed on CPUs as one process only. Registered
+here they run under DDP on gloo (the CPU tests) and on GPUs. Groups of processes that split the same
+rows under DeepSpeed's ZeRO or FSDP2 are allowed but have not run here (docs/scale-out.md).
 
 Packed rows: DeepSpeed's Ulysses drops transformers' attention mask (built for the local shard) and
 relies on the gathered position_ids; transformers' SDPA then attends causally over the whole row, so

@@ -235,6 +235,8 @@ def loss_chunk(recipe: Recipe, inv: ModelInventory, tokens_per_micro_batch: int)
     loss itself, which the planner counts as chunked at the default size)."""
     from finetune.losses.chunked_ce import default_chunk_size, resolve_loss_chunk_size
 
+    if recipe.train.tensor_parallel_size > 1:  # the TP plan splits the head, which the chunked loss replaces
+        return 0
     if recipe.model.enable_liger_kernel:
         return default_chunk_size(inv.vocab_size)
     return resolve_loss_chunk_size(
