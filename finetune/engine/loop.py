@@ -35,6 +35,7 @@ from finetune.engine.step import count_outcome, train_step
 from finetune.errors import write_error, write_failure_reason
 from finetune.metrics import ProgressLog
 from finetune.parallel.sequence import shard_sequences
+from finetune.parallel.sizes import size_of
 from finetune.parallel.tensor import prepare_tensor_parallel
 from finetune.recipe.yaml_io import dump_yaml
 
@@ -142,7 +143,7 @@ def setup(objective, accelerator, *, train, hub, recipe_dict: dict) -> Run:
         # checkpointed beside accelerate's (finetune.engine.extra_state).
         model, optimizer = accelerator.prepare(parts.model, optimizer)
         extra_state["scheduler"] = scheduler
-    elif train.tensor_parallel_size > 1:  # no DDP around a TP model; its checkpoints are sharded (DCP)
+    elif size_of(train, "tensor") > 1:  # no DDP around a TP model; its checkpoints are sharded (DCP)
         model, optimizer, scheduler = prepare_tensor_parallel(accelerator, parts.model, optimizer, scheduler)
     else:
         model, optimizer, scheduler = accelerator.prepare(parts.model, optimizer, scheduler)

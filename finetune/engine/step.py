@@ -23,7 +23,7 @@ from finetune.errors import FinetuneError
 from finetune.metrics import ProgressLog
 from finetune.parallel.context import context_parallel_step
 from finetune.parallel.offload import offloaded
-from finetune.parallel.sizes import ranks_sharing_rows
+from finetune.parallel.sizes import ranks_sharing_rows, size_of
 
 
 def train_step(run, window: list[dict]) -> dict[str, Any]:
@@ -42,7 +42,7 @@ def train_step(run, window: list[dict]) -> dict[str, Any]:
     # row's loss (its count divides by the group), a tensor-parallel group computes the whole loss on every
     # process with no gradient averaging between them (the count over all processes and the scale by the
     # process count cancel). finetune.parallel.sizes.
-    num_units = (global_units / train.context_parallel_size).clamp(min=1)
+    num_units = (global_units / size_of(train, "context")).clamp(min=1)
     scale = train.gradient_accumulation_steps * acc.num_processes
     loss_sum = torch.zeros((), device=acc.device)
     metric_sums: dict[str, torch.Tensor] = {}

@@ -26,6 +26,7 @@ from finetune.checkpoint import write_checksums
 from finetune.data.batching.loader import make_dataloader
 from finetune.errors import FinetuneError
 from finetune.metrics import device_peak_flops, forward_flops_per_token, model_flops_per_token
+from finetune.parallel.sizes import size_of
 
 
 def start(objective, recipe) -> None:
@@ -56,7 +57,7 @@ def finish_build(objective, accelerator, *, held_out: bool) -> None:
         images_outside=objective.data.allow_image_paths_outside,
     )
     # Checkpoints hold the adapters, not the frozen base (a TP run's hold its shards: finetune.parallel).
-    if objective.lora.enable_lora and objective.train.tensor_parallel_size <= 1:
+    if objective.lora.enable_lora and size_of(objective.train, "tensor") <= 1:
         checkpoint_trainable_only(accelerator)
     objective.can_evaluate = held_out or bool(objective.generation_rows)
     objective.eval_every = objective.train.eval_steps if objective.can_evaluate else None
@@ -152,7 +153,7 @@ def build_lm(
                 train_vision_tower=model_settings.train_vision_tower,
                 train_projector=model_settings.train_projector,
             )
-        if train.tensor_parallel_size > 1:
+        if size_of(train, "tensor") > 1:
             check_lora_plan(model, lora.modules_to_save)
         model = apply_lora(
             model,
@@ -165,7 +166,7 @@ def build_lm(
         )
         if base_dir is not None:
             model.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
-        if train.tensor_parallel_size > 1:
+        if size_of(train, "tensor") > 1:
             check_adapter_layers(model)
         # PiSSA / OLoRA / CorDA (also on resume: PiSSA and OLoRA are seeded, CorDA loads its saved init)
         if init_modifies_base(model):
@@ -196,7 +197,7 @@ def _splittable(model_settings, lora, train, tokenizer, accelerator, processor):
     from finetune.parallel.sizes import check_model_splits
 
     check_model_splits(_load_config(model_settings), train)
-    if train.tensor_parallel_size <= 1 or model_settings.model_path is not None:
+    if size_of(train, "tensor") <= 1 or model_settings.model_path is not None:
         return model_settings
     base_dir = Path(train.output_dir) / "base_model"
     whole = build_model(
@@ -369,7 +370,14 @@ def check_batches(accelerator, loader, num_rows: int, micro_batch_size: int) -> 
 
 
 def throughput_fields(
-    accelerator, flops: dict, interval: dict, elapsed: float, totals: dict, *, forward_passes: int = 0
+    accelerator,
+    flops: dict,
+    interval: dict,
+    elapsed: float,
+    totals: dict,
+    *,
+    forward_passes: int = 0,
+    copies: int = 1,
 ) -> dict:
     """tokens/s (this process and all processes), TFLOP/s and MFU of a logging interval.
 
@@ -388,11 +396,12 @@ def throughput_fields(
     ) + forward_passes * forward_flops_per_token(
         flops["config"], num_params=flops["num_params"], seq_len_sq_mean=seq_len_sq_mean
     )
-    tflops = tokens * flops_per_token / elapsed / 1e12
+    # `copies` processes compute the same tokens together (tensor parallel: each a share of the FLOPs).
+    tflops = tokens * flops_per_token / elapsed / 1e12 / copies
     peak = device_peak_flops(accelerator.device)
     return {
         "tokens_per_sec": tokens / elapsed,
-        "tokens_per_sec_total": tokens * accelerator.num_processes / elapsed,
+        "tokens_per_sec_total": tokens * accelerator.num_processes / copies / elapsed,
         "tflops_per_device": tflops,
         "mfu": tflops * 1e12 / peak if peak else None,
     }

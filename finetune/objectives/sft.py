@@ -23,7 +23,7 @@ from finetune.data.batching.loader import count_tokens, seq_stats
 from finetune.engine.objective import Parts
 from finetune.losses.causal_lm import forward, token_loss_sums, trainable_tokens
 from finetune.notices import warn
-from finetune.parallel.sizes import ranks_sharing_rows
+from finetune.parallel.sizes import ranks_sharing_rows, size_of
 
 
 class SFTObjective:
@@ -125,7 +125,7 @@ class SFTObjective:
         from finetune.model.build import full_shape
 
         setting = self.train.loss_chunk_size
-        if self.train.tensor_parallel_size > 1:
+        if size_of(self.train, "tensor") > 1:
             return 0  # the TP plan splits the output head, whose forward the chunked loss would replace
         if self.model_settings.enable_liger_kernel:
             if setting:  # Liger's fused linear cross-entropy already avoids the full logits
@@ -150,7 +150,7 @@ class SFTObjective:
 
     def on_prepared(self, accelerator, model) -> None:
         self.flops["config"] = accelerator.unwrap_model(model).config
-        if self.eval_loader is not None and self.train.tensor_parallel_size <= 1:
+        if self.eval_loader is not None and size_of(self.train, "tensor") <= 1:
             # Sharded by Accelerate, after the model: DeepSpeed wants that order. A tensor-parallel group
             # computes every batch together: each of its processes reads every row.
             self.eval_loader = accelerator.prepare(self.eval_loader)
@@ -181,7 +181,9 @@ class SFTObjective:
 
         Token counts are this process's; trainable tokens (`units`) are all processes'.
         """
-        fields = lm.throughput_fields(self.accelerator, self.flops, interval, elapsed, totals)
+        fields = lm.throughput_fields(
+            self.accelerator, self.flops, interval, elapsed, totals, copies=ranks_sharing_rows(self.train)
+        )
         trainable = interval.get("units", 0)
         out = {
             "tokens_per_sec": fields["tokens_per_sec"],

@@ -35,7 +35,7 @@ def context_parallel_step(accelerator, train: Any, batch: dict):
     """The context of one micro-batch's forward and backward: under context parallel, `batch`'s tokens,
     positions and shifted labels are this process's shard inside it (changed in place); otherwise
     nothing."""
-    if train.context_parallel_size <= 1:
+    if getattr(train, "context_parallel_size", 1) <= 1:  # (a train section without it: off)
         return nullcontext()
     return _sharded(accelerator, batch)
 

@@ -200,7 +200,7 @@ class SequenceShards:
 def shard_sequences(model, loader, train: Any, accelerator) -> Any:
     """The train loader of a run with train.sequence_parallel_size > 1, with DeepSpeed's Ulysses
     registered for `model` (SequenceShards); `loader` itself otherwise."""
-    size = train.sequence_parallel_size
+    size = getattr(train, "sequence_parallel_size", 1)  # (a train section without it: off)
     if size <= 1:
         return loader
     model = accelerator.unwrap_model(model)

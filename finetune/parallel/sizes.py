@@ -19,11 +19,16 @@ from typing import Any
 from finetune.errors import FinetuneError
 
 
+def size_of(train: Any, name: str) -> int:
+    """train.<name>_parallel_size, 1 for a train section without it (the engine's tests build their own)."""
+    return getattr(train, f"{name}_parallel_size", 1)
+
+
 def ranks_sharing_rows(train: Any) -> int:
     """Processes that read the same rows: a tensor-parallel group computes one batch together, a
     context-parallel group splits one batch inside the forward. A sequence-parallel group reads
     different rows and exchanges them (DeepSpeed's loader adapter), so it counts as data parallel here."""
-    return train.tensor_parallel_size * train.context_parallel_size
+    return size_of(train, "tensor") * size_of(train, "context")
 
 
 def data_parallel_size(train: Any, num_processes: int) -> int:

@@ -144,3 +144,15 @@ def test_sp2_training_matches_one_process_resumes_and_exports(tmp_path, demo_pre
     again = step_losses(progress(resumed))
     assert sorted(again) == [3, 4] and close(again, {k: losses[k] for k in again}), (again, losses)
     assert torch.allclose(logits_of(resumed), logits_of(tmp_path / "sp2"), atol=1e-5, rtol=0)
+
+
+def test_sp2_lora_matches_one_process(tmp_path, demo_prepared):
+    """The demo's LoRA (every Linear, embeddings and head fully trained) under SP=2: PEFT's model takes
+    DeepSpeed's Ulysses attention like the base model."""
+    lora = ["--lora.enable_lora", "true", "--train.max_steps", "3", "--train.save_steps", "0"]
+    train(tmp_path / "sp2", demo_prepared, *lora, sp=2)
+    train(tmp_path / "sp1", demo_prepared, *lora)
+    split, whole = progress(tmp_path / "sp2"), progress(tmp_path / "sp1")
+    assert sorted(step_losses(split)) == [1, 2, 3]
+    assert close(step_losses(split), step_losses(whole)), (step_losses(split), step_losses(whole))
+    assert close(step_grad_norms(split), step_grad_norms(whole))

@@ -88,6 +88,9 @@ def test_tp2_full_fine_tuning_matches_one_process(full_runs):
     """Losses and gradient norms (every step, before clipping) within 1e-5 relative; the split weights
     start as the whole model's (the random init is built whole, saved, and loaded split)."""
     assert_same_run(full_runs["tp2"], full_runs["tp1"])
+    # Both processes compute the same tokens: the run's total rate is one process's.
+    rates = [r for r in progress(full_runs["tp2"]) if r.get("tokens_per_sec")]
+    assert rates and all(r["tokens_per_sec_total"] == pytest.approx(r["tokens_per_sec"]) for r in rates)
     checkpoint = full_runs["tp2"] / "checkpoints" / "step-3"
     assert (checkpoint / "tp_state" / ".metadata").is_file()  # the shards, through DCP
 
