@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--num-gpus", type=int, metavar="N", help="GPUs on all nodes (overrides num_processes)")
     plan.add_argument("--num-nodes", type=int, metavar="M", help="nodes (overrides num_machines)")
     plan.add_argument(
+        "--sequence-len",
+        type=int,
+        metavar="TOKENS",
+        help="plan for rows of this many tokens (sets data.sequence_len and data.sample_packing_sequence_len), "
+        "e.g. 131072; sequence or context parallel is recommended when activations dominate",
+    )
+    plan.add_argument(
         "--gpu-memory",
         metavar="SIZE",
         help="memory per GPU, e.g. 80GiB, 80GB, 24GiB, 81920MiB; default: the first visible CUDA device, else 80GiB",
@@ -421,6 +428,9 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
             raise FinetuneError(f"export-gguf takes no recipe overrides, got {' '.join(overrides)}")
         return export_gguf_command(args)
 
+    if getattr(args, "sequence_len", None):  # plan --sequence-len: the rows' length, packed or not
+        n = str(args.sequence_len)
+        overrides = [*overrides, "--data.sequence_len", n, "--data.sample_packing_sequence_len", n]
     recipe = load_recipe(args.recipe, overrides)
     if args.command != "train":  # the training process says them itself, once
         from finetune.notices import warn

@@ -85,7 +85,9 @@ def combination_problems(
             "which Accelerate would then silently turn off; set use_cpu: false (DeepSpeed uses its CPU "
             "accelerator by itself on a machine without GPUs)"
         )
-    return problems
+    from finetune.parallel.sizes import engine_problems
+
+    return problems + engine_problems(engine, train, cuda_available=cuda_available)
 
 
 def check_combination(

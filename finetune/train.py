@@ -66,7 +66,7 @@ def _main(argv: list[str] | None) -> int:
             qlora=recipe.lora.enable_qlora,
             compile_model=recipe.model.enable_compile,
         )
-        for line in recipe_warnings(recipe):  # works, but probably not what was meant: said once, first
+        for line in recipe_warnings(recipe) + context_warnings(recipe):  # said once, first
             warn(line, emit=accelerator.print)
         try:
             return engine.train(
@@ -86,6 +86,26 @@ def _main(argv: list[str] | None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         write_status(2, str(exc))  # `finetune train` then exits 2 with this message alone
         return 2
+
+
+def context_warnings(recipe) -> list[str]:
+    """Rows longer than the model's trained context without model.rope_scaling (finetune.model.context);
+    an online objective's rows hold the prompt and its completion."""
+    from finetune.model.build import _load_config
+    from finetune.model.context import context_warning
+    from finetune.recipe.objectives import OBJECTIVES
+
+    if recipe.model.kind == "diffusion":
+        return []
+    spec = OBJECTIVES[recipe.train.objective]
+    online = getattr(recipe, spec.section) if spec.kind == "online" else None
+    length = recipe.data.sequence_len + (online.max_new_tokens if online is not None else 0)
+    try:  # the config as the model ships it; one that cannot be read here is reported when the model loads
+        config = _load_config(recipe.model)
+    except (FinetuneError, OSError, ValueError):
+        return []
+    found = context_warning(config, recipe.model, length)
+    return [found] if found else []
 
 
 def memory_plan(recipe) -> dict:

@@ -37,6 +37,11 @@ def make_accelerator(train, *, model_kind: str, qlora: bool, compile_model: bool
         engine, train, model_kind=model_kind, qlora=qlora, cuda_available=torch.cuda.is_available()
     )
     kwargs: dict[str, Any] = accelerator_kwargs(train, engine)
+    from finetune.parallel.context import parallelism_config
+
+    # Context parallel: Accelerate's cp_size mesh (FSDP2). Tensor and sequence parallel need none: the
+    # model's TP plan and DeepSpeed's Ulysses bring their own (finetune.parallel).
+    kwargs["parallelism_config"] = parallelism_config(train, engine.num_processes)
     if compile_model:
         kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor")
     return Accelerator(

@@ -34,6 +34,9 @@ from finetune.engine.state import Run
 from finetune.engine.step import count_outcome, train_step
 from finetune.errors import write_error, write_failure_reason
 from finetune.metrics import ProgressLog
+from finetune.parallel.sequence import shard_sequences
+from finetune.parallel.sizes import size_of
+from finetune.parallel.tensor import prepare_tensor_parallel
 from finetune.recipe.yaml_io import dump_yaml
 
 
@@ -114,9 +117,11 @@ def setup(objective, accelerator, *, train, hub, recipe_dict: dict) -> Run:
     startup_pause(output_dir)
     parts = objective.build(accelerator)
     engine = setup_from_env()
+    # Sequence parallel: DeepSpeed's Ulysses registered for the model, each item a shard of a row.
+    train_loader = shard_sequences(parts.model, parts.train_loader, train, accelerator)
     # The schedule length comes from the real number of optimizer steps in the (packed) data.
     steps_per_epoch, total_steps = schedule_length(
-        len(parts.train_loader),
+        len(train_loader),
         gradient_accumulation_steps=batches_per_window(objective, train),
         num_train_epochs=train.num_train_epochs,
         max_steps=train.max_steps,
@@ -138,6 +143,8 @@ def setup(objective, accelerator, *, train, hub, recipe_dict: dict) -> Run:
         # checkpointed beside accelerate's (finetune.engine.extra_state).
         model, optimizer = accelerator.prepare(parts.model, optimizer)
         extra_state["scheduler"] = scheduler
+    elif size_of(train, "tensor") > 1:  # no DDP around a TP model; its checkpoints are sharded (DCP)
+        model, optimizer, scheduler = prepare_tensor_parallel(accelerator, parts.model, optimizer, scheduler)
     else:
         model, optimizer, scheduler = accelerator.prepare(parts.model, optimizer, scheduler)
     extra_state.update(objective.on_prepared(accelerator, model) or {})
@@ -147,7 +154,7 @@ def setup(objective, accelerator, *, train, hub, recipe_dict: dict) -> Run:
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
-        train_loader=parts.train_loader,
+        train_loader=train_loader,
         train=train,
         hub=hub,
         recipe_dict=recipe_dict,
@@ -284,8 +291,13 @@ def train_loop(run: Run, log: ProgressLog) -> None:
         else:
             # The order of an epoch depends only on (seed, epoch): resume needs no sampler state.
             run.train_loader.batch_sampler.set_epoch(st.epoch)
-            if st.micro_step_in_epoch:
-                loader = acc.skip_first_batches(run.train_loader, st.micro_step_in_epoch)
+            if st.micro_step_in_epoch:  # a loader that skips by itself (sequence shards) says how
+                skipping = getattr(loader, "skip_first_batches", None)
+                loader = (
+                    skipping(st.micro_step_in_epoch)
+                    if skipping
+                    else acc.skip_first_batches(loader, st.micro_step_in_epoch)
+                )
         batches = iter(loader)
         epoch_done = False
         while st.step < run.total_steps:

@@ -21,6 +21,9 @@ from accelerate.utils import DistributedType, send_to_device
 from finetune.engine.checkpoints import checkpoint
 from finetune.errors import FinetuneError
 from finetune.metrics import ProgressLog
+from finetune.parallel.context import context_parallel_step
+from finetune.parallel.offload import offloaded
+from finetune.parallel.sizes import ranks_sharing_rows, size_of
 
 
 def train_step(run, window: list[dict]) -> dict[str, Any]:
@@ -35,7 +38,11 @@ def train_step(run, window: list[dict]) -> dict[str, Any]:
     # Sync point: one all-reduce of the window's unit count, needed before any backward.
     local_units = sum(objective.units(b) for b in window)
     global_units = acc.reduce(torch.as_tensor(local_units, device=acc.device).float(), reduction="sum")
-    num_units = global_units.clamp(min=1)
+    # Processes that read the same rows count their units once each: a context-parallel group splits one
+    # row's loss (its count divides by the group), a tensor-parallel group computes the whole loss on every
+    # process with no gradient averaging between them (the count over all processes and the scale by the
+    # process count cancel). finetune.parallel.sizes.
+    num_units = (global_units / size_of(train, "context")).clamp(min=1)
     scale = train.gradient_accumulation_steps * acc.num_processes
     loss_sum = torch.zeros((), device=acc.device)
     metric_sums: dict[str, torch.Tensor] = {}
@@ -44,15 +51,18 @@ def train_step(run, window: list[dict]) -> dict[str, Any]:
         acc.gradient_state._set_sync_gradients(last)
         # DeepSpeed keeps its own accumulation boundary (set from the sync flag in backward).
         no_sync = contextlib.nullcontext() if last or deepspeed else acc.no_sync(model)
-        with no_sync:
-            loss, metrics = objective.loss(model, batch, num_units)
+        # Context parallel shards the batch for its forward and backward; offloading moves what the
+        # forward saves to the host (finetune.parallel).
+        with no_sync, context_parallel_step(acc, train, batch):
+            with offloaded(train):
+                loss, metrics = objective.loss(model, batch, num_units)
             # Under DeepSpeed the last backward also runs the engine's step (clip, update, zero grad).
             acc.backward(loss * scale)
         loss_sum += loss.detach().float()
         for name, value in metrics.items():
             metric_sums[name] = metric_sums.get(name, 0) + value.detach().float()
     loss_value = acc.reduce(loss_sum, reduction="sum").item()  # sync point: the nonfinite check needs it
-    units = int(global_units.item())
+    units = int(global_units.item()) // ranks_sharing_rows(train)
     result: dict[str, Any] = {
         "loss": loss_value,
         "units": units,

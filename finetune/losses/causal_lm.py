@@ -16,9 +16,27 @@ def forward(model, batch: dict, *, num_items: torch.Tensor | None = None):
     and packed sequences would attend to each other.
     """
     if num_items is None:
-        batch = {k: v for k, v in batch.items() if k != "labels"}
+        batch = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
         return model(**batch, use_cache=False)
+    if "shift_labels" in batch and "labels" not in batch:
+        # A shard of a row (sequence, context parallel) carries its labels shifted before the split;
+        # transformers' loss reads them as `shift_labels` and computes a loss only when labels are given.
+        batch = {**batch, "labels": batch["shift_labels"]}
     return model(**batch, use_cache=False, num_items_in_batch=num_items)
+
+
+def trainable_tokens(batch: dict) -> torch.Tensor:
+    """Tokens of a batch that contribute to the loss: labels shifted by one (the model predicts t+1 from
+    t), or a shard's labels shifted before the split (`shift_labels`: sequence and context parallel).
+
+    >>> trainable_tokens({"labels": torch.tensor([[-100, 5, 6]])}).item()
+    2
+    >>> trainable_tokens({"shift_labels": torch.tensor([[5, 6, -100]])}).item()
+    2
+    """
+    if "shift_labels" in batch:
+        return (batch["shift_labels"] != IGNORE_INDEX).sum()
+    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 
 def token_loss_sums(model, batch: dict, *, chunk_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -336,8 +336,9 @@ def _forward_through_head(model, batch, chunked, chunk_size) -> tuple[torch.Tens
     the module itself for a plain Linear (the fused path reads its weight inside the head's call) and
     the head's original forward otherwise (the swapped one would recurse).
     """
-    labels = next_token_labels(batch["labels"])
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    # A shard of a row (sequence, context parallel) brings its labels already shifted.
+    labels = batch["shift_labels"] if "shift_labels" in batch else next_token_labels(batch["labels"])
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
     base = _unwrap(model)
     _refuse_logit_transforms(base.config)
     head = base.get_output_embeddings()

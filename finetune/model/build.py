@@ -79,6 +79,17 @@ def _load_config(model: ModelSection):
         raise FinetuneError(f"model.config_path: could not load a config from {source!r}: {exc}") from None
 
 
+def _config_for(model: ModelSection, *, load: bool = False):
+    """The config the model is built with: model.config_path's, or model_path's when `load` (None otherwise:
+    from_pretrained reads model_path's), with model.rope_scaling and model.max_position_embeddings written
+    in (finetune.model.context; the config is then always loaded)."""
+    from finetune.model.context import apply_context_settings
+
+    if model.rope_scaling is None and model.max_position_embeddings is None:
+        return _load_config(model) if model.config_path is not None or load else None
+    return apply_context_settings(_load_config(model), model)
+
+
 def check_attention_backend(name: str) -> None:
     """Fail early, with a fix, when the attention backend cannot run here."""
     if name == "flash_attention_2":
@@ -118,10 +129,12 @@ def build_model(
     head: Literal["lm", "score"] = "lm",
     pad_token_id: int | None = None,
     seed: int = 0,
+    distributed_config=None,
 ):
     """Load pretrained weights (4-bit for QLoRA) or build a random-init model from a config.
 
-    LoRA adapters are added afterwards by `apply_lora`.
+    LoRA adapters are added afterwards by `apply_lora`. `distributed_config` (transformers'; tensor
+    parallel, finetune.parallel.tensor) splits pretrained weights by the model's TP plan as they load.
 
     `head` is the output head: the language-model head (`lm`), or one score per token (`score`: a reward
     model, transformers' AutoModelForSequenceClassification with num_labels 1, whose config records
@@ -135,7 +148,9 @@ def build_model(
     check_attention_backend(model.attn_implementation)
     portable = portable_base(model.model_path, model.gguf_file, model.revision)
     model = resolve_model_source(model)
-    net, new_head = _load_weights(model, lora, mixed_precision, head=head)
+    net, new_head = _load_weights(
+        model, lora, mixed_precision, head=head, distributed_config=distributed_config
+    )
     if head == "score":
         net.config.pad_token_id = pad_token_id
         if new_head:
@@ -160,7 +175,9 @@ def build_model(
     return net
 
 
-def _load_weights(model: ModelSection, lora: LoraSection, mixed_precision: str, *, head: str = "lm"):
+def _load_weights(
+    model: ModelSection, lora: LoraSection, mixed_precision: str, *, head: str = "lm", distributed_config=None
+):
     """The model of a resolved section: its pretrained weights (4-bit for QLoRA, a VLM's vision tower
     and projector left unquantized: finetune.model.vlm.unquantized_modules), or a random init from
     its config; with `head` score, a one-output sequence-classification model. Returns (the model,
@@ -174,7 +191,9 @@ def _load_weights(model: ModelSection, lora: LoraSection, mixed_precision: str, 
     auto = AutoModelForImageTextToText if model.kind == "vlm" else AutoModelForCausalLM
     dtype = weight_dtype(model, lora, mixed_precision)
     common: dict[str, Any] = {"attn_implementation": model.attn_implementation, "dtype": dtype}
-    config = _load_config(model) if model.config_path is not None or head == "score" else None
+    if distributed_config is not None:
+        common["distributed_config"] = distributed_config
+    config = _config_for(model, load=head == "score")
     if head == "score":  # one output; set on the config, which from_pretrained then takes as it is
         auto, config.num_labels = AutoModelForSequenceClassification, 1
     if lora.enable_qlora:
@@ -209,7 +228,7 @@ def _load_weights(model: ModelSection, lora: LoraSection, mixed_precision: str, 
             return loaded, False
         net, info = loaded
         return net, any(key.startswith("score.") for key in info["missing_keys"])
-    config = config or _load_config(model)
+    config = config or _config_for(model, load=True)
     if lora.enable_qlora:
         raise FinetuneError(
             "lora.enable_qlora quantizes pretrained weights: set model.model_path "

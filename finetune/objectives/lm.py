@@ -26,6 +26,7 @@ from finetune.checkpoint import write_checksums
 from finetune.data.batching.loader import make_dataloader
 from finetune.errors import FinetuneError
 from finetune.metrics import device_peak_flops, forward_flops_per_token, model_flops_per_token
+from finetune.parallel.sizes import size_of
 
 
 def start(objective, recipe) -> None:
@@ -55,7 +56,8 @@ def finish_build(objective, accelerator, *, held_out: bool) -> None:
         image_max_pixels=objective.data.image_max_pixels,
         images_outside=objective.data.allow_image_paths_outside,
     )
-    if objective.lora.enable_lora:  # checkpoints hold the adapters, not the frozen base
+    # Checkpoints hold the adapters, not the frozen base (a TP run's hold its shards: finetune.parallel).
+    if objective.lora.enable_lora and size_of(objective.train, "tensor") <= 1:
         checkpoint_trainable_only(accelerator)
     objective.can_evaluate = held_out or bool(objective.generation_rows)
     objective.eval_every = objective.train.eval_steps if objective.can_evaluate else None
@@ -111,8 +113,10 @@ def build_lm(
         upcast_trainable_to_fp32,
     )
     from finetune.model.build import build_model, count_parameters, pad_token_id, save_base_model
+    from finetune.parallel.tensor import check_adapter_layers, check_lora_plan, distributed_config
 
     output_dir = Path(train.output_dir)
+    model_settings = _splittable(model_settings, lora, train, tokenizer, accelerator, processor)
     model = build_model(
         model_settings,
         lora,
@@ -122,6 +126,7 @@ def build_lm(
         head=head,
         pad_token_id=pad_token_id(tokenizer),
         seed=train.seed,
+        distributed_config=distributed_config(train),
     )
     if lora.enable_lora:
         base_dir = None
@@ -148,6 +153,8 @@ def build_lm(
                 train_vision_tower=model_settings.train_vision_tower,
                 train_projector=model_settings.train_projector,
             )
+        if size_of(train, "tensor") > 1:
+            check_lora_plan(model, lora.modules_to_save)
         model = apply_lora(
             model,
             lora,
@@ -159,6 +166,8 @@ def build_lm(
         )
         if base_dir is not None:
             model.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
+        if size_of(train, "tensor") > 1:
+            check_adapter_layers(model)
         # PiSSA / OLoRA / CorDA (also on resume: PiSSA and OLoRA are seeded, CorDA loads its saved init)
         if init_modifies_base(model):
             save_initial_adapter(
@@ -177,6 +186,34 @@ def build_lm(
     trainable, total = count_parameters(model)
     accelerator.print(f"parameters: {trainable:,} trainable / {total:,} total")
     return model, {"num_params": total, "num_trainable": trainable}
+
+
+def _splittable(model_settings, lora, train, tokenizer, accelerator, processor):
+    """The model section to build, after the checks of its splits (finetune.parallel.sizes). Tensor
+    parallel loads pretrained weights split by the TP plan: a random-init model is first built whole
+    (the same seed on every process, the same weights) and saved to output_dir/base_model, which is then
+    the model_path (and a LoRA adapter's base, as for any random-init base)."""
+    from finetune.model.build import _load_config, build_model, save_base_model
+    from finetune.parallel.sizes import check_model_splits
+
+    check_model_splits(_load_config(model_settings), train)
+    if size_of(train, "tensor") <= 1 or model_settings.model_path is not None:
+        return model_settings
+    base_dir = Path(train.output_dir) / "base_model"
+    whole = build_model(
+        model_settings,
+        lora,
+        mixed_precision=train.mixed_precision,
+        vocab_size=len(tokenizer),
+        gradient_checkpointing=False,
+    )
+    save_base_model(whole, base_dir, is_main_process=accelerator.is_main_process)
+    if accelerator.is_main_process:
+        (processor or tokenizer).save_pretrained(base_dir)
+        write_checksums(base_dir)
+    accelerator.wait_for_everyone()
+    del whole
+    return model_settings.model_copy(update={"model_path": str(base_dir.resolve()), "config_path": None})
 
 
 def _init_data(lora, train, tokenizer, accelerator, init_loader, model):
@@ -221,6 +258,8 @@ def make_loader(
     in order (sharded later by `accelerator.prepare`, or not at all in `finetune eval`, which passes
     no accelerator). `options` go to make_dataloader (preference rows bring their columns and
     collation)."""
+    from finetune.parallel.sizes import data_parallel_rank, data_parallel_size
+
     return make_dataloader(
         dataset,
         micro_batch_size=train.micro_batch_size,
@@ -233,8 +272,11 @@ def make_loader(
         num_workers=data.dataloader_num_workers if accelerator is not None else 0,
         prefetch_factor=data.dataloader_prefetch_factor if accelerator is not None else None,
         pin_memory=data.dataloader_pin_memory if accelerator is not None else False,
-        num_replicas=accelerator.num_processes if training and accelerator is not None else None,
-        rank=accelerator.process_index if accelerator is not None else 0,
+        # Processes that compute one batch together (tensor, context parallel) read the same rows.
+        num_replicas=data_parallel_size(train, accelerator.num_processes)
+        if training and accelerator
+        else None,
+        rank=data_parallel_rank(train, process_index=accelerator.process_index) if accelerator else 0,
         **options,
     )
 
@@ -328,7 +370,14 @@ def check_batches(accelerator, loader, num_rows: int, micro_batch_size: int) -> 
 
 
 def throughput_fields(
-    accelerator, flops: dict, interval: dict, elapsed: float, totals: dict, *, forward_passes: int = 0
+    accelerator,
+    flops: dict,
+    interval: dict,
+    elapsed: float,
+    totals: dict,
+    *,
+    forward_passes: int = 0,
+    copies: int = 1,
 ) -> dict:
     """tokens/s (this process and all processes), TFLOP/s and MFU of a logging interval.
 
@@ -347,11 +396,12 @@ def throughput_fields(
     ) + forward_passes * forward_flops_per_token(
         flops["config"], num_params=flops["num_params"], seq_len_sq_mean=seq_len_sq_mean
     )
-    tflops = tokens * flops_per_token / elapsed / 1e12
+    # `copies` processes compute the same tokens together (tensor parallel: each a share of the FLOPs).
+    tflops = tokens * flops_per_token / elapsed / 1e12 / copies
     peak = device_peak_flops(accelerator.device)
     return {
         "tokens_per_sec": tokens / elapsed,
-        "tokens_per_sec_total": tokens * accelerator.num_processes / elapsed,
+        "tokens_per_sec_total": tokens * accelerator.num_processes / copies / elapsed,
         "tflops_per_device": tflops,
         "mfu": tflops * 1e12 / peak if peak else None,
     }
@@ -368,6 +418,7 @@ def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict
     from accelerate.utils import DistributedType
 
     from finetune.model_card import write_model_card
+    from finetune.parallel.tensor import is_tensor_parallel
 
     unwrapped = accelerator.unwrap_model(model)
     # Sharded engines must gather the full weights first; otherwise the unwrapped model saves its
@@ -376,7 +427,9 @@ def save_lm(accelerator, model, tokenizer, *, lora, output_dir: Path, card: dict
     # ZeRO-3 gathers the 16-bit weights, FSDP2 a full state dict on rank 0 (every rank takes part).
     state_dict = accelerator.get_state_dict(model) if sharded else None
     merge = lora.enable_lora and not lora.save_lora_only
-    if merge and sharded:
+    # A TP model's save_pretrained gathers its DTensors itself (transformers, PEFT); its LoRA merges on
+    # the main process into the whole base, as a sharded engine's.
+    if merge and (sharded or is_tensor_parallel(unwrapped)):
         _merge_sharded(accelerator, unwrapped, tokenizer, state_dict, output_dir)
     elif merge:
         unwrapped.merge_and_unload().save_pretrained(

@@ -19,10 +19,11 @@ import torch
 
 import finetune.objectives.lm as lm
 from finetune import trackers
-from finetune.data.batching.loader import count_tokens, count_trainable, seq_stats
+from finetune.data.batching.loader import count_tokens, seq_stats
 from finetune.engine.objective import Parts
-from finetune.losses.causal_lm import forward, token_loss_sums
+from finetune.losses.causal_lm import forward, token_loss_sums, trainable_tokens
 from finetune.notices import warn
+from finetune.parallel.sizes import ranks_sharing_rows, size_of
 
 
 class SFTObjective:
@@ -124,6 +125,8 @@ class SFTObjective:
         from finetune.model.build import full_shape
 
         setting = self.train.loss_chunk_size
+        if size_of(self.train, "tensor") > 1:
+            return 0  # the TP plan splits the output head, whose forward the chunked loss would replace
         if self.model_settings.enable_liger_kernel:
             if setting:  # Liger's fused linear cross-entropy already avoids the full logits
                 warn(
@@ -147,8 +150,9 @@ class SFTObjective:
 
     def on_prepared(self, accelerator, model) -> None:
         self.flops["config"] = accelerator.unwrap_model(model).config
-        if self.eval_loader is not None:
-            # Sharded by Accelerate, after the model: DeepSpeed wants that order.
+        if self.eval_loader is not None and size_of(self.train, "tensor") <= 1:
+            # Sharded by Accelerate, after the model: DeepSpeed wants that order. A tensor-parallel group
+            # computes every batch together: each of its processes reads every row.
             self.eval_loader = accelerator.prepare(self.eval_loader)
         # No state besides the model's, the optimizer's and the schedule's; a stream's position.
         return {"data_stream": self.stream} if self.stream is not None else None
@@ -159,7 +163,7 @@ class SFTObjective:
     # ------------------------------------------------------------------------------------ step
 
     def units(self, batch: dict) -> torch.Tensor:
-        return count_trainable(batch)
+        return trainable_tokens(batch)
 
     def loss(self, model, batch: dict, num_units: torch.Tensor) -> tuple[torch.Tensor, dict]:
         if self.loss_chunk_size:
@@ -177,7 +181,9 @@ class SFTObjective:
 
         Token counts are this process's; trainable tokens (`units`) are all processes'.
         """
-        fields = lm.throughput_fields(self.accelerator, self.flops, interval, elapsed, totals)
+        fields = lm.throughput_fields(
+            self.accelerator, self.flops, interval, elapsed, totals, copies=ranks_sharing_rows(self.train)
+        )
         trainable = interval.get("units", 0)
         out = {
             "tokens_per_sec": fields["tokens_per_sec"],
@@ -209,6 +215,9 @@ class SFTObjective:
                 total_loss += float(sums.sum())
                 total_count += int(counts.sum())
         model.train()
+        # Processes that read the same rows (tensor, context parallel) gathered the same sums.
+        copies = ranks_sharing_rows(self.train)
+        total_loss, total_count = total_loss / copies, total_count // copies
         loss = total_loss / max(total_count, 1)
         metrics = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": total_count}
         trackers.log_scalars(acc, metrics, step)

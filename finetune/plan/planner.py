@@ -32,6 +32,15 @@ from finetune.plan.inventory import (
     gib_text,
     inspect_model,
 )
+from finetune.plan.parallel import (
+    offloaded_bytes,
+    shard_len,
+    split_note,
+    split_of,
+    split_states,
+    tensor_view,
+    with_segments,
+)
 from finetune.plan.rollout import (
     Rollout,
     online_assumptions,
@@ -95,8 +104,10 @@ def estimate(
     (`images`: what a vision-language model's tower sees per row; finetune.plan.images)."""
     adapter = adapter if adapter is not None else adapter_counts(inv, recipe.lora, recipe.model)
     layout = model_states(inv, adapter, recipe, engine, checkpointing=checkpointing)
-    parts = shard_states(layout.states, engine)
-    if engine.kind == "ddp" and engine.num_processes > 1:
+    split = split_of(recipe.train)
+    parts = split_states(shard_states(layout.states, engine), inv, split, full=not recipe.lora.enable_lora)
+    # Tensor parallel runs without DDP (finetune.parallel.tensor): no gradient buckets.
+    if engine.kind == "ddp" and engine.num_processes > 1 and split.tensor <= 1:
         note = "gradient_as_bucket_view=False (accelerate's default): a second gradient copy"
         parts.append(Part("DDP gradient buckets", layout.states.grads, note=note))
     if layout.autocast_copies:
@@ -122,10 +133,11 @@ def estimate(
     # Image features that need a gradient (trained tower or projector) make the first norm save its input.
     vision_grad = inv.vision is not None and (recipe.model.train_vision_tower or recipe.model.train_projector)
     acts = activation_bytes(
-        inv,
+        tensor_view(inv, split),
         micro_batch_size=rows,
-        seq_len=seq_len,
-        attn_implementation=recipe.model.attn_implementation,
+        seq_len=shard_len(seq_len, split),
+        # Ulysses' and ring attention build no seq x seq mask (finetune.plan.parallel)
+        attn_implementation="flash_attention_2" if split.sequence > 1 else recipe.model.attn_implementation,
         residual_bytes=layout.residual_bytes,
         compute_bytes=layout.compute_bytes,
         autocast=layout.autocast,
@@ -140,10 +152,23 @@ def estimate(
         rotary_rows=_rotary_rows(inv, rows),
         embedding_frozen=not (full or embedding in trained),
     )
+    acts = with_segments(
+        acts,
+        tensor_view(inv, split),
+        split,
+        attn=recipe.model.attn_implementation if recipe.train.sequence_parallel_size > 1 else "",
+        rows=rows,
+        tokens=shard_len(seq_len, split),
+        compute_bytes=layout.compute_bytes,
+    )
     if inv.vision is not None:
         acts = _with_vision(acts, inv, recipe, layout, rows, images)
     label = "activations, " + ("gradient checkpointing" if checkpointing else "no checkpointing")
-    parts.append(Part(label, acts.peak(checkpointing) - acts.logits_and_loss, note="<- recipe"))
+    offloaded = offloaded_bytes(acts, checkpointing) if split.offload else 0.0
+    note = "; ".join(filter(None, ["<- recipe", split_note(split)]))
+    parts.append(Part(label, acts.peak(checkpointing) - acts.logits_and_loss - offloaded, note=note))
+    if offloaded:
+        parts.append(Part("offloaded activations", 0.0, offloaded, note="pinned host memory"))
     note = (
         f"chunked loss ({chunk} tokens per chunk): no logits held"
         if chunk
@@ -210,6 +235,8 @@ def loss_chunk(recipe: Recipe, inv: ModelInventory, tokens_per_micro_batch: int)
     loss itself, which the planner counts as chunked at the default size)."""
     from finetune.losses.chunked_ce import default_chunk_size, resolve_loss_chunk_size
 
+    if recipe.train.tensor_parallel_size > 1:  # the TP plan splits the head, which the chunked loss replaces
+        return 0
     if recipe.model.enable_liger_kernel:
         return default_chunk_size(inv.vocab_size)
     return resolve_loss_chunk_size(
@@ -253,9 +280,23 @@ def suggest(
     for ckpt in dict.fromkeys((train.gradient_checkpointing, True)):
         micro = next((m for m in micros if fits(m, ckpt)), None)
         if micro is not None:
-            return _batch_suggestion(recipe, engine, global_batch, micro, ckpt, fits(micro, False))
+            found = _batch_suggestion(recipe, engine, global_batch, micro, ckpt, fits(micro, False))
+            est = estimate(
+                inv,
+                recipe,
+                engine,
+                micro_batch_size=micro,
+                checkpointing=ckpt,
+                adapter=adapter,
+                images=images,
+            )
+            line = _sequence_split_line(inv, recipe, engine, est)
+            return replace(found, lines=found.lines + ((line,) if line else ()))
     alternatives = []
-    for name, eng, rec, change in _online_alternatives(recipe, engine) + _alternatives(recipe, engine):
+    splits = _sequence_alternatives(inv, recipe, engine)
+    for name, eng, rec, change in (
+        _online_alternatives(recipe, engine) + splits + _alternatives(recipe, engine)
+    ):
         if name not in {a["name"] for a in alternatives} and fits(1, True, eng, rec):
             est = estimate(inv, rec, eng, micro_batch_size=1, checkpointing=True, images=images)
             alternatives.append({"name": name, "change": change, "total_gpu_bytes": est.total_gpu})
@@ -272,6 +313,46 @@ def suggest(
         )
     return Suggestion(
         global_batch, gradient_checkpointing=True, alternatives=tuple(alternatives), lines=tuple(lines)
+    )
+
+
+def _sequence_sizes(inv: ModelInventory, recipe: Recipe, engine: DistributedSetup) -> list[int]:
+    """Sequence-parallel sizes this run could take: above 1, dividing the processes and the heads
+    (finetune.parallel.sizes), for an sft run of a causal LM that splits nothing yet."""
+    train = recipe.train
+    split = split_of(train)
+    if split.sequence > 1 or split.tensor > 1 or recipe.model.kind != "llm":
+        return []
+    if OBJECTIVES[train.objective].kind != "sft":
+        return []
+    n = engine.num_processes
+    return [size for size in range(2, n + 1) if n % size == 0 and inv.num_heads % size == 0]
+
+
+def _sequence_alternatives(
+    inv: ModelInventory, recipe: Recipe, engine: DistributedSetup
+) -> list[tuple[str, DistributedSetup, Recipe, str]]:
+    """Sequence parallel over 2, 4 ... of the processes (smallest first): each row's activations and
+    logits split over them (finetune.plan.parallel)."""
+    out = []
+    for size in _sequence_sizes(inv, recipe, engine):
+        train = recipe.train.model_copy(update={"sequence_parallel_size": size})
+        change = f"--train.sequence_parallel_size {size} (Ulysses: each row's tokens split over {size} GPUs)"
+        out.append((f"sequence_parallel_{size}", engine, recipe.model_copy(update={"train": train}), change))
+    return out
+
+
+def _sequence_split_line(inv: ModelInventory, recipe: Recipe, engine: DistributedSetup, est: Estimate) -> str:
+    """A line recommending sequence parallel when activations (and logits) are most of the memory."""
+    sizes = _sequence_sizes(inv, recipe, engine)
+    acts = sum(p.gpu_bytes for p in est.parts if p.name.startswith(("activations", "logits")))
+    if not sizes or acts <= est.training_gpu / 2:
+        return ""
+    size = sizes[-1]
+    return (
+        f"activations dominate ({acts / est.training_gpu:.0%} of the step's memory): "
+        f"--train.sequence_parallel_size {size} splits each row over {size} GPUs and divides them by {size} "
+        "(context parallel, --train.context_parallel_size, under fsdp2 on GPUs, does too, rows unpacked)"
     )
 
 

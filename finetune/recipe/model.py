@@ -10,6 +10,10 @@ from pydantic import Field
 from finetune.gguf.names import gguf_problems
 from finetune.recipe.base import Problem, _Section
 
+# The rope scalings transformers implements that model.rope_scaling accepts (their keys: transformers'
+# modeling_rope_utils, which validates them when the config is built).
+ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
+
 # Named chat templates accepted by `model.chat_template` (any other value is used as a Jinja string).
 KNOWN_CHAT_TEMPLATES: dict[str, str] = {
     "chatml": (
@@ -118,6 +122,20 @@ class ModelSection(_Section):
         False, description="Apply Liger kernels (needs liger-kernel installed)."
     )
     enable_compile: bool = Field(False, description="torch.compile the model forward.")
+    rope_scaling: dict[str, Any] | None = Field(
+        None,
+        description="Longer context by scaling the rotary position embeddings, written into the model "
+        f"config's rope parameters (rope_theta kept): rope_type ({', '.join(ROPE_TYPES)}), factor, and the "
+        "type's own keys (llama3: low_freq_factor, high_freq_factor; yarn: beta_fast, beta_slow ...; "
+        "original_max_position_embeddings defaults to the model's trained context). e.g. {rope_type: yarn, "
+        "factor: 4.0}. null = the model's own.",
+    )
+    max_position_embeddings: int | None = Field(
+        None,
+        ge=1,
+        description="Override the model config's max_position_embeddings (the longest position it accepts); "
+        "set it with rope_scaling when training past the trained context. null = the model's own.",
+    )
 
     @property
     def config_source(self) -> str | dict[str, Any] | None:
@@ -158,9 +176,22 @@ class ModelSection(_Section):
             )
         if ok("gguf_file", "kind"):
             problems += gguf_problems(self.model_path, self.gguf_file, self.kind)
+        if ok("rope_scaling") and self.rope_scaling is not None:
+            problems += _rope_problems(self.rope_scaling)
         for name in ("train_vision_tower", "train_projector"):
             if ok(name, "kind") and getattr(self, name) and self.kind != "vlm":
                 problems.append(
                     (name, True, "applies to vision-language models: set model.kind: vlm or remove it")
                 )
         return problems
+
+
+def _rope_problems(scaling: dict[str, Any]) -> list[Problem]:
+    """model.rope_scaling names a known rope_type and a factor above 0; transformers checks the rest."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ROPE_TYPES:
+        return [("rope_scaling.rope_type", kind, f"must be one of {', '.join(ROPE_TYPES)}")]
+    factor = scaling.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+        return [("rope_scaling.factor", factor, "a number above 0 (the context is scaled by it), e.g. 4.0")]
+    return []

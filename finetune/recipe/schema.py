@@ -23,6 +23,7 @@ from finetune.recipe.objectives import (
     sharing_section,
     trained_on,
 )
+from finetune.recipe.parallel import parallel_problems
 from finetune.recipe.preference import PreferenceSection
 from finetune.recipe.reward import RewardSection, reward_problems
 from finetune.recipe.streaming import streaming_problems
@@ -134,6 +135,7 @@ class Recipe(_Section):
         problems += data_init_problems(self, ok)
         problems += residual_reference_problems(self, ok)
         problems += streaming_problems(self, ok)
+        problems += parallel_problems(self, ok)
         problems += reward_problems(self, ok)
         if ok("model.torch_dtype", "train.mixed_precision", "lora.enable_lora", "lora.enable_qlora"):
             problems += _precision_problems(self.model.torch_dtype, self.train.mixed_precision, self.lora)

@@ -11,6 +11,7 @@ from pydantic_core import PydanticCustomError
 import finetune.recipe.optimizers as optimizers
 from finetune.recipe.base import FIXED_ON_RESUME, Problem, _Section
 from finetune.recipe.objectives import ObjectiveName
+from finetune.recipe.parallel import EXPERT_REFUSAL, PIPELINE_REFUSAL, parallel_warnings
 from finetune.trackers import TRACKERS
 
 
@@ -139,6 +140,52 @@ class TrainSection(_Section):
     accelerate_config: str | None = Field(
         None, description="Name in accelerate_configs/ or a path, used by `finetune train`."
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Tensor parallel: each decoder layer's attention and MLP weights split over this many "
+        "processes by the model's own TP plan (transformers' DistributedConfig, DTensor), every process "
+        "reading the same batch. Equal to the number of processes (DDP launcher: multi_cpu, multi_gpu); sft; "
+        "LoRA on the plan's column-wise layers (q/k/v/gate/up for Llama). 1 = off (docs/scale-out.md).",
+        **FIXED_ON_RESUME,
+    )
+    sequence_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Sequence parallel (DeepSpeed's Ulysses, ALST): each row's tokens split over this many "
+        "processes, which trade attention heads for the whole sequence (all-to-all); divides the number of "
+        "processes (the rest is data parallel) and the model's heads; sft; sdpa or flash_attention_2; packed "
+        "sequences stay apart. 1 = off (docs/scale-out.md).",
+        **FIXED_ON_RESUME,
+    )
+    context_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Context parallel (ring attention: torch's context_parallel through Accelerate's cp_size): "
+        "each row split over this many GPUs, keys and values passed around the ring. CUDA GPUs with an FSDP2 "
+        "config; sft; sdpa; rows not packed. 1 = off (docs/scale-out.md).",
+        **FIXED_ON_RESUME,
+    )
+    activation_offloading: bool = Field(
+        False,
+        description="Move the activations saved for backward to pinned CPU memory during the forward and back "
+        "for the backward (torch.autograd.graph.save_on_cpu); with gradient_checkpointing only each layer's "
+        "input moves. CUDA only.",
+    )
+    pipeline_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Refused above 1: pipeline parallel is not built (the reason and what to use instead are "
+        "in docs/scale-out.md).",
+        **FIXED_ON_RESUME,
+    )
+    expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Refused above 1: expert parallel is not built (the reason and what to use instead are "
+        "in docs/scale-out.md).",
+        **FIXED_ON_RESUME,
+    )
     exit_duration_in_mins: float | None = Field(
         None, gt=0, description="Checkpoint and exit cleanly after this many minutes."
     )
@@ -170,6 +217,15 @@ class TrainSection(_Section):
     def _null_is_off(cls, value: Any) -> Any:
         # One way to say "off" for every cadence: 0 and null both mean never.
         return 0 if value is None else value
+
+    @field_validator("pipeline_parallel_size", "expert_parallel_size", mode="before")
+    @classmethod
+    def _refused_parallel(cls, value: Any, info) -> Any:
+        # Accepted only when an existing engine can run them: neither can here (finetune.recipe.parallel).
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            reason = PIPELINE_REFUSAL if info.field_name == "pipeline_parallel_size" else EXPERT_REFUSAL
+            raise PydanticCustomError("refused_parallel", "{reason}", {"reason": reason})
+        return value
 
     @field_validator("optimizer", mode="before")
     @classmethod
@@ -306,4 +362,5 @@ class TrainSection(_Section):
             )
         if self.optimizer == "sgd" and (self.adam_beta1, self.adam_beta2) != (0.9, 0.999):
             found.append(("optimizer", "sgd", "adam_beta1/adam_beta2 are set but sgd ignores them"))
+        found += [(path.removeprefix("train."), value, why) for path, value, why in parallel_warnings(self)]
         return found

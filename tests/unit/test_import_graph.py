@@ -90,7 +90,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("data",),
     (
         "model", "model_card", "optim", "checkpoint", "hub", "metrics", "distributed", "accelerate_config",
-        "launcher", "losses",
+        "launcher", "losses", "parallel",
     ),
     ("recipe",),
     ("gguf", "errors", "notices", "quiet", "constants", "trackers", "locks"),
