@@ -21,11 +21,8 @@ Built-ins (grpo.rewards[].name):
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import re
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +31,7 @@ from typing import Any
 import torch
 
 from finetune.errors import FinetuneError
+from finetune.generation.functions import load_function
 from finetune.generation.metrics import GSM8K_ANSWER_PATTERN, math_equal, require_math_verify, score
 
 RewardFn = Callable[[list[str], list[dict[str, Any]]], Sequence[float]]
@@ -110,38 +108,6 @@ def _overlong_penalty(max_new_tokens: int | None, soft_cache: int | None, count_
         ]
 
     return length
-
-
-def load_function(path: str, *, base: Path | None = None) -> RewardFn:
-    """A user's reward function from `module:function` or `file.py:function` (a relative file from
-    `base`, the recipe's folder, then the current folder); a clear error when it cannot be found."""
-    module_name, _, attr = path.rpartition(":")
-    try:
-        if module_name.endswith(".py"):
-            candidates = [Path(module_name)] if Path(module_name).is_absolute() else []
-            candidates += [(base or Path.cwd()) / module_name, Path.cwd() / module_name]
-            file = next((c for c in candidates if c.is_file()), None)
-            if file is None:
-                raise FinetuneError(
-                    f"grpo.rewards: reward file {module_name} does not exist (looked in {base or Path.cwd()})"
-                )
-            spec = importlib.util.spec_from_file_location(f"finetune_reward_{file.stem}", file)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            if base is not None and str(base) not in sys.path:
-                sys.path.insert(0, str(base))  # a module next to the recipe imports like one in the cwd
-            module = importlib.import_module(module_name)
-    except FinetuneError:
-        raise
-    except Exception as exc:
-        raise FinetuneError(
-            f"grpo.rewards: cannot import {module_name} for reward {path}: {type(exc).__name__}: {exc}"
-        ) from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise FinetuneError(f"grpo.rewards: {module_name} has no function {attr!r} (reward {path})")
-    return fn
 
 
 def build_rewards(

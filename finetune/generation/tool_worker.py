@@ -1,0 +1,189 @@
+"""Tools run in a process of their own: a hung tool is stopped, and its prints reach nobody.
+
+Why a process and not a thread: Python cannot stop a thread, so a tool stuck in a loop would hold the
+run forever (and a thread shares the run's stdout, where its prints would mix with the progress bar).
+The worker is started once (`python -m finetune.generation.tool_worker`, which imports no torch), loads
+the tool functions itself (finetune.generation.functions, as rewards are loaded), and answers one call
+at a time over a pipe (a JSON line each way). A call that does not answer within the timeout gets the
+worker killed and a new one started for the next call (about 0.1 s); a tool that crashes the worker
+is an error result the same way. Its stdout and stderr (file descriptors 1 and 2, so C code's output
+too) go to /dev/null.
+
+Results cross the pipe as text: the tool's `str(result)`, or `error: <Exception>: <message>` for an
+exception or arguments its signature refuses (a TypeError), as the model would see them in deployment.
+
+Environments (multi-turn tasks, finetune.generation.environments) live here too: one object per
+episode, made by the factory, `reset(row)` and `step(text)` called on it. When the worker is restarted
+(a timeout), the episodes it held are rebuilt on their next call by replaying their reset and steps
+(deterministic environments rebuild the same state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """What a call gave: its text (the result, or `error: ...`), whether it failed (an exception, bad
+    arguments) or timed out, its wall time, and for an environment step the (reward, done) it returned."""
+
+    text: str
+    error: bool = False
+    timeout: bool = False
+    seconds: float = 0.0
+    value: Any = None  # an environment step's (observation, reward, done)
+
+
+class ToolRunner:
+    """The client side: a worker process loading `functions` ((path, base folder) pairs), restarted
+    after a timeout. Calls are serialized (a lock): the rollout may run in a background thread."""
+
+    def __init__(self, functions: list[tuple[str, str | None]], *, timeout_s: float):
+        self.functions, self.timeout_s = functions, timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+        self.generation = 0  # worker starts: an episode made by an earlier worker is replayed
+        self._buffer = b""
+
+    def _start(self) -> None:
+        import finetune
+
+        root = str(Path(finetune.__file__).resolve().parents[1])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "finetune.generation.tool_worker"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+        self.generation += 1
+        self._buffer = b""
+        answer = self._exchange({"op": "load", "functions": self.functions}, timeout=60.0)
+        if answer is None or "error" in answer:
+            self.close()
+            from finetune.errors import FinetuneError
+
+            reason = answer["error"] if answer else "the worker did not start"
+            raise FinetuneError(f"tools: cannot load the tool functions in the tool worker: {reason}")
+
+    def _exchange(self, request: dict, *, timeout: float) -> dict | None:
+        """Send one request, wait up to `timeout` s for its answer; None: no answer in time (or the
+        worker died)."""
+        try:
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            return None
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:  # the worker exited
+                return None
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
+
+    def request(self, request: dict) -> CallResult:
+        """One call (see the module docstring): its result, or an error / timeout result."""
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self._start()
+            started = time.perf_counter()
+            answer = self._exchange(request, timeout=self.timeout_s)
+            seconds = time.perf_counter() - started
+            if answer is None:
+                died = self.proc.poll() is not None
+                self.close()  # killed: the next call starts a fresh worker
+                if died:
+                    return CallResult("error: the tool crashed its process", error=True, seconds=seconds)
+                return CallResult(
+                    f"error: the tool did not answer within {self.timeout_s:g} s",
+                    timeout=True,
+                    seconds=seconds,
+                )
+            if "error" in answer:
+                return CallResult(f"error: {answer['error']}", error=True, seconds=seconds)
+            return CallResult(str(answer.get("text", "")), seconds=seconds, value=answer.get("value"))
+
+    def close(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            for stream in (self.proc.stdin, self.proc.stdout):
+                stream.close()
+            self.proc = None
+
+    def __del__(self):
+        with contextlib.suppress(Exception):  # interpreter shutdown: nothing left to close with
+            self.close()
+
+
+# ------------------------------------------------------------------------------------ the worker
+
+
+def _answer(request: dict, functions: list, episodes: dict) -> dict:
+    op = request["op"]
+    if op == "call":
+        result = functions[request["fn"]](*request.get("args", []), **request.get("kwargs", {}))
+        return {"text": str(result)}
+    if op == "env_reset":
+        env = functions[request["fn"]]()
+        episodes[request["episode"]] = env
+        first = env.reset(request["row"])
+        return {"text": "" if first is None else str(first)}
+    if op == "env_step":
+        observation, reward, done = episodes[request["episode"]].step(request["text"])
+        reward = float(reward)
+        return {"text": "" if observation is None else str(observation), "value": [reward, bool(done)]}
+    if op == "env_close":
+        episodes.pop(request["episode"], None)
+        return {"text": ""}
+    raise ValueError(f"unknown request {op!r}")
+
+
+def main() -> None:
+    """Serve requests from stdin until it closes; answers go to the original stdout, everything the
+    tools print to /dev/null."""
+    from finetune.generation.functions import load_function
+
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (kept open for the process)
+    functions: list = []
+    episodes: dict = {}
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            if request["op"] == "load":
+                base = [Path(b) if b else None for _, b in request["functions"]]
+                functions = [
+                    load_function(p, base=b, what="tools", noun="tool")
+                    for (p, _), b in zip(request["functions"], base, strict=True)
+                ]
+                answer = {"text": "loaded"}
+            else:
+                answer = _answer(request, functions, episodes)
+        except Exception as exc:
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        channel.write(json.dumps(answer, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
