@@ -107,7 +107,7 @@ def own_runs(tok, ids, own) -> list[str]:
 
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_a_chat_call_runs_and_its_result_comes_back_as_the_template_renders_it(folder, setup):
-    file, eot, fmt = SETUPS[setup]
+    _, eot, fmt = SETUPS[setup]
     tok = tokenizer_for(setup)
     box = box_for(folder, tok)
     assert box.call_format == fmt

@@ -4,6 +4,7 @@ hanging, noisy or over-called tool gives the model; the loading errors."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -85,7 +86,7 @@ def bigram_model(tok, segments: list[str], prompt: list[int]):
     for text in segments:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         chain = [*chain, *ids]
-    pairs = list(zip(chain, chain[1:], strict=False))
+    pairs = list(itertools.pairwise(chain))
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
