@@ -524,3 +524,51 @@ def tool_fields(completions: Sequence[Any]) -> dict[str, float]:
         "tool_errors_sum": float(sum(c.error for c in calls)),
         "tool_timeouts_sum": float(sum(c.timeout for c in calls)),
     }
+
+
+ENVIRONMENT_KEY = "_environment_reward"  # where a completion's data row carries its environment's reward
+
+
+def with_environment_rewards(rows: list[dict], completions: Sequence[Any]) -> None:
+    """Put each completion's environment reward in its data row (rows[k] answers completions[k]), where
+    the reward `environment` reads it; completions without one leave their row as it is."""
+    for row, completion in zip(rows, completions, strict=True):
+        reward = getattr(completion, "environment_reward", None)
+        if reward is not None:
+            row[ENVIRONMENT_KEY] = reward
+
+
+def environment_reward(completions: list[str], rows: list[dict]) -> list[float]:
+    """The reward `environment`: the sum of the rewards an environment gave each completion's turns.
+
+    >>> environment_reward(["a", "b"], [{ENVIRONMENT_KEY: 1.0}, {ENVIRONMENT_KEY: -0.5}])
+    [1.0, -0.5]
+    """
+    return [float(row[ENVIRONMENT_KEY]) for row in rows]
+
+
+def answers_with_tools(
+    backend,
+    prompts: Sequence[Any],
+    toolbox: Toolbox,
+    *,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    use_chat_template: bool = True,
+    progress: bool = False,
+) -> tuple[list[str], list[list[ToolCall]]]:
+    """Greedy answers to `prompts` (strings or message lists, finetune.generation.backends.answers' kind)
+    with the toolbox's tools in the loop: (each answer's text, inserted results included; its calls)."""
+    from finetune.generation.prompts import prompt_ids
+
+    conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else list(p) for p in prompts]
+    if not use_chat_template:
+        ids = [prompt_ids(backend.tokenizer, p, use_chat_template=False) for p in prompts]
+    else:
+        ids = [prompt_ids(backend.tokenizer, m, tools=toolbox.schemas) for m in conversations]
+    made = generate_with_tools(
+        backend, ids, SamplingParams(max_new_tokens=max_new_tokens), toolbox, batch_size=batch_size,
+        messages=conversations if use_chat_template else None, progress=progress,
+    )  # fmt: skip
+    texts = [completion_text(backend.tokenizer, c[0], stops=backend.stops) for c in made]
+    return texts, [c[0].calls for c in made]

@@ -42,6 +42,7 @@ import torch
 
 import finetune.objectives.lm as lm
 import finetune.objectives.rollout as ro
+import finetune.objectives.tool_rollout as tr
 from finetune import trackers
 from finetune.constants import IGNORE_INDEX
 from finetune.data.loader import seq_stats
@@ -91,6 +92,9 @@ class OnlineObjective:
         self.rewards: list = []
         self.eval_rows: list[dict] = []
         self.samples: list[dict] = []  # the last rollout's logged completions
+        # grpo.tools / grpo.environment, loaded in build (finetune.objectives.tool_rollout)
+        self.toolbox = None
+        self.prompt_fields: list[str] = []  # where chat tools and environments read a row's conversation
 
     # ----------------------------------------------------------------------------------- build
 
@@ -120,6 +124,9 @@ class OnlineObjective:
         self.reference.attach(model, accelerator)
         self.rewards = ro.rewards_for(self.settings, self.tokenizer, recipe_path=_recipe_path(self.recipe))
         ro.check_reward_columns(self.settings.rewards, prepared.train, section=self.section)
+        path = _recipe_path(self.recipe)
+        self.toolbox = tr.toolbox_for(self.settings, self.tokenizer, recipe_path=path, section=self.section)
+        self.prompt_fields = tr.prompt_fields(self.data.datasets, self.toolbox, section=self.section)
         train_loader = ro.prompt_loader(
             prepared.train,
             prompts_per_step=self.prompts_per_step,
@@ -214,9 +221,9 @@ class OnlineObjective:
         ro.set_advantages(batches, advantages)
         if settings.num_iterations > 1:  # reused on the next steps (and checkpointed)
             self.buffer.keep(key, batches)
-        self._keep_samples(prompts, made["texts"], made["per_reward"], total, step)
+        self._keep_samples(prompts, made["texts"], made["per_reward"], total, step, made.get("calls"))
         stats = self._rollout_stats(
-            made["per_reward"], total, flat_groups, made["lengths"], made["finished"], kl
+            made["per_reward"], total, flat_groups, made["lengths"], made["finished"], kl, made.get("tools")
         )
         if self.ahead is not None:  # the time training waited for the background rollout since the last step
             stats["rollout_wait_seconds"] = self.ahead.wait_seconds - self._waits_logged
@@ -233,18 +240,18 @@ class OnlineObjective:
             max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
             top_p=settings.top_p, top_k=settings.top_k, num_return_sequences=group,
         )  # fmt: skip
-        completions = ro.sample(
-            backend,
-            prompts,
-            params,
-            seed=self.train.seed,
-            step=step,
-            batch_size=settings.generation_batch_size,
-        )
+        how = {"seed": self.train.seed, "step": step, "batch_size": settings.generation_batch_size}
+        tools = {}  # with tools in the loop: the step's tool figures
+        if self.toolbox is None:
+            completions = ro.sample(backend, prompts, params, **how)
+        else:
+            completions, tools = tr.sample(
+                backend, prompts, params, toolbox=self.toolbox, fields=self.prompt_fields, **how
+            )
         rows = [json.loads(row["row"]) for row in prompts for _ in range(group)]
         texts, per_reward, total = ro.score(self.rewards, backend, completions, rows)
-        sequences = [
-            (list(prompts[k // group]["input_ids"]), c.ids, c.finished, 0.0)
+        sequences = [  # a completion made with tools carries its prompt (an environment's makes a new one)
+            (list(getattr(c, "prompt", None) or prompts[k // group]["input_ids"]), c.ids, c.finished, 0.0)
             for k, c in enumerate(completions)
         ]
         batches = ro.pack_completions(
@@ -254,6 +261,7 @@ class OnlineObjective:
             pad_to_multiple_of=self.data.pad_to_multiple_of,
             mask_truncated=settings.mask_truncated_completions,
             sampling_logps=self._sampling_logps(completions),
+            own=[getattr(c, "own", None) for c in completions],
         )
         if self.ahead is not None:
             sampler = backend.model
@@ -271,6 +279,8 @@ class OnlineObjective:
             "total": total,
             "lengths": torch.tensor([len(c.ids) for c in completions], dtype=torch.float32),
             "finished": torch.tensor([c.finished for c in completions]),
+            "tools": tools,
+            "calls": tr.samples(completions[: self.settings.log_completions]) if tools else [],
         }
 
     def _sampling_logps(self, completions) -> list[list[float]] | None:
@@ -323,8 +333,11 @@ class OnlineObjective:
     def _token_logps(self, model, batch: dict) -> torch.Tensor:
         return ro.token_logps_at(model, batch, temperature=self.settings.temperature)
 
-    def _rollout_stats(self, per_reward, total, flat_groups, lengths, finished, kl=None) -> dict[str, float]:
-        """Sums over all processes (one reduce): the logging interval averages them in log_fields."""
+    def _rollout_stats(
+        self, per_reward, total, flat_groups, lengths, finished, kl=None, tools=None
+    ) -> dict[str, float]:
+        """Sums over all processes (one reduce): the logging interval averages them in log_fields. The
+        tool figures' counts are summed too; their seconds are this process's (as rollout_seconds)."""
         group = self.settings.num_generations
         local = {
             "completions": float(len(lengths)),
@@ -337,6 +350,8 @@ class OnlineObjective:
         }
         if kl is not None:
             local["reward_kl_sum"] = float(kl.sum())
+        tools = tools or {}
+        local |= {k: v for k, v in tools.items() if k.endswith("_sum")}
         for i, reward in enumerate(self.rewards):
             local[f"reward/{reward.name}_sum"] = float(per_reward[:, i].sum())
             local[f"reward/{reward.name}_sq_sum"] = float((per_reward[:, i] ** 2).sum())
@@ -350,11 +365,12 @@ class OnlineObjective:
             longest = lengths.max()
         stats = dict(zip(names, values.tolist(), strict=True))
         stats["max:completion_length"] = float(longest)
+        stats |= {k: v for k, v in tools.items() if k.endswith("_seconds")}
         return stats
 
-    def _keep_samples(self, prompts, texts, per_reward, total, step: int) -> None:
-        """The first log_completions completions with their rewards, for progress.jsonl and the
-        trackers (this process's; the main process logs)."""
+    def _keep_samples(self, prompts, texts, per_reward, total, step: int, calls=None) -> None:
+        """The first log_completions completions with their rewards (and, with tools, each call with the
+        result inserted), for progress.jsonl and the trackers (this process's; the main process logs)."""
         count = self.settings.log_completions
         if not count:
             return
@@ -365,6 +381,7 @@ class OnlineObjective:
                 "completion": texts[k],
                 "reward": float(total[k]),
                 **{f"reward/{r.name}": float(per_reward[k, i]) for i, r in enumerate(self.rewards)},
+                **({"tool_calls": calls[k]} if calls else {}),
             }
             for k in range(min(count, len(texts)))
         ]
@@ -500,10 +517,17 @@ class OnlineObjective:
                 metrics = ro.eval_rewards(
                     self._backend(), self.eval_rows, self.rewards,
                     max_new_tokens=self.settings.max_new_tokens, batch_size=self.eval_settings.batch_size,
+                    complete=self._completer(self._backend(), self.toolbox, self.eval_settings.batch_size),
                 )  # fmt: skip
             trackers.log_scalars(acc, metrics, step)
         acc.wait_for_everyone()
         return metrics
+
+    def _completer(self, backend, toolbox, batch_size: int):
+        """The held-out completions' maker with the tools in the loop (None: plain greedy generation)."""
+        if toolbox is None:
+            return None
+        return tr.completer(backend, toolbox, batch_size=batch_size, fields=self.prompt_fields)
 
     @staticmethod
     def held_out(recipe, prepared) -> dict[str, Any]:
@@ -515,14 +539,20 @@ class OnlineObjective:
         def score(model_name: str, model, tokenizer) -> dict[str, Any]:
             rewards = ro.rewards_for(settings, tokenizer, recipe_path=_recipe_path(recipe))
             backend = backend_for("transformers", model, tokenizer)
-            fields = ro.eval_rewards(
-                backend,
-                rows,
-                rewards,
-                max_new_tokens=settings.max_new_tokens,
-                batch_size=recipe.eval.batch_size,
-            )
-            return {"rewards": fields}
+            toolbox = tr.toolbox_for(settings, tokenizer, recipe_path=_recipe_path(recipe))
+            complete = None
+            if toolbox is not None:  # the tools in the loop, as in training
+                fields = tr.prompt_fields(recipe.data.datasets, toolbox)
+                complete = tr.completer(backend, toolbox, batch_size=recipe.eval.batch_size, fields=fields)
+            try:
+                figures = ro.eval_rewards(
+                    backend, rows, rewards, max_new_tokens=settings.max_new_tokens,
+                    batch_size=recipe.eval.batch_size, complete=complete,
+                )  # fmt: skip
+            finally:
+                if toolbox is not None:
+                    toolbox.close()
+            return {"rewards": figures}
 
         return {"score": score}
 
