@@ -86,7 +86,11 @@ def sample(
     completions, flat, group after group, and the tool figures (sums: tool_calls_sum, tool_errors_sum,
     tool_timeouts_sum; this process's tool_seconds and generation_seconds)."""
     group = params.num_return_sequences
-    seeds = [[completion_seed(seed, step, int(row["row_index"]), j) for j in range(group)] for row in prompts]
+    seeds = None  # greedy (held-out rewards)
+    if not params.greedy:
+        seeds = [
+            [completion_seed(seed, step, int(row["row_index"]), j) for j in range(group)] for row in prompts
+        ]
     rows = [json.loads(row["row"]) for row in prompts]
     conversational = bool(toolbox.chat) or toolbox.environment is not None
     messages = [prompt_messages(row, fields) for row in rows] if conversational else None
@@ -95,7 +99,7 @@ def sample(
         ids = [prompt_ids(backend.tokenizer, m, tools=toolbox.schemas) for m in messages]
     stats = LoopStats()
     made = generate_with_tools(
-        backend, ids, params, toolbox, seeds=None if params.greedy else seeds, batch_size=batch_size,
+        backend, ids, params, toolbox, seeds=seeds, batch_size=batch_size,
         messages=messages, rows=rows, stats=stats,
     )  # fmt: skip
     flat = [c for row in made for c in row]

@@ -185,7 +185,7 @@ def static_problem(function: str, spec: ToolSpec | None, folder: Path) -> str | 
         if a.annotation is None
     ]
     if ast.get_docstring(node) is None or untyped:
-        what = "a docstring" if ast.get_docstring(node) is None else f"type hints for {', '.join(untyped)}"
+        what = "docstring" if ast.get_docstring(node) is None else f"type hints for {', '.join(untyped)}"
         return (
             f"a chat tool's schema is made from its type hints and docstring (transformers' get_json_schema), and "
             f"{attr}({', '.join(names)}) has no {what}; add them, or give the tool a trigger (an inline call)"
