@@ -303,6 +303,23 @@ def generate_with_tools(
     return [out[k * n : (k + 1) * n] for k in range(len(prompts))]
 
 
+def continuation_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` where it continues a sequence. SentencePiece tokenizers (Llama 2, Mistral) put a
+    space before a text that starts an input, so `7>>` alone would read ` 7>>` after `<<24-17=`: the text
+    is tokenized after a newline, whose ids are then dropped (when they are a prefix of the result; else
+    it is tokenized alone, as byte-level tokenizers need).
+
+    >>> tok = __import__("transformers").AutoTokenizer.from_pretrained("recipes/demo/tokenizer")
+    >>> tok.decode(tok("<<24-17=", add_special_tokens=False)["input_ids"] + continuation_ids(tok, "7>>"))
+    '<<24-17=7>>'
+    """
+    marker = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    joined = tokenizer("\n" + text, add_special_tokens=False)["input_ids"]
+    if marker and joined[: len(marker)] == marker:
+        return joined[len(marker) :]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def _insert(e: _Episode, ids: list[int], limit: int) -> bool:
     """Append inserted (not trained) ids within the budget; False when the budget ran out (the
     completion ends there, cut)."""
@@ -363,7 +380,7 @@ def _inline_call(e: _Episode, found, limit: int, toolbox: Toolbox, backend, stat
         inserted = text[before : match.end()]
     result = _run(e, toolbox, tool, {"op": "call", "args": list(match.groups())}, stats)
     inserted += result.text + tool.close
-    _insert(e, tokenizer(inserted, add_special_tokens=False)["input_ids"], limit)
+    _insert(e, continuation_ids(tokenizer, inserted), limit)
 
 
 def _run(e: _Episode, toolbox: Toolbox, tool: Tool, request: dict, stats: LoopStats) -> CallResult:
@@ -421,7 +438,7 @@ def _turn_end(e: _Episode, limit: int, toolbox: Toolbox, backend, stats: LoopSta
         e.done, e.finished = True, True
         return
     e.messages = [*(e.messages or []), assistant, *answer]
-    if _insert(e, tokenizer(following, add_special_tokens=False)["input_ids"], limit):
+    if _insert(e, continuation_ids(tokenizer, following), limit):
         e.turn_start = len(e.ids)
 
 

@@ -221,7 +221,9 @@ class OnlineObjective:
         ro.set_advantages(batches, advantages)
         if settings.num_iterations > 1:  # reused on the next steps (and checkpointed)
             self.buffer.keep(key, batches)
-        self._keep_samples(prompts, made["texts"], made["per_reward"], total, step, made.get("calls"))
+        self._keep_samples(
+            prompts, made["texts"], made["per_reward"], total, step, made.get("calls"), made.get("prompts")
+        )
         stats = self._rollout_stats(
             made["per_reward"], total, flat_groups, made["lengths"], made["finished"], kl, made.get("tools")
         )
@@ -281,6 +283,13 @@ class OnlineObjective:
             "finished": torch.tensor([c.finished for c in completions]),
             "tools": tools,
             "calls": tr.samples(completions[: self.settings.log_completions]) if tools else [],
+            # with tools, the prompt each logged completion continued (an environment's first message)
+            "prompts": [
+                self.tokenizer.decode(c.prompt, skip_special_tokens=True)
+                for c in completions[: self.settings.log_completions]
+            ]
+            if tools
+            else [],
         }
 
     def _sampling_logps(self, completions) -> list[list[float]] | None:
@@ -368,7 +377,7 @@ class OnlineObjective:
         stats |= {k: v for k, v in tools.items() if k.endswith("_seconds")}
         return stats
 
-    def _keep_samples(self, prompts, texts, per_reward, total, step: int, calls=None) -> None:
+    def _keep_samples(self, prompts, texts, per_reward, total, step: int, calls=None, shown=None) -> None:
         """The first log_completions completions with their rewards (and, with tools, each call with the
         result inserted), for progress.jsonl and the trackers (this process's; the main process logs)."""
         count = self.settings.log_completions
@@ -377,7 +386,9 @@ class OnlineObjective:
         group = self.settings.num_generations
         self.samples = [
             {
-                "prompt": self.tokenizer.decode(prompts[k // group]["input_ids"], skip_special_tokens=True),
+                "prompt": shown[k]
+                if shown
+                else self.tokenizer.decode(prompts[k // group]["input_ids"], skip_special_tokens=True),
                 "completion": texts[k],
                 "reward": float(total[k]),
                 **{f"reward/{r.name}": float(per_reward[k, i]) for i, r in enumerate(self.rewards)},
