@@ -7,8 +7,8 @@ RECIPE ?= recipes/demo/tiny_sft_cpu.yaml
 test:            ## the whole suite (CPU; GPU tests skip themselves)
 	$(PYTHON) -m pytest
 
-test-fast:       ## unit tests only
-	$(PYTHON) -m pytest tests/unit -q
+test-fast:       ## the fast tier: unit tests and in-process runs, no subprocess (docs/CONTRIBUTING.md)
+	$(PYTHON) -m pytest -m "not slow"
 
 lint:            ## ruff lint + format check
 	ruff check .

@@ -1,6 +1,6 @@
 """Weighted mixtures: the shares of rows and trained tokens each dataset gets, against the weights asked.
 
-Prepares two mixtures with `finetune.data.prepare.prepare` at several weights and prints, per dataset,
+Prepares two mixtures with `finetune.data.prepare.build.prepare` at several weights and prints, per dataset,
 the training rows, the rows drawn, its share of the rows and of the trained tokens (read from the
 manifest, which counts them in the packed rows), next to what the weights ask: a share of rows of
 w_i * n_i / sum(w_j * n_j), and of trained tokens w_i * T_i / sum(w_j * T_j) (n: training rows,
@@ -92,7 +92,7 @@ def _cases(root: Path, names: list[str]) -> dict:
 
 
 def _run(entries, tokenizer, data, weights, root: Path) -> list[dict]:
-    from finetune.data.prepare import prepare
+    from finetune.data.prepare.build import prepare
 
     out = []
     for ws in weights:

@@ -1,5 +1,5 @@
 """Multipack's repair gate: packing efficiency and packing time on 100k synthetic example lengths, with
-the repair pass (finetune.data.packing._fill_gaps) gated at several distances from the lower bound.
+the repair pass (finetune.data.batching.packing._fill_gaps) gated at several distances from the lower bound.
 
 The repair is tried only when best-fit decreasing leaves at most 1/gate more rows than the lower bound
 ceil(tokens / capacity) (gate 50: 2%, 10: 10%, 1: always). Each length distribution is a seeded normal
@@ -19,7 +19,7 @@ import time
 import numpy as np
 from _common import machine
 
-import finetune.data.packing as packing
+import finetune.data.batching.packing as packing
 
 ROWS = 100_000
 # (name, sampler(rng) -> raw lengths, capacity)

@@ -42,8 +42,8 @@ sys.path.insert(0, str(REPO))
 from _common import every_run, interleaved  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
-from finetune.data.collate import collate_rows  # noqa: E402
-from finetune.data.packing import pack_multipack  # noqa: E402
+from finetune.data.batching.collate import collate_rows  # noqa: E402
+from finetune.data.batching.packing import pack_multipack  # noqa: E402
 from finetune.losses import preference as pref  # noqa: E402
 from finetune.losses.causal_lm import forward  # noqa: E402
 

@@ -87,8 +87,8 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 
 def tokenized_gsm8k(data_dir: Path):
     """GSM8K tokenized by finetune (input_ids, labels), as the packers' common input."""
-    from finetune.data.sources import load_source
-    from finetune.data.tokenize import tokenize_dataset
+    from finetune.data.formats.tokenize import tokenize_dataset
+    from finetune.data.sources.readers import load_source
     from finetune.model.build import load_tokenizer
     from finetune.recipe import validate_recipe
 
@@ -112,7 +112,7 @@ def bench_packing(ds, repeats: int, axolotl_paths: list[str]) -> list[dict]:
     import numpy as np
     from trl import pack_dataset
 
-    from finetune.data.packing import build_packed_rows, pack_multipack, pack_sequential
+    from finetune.data.batching.packing import build_packed_rows, pack_multipack, pack_sequential
 
     # In memory: `map` then neither writes nor reuses cache files, so repeated runs are real work.
     ds = datasets.Dataset(ds.with_format("arrow")[:])
@@ -205,7 +205,7 @@ def worker_ours(data_dir: Path, repeats: int) -> dict:
     import transformers  # noqa: F401
 
     import finetune.model.build  # noqa: F401
-    from finetune.data.prepare import prepare
+    from finetune.data.prepare.build import prepare
     from finetune.recipe import validate_recipe
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,7 +1,7 @@
 """`finetune prepare-dataset` through the CLI, process start included: a cold preparation of the SFT demo
 vs a cache hit of the same recipe (and `finetune validate`, the floor: a process that reads the recipe).
 
-A cache hit is found from the fingerprint alone (finetune/data/fingerprint.py), so it should cost little
+A cache hit is found from the fingerprint alone (finetune/data/prepare/fingerprint.py), so it should cost little
 more than `validate`; the target is a cache hit <= 0.35x of a cold prepare. Cold runs get a fresh
 prepared folder and a fresh datasets cache each, as a new user's first run does.
 

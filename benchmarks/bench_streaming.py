@@ -75,7 +75,7 @@ def read_only(corpus: Path, seconds: float) -> dict:
 
     from transformers import AutoTokenizer
 
-    from finetune.data.streaming import make_stream_loader
+    from finetune.data.batching.streaming import make_stream_loader
     from finetune.recipe import load_recipe
 
     recipe = load_recipe(
@@ -149,9 +149,9 @@ def packing(subset: Path) -> dict:
     """Packing efficiency on the subset's examples: multipack over all of them vs the buffered packer."""
     from transformers import AutoTokenizer
 
-    from finetune.data.packing import BufferedPacker, pack_multipack, packing_efficiency
-    from finetune.data.sources import load_source
-    from finetune.data.tokenize import tokenize_dataset
+    from finetune.data.batching.packing import BufferedPacker, pack_multipack, packing_efficiency
+    from finetune.data.formats.tokenize import tokenize_dataset
+    from finetune.data.sources.readers import load_source
     from finetune.recipe import dataset_entry
 
     tok = AutoTokenizer.from_pretrained(REPO / "recipes" / "demo" / "tokenizer")

@@ -3,11 +3,11 @@
 
 Measures, on the tiny VLM demo (recipes/demo/tiny_vlm_cpu.yaml, its processor and data):
 
-* prepare: rows/s of tokenizing the demo's training rows (finetune.data.tokenize with the processor: every
+* prepare: rows/s of tokenizing the demo's training rows (finetune.data.formats.tokenize with the processor: every
   image opened, checked and expanded), then what caching the pixels adds: the image processor run on every
   row and its pixel_values written to Arrow (seconds, and the bytes on disk against the image bytes);
 * training: tokens/s of optimizer steps (forward, backward, AdamW) of the demo model, batches from the
-  prepared rows with pixels made at collate time (finetune.data.vision.collate_vlm: decode + image
+  prepared rows with pixels made at collate time (finetune.data.batching.vision.collate_vlm: decode + image
   processor) vs read from the cached pixel column; and the loader alone (batches/s).
 
     python benchmarks/bench_vlm_pixels.py --steps 20 --repeats 3
@@ -34,10 +34,10 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor  # noqa: E402
 
-from finetune.data import images  # noqa: E402
-from finetune.data.collate import collate_rows  # noqa: E402
-from finetune.data.tokenize import tokenize_dataset  # noqa: E402
-from finetune.data.vision import collate_vlm  # noqa: E402
+from finetune.data.batching.collate import collate_rows  # noqa: E402
+from finetune.data.batching.vision import collate_vlm  # noqa: E402
+from finetune.data.formats import images  # noqa: E402
+from finetune.data.formats.tokenize import tokenize_dataset  # noqa: E402
 from finetune.recipe import dataset_entry  # noqa: E402
 
 RECIPE = REPO / "recipes" / "demo" / "tiny_vlm_cpu.yaml"

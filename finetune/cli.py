@@ -452,7 +452,8 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         if recipe.model.kind == "diffusion":  # images -> cached latents and text embeddings
             from finetune.diffusion.cache import prepare_images as prepare
         else:
-            from finetune.data.fingerprint import cached, reusing, summary
+            from finetune.data.prepare.fingerprint import cached
+            from finetune.data.prepare.manifest import reusing, summary
 
             # A recipe already prepared is found from its fingerprint alone (file hashes), without
             # importing datasets or transformers: a cache hit costs little more than `validate`.
@@ -462,7 +463,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
                 print(reusing(path))
                 print(summary(manifest, "cache", path))
                 return 0
-            from finetune.data.prepare import prepare
+            from finetune.data.prepare.build import prepare
 
         prepare(recipe, push=args.push)
         return 0

@@ -1,7 +1,7 @@
 """A lock on a folder that says who holds it: one writer at a time, and a clear word to the second.
 
 The lock itself is filelock's `FileLock` (an OS lock, `flock`, on `<name>.lock`), the mechanism the
-prepare step (finetune.data.cache) and the GGUF conversion (finetune.gguf) already wait on. The OS
+prepare step (finetune.data.prepare.cache) and the GGUF conversion (finetune.gguf) already wait on. The OS
 releases it when its process dies, however it dies, so a killed run never blocks the next one. What
 filelock lacks, and this module adds, is the holder's identity for the error message: once the lock is
 held, `<name>.owner.json` records pid, host, start time and command line; it is removed on a clean

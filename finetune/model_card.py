@@ -124,6 +124,7 @@ def render_model_card(*, recipe: dict, manifest: dict, metrics: dict, extensions
     if gguf is not None:
         base = gguf["text"]
     uses_lora = lora["enable_lora"]
+    reward = train.get("objective") == "reward"  # a reward model scores text, it does not generate
     card_data = ModelCardData(
         base_model=gguf["source_repo"] if gguf is not None else hub_model_id(model["model_path"]),
         library_name="peft" if uses_lora and lora["save_lora_only"] else "transformers",
@@ -131,8 +132,9 @@ def render_model_card(*, recipe: dict, manifest: dict, metrics: dict, extensions
             "finetune",
             "lora" if uses_lora else "full-fine-tune",
             *(["qlora"] if lora["enable_qlora"] else []),
+            *(["reward-model"] if reward else []),
         ],
-        pipeline_tag="text-generation",
+        pipeline_tag="text-classification" if reward else "text-generation",
     )
     datasets = ", ".join(_dataset_text(d) for d in data["datasets"])
     hyper = [

@@ -30,6 +30,26 @@ class _DropMessages(logging.Filter):
         return not any(fragment in message for fragment in self.fragments)
 
 
+class _DropNewScoreHeadReport(logging.Filter):
+    """transformers' load report of a causal LM's checkpoint loaded as a reward model (train.objective
+    reward, `finetune eval`'s base): the score head MISSING (new: finetune draws it from train.seed and
+    says so) and the language-model head UNEXPECTED (a reward model has none). A report that names any
+    other key, or another status, still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "LOAD REPORT" not in message:
+            return True
+        cells = [[c.strip() for c in line.split("|")] for line in message.splitlines() if "|" in line]
+        entries = [
+            (c[0], c[1]) for c in cells if len(c) > 1 and c[1] not in ("Status", "") and set(c[0]) != {"-"}
+        ]
+        expected = {("MISSING", "score."), ("UNEXPECTED", "lm_head.")}
+        return not entries or not all(
+            any(status == s and key.startswith(prefix) for s, prefix in expected) for key, status in entries
+        )
+
+
 def quiet_third_party(cuda_available: bool | None = None) -> None:
     """Silence the third-party notices listed in this module; safe to call more than once.
 
@@ -44,6 +64,9 @@ def quiet_third_party(cuda_available: bool | None = None) -> None:
     fallback = logging.getLogger("transformers.utils.import_utils")
     if not any(isinstance(f, _DropMessages) for f in fallback.filters):
         fallback.addFilter(_DropMessages(_TORCHVISION_FALLBACK))
+    loading = logging.getLogger("transformers.modeling_utils")
+    if not any(isinstance(f, _DropNewScoreHeadReport) for f in loading.filters):
+        loading.addFilter(_DropNewScoreHeadReport())
     # PEFT reads `model.is_gradient_checkpointing`, which transformers 5 deprecates (a FutureWarning
     # from inside PEFT; finetune itself calls the non-deprecated activation-checkpointing API).
     warnings.filterwarnings(

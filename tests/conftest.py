@@ -24,6 +24,9 @@ import pytest
 
 from tests.hub_server import HubServer
 
+# The fast tier's guard (tests/tiers.py): a test not marked slow launches no process.
+pytest_plugins = ["tests.tiers"]
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The most pytest-xdist workers `-n auto` starts: two, for CI's 2-core machine (docs/CONTRIBUTING.md);
 # more would run as many training subprocesses side by side, each holding a model, and none was
@@ -152,3 +155,82 @@ def without_bitsandbytes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
     )
+
+
+# ------------------------------------------------------------------- shared demo data and checkpoints
+
+
+def shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder of this test session shared by its pytest-xdist workers (the parent of each worker's
+    base temp, `pytest-N/`); without xdist, in the session's base temp."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def demo_prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A `data.dataset_prepared_path` for the demo recipes' runs, shared by the whole session (all
+    workers, and subprocess runs too): a preparation is named by its fingerprint and built under a lock
+    by whichever process needs it first (finetune.data.prepare), so runs with the same data settings
+    tokenize once. A test that inspects the folder or expects `(built)` keeps a folder of its own."""
+    return shared_folder(tmp_path_factory, "demo-prepared")
+
+
+# The demo trained by `demo_adapter`: 6 steps of LoRA on q_proj and v_proj (with the demo's
+# modules_to_save), gradient checkpointing, a step logged each step, evaluated with a generation set of 3
+# questions at steps 3 and 6, logged to TensorBoard.
+DEMO_ADAPTER_RUN = (
+    "--train.max_steps", "6", "--train.eval_steps", "3", "--train.log_steps", "1", "--train.save_epochs", "0",
+    "--train.log_format", "structured", "--train.report_to", "[tensorboard]",
+    "--lora.lora_target_modules", "[q_proj,v_proj]", "--train.gradient_checkpointing", "true",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def demo_adapter(tmp_path_factory: pytest.TempPathFactory, demo_prepared: Path) -> dict:
+    """The demo trained once for the session (DEMO_ADAPTER_RUN, in process), shared by the eval, chat,
+    export and merge tests across modules and xdist workers (the first worker to ask trains it under a
+    lock; the others read it). {"tmp": folder, "out": tmp/out (the adapter), "result": the run's
+    CompletedProcess, "gen_sets": the --eval.generation_sets value, "prepared": demo_prepared}. Tests
+    only read the adapter folder (or write files of their own into it, as eval.json)."""
+    import json
+    import subprocess
+
+    from filelock import FileLock
+
+    from tests.inprocess import train
+
+    tmp = shared_folder(tmp_path_factory, "demo-adapter")
+    questions = tmp / "questions.jsonl"
+    gen_sets = f"[{{name: arith, path: {questions}, field_prompt: question, field_expected: answer, max_new_tokens: 12}}]"
+    saved = tmp / "result.json"
+    with FileLock(tmp / ".lock"):
+        if not saved.is_file():
+            rows = [
+                {"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"}
+                for a, b in ((2, 3), (7, 1), (4, 4))
+            ]
+            questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            demo = REPO_ROOT / "recipes" / "demo" / "tiny_sft_cpu.yaml"
+            overrides = [
+                "--train.output_dir",
+                str(tmp / "out"),
+                "--data.dataset_prepared_path",
+                str(demo_prepared),
+            ]
+            result = train(demo, *overrides, *DEMO_ADAPTER_RUN, "--eval.generation_sets", gen_sets)
+            saved.write_text(json.dumps([result.args, result.returncode, result.stdout, result.stderr]))
+    result = subprocess.CompletedProcess(*json.loads(saved.read_text()))
+    return {"tmp": tmp, "out": tmp / "out", "result": result, "gen_sets": gen_sets, "prepared": demo_prepared}
+
+
+@pytest.fixture(autouse=True)
+def tools_in_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside the slow tier, tools run in this process (tests/tools_in_process.py): the fast tier starts
+    no process, and the worker's own behaviour (timeouts, prints, crashes) is tested in the slow tier."""
+    if request.node.get_closest_marker("slow") is None:
+        from tests.tools_in_process import InProcessRunner
+
+        monkeypatch.setattr("finetune.generation.tool_worker.ToolRunner", InProcessRunner)

@@ -164,14 +164,14 @@ def assert_resumes_exactly(trained: dict, from_step: int, *extra: str) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from tests.integration._run import accelerate_cmd, progress, run, step_losses
+    from tests.integration._run import progress, step_losses, train_here
 
     assert trained["train"].returncode == 0
     tmp = trained["tmp"]
     checkpoint = tmp / "out" / "checkpoints" / f"step-{from_step}"
     overrides = ["--train.output_dir", str(tmp / "resumed"), "--train.load_checkpoint_path", str(checkpoint)]
     overrides += ["--diffusion.validation_prompts", "[]", "--diffusion.validation_steps", "null", *extra]
-    resumed = run(accelerate_cmd(trained["recipe"], *overrides), timeout=300)
+    resumed = train_here(trained["recipe"], *overrides)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"resumed from {checkpoint} at step {from_step}" in resumed.stdout + resumed.stderr
     reference, after = step_losses(progress(tmp / "out")), step_losses(progress(tmp / "resumed"))
@@ -194,19 +194,18 @@ def prepare_and_train(
     prepare: bool = True,
     captions: str = "jsonl",
     train: dict | None = None,
-    timeout: int = 600,
     **diffusion,
 ) -> dict:
     """A tiny pipeline of `family` (sd, sdxl, sd3, flux) and 8 coloured images (`captions` as in
     write_color_folder), prepared with the CLI (unless `prepare` is False), then trained `steps` steps
     (accumulation 2, checkpoints every 3 steps, a validation sample every 3 steps, LoRA dropout so
-    resume must replay the masks) through `accelerate launch`, which prepares again and must find the
-    cache. `diffusion` and `train` fields add to or replace those of the diffusion and train sections.
+    resume must replay the masks) through finetune/train.py's main in this process (tests/inprocess.py),
+    which prepares again and must find the cache. `diffusion` and `train` fields add to or replace those of the diffusion and train sections.
     Returns what the tests read: tmp, pipeline, recipe, prepare (None without), train."""
     import yaml
 
     from finetune.diffusion.tiny import build_tiny_pipeline
-    from tests.integration._run import accelerate_cmd, cli, run
+    from tests.integration._run import cli_here, train_here
 
     flags = {"sd": {}, "sdxl": {"sdxl": True}, "sd3": {"sd3": True}, "flux": {"flux": True}}[family]
     pipeline = build_tiny_pipeline(tmp / f"tiny-{family}", **flags)
@@ -226,8 +225,8 @@ def prepare_and_train(
     recipe["lora"]["lora_dropout"] = 0.1
     path = tmp / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    prepared = cli("prepare-dataset", str(path)) if prepare else None
-    trained = run(accelerate_cmd(path), timeout=timeout)
+    prepared = cli_here("prepare-dataset", str(path)) if prepare else None
+    trained = train_here(path)
     return {"tmp": tmp, "pipeline": pipeline, "recipe": path, "prepare": prepared, "train": trained}
 
 

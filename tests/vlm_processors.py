@@ -1,6 +1,6 @@
 """Processors of real vision-language models built offline for tests: the demo tokenizer with each model's
 special tokens, its real image processor (small images) and its real chat template (tests/unit/data/templates),
-and helpers that tokenize rows with images through finetune.data.tokenize."""
+and helpers that tokenize rows with images through finetune.data.formats.tokenize."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3I
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
-from finetune.data.tokenize import tokenize_dataset
+from finetune.data.formats.tokenize import tokenize_dataset
 from finetune.recipe import dataset_entry
 
 REPO = Path(__file__).resolve().parents[1]

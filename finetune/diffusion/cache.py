@@ -1,6 +1,6 @@
 """`prepare_images(recipe)`: image sources -> cached VAE latents and text-encoder outputs.
 
-The diffusion counterpart of finetune.data.prepare.prepare, with the same cache discipline (its
+The diffusion counterpart of finetune.data.prepare.build.prepare, with the same cache discipline (its
 helpers are reused): the output lives in `data.dataset_prepared_path/<fingerprint>/` (`train/`, an
 Arrow dataset, and `manifest.json`), is written to a temporary folder and renamed into place, and a
 file lock keeps two processes from building the same fingerprint.
@@ -43,7 +43,7 @@ import datasets
 import numpy as np
 import torch
 
-from finetune.data.cache import (
+from finetune.data.prepare.cache import (
     MANIFEST_NAME,
     Prepared,
     cached_or_built,
@@ -53,7 +53,7 @@ from finetune.data.cache import (
     load_complete,
     write_atomically,
 )
-from finetune.data.fingerprint import file_hash
+from finetune.data.sources.location import file_hash
 from finetune.diffusion import images as img
 from finetune.diffusion.model import (
     PipelineInfo,

@@ -3,7 +3,7 @@
 `BucketBatchSampler` yields lists of `(row, flip)` pairs; `CachedLatents[(row, flip)]` reads that
 row of the prepared dataset. Everything a sample needs (latents, caption embeddings, size
 conditioning) comes from the same row, so any shuffle keeps latents and captions paired.
-Like finetune.data.loader.EpochSampler, an epoch's order depends only on (seed, epoch): resuming in the
+Like finetune.data.batching.loader.EpochSampler, an epoch's order depends only on (seed, epoch): resuming in the
 middle of an epoch replays the same batches without saved sampler state.
 """
 
@@ -221,6 +221,6 @@ def make_loader(
         collate_fn=collate,
         num_workers=num_workers,
         # Its own generator: creating an iterator then draws nothing from the global RNG, so a resumed
-        # run draws the same noise as an uninterrupted one (see finetune.data.loader.make_dataloader).
+        # run draws the same noise as an uninterrupted one (see finetune.data.batching.loader.make_dataloader).
         generator=torch.Generator().manual_seed(seed),
     )

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.data.fingerprint import file_hash, looks_local, source_fingerprint
+from finetune.data.sources.location import file_hash, looks_local, source_fingerprint
 from finetune.diffusion.images import IMAGE_SUFFIXES
 from finetune.errors import DataError
 

@@ -55,7 +55,7 @@ def unflatten(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 def collect_states(objects: dict[str, Any]) -> dict[str, Any]:
     """The state_dict of every object, taken on every process: a state may gather from all of them
-    (a data stream's position, finetune.data.streaming), while only the main process writes."""
+    (a data stream's position, finetune.data.batching.streaming), while only the main process writes."""
     return {name: obj.state_dict() for name, obj in objects.items()}
 
 

@@ -3,7 +3,7 @@ package:// file), one answer with --prompt or an interactive conversation, strea
 
 A vision-language model (model.kind vlm) also takes images: `--image PATH` (repeatable) for the
 first message, and `/image PATH` in a conversation to attach one to the next message. Each image
-is opened and checked as prepared training rows are (finetune.data.images) before it is used."""
+is opened and checked as prepared training rows are (finetune.data.formats.images) before it is used."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ IMAGE_HELP = " /image PATH attaches an image to your next message."
 def open_image(path: str, flag: str = "--image"):
     """The RGB PIL image at `path` (relative to the current folder), fully decoded; a FinetuneError
     naming the path when it is missing or not a readable image."""
-    from finetune.data import images
-    from finetune.data.rows import BadRow
+    from finetune.data.formats import images
+    from finetune.data.formats.rows import BadRow
 
-    data = images.load_image(path, flag, Path.cwd(), None)
+    data = images.load_image(path, flag, Path.cwd(), None, outside_ok=True)  # the user named it: not data
     if isinstance(data, BadRow):
         raise FinetuneError(f"{flag} {path}: {data.detail}. Give the path of a PNG, JPEG or other image file")
     return images.decode(data)
@@ -51,7 +51,7 @@ def chat(
     model calls its tools while it answers: each answer is written whole once made (inserted results
     included), each call on a line of its own (`[tool] name(arguments) -> result`).
     """
-    from finetune.data.images import SENTINEL
+    from finetune.data.formats.images import SENTINEL
     from finetune.generation.prompts import chat_inputs
     from finetune.generation.protocol import SamplingParams
 

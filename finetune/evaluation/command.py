@@ -4,7 +4,8 @@
 * the recipe's held-out split, scored the way the objective scores it in training (the objective
   class's `held_out`, finetune.objectives): SFT's token loss and perplexity, the preference
   objectives' loss, rewards and `preferred` on held-out pairs with the base as the reference, the
-  online objectives' rewards of greedy completions;
+  online objectives' rewards of greedy completions, a reward model's pair accuracy (the class may say
+  how its models load: `load`);
 * its `eval.generation_sets` (finetune.generation.sets).
 The held-out batches are built by the objectives' own loaders, as training builds them.
 """
@@ -85,8 +86,9 @@ def _say(text: str) -> None:
 
 def _held_out(recipe) -> dict[str, Any]:
     """What the objective scores on the prepared eval split ({} without one): its class's `held_out`
-    (token-loss batches, or a per-model `score` hook, and whether the base is the reference)."""
-    from finetune.data.prepare import prepare
+    (token-loss batches, or a per-model `score` hook, whether the base is the reference, and how its
+    models `load` when they are not causal LMs)."""
+    from finetune.data.prepare.build import prepare
 
     if not (recipe.data.val_set_size or recipe.data.test_datasets):
         return {}
@@ -147,6 +149,7 @@ def run_eval(recipe, args) -> int:
     held_out = _held_out(recipe)
     if not held_out and not recipe.eval.generation_sets:
         raise _nothing_to_evaluate()
+    load = held_out.get("load", load)  # a reward model loads as one (its score head; finetune.model.reward)
     needs_reference = held_out.get("needs_reference", False)
     models = {}
     if no_base and needs_reference and targets:
@@ -174,6 +177,7 @@ def run_eval(recipe, args) -> int:
         processor=processor,
         image_max_pixels=recipe.data.image_max_pixels,
         base=Path(recipe.source_path).parent if recipe.source_path else None,
+        images_outside=recipe.data.allow_image_paths_outside,
     )
     default = Path(targets[-1] if targets else recipe.train.output_dir) / "eval.json"
     path = Path(args.output) if args.output else default

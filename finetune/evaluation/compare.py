@@ -43,6 +43,7 @@ def evaluate_models(
     processor=None,
     image_max_pixels: int | None = None,
     base: Path | None = None,
+    images_outside: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Evaluate each model: eval loss on the eval split when `eval_batches(tokenizer)` gives batches,
     `score(name, model, tokenizer)`'s results (preference recipes: the held-out pairs), and every
@@ -60,7 +61,12 @@ def evaluate_models(
     from finetune.generation.sets import load_generation_rows, score_generation_sets
 
     vision = processor is not None
-    rows = {s.name: load_generation_rows(s, vision=vision, image_max_pixels=image_max_pixels) for s in sets}
+    rows = {
+        s.name: load_generation_rows(
+            s, vision=vision, image_max_pixels=image_max_pixels, images_outside=images_outside
+        )
+        for s in sets
+    }
     for name, load in list(models.items())[1:]:  # the first loads next anyway
         say(f"checking that {name} loads")
         load()  # and dropped at once: only one model is in memory at any time
@@ -117,6 +123,15 @@ PREFERENCE_ROWS = (
     "eval_kl",
 )
 
+# Reward-model recipes (train.objective reward): the held-out pairs' metrics, as training logs them.
+REWARD_MODEL_ROWS = (
+    "eval_loss",
+    "eval_accuracy",
+    "eval_margin",
+    "eval_rewards/chosen",
+    "eval_rewards/rejected",
+)
+
 
 def comparison_rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, list[str]]]:
     """(metric, one formatted value per model) for every metric eval.json's results hold, in the
@@ -135,6 +150,11 @@ def comparison_rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, list[
         for key in PREFERENCE_ROWS:
             if key in first["preference"]:
                 rows.append((key, [f"{results[n]['preference'][key]:.4f}" for n in names]))
+    if "reward" in first:  # a reward model: the held-out pairs' scores, and which score head scored them
+        rows.append(("held-out pairs", [str(results[n]["reward"]["eval_pairs"]) for n in names]))
+        rows.append(("score head", [results[n]["reward"]["score_head"] for n in names]))
+        for key in REWARD_MODEL_ROWS:
+            rows.append((key, [f"{results[n]['reward'][key]:.4f}" for n in names]))
     if "rewards" in first:  # online RL: the held-out prompts' greedy completions, scored by the rewards
         rows.append(("held-out prompts", [str(results[n]["rewards"]["eval_prompts"]) for n in names]))
         for key in first["rewards"]:
@@ -157,7 +177,7 @@ def format_table(results: dict[str, dict[str, Any]], *, samples: int = 2, width:
     first = results[names[0]]
     rows = comparison_rows(results)
     label_width = max([len("metric"), *(len(r[0]) for r in rows)])
-    col = max(12, *(len(n) for n in names))
+    col = max(12, *(len(n) for n in names), *(len(v) for _, values in rows for v in values))
     lines = [f"{'metric':<{label_width}}  " + "  ".join(f"{n:>{col}}" for n in names)]
     lines += [
         f"{label:<{label_width}}  " + "  ".join(f"{v:>{col}}" for v in values) for label, values in rows

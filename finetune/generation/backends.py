@@ -56,7 +56,7 @@ def answers(
     """Greedy answers to `prompts`, in order, stopping at eos / end of turn or after max_new_tokens;
     only the new tokens are decoded, special tokens removed. With a vision-language model's backend
     (it has a processor), prompt k's images are `images[k]` (bytes or PIL images, one per
-    ``finetune.data.images.SENTINEL`` in its text)."""
+    ``finetune.data.formats.images.SENTINEL`` in its text)."""
     encoded = encode_prompts(
         backend.tokenizer,
         prompts,

@@ -50,10 +50,10 @@ def prompt_ids(
 def vlm_prompt_inputs(
     processor, messages: Sequence[dict[str, Any]], pictures: Sequence[Any]
 ) -> dict[str, Any]:
-    """A vision-language model's inputs for `messages` (each image a ``finetune.data.images.SENTINEL`` in
+    """A vision-language model's inputs for `messages` (each image a ``finetune.data.formats.images.SENTINEL`` in
     its text, `pictures` the PIL images in order), rendered as training renders such rows: the chat
     template with image parts, then the processor expanding each image into its tokens and pixels."""
-    from finetune.data.images import as_parts
+    from finetune.data.formats.images import as_parts
 
     tokenizer = processor.tokenizer
     text = tokenizer.apply_chat_template(as_parts(list(messages)), add_generation_prompt=True, tokenize=False)
@@ -107,7 +107,7 @@ def vlm_prompt_ids(processor, prompt: Prompt, pictures: Sequence[Any]) -> list[i
 
 def pictures_of(values: Sequence[Any]) -> list[Any]:
     """RGB PIL images of prepared image bytes (PIL images pass through)."""
-    from finetune.data.images import decode
+    from finetune.data.formats.images import decode
 
     return [decode(v) if isinstance(v, (bytes, bytearray)) else v for v in values]
 

@@ -14,6 +14,8 @@ Built-ins (grpo.rewards[].name):
 * ``format``: 1.0 when the completion matches a regex, else 0.0;
 * ``length``: DAPO's soft overlong penalty, from the completion's token count.
 
+A trained reward model (grpo.rewards[].model) is a reward function too: finetune.generation.reward_model.
+
 >>> exact = builtin_reward("exact_match", field_expected="answer")
 >>> exact(["so it is 7. #### 7", "#### 8"], [{"answer": "#### 7"}, {"answer": "#### 7"}])
 [1.0, 0.0]
@@ -111,12 +113,29 @@ def _overlong_penalty(max_new_tokens: int | None, soft_cache: int | None, count_
 
 
 def build_rewards(
-    specs: Sequence[Any], *, max_new_tokens: int, count_tokens, base: Path | None = None
+    specs: Sequence[Any],
+    *,
+    max_new_tokens: int,
+    count_tokens,
+    base: Path | None = None,
+    device: Any = "cpu",
+    prompt_fields: Sequence[str] = (),
+    section: str = "grpo",
 ) -> list[Reward]:
-    """The recipe's grpo.rewards as Reward objects (functions imported now, so a bad path fails at start)."""
+    """The recipe's grpo.rewards as Reward objects (functions imported now, reward models loaded now onto
+    `device`, so a bad path or a model with the wrong head fails at start). A reward model reads each
+    row's prompt from its field_prompt, else from the first of `prompt_fields` the row has."""
     rewards = []
-    for spec in specs:
-        if spec.function is not None:
+    for i, spec in enumerate(specs):
+        if getattr(spec, "model", None) is not None:
+            from finetune.generation.reward_model import reward_model_reward
+
+            fields = (spec.field_prompt,) if spec.field_prompt else tuple(prompt_fields)
+            where = f"{section}.rewards.{i}.model"
+            fn = reward_model_reward(
+                spec.model, batch_size=spec.batch_size, device=device, prompt_fields=fields, where=where
+            )
+        elif spec.function is not None:
             fn = load_function(spec.function, base=base)
         else:
             fn = builtin_reward(
@@ -132,37 +151,68 @@ def build_rewards(
     return rewards
 
 
+# The largest reward magnitude: the logging sums squares of rewards, and float32 holds them to ~3e38.
+MAX_REWARD = 1e15
+
+
 def score_rewards(
     rewards: Sequence[Reward], completions: list[str], rows: list[dict[str, Any]]
 ) -> torch.Tensor:
     """Every reward of every completion: a float32 tensor completions x rewards, checked (see the module
-    docstring); rows[k] is the data row completion k answers."""
+    docstring); rows[k] is the data row completion k answers. A user's function is never silent: an
+    exception, sys.exit or Ctrl-C inside it, a wrong count, a mapping, or a value that is not a finite
+    number within +-MAX_REWARD is a FinetuneError naming the reward (numpy and torch scalars are numbers)."""
     columns = []
     for reward in rewards:
-        try:
-            values = list(reward.fn(list(completions), list(rows)))
-        except Exception as exc:
+        values = _call(reward, completions, rows)
+        if isinstance(values, (dict, str, bytes)) or not hasattr(values, "__iter__"):
             raise FinetuneError(
-                f"reward {reward.name} raised {type(exc).__name__}: {exc} (on a batch of {len(completions)} "
-                f"completions; first row: {_short(rows[0]) if rows else '-'})"
-            ) from None
+                f"reward {reward.name} returned a {type(values).__name__}, not a list: it must return one float "
+                f"per completion ({len(completions)} here), in order"
+            )
+        values = list(values)
         if len(values) != len(completions):
             raise FinetuneError(
                 f"reward {reward.name} returned {len(values)} values for {len(completions)} completions: it must "
                 "return one float per completion"
             )
-        for k, value in enumerate(values):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(float(value))
-            ):
-                raise FinetuneError(
-                    f"reward {reward.name} returned {value!r} for completion {k} (row {_short(rows[k])}, completion "
-                    f"{completions[k][:80]!r}): rewards must be finite numbers"
-                )
-        columns.append(torch.tensor([float(v) for v in values], dtype=torch.float32))
-    return torch.stack(columns, dim=1)
+        columns.append(torch.tensor([_number(reward, v, k, completions, rows) for k, v in enumerate(values)]))
+    return torch.stack(columns, dim=1).to(torch.float32)
+
+
+def _call(reward: Reward, completions: list[str], rows: list[dict[str, Any]]):
+    """The reward function on a batch; what it raises (SystemExit and KeyboardInterrupt too: they would
+    end the run without a word, or with a traceback) becomes a FinetuneError naming it."""
+    try:
+        return reward.fn(list(completions), list(rows))
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:
+        what = {SystemExit: "called sys.exit", KeyboardInterrupt: "raised KeyboardInterrupt"}.get(type(exc))
+        raise FinetuneError(
+            f"reward {reward.name} {what or 'raised ' + type(exc).__name__}: {exc} (on a batch of "
+            f"{len(completions)} completions; first row: {_short(rows[0]) if rows else '-'}); a reward function "
+            "returns one float per completion and must not end the program"
+        ) from None
+
+
+def _number(reward: Reward, value: Any, k: int, completions: list[str], rows: list[dict[str, Any]]) -> float:
+    """A reward value as a float: a Python, numpy or torch real number (not a bool), finite, within
+    +-MAX_REWARD; anything else is a FinetuneError naming the completion."""
+    import numbers
+
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        value = value.item()
+    number = None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_":
+        number = float(value)
+    if number is None or not math.isfinite(number) or abs(number) > MAX_REWARD:
+        allowed = (
+            "finite numbers" if number is None or not math.isfinite(number) else f"within +-{MAX_REWARD:g}"
+        )
+        raise FinetuneError(
+            f"reward {reward.name} returned {value!r} for completion {k} (row {_short(rows[k])}, completion "
+            f"{completions[k][:80]!r}): rewards must be {allowed}"
+        )
+    return number
 
 
 def _short(row: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune import trackers
-from finetune.data.rows import BadRow
+from finetune.data.formats.rows import BadRow
 from finetune.errors import FinetuneError
 from finetune.generation.backends import answers, backend_for
 from finetune.generation.metrics import GSM8K_ANSWER_PATTERN, METRICS, require_math_verify, score
@@ -104,7 +104,7 @@ def summarize(
 
 
 def load_generation_rows(
-    gen_set, *, vision: bool = False, image_max_pixels: int | None = None
+    gen_set, *, vision: bool = False, image_max_pixels: int | None = None, images_outside: bool = False
 ) -> list[dict[str, Any]]:
     """The rows of one generation set as {"prompt", "expected"} (its first num_rows rows).
 
@@ -115,8 +115,8 @@ def load_generation_rows(
     for the samples) and "image_bytes" (each opened and checked now, resized to `image_max_pixels`).
     A text model's set with images is an error: the images would be lost.
     """
-    from finetune.data.images import base_dir
-    from finetune.data.sources import load_source
+    from finetune.data.formats.images import base_dir
+    from finetune.data.sources.readers import load_source
     from finetune.recipe import dataset_entry
 
     label = f"eval.generation_sets[{gen_set.name}]"
@@ -151,7 +151,9 @@ def load_generation_rows(
             rows.append(out)
             continue
         refs = row.get(field_images) if field_images else None
-        found = image_prompt(out["prompt"], refs, gen_set, root=root, max_pixels=image_max_pixels)
+        found = image_prompt(
+            out["prompt"], refs, gen_set, root=root, max_pixels=image_max_pixels, outside_ok=images_outside
+        )
         if isinstance(found, BadRow):
             raise FinetuneError(f"{label}: {gen_set.path} row {k}: {found.detail}; {IMAGE_ROW_FIX}")
         rows.append(out | found)
@@ -175,14 +177,16 @@ def has_image_parts(prompt: Any) -> bool:
     )
 
 
-def image_prompt(prompt: Any, refs: Any, gen_set, *, root, max_pixels: int | None) -> dict[str, Any] | BadRow:
+def image_prompt(
+    prompt: Any, refs: Any, gen_set, *, root, max_pixels: int | None, outside_ok: bool = False
+) -> dict[str, Any] | BadRow:
     """A prompt's images, in the shapes the SFT data reads: image parts in its messages
     ({"type": "image", "image": path relative to the set's file, or bytes}), or "<image>"
     placeholders in its text with the images in the row's `field_images` column (a string prompt is
     one user turn). Returns {"messages" (an image a SENTINEL in the text), "images" (where each came
-    from), "image_bytes" (opened and checked: finetune.data.images.load_image)}, or the bad row."""
-    from finetune.data import images
-    from finetune.data.chat import conversation
+    from), "image_bytes" (opened and checked: finetune.data.formats.images.load_image)}, or the bad row."""
+    from finetune.data.formats import images
+    from finetune.data.formats.chat import conversation
     from finetune.data.formats.chat_template import with_row_images
 
     field = gen_set.field_prompt
@@ -200,7 +204,7 @@ def image_prompt(prompt: Any, refs: Any, gen_set, *, root, max_pixels: int | Non
     for j, message in enumerate(conv):
         for i, ref in enumerate(message.get("images") or []):
             at = f"{field}[{j}] (image {i})" if not isinstance(prompt, str) else f"{field} (image {i})"
-            data = images.load_image(ref, at, root, max_pixels)
+            data = images.load_image(ref, at, root, max_pixels, outside_ok=outside_ok)
             if isinstance(data, BadRow):
                 return data
             where.append(_image_name(ref, root))
@@ -214,7 +218,7 @@ def _image_name(ref: Any, root) -> str:
     it is (an image stored in the set: its size)."""
     from PIL import Image
 
-    from finetune.data.images import describe
+    from finetune.data.formats.images import describe
 
     path = ref if isinstance(ref, str) else (ref.get("path") if isinstance(ref, dict) else None)
     if isinstance(ref, Image.Image):  # a datasets Image feature, decoded by the loader
@@ -284,7 +288,12 @@ def _score_set(backend, gen_set, rows, batch_size: int, progress: bool, toolbox)
 
 
 def training_generation_rows(
-    eval_settings, accelerator, *, vision: bool = False, image_max_pixels: int | None = None
+    eval_settings,
+    accelerator,
+    *,
+    vision: bool = False,
+    image_max_pixels: int | None = None,
+    images_outside: bool = False,
 ) -> dict[str, list[dict]]:
     """The eval.generation_sets' rows by set name, when they are scored during training ({} otherwise);
     a vision-language model's (`vision`) with their images (`load_generation_rows`)."""
@@ -302,7 +311,9 @@ def training_generation_rows(
             "supported; set eval.during_training: false and run `finetune eval` on the saved model"
         )
     return {
-        s.name: load_generation_rows(s, vision=vision, image_max_pixels=image_max_pixels)
+        s.name: load_generation_rows(
+            s, vision=vision, image_max_pixels=image_max_pixels, images_outside=images_outside
+        )
         for s in eval_settings.generation_sets
     }
 
@@ -343,7 +354,7 @@ def _log_samples(acc, name: str, samples: list[dict], rows: list[dict], step: in
     trackers.log_table(acc, f"eval/{name}_samples", columns, table, step)
     shown = [(s, row) for s, row in zip(samples, rows, strict=False) if row.get("image_bytes")]
     if shown and acc.trackers:
-        from finetune.data.images import decode
+        from finetune.data.formats.images import decode
 
         pictures = [[decode(b) for b in row["image_bytes"]] for _, row in shown]
         captions = [f"{_text(s['prompt'])} -> {s['output']}" for s, _ in shown]

@@ -97,6 +97,13 @@ class ToolRunner:
         line, _, self._buffer = self._buffer.partition(b"\n")
         return json.loads(line)
 
+    def started(self) -> int:
+        """Start the worker if none runs; its number (`generation`: a new one holds no episodes)."""
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self._start()
+            return self.generation
+
     def request(self, request: dict) -> CallResult:
         """One call (see the module docstring): its result, or an error / timeout result."""
         with self.lock:
@@ -115,9 +122,7 @@ class ToolRunner:
                     timeout=True,
                     seconds=seconds,
                 )
-            if "error" in answer:
-                return CallResult(f"error: {answer['error']}", error=True, seconds=seconds)
-            return CallResult(str(answer.get("text", "")), seconds=seconds, value=answer.get("value"))
+            return result_of(answer, seconds)
 
     def close(self) -> None:
         if self.proc is not None:
@@ -133,7 +138,32 @@ class ToolRunner:
             self.close()
 
 
+def result_of(answer: dict, seconds: float) -> CallResult:
+    """The CallResult of a worker's answer (`handle`'s)."""
+    if "error" in answer:
+        return CallResult(f"error: {answer['error']}", error=True, seconds=seconds)
+    return CallResult(str(answer.get("text", "")), seconds=seconds, value=answer.get("value"))
+
+
 # ------------------------------------------------------------------------------------ the worker
+
+
+def handle(request: dict, state: dict) -> dict:
+    """The answer to one request, as the worker sends it back: `load` fills `state` (the functions, the
+    episodes), the other operations run on it; an exception is an `error` answer."""
+    from finetune.generation.functions import load_function
+
+    try:
+        if request["op"] == "load":
+            state["functions"] = [
+                load_function(p, base=Path(b) if b else None, what="tools", noun="tool")
+                for p, b in request["functions"]
+            ]
+            state["episodes"] = {}
+            return {"text": "loaded"}
+        return _answer(request, state["functions"], state["episodes"])
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _answer(request: dict, functions: list, episodes: dict) -> dict:
@@ -159,30 +189,14 @@ def _answer(request: dict, functions: list, episodes: dict) -> dict:
 def main() -> None:
     """Serve requests from stdin until it closes; answers go to the original stdout, everything the
     tools print to /dev/null."""
-    from finetune.generation.functions import load_function
-
     channel = os.fdopen(os.dup(1), "w", buffering=1)
     quiet = os.open(os.devnull, os.O_WRONLY)
     os.dup2(quiet, 1)
     os.dup2(quiet, 2)
     sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (kept open for the process)
-    functions: list = []
-    episodes: dict = {}
+    state: dict = {}
     for line in sys.stdin:
-        request = json.loads(line)
-        try:
-            if request["op"] == "load":
-                base = [Path(b) if b else None for _, b in request["functions"]]
-                functions = [
-                    load_function(p, base=b, what="tools", noun="tool")
-                    for (p, _), b in zip(request["functions"], base, strict=True)
-                ]
-                answer = {"text": "loaded"}
-            else:
-                answer = _answer(request, functions, episodes)
-        except Exception as exc:
-            answer = {"error": f"{type(exc).__name__}: {exc}"}
-        channel.write(json.dumps(answer, default=str) + "\n")
+        channel.write(json.dumps(handle(json.loads(line), state), default=str) + "\n")
 
 
 if __name__ == "__main__":

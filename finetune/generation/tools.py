@@ -52,6 +52,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from finetune.errors import FinetuneError
+from finetune.generation import tool_worker
 from finetune.generation.chat_tools import call_format, call_id, continuation_text, parse_calls, tool_schema
 from finetune.generation.functions import load_function
 from finetune.generation.protocol import Completion, SamplingParams
@@ -138,7 +139,7 @@ def load_tools(
                 )
         env_index = len(functions)
         functions.append((environment, str(base) if base else None))
-    runner = ToolRunner(functions, timeout_s=timeout_s)
+    runner = tool_worker.ToolRunner(functions, timeout_s=timeout_s)  # looked up now: tests swap it
     return Toolbox(tools, max_tool_calls, runner, call_format=fmt, environment=env_index)
 
 
@@ -483,7 +484,7 @@ def _step(e: _Episode, toolbox: Toolbox, text: str, stats: LoopStats) -> str | N
     failed step, or max_tool_calls turns answered); the rewards add up. An environment lost with a
     restarted worker (another episode's step timed out) is rebuilt first: its reset and steps replayed."""
     runner = toolbox.runner
-    if runner.proc is None or runner.generation != e.worker:
+    if runner.started() != e.worker:
         _replay(e, toolbox)
     e.turns += 1
     e.texts.append(text)

@@ -246,14 +246,14 @@ def generate_batch(
     model, batch: list[list[int]], kwargs: dict[str, Any], *, processor=None, pictures=None
 ) -> torch.Tensor:
     """The generated ids (batch x new tokens) of left-padded prompts; with a vision-language model's
-    `processor`, `pictures` holds each row's PIL images (finetune.data.vision.image_inputs)."""
+    `processor`, `pictures` holds each row's PIL images (finetune.data.batching.vision.image_inputs)."""
     width = max(len(ids) for ids in batch)
     pad = kwargs["pad_token_id"]
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
     if processor is not None:
-        from finetune.data.vision import image_inputs
+        from finetune.data.batching.vision import image_inputs
 
         inputs |= image_inputs(processor, pictures, input_ids)
     device = _device(model)

@@ -8,8 +8,8 @@ Three steps, each a pure function of tensors:
    [tokens x vocab] float32 log-softmax is kept for backward (bf16 logits stay bf16).
 2. `sequence_sums(values, mask, position_ids)`: per-sequence sums of those values and counts of the
    tokens in `mask`, for padded batches (one sequence per row, `position_ids=None`) and for packed
-   rows (sequences start where `position_ids` is 0, the convention of `finetune.data.packing` and
-   `finetune.data.collate`). The first token of every sequence is never counted: nothing in the
+   rows (sequences start where `position_ids` is 0, the convention of `finetune.data.batching.packing` and
+   `finetune.data.batching.collate`). The first token of every sequence is never counted: nothing in the
    sequence predicts it (in a packed row the model's prediction there comes from the previous
    sequence). Sequences come back row-major, left to right.
 3. A loss on those sums. "logps" arguments are per-sequence SUMS of token log-probabilities over

@@ -32,12 +32,14 @@ def apply_lora(
     gradient_checkpointing: bool,
     base: str | None = None,
     init_data=None,
+    task_type: str = "CAUSAL_LM",
     **targets,
 ):
     """Wrap the model with PEFT LoRA adapters (rsLoRA / DoRA / modules_to_save as configured), new or
     lora.init_adapter's (then `base`, the location the model was loaded from, must be its base).
     EVA and CorDA compute their init over `init_data` (finetune.model.lora_init.InitData). `targets`
-    (target_modules, modules_to_save) replace the recipe's (a VLM's: finetune.model.vlm)."""
+    (target_modules, modules_to_save) replace the recipe's (a VLM's: finetune.model.vlm). `task_type` is
+    PEFT's: SEQ_CLS for a reward model, whose score head PEFT then trains whole (modules_to_save)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     from finetune.model.lora_init import config_fields, data_driven_peft_model, is_data_driven
@@ -59,7 +61,7 @@ def apply_lora(
         use_rslora=lora.use_rslora,
         use_dora=lora.use_dora,
         init_lora_weights=lora.init_lora_weights,
-        task_type="CAUSAL_LM",
+        task_type=task_type,
         **config_fields(lora),
     )
     try:

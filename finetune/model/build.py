@@ -11,7 +11,7 @@ import importlib.util
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -115,10 +115,18 @@ def build_model(
     mixed_precision: str,
     vocab_size: int,
     gradient_checkpointing: bool,
+    head: Literal["lm", "score"] = "lm",
+    pad_token_id: int | None = None,
+    seed: int = 0,
 ):
     """Load pretrained weights (4-bit for QLoRA) or build a random-init model from a config.
 
     LoRA adapters are added afterwards by `apply_lora`.
+
+    `head` is the output head: the language-model head (`lm`), or one score per token (`score`: a reward
+    model, transformers' AutoModelForSequenceClassification with num_labels 1, whose config records
+    `pad_token_id`, where its pooling stops). A score head the weights do not hold (a causal LM's
+    checkpoint) is new: `init_score_head` draws it from `seed`, so `finetune eval` rebuilds the same one.
 
     `vocab_size` is the tokenizer's length: the embeddings grow to it when special tokens were added.
     A GGUF model loads from its converted folder; an adapter names the GGUF file as its base
@@ -127,7 +135,12 @@ def build_model(
     check_attention_backend(model.attn_implementation)
     portable = portable_base(model.model_path, model.gguf_file, model.revision)
     model = resolve_model_source(model)
-    net = _load_weights(model, lora, mixed_precision)
+    net, new_head = _load_weights(model, lora, mixed_precision, head=head)
+    if head == "score":
+        net.config.pad_token_id = pad_token_id
+        if new_head:
+            logger.info("the weights hold no score head: a new one, drawn from seed %d", seed)
+            init_score_head(net, seed)
     if portable is not None:
         # PEFT records the model's name_or_path as the adapter's base: the GGUF file's portable name,
         # not the conversion cache's folder, which exists on this machine only (finetune.gguf).
@@ -147,15 +160,23 @@ def build_model(
     return net
 
 
-def _load_weights(model: ModelSection, lora: LoraSection, mixed_precision: str):
+def _load_weights(model: ModelSection, lora: LoraSection, mixed_precision: str, *, head: str = "lm"):
     """The model of a resolved section: its pretrained weights (4-bit for QLoRA, a VLM's vision tower
     and projector left unquantized: finetune.model.vlm.unquantized_modules), or a random init from
-    its config."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    its config; with `head` score, a one-output sequence-classification model. Returns (the model,
+    whether its score head is new: not in the weights)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
 
     auto = AutoModelForImageTextToText if model.kind == "vlm" else AutoModelForCausalLM
     dtype = weight_dtype(model, lora, mixed_precision)
     common: dict[str, Any] = {"attn_implementation": model.attn_implementation, "dtype": dtype}
+    config = _load_config(model) if model.config_path is not None or head == "score" else None
+    if head == "score":  # one output; set on the config, which from_pretrained then takes as it is
+        auto, config.num_labels = AutoModelForSequenceClassification, 1
     if lora.enable_qlora:
         skip = (
             vlm.unquantized_modules(_load_config(model), trust_remote_code=model.trust_remote_code)
@@ -167,11 +188,12 @@ def _load_weights(model: ModelSection, lora: LoraSection, mixed_precision: str):
         )
     if model.model_path is not None:
         try:
-            return auto.from_pretrained(
+            loaded = auto.from_pretrained(
                 model.model_path,
-                config=_load_config(model) if model.config_path is not None else None,
+                config=config,
                 revision=model.revision,
                 trust_remote_code=model.trust_remote_code,
+                output_loading_info=head == "score",
                 **common,
             )
         except OSError as exc:  # transformers' word for a location without loadable weights
@@ -183,18 +205,37 @@ def _load_weights(model: ModelSection, lora: LoraSection, mixed_precision: str):
                 "pytorch_model.bin and its shards), or leave it unset and give model.config_path to train from "
                 "a random init"
             ) from None
-    config = _load_config(model)
+        if head != "score":
+            return loaded, False
+        net, info = loaded
+        return net, any(key.startswith("score.") for key in info["missing_keys"])
+    config = config or _load_config(model)
     if lora.enable_qlora:
         raise FinetuneError(
             "lora.enable_qlora quantizes pretrained weights: set model.model_path "
             "(for a random-init model, save it with save_pretrained first)"
         )
-    return auto.from_config(
+    net = auto.from_config(
         config,
         attn_implementation=model.attn_implementation,
         dtype=dtype,
         trust_remote_code=model.trust_remote_code,
     )
+    return net, head == "score"
+
+
+def init_score_head(net, seed: int) -> None:
+    """A new score head's weights drawn from their own generator seeded by `seed` (transformers' init:
+    normal, std initializer_range, zero bias), whatever the global RNG has drawn before: the head a
+    reward run starts from, and the one `finetune eval` gives the base model, are the same."""
+    head = net.score
+    generator = torch.Generator().manual_seed(seed)
+    std = getattr(net.config.get_text_config(), "initializer_range", 0.02)
+    with torch.no_grad():
+        weight = torch.empty(head.weight.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+        head.weight.copy_(weight.to(head.weight.dtype))
+        if head.bias is not None:
+            head.bias.zero_()
 
 
 def qlora_config(lora: LoraSection, *, compute_dtype: torch.dtype, skip_modules: list[str] | None = None):

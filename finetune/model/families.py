@@ -9,9 +9,10 @@ Who asks what:
   the vision config's fixed image_size; `max_crops`), the bytes of its pixel values
   (`frames_per_patch`), the patch-merge factor (`merge`) and whether each row gets its own rotary
   table (`rope_per_row`);
-* the data path (finetune.data.vision): how the image processor lays out a batch's pixels
-  (`pixels`, `patch_grid`), so that a preference pair's images are processed once for its two rows,
-  and which processor attributes name image markup tokens (`IMAGE_MARKUP_ATTRIBUTES`, never trained).
+* the data path: how the image processor lays out a batch's pixels (`pixels`, `patch_grid`), so that
+  a preference pair's images are processed once for its two rows (finetune.data.batching.vision), and
+  which processor attributes name image markup tokens (`IMAGE_MARKUP_ATTRIBUTES`, never trained:
+  finetune.data.formats.encode).
 
 A model whose type is in no row is `GENERIC`: the module names transformers gives most of these
 models, a fixed input size from its vision config, pixel tensors with one entry per image. That is
@@ -42,7 +43,7 @@ PIXEL_LAYOUTS = {
 # Attributes of processors and tokenizers that name image markup tokens, which are never trained:
 # image_token (every family), boi_token / eoi_token (Gemma 3), fake_image_token / global_image_token /
 # global_image_tag (Idefics3, SmolVLM), vision_start_token / vision_end_token (Qwen3-VL),
-# start_image_token / end_image_token (InternVL). finetune.data.vision reads them.
+# start_image_token / end_image_token (InternVL). finetune.data.formats.encode reads them.
 IMAGE_MARKUP_ATTRIBUTES = (
     "image_token",
     "boi_token",

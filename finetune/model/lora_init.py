@@ -174,7 +174,7 @@ def _load_pt(path: Path) -> dict[str, torch.Tensor]:
 def real_tokens(batch: dict, pad_id: int) -> torch.Tensor:
     """Bool mask of a batch's tokens that are not padding. Unpadded rows have an attention mask;
     packed rows have none and end with a padding segment of their own (position_ids restart at 0,
-    every id is pad_id and untrained: finetune.data.collate).
+    every id is pad_id and untrained: finetune.data.batching.collate).
 
     >>> batch = {"input_ids": torch.tensor([[5, 6, 7, 0, 0]]), "labels": torch.tensor([[5, 6, 7, -100, -100]]),
     ...          "position_ids": torch.tensor([[0, 1, 2, 0, 1]])}

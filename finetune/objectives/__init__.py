@@ -4,6 +4,8 @@
 * `preference`: DPO, IPO, SimPO, ORPO and KTO of a causal LM on prepared pairs (examples).
 * `online`: online RL (GRPO and its DAPO / Dr. GRPO / BNPO loss types) of a causal LM on prompts, with
   rewards; `rollout`, its sample / score / pack / log-prob parts, open to any objective.
+* `reward`: a reward model (a one-output score head) trained on prepared pairs with TRL's Bradley-Terry
+  loss; a GRPO reward afterwards (finetune.generation.reward_model).
 * `diffusion`: LoRA / DreamBooth on a diffusers pipeline's denoiser, from cached latents
   (model.kind: diffusion).
 * `lm`: the causal-LM toolkit the LM objectives share (build, loader, save); `reference`: the
@@ -40,6 +42,12 @@ def _online():
     return OnlineObjective
 
 
+def _reward():
+    from finetune.objectives.reward import RewardObjective
+
+    return RewardObjective
+
+
 def _diffusion():
     from finetune.objectives.diffusion import DiffusionObjective
 
@@ -51,6 +59,7 @@ IMPLEMENTATIONS = {
     "paired": _preference,
     "unpaired": _preference,
     "online": _online,
+    "reward": _reward,
     "diffusion": _diffusion,
 }
 

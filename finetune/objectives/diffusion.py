@@ -92,7 +92,7 @@ class DiffusionObjective:
     # ----------------------------------------------------------------------------------- build
 
     def build(self, accelerator) -> Parts:
-        from finetune.data.prepare import prepare_on_main_process
+        from finetune.data.prepare.build import prepare_on_main_process
         from finetune.diffusion.cache import prepare_images
         from finetune.diffusion.loader import make_loader
         from finetune.diffusion.model import load_noise_scheduler, pipeline_info

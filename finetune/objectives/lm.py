@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from finetune.checkpoint import write_checksums
-from finetune.data.loader import make_dataloader
+from finetune.data.batching.loader import make_dataloader
 from finetune.errors import FinetuneError
 from finetune.metrics import device_peak_flops, forward_flops_per_token, model_flops_per_token
 
@@ -53,6 +53,7 @@ def finish_build(objective, accelerator, *, held_out: bool) -> None:
         accelerator,
         vision=objective.model_settings.kind == "vlm",
         image_max_pixels=objective.data.image_max_pixels,
+        images_outside=objective.data.allow_image_paths_outside,
     )
     if objective.lora.enable_lora:  # checkpoints hold the adapters, not the frozen base
         checkpoint_trainable_only(accelerator)
@@ -98,14 +99,15 @@ def with_row_index(rows):
 
 
 def build_lm(
-    model_settings, lora, train, tokenizer, accelerator, processor=None, init_loader=None
+    model_settings, lora, train, tokenizer, accelerator, processor=None, init_loader=None, head="lm"
 ) -> tuple[Any, dict[str, Any]]:
     """(the causal LM to train, not yet prepared; its parameter counts for FLOPs): pretrained or
     random-init weights, LoRA / QLoRA adapters (a random-init base is saved with the tokenizer, or a
     vision-language model's `processor`, to output_dir/base_model, so the adapter can be loaded later),
     fp32 trainable weights under fp16. A vision-language model's LoRA targets its language model
     (finetune.model.vlm.lora_settings). `init_loader()` makes a fresh loader of this process's training
-    batches, which EVA and CorDA (lora.init_lora_weights) compute their init from."""
+    batches, which EVA and CorDA (lora.init_lora_weights) compute their init from. `head` score builds a
+    reward model (one score per token, finetune.model.build), its LoRA of PEFT's task type SEQ_CLS."""
     from finetune.gguf.convert import resolve_model_source
     from finetune.gguf.names import portable_base
     from finetune.model.adapters import (
@@ -115,7 +117,7 @@ def build_lm(
         save_initial_adapter,
         upcast_trainable_to_fp32,
     )
-    from finetune.model.build import build_model, count_parameters, save_base_model
+    from finetune.model.build import build_model, count_parameters, pad_token_id, save_base_model
 
     output_dir = Path(train.output_dir)
     model = build_model(
@@ -124,6 +126,9 @@ def build_lm(
         mixed_precision=train.mixed_precision,
         vocab_size=len(tokenizer),
         gradient_checkpointing=train.gradient_checkpointing,
+        head=head,
+        pad_token_id=pad_token_id(tokenizer),
+        seed=train.seed,
     )
     if lora.enable_lora:
         base_dir = None
@@ -156,6 +161,7 @@ def build_lm(
             gradient_checkpointing=train.gradient_checkpointing,
             base=base,
             init_data=_init_data(lora, train, tokenizer, accelerator, init_loader, model),
+            task_type="SEQ_CLS" if head == "score" else "CAUSAL_LM",
             **targets,
         )
         if base_dir is not None:

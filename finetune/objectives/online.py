@@ -45,7 +45,7 @@ import finetune.objectives.rollout as ro
 import finetune.objectives.tool_rollout as tr
 from finetune import trackers
 from finetune.constants import IGNORE_INDEX
-from finetune.data.loader import seq_stats
+from finetune.data.batching.loader import seq_stats
 from finetune.distributed import sharding_of, whole_weights
 from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
@@ -94,12 +94,12 @@ class OnlineObjective:
         self.samples: list[dict] = []  # the last rollout's logged completions
         # grpo.tools / grpo.environment, loaded in build (finetune.objectives.tool_rollout)
         self.toolbox = None
-        self.prompt_fields: list[str] = []  # where chat tools and environments read a row's conversation
+        self.message_fields: list[str] = []  # where chat tools and environments read a row's conversation
 
     # ----------------------------------------------------------------------------------- build
 
     def build(self, accelerator) -> Parts:
-        from finetune.data.prepare import prepare_on_main_process
+        from finetune.data.prepare.build import prepare_on_main_process
         from finetune.model.build import load_tokenizer
 
         self.accelerator = accelerator
@@ -122,11 +122,18 @@ class OnlineObjective:
             self.model_settings, self.lora, self.train, self.tokenizer, accelerator
         )
         self.reference.attach(model, accelerator)
-        self.rewards = ro.rewards_for(self.settings, self.tokenizer, recipe_path=_recipe_path(self.recipe))
-        ro.check_reward_columns(self.settings.rewards, prepared.train, section=self.section)
+        self.rewards = ro.rewards_for(
+            self.settings, self.tokenizer, recipe_path=_recipe_path(self.recipe), device=accelerator.device,
+            prompt_fields=ro.prompt_fields(self.data), section=self.section,
+        )  # fmt: skip
+        for split in (prepared.train, prepared.eval):
+            if split is not None:
+                ro.check_reward_columns(self.settings.rewards, split, section=self.section)
+                limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+                ro.check_lengths(split, self.settings.max_new_tokens, limit, section=self.section)
         path = _recipe_path(self.recipe)
         self.toolbox = tr.toolbox_for(self.settings, self.tokenizer, recipe_path=path, section=self.section)
-        self.prompt_fields = tr.prompt_fields(self.data.datasets, self.toolbox, section=self.section)
+        self.message_fields = tr.message_fields(self.data.datasets, self.toolbox, section=self.section)
         train_loader = ro.prompt_loader(
             prepared.train,
             prompts_per_step=self.prompts_per_step,
@@ -248,7 +255,7 @@ class OnlineObjective:
             completions = ro.sample(backend, prompts, params, **how)
         else:
             completions, tools = tr.sample(
-                backend, prompts, params, toolbox=self.toolbox, fields=self.prompt_fields, **how
+                backend, prompts, params, toolbox=self.toolbox, fields=self.message_fields, **how
             )
         rows = [json.loads(row["row"]) for row in prompts for _ in range(group)]
         texts, per_reward, total = ro.score(self.rewards, backend, completions, rows)
@@ -538,22 +545,27 @@ class OnlineObjective:
         """The held-out completions' maker with the tools in the loop (None: plain greedy generation)."""
         if toolbox is None:
             return None
-        return tr.completer(backend, toolbox, batch_size=batch_size, fields=self.prompt_fields)
+        return tr.completer(backend, toolbox, batch_size=batch_size, fields=self.message_fields)
 
     @staticmethod
     def held_out(recipe, prepared) -> dict[str, Any]:
         """`finetune eval`'s score of the held-out prompts: greedy completions of every model, scored by
         the recipe's rewards (transformers generation: evaluation has no training model to sync from)."""
-        settings = getattr(recipe, OBJECTIVES[recipe.train.objective].section)
-        rows = list(prepared.eval)
+        from finetune.model.inference import inference_device
+
+        section = OBJECTIVES[recipe.train.objective].section
+        settings, rows = getattr(recipe, section), list(prepared.eval)
 
         def score(model_name: str, model, tokenizer) -> dict[str, Any]:
-            rewards = ro.rewards_for(settings, tokenizer, recipe_path=_recipe_path(recipe))
+            rewards = ro.rewards_for(
+                settings, tokenizer, recipe_path=_recipe_path(recipe), device=inference_device(),
+                prompt_fields=ro.prompt_fields(recipe.data), section=section,
+            )  # fmt: skip
             backend = backend_for("transformers", model, tokenizer)
-            toolbox = tr.toolbox_for(settings, tokenizer, recipe_path=_recipe_path(recipe))
+            toolbox = tr.toolbox_for(settings, tokenizer, recipe_path=_recipe_path(recipe), section=section)
             complete = None
             if toolbox is not None:  # the tools in the loop, as in training
-                fields = tr.prompt_fields(recipe.data.datasets, toolbox)
+                fields = tr.message_fields(recipe.data.datasets, toolbox)
                 complete = tr.completer(backend, toolbox, batch_size=recipe.eval.batch_size, fields=fields)
             try:
                 figures = ro.eval_rewards(

@@ -1,6 +1,6 @@
 """Preference tuning of a causal LM: DPO, IPO, SimPO, ORPO (on pairs) and KTO (on labelled examples).
 
-The data are prepared rows of pairs (finetune.data.preference): chosen_0, rejected_0, chosen_1, ...
+The data are prepared rows of pairs (finetune.data.batching.pairs): chosen_0, rejected_0, chosen_1, ...
 packed with position_ids restarting at every sequence, so one forward scores every sequence of a
 micro-batch and a pair is never split. The losses are finetune.losses.preference's pure functions on
 per-sequence log-prob sums.
@@ -21,14 +21,14 @@ sums of a micro-batch (`SequenceScores`) and the `preference` section.
 
 A vision-language model (model.kind vlm) trains on pairs whose prompt holds images: its batches are
 not packed but one padded row per sequence (chosen_0, rejected_0, ...) with the pixels of the pair's
-images in both rows (finetune.data.vision.collate_vlm_pairs), so the same per-sequence sums come from
+images in both rows (finetune.data.batching.vision.collate_vlm_pairs), so the same per-sequence sums come from
 per-row sums, and the policy, the reference and the precomputed log-probs all see the images. Its kto
 examples come the same way, one padded row each, with their KL rows beside them (`kl_` keys, the same
-pixels: finetune.data.vision_kto).
+pixels: finetune.data.batching.vision).
 
 KTO's reference point is TRL's: the KL estimate from mismatched completions (each packed row's KL
-row, finetune.data.preference.kto_kl_row; with images, each example's prompt and the previous
-example's completion in the prepared split, finetune.data.vision_kto), detached, averaged over
+row, finetune.data.batching.pairs.kto_kl_row; with images, each example's prompt and the previous
+example's completion in the prepared split, finetune.data.batching.vision), detached, averaged over
 processes and clamped at 0.
 """
 
@@ -59,7 +59,7 @@ from finetune.objectives.reference import Reference, reference_source
 from finetune.recipe.lora import modifies_base
 from finetune.recipe.objectives import OBJECTIVES
 
-# Columns of prepared preference rows the loaders read (finetune.data.preference).
+# Columns of prepared preference rows the loaders read (finetune.data.batching.pairs).
 COLUMNS = (
     "input_ids",
     "labels",
@@ -69,6 +69,7 @@ COLUMNS = (
     "desirable",
     "prompt_lens",
     "row_index",
+    "margins",  # pairs with a margin column (train.objective reward, which reads these rows too)
 )
 METRICS = (
     "rewards/chosen",
@@ -109,7 +110,7 @@ class PreferenceObjective:
     # ----------------------------------------------------------------------------------- build
 
     def build(self, accelerator) -> Parts:
-        from finetune.data.prepare import prepare_on_main_process
+        from finetune.data.prepare.build import prepare_on_main_process
         from finetune.model.build import load_tokenizer
         from finetune.model.vlm import load_processor
 
@@ -267,7 +268,7 @@ class PreferenceObjective:
         return unit_values(out, batch.get("desirable"), z0, paired=self.paired)
 
     def counts(self, batch: dict) -> dict[str, float]:
-        from finetune.data.loader import seq_stats
+        from finetune.data.batching.loader import seq_stats
 
         seq_sq, seq = seq_stats(batch)
         real = real_tokens(batch, self._sequencesper_row(batch))
@@ -370,11 +371,10 @@ def loader(data, train, rows, tokenizer, *, training: bool, accelerator=None, pr
     """The loader of prepared preference rows (pairs, or kto examples with their KL rows), always
     packed (one pair per row without sample_packing); training's and `finetune eval`'s. With a
     vision-language `processor`, pairs with images come as one padded row per sequence, with pixels
-    (finetune.data.vision.collate_vlm_pairs), and kto examples as one padded row each beside their KL
-    rows (finetune.data.vision_kto)."""
-    from finetune.data.collate import collate_preference
-    from finetune.data.vision import collate_vlm_pairs
-    from finetune.data.vision_kto import KL_COLUMNS, collate_vlm_kto, with_kl_rows
+    (finetune.data.batching.vision.collate_vlm_pairs), and kto examples as one padded row each beside their KL
+    rows (finetune.data.batching.vision)."""
+    from finetune.data.batching.collate import collate_preference
+    from finetune.data.batching.vision import KL_COLUMNS, collate_vlm_kto, collate_vlm_pairs, with_kl_rows
     from finetune.model.build import pad_token_id
 
     pad_id = pad_token_id(tokenizer)

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from finetune.data.cache import compute_fingerprint
+from finetune.data.prepare.cache import compute_fingerprint
 from finetune.errors import FinetuneError
 
 CACHE_FOLDER = "reference_logps"

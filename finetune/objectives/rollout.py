@@ -267,7 +267,7 @@ def prompt_loader(
     """Loader items of this process's prompts for one step (a list of prepared prompt rows), each
     given `repeat` times in a row (grpo.num_iterations: the rollout is reused); with `lookahead`
     (async_rollouts) each item also holds the next step's rows after a None (objectives.ahead)."""
-    from finetune.data.sampler import RankBatchSampler, RepeatBatchSampler
+    from finetune.data.batching.sampler import RankBatchSampler, RepeatBatchSampler
     from finetune.objectives.ahead import LookaheadBatchSampler, MarkedRows
     from finetune.objectives.lm import with_row_index
 
@@ -291,23 +291,55 @@ def prompt_loader(
 
 
 def check_reward_columns(specs, rows, *, section: str = "grpo") -> None:
-    """Each built-in reward's field_expected is a column of the prompt rows (checked on the first)."""
+    """Each built-in reward's field_expected is a column of the prompt rows, and no row leaves it empty
+    (a reward would score that row 0 without a word): an error naming the field, the count and the first
+    rows."""
     from finetune.errors import FinetuneError
 
     if len(rows) == 0:
         return
-    columns = set(json.loads(rows[0]["row"]))
+    parsed = [json.loads(row) for row in rows["row"]]
+    columns = set(parsed[0])
     for i, spec in enumerate(specs):
-        if spec.field_expected is not None and spec.field_expected not in columns:
+        field = spec.field_expected
+        if field is None:
+            continue
+        if field not in columns:
             raise FinetuneError(
-                f"{section}.rewards.{i}.field_expected: the prompt data has no column {spec.field_expected!r} "
+                f"{section}.rewards.{i}.field_expected: the prompt data has no column {field!r} "
                 f"(columns: {', '.join(sorted(columns))})"
+            )
+        empty = [k for k, row in enumerate(parsed) if row.get(field) in (None, "")]
+        if empty:
+            raise FinetuneError(
+                f"{section}.rewards.{i}.field_expected: {len(empty)} of {len(parsed)} prompt rows have no "
+                f"{field!r} (empty or null; prepared rows {', '.join(map(str, empty[:5]))}"
+                f"{', ...' if len(empty) > 5 else ''}), which {spec.label} would score 0 without a word: fill "
+                "them in or remove those rows, and prepare again"
             )
 
 
-def rewards_for(settings, tokenizer, *, recipe_path: str | None) -> list:
+def check_lengths(rows, max_new_tokens: int, limit: int | None, *, section: str = "grpo") -> None:
+    """The longest prompt plus max_new_tokens fits the model's positions (max_position_embeddings)."""
+    from finetune.errors import FinetuneError
+
+    if not limit or len(rows) == 0:
+        return
+    longest = max(len(ids) for ids in rows["input_ids"])
+    if longest + max_new_tokens > limit:
+        raise FinetuneError(
+            f"{section}.max_new_tokens {max_new_tokens}: the longest prompt ({longest} tokens) plus it exceeds "
+            f"the model's {limit} positions (max_position_embeddings): lower max_new_tokens to "
+            f"{limit - longest} or less, or keep prompts shorter (data.sequence_len)"
+        )
+
+
+def rewards_for(
+    settings, tokenizer, *, recipe_path: str | None, device="cpu", prompt_fields=(), section: str = "grpo"
+) -> list:
     """An online section's rewards, ready to score: functions imported (beside the recipe file at
-    `recipe_path` first), the length reward counting tokens with `tokenizer`; with an environment, its
+    `recipe_path` first), the length reward counting tokens with `tokenizer`, reward models loaded on
+    `device` (reading the prompt from `prompt_fields`, see `prompt_fields`); with an environment, its
     summed rewards as the reward `environment` (weight 1)."""
     from finetune.generation.rewards import Reward
 
@@ -316,10 +348,20 @@ def rewards_for(settings, tokenizer, *, recipe_path: str | None) -> list:
         max_new_tokens=settings.max_new_tokens,
         count_tokens=lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
         base=Path(recipe_path).parent if recipe_path else None,
+        device=device,
+        prompt_fields=prompt_fields,
+        section=section,
     )
     if getattr(settings, "environment", None) is not None:
         rewards.append(Reward("environment", 1.0, environment_reward))
     return rewards
+
+
+def prompt_fields(data) -> tuple[str, ...]:
+    """The prompt columns of the data section's prompt entries, in order: where a reward model finds the
+    prompt of a row (which keeps every column of its source)."""
+    entries = (*data.datasets, *data.test_datasets)
+    return tuple(dict.fromkeys(e.field_prompt for e in entries if e.type == "prompt"))
 
 
 class RolloutBuffer:

@@ -19,7 +19,7 @@ import torch
 
 import finetune.objectives.lm as lm
 from finetune import trackers
-from finetune.data.loader import count_tokens, count_trainable, seq_stats
+from finetune.data.batching.loader import count_tokens, count_trainable, seq_stats
 from finetune.engine.objective import Parts
 from finetune.losses.causal_lm import forward, token_loss_sums
 from finetune.notices import warn
@@ -40,7 +40,7 @@ class SFTObjective:
     # ----------------------------------------------------------------------------------- build
 
     def build(self, accelerator) -> Parts:
-        from finetune.data.prepare import prepare_on_main_process
+        from finetune.data.prepare.build import prepare_on_main_process
         from finetune.model.build import load_tokenizer
         from finetune.model.vlm import load_processor
 
@@ -95,7 +95,7 @@ class SFTObjective:
 
     def _build_streaming(self, accelerator) -> Parts:
         """data.streaming: the stream loader (its position checkpointed, see on_prepared), no eval split."""
-        from finetune.data.streaming import make_stream_loader
+        from finetune.data.batching.streaming import make_stream_loader
 
         self.stream = make_stream_loader(
             self.data,
@@ -241,11 +241,11 @@ class SFTObjective:
 def loader(data, train, dataset, tokenizer, *, training: bool = True, accelerator=None, processor=None):
     """The loader of prepared SFT rows: packed as data.sample_packing (training) or
     data.eval_sample_packing (evaluation) says; training's and `finetune eval`'s. Rows with images
-    (a vision-language model's `processor`) are collated with their pixels (finetune.data.vision)."""
+    (a vision-language model's `processor`) are collated with their pixels (finetune.data.batching.vision)."""
     from functools import partial
 
-    from finetune.data.loader import MODEL_COLUMNS
-    from finetune.data.vision import collate_vlm
+    from finetune.data.batching.loader import MODEL_COLUMNS
+    from finetune.data.batching.vision import collate_vlm
     from finetune.model.build import pad_token_id
 
     packed = data.sample_packing if training else data.eval_sample_packing

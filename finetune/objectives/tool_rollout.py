@@ -41,7 +41,7 @@ def toolbox_for(settings, tokenizer, *, recipe_path: str | None, section: str = 
     )
 
 
-def prompt_fields(entries: Sequence[Any], toolbox, *, section: str = "grpo") -> list[str]:
+def message_fields(entries: Sequence[Any], toolbox, *, section: str = "grpo") -> list[str]:
     """The prompt columns of the data entries (field_prompt), which chat tools and environments read a
     row's conversation from; chat tools need prompts rendered with the chat template."""
     if toolbox is None or not (toolbox.chat or toolbox.environment is not None):

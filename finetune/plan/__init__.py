@@ -9,9 +9,14 @@ accelerate config does (`shard_states`). Under DeepSpeed they reproduce the ZeRO
 baseline 16P bytes, ZeRO-1 4P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N.
 Activations count what autograd saves for a Llama-style decoder layer (`activation_bytes`).
 
+An online objective (grpo, rloo) adds its rollout: the generate call's KV cache, logits and sampling
+or prompt forward, a sharded model's gathered weights, the log-prob passes without grad, the
+reference model and a vLLM engine's share; a step's peak is the larger of the rollout and the
+training step.
+
 Modules: `inventory` (the model from its config), `states` (model states and their sharding),
-`activations` (what autograd saves), `planner` (estimate, fit, suggestions; `make_plan`) and
-`report` (table and JSON).
+`activations` (what autograd saves), `rollout` (online RL's generation and rollout), `planner`
+(estimate, fit, suggestions; `make_plan`) and `report` (table and JSON).
 """
 
 from finetune.plan.activations import Activations, activation_bytes

@@ -150,7 +150,7 @@ def activation_bytes(
             adapter, lora_dropout, lora_bytes, autocast=autocast, eager=eager, c=c, r=r, bs=bs
         )
     # Rotary cos/sin: one table per row, or one for the batch when the model makes position ids itself
-    # from 0..s (a VLM batch has none: finetune.data.vision.collate_vlm; `rotary_rows` 1).
+    # from 0..s (a VLM batch has none: finetune.data.batching.vision.collate_vlm; `rotary_rows` 1).
     rotary = 2 * r * (b if rotary_rows is None else rotary_rows) * s * inv.head_dim
     head = norm + (c * bs * h if lm_head_trainable else 0) + 16 * bs + rotary
     if not embedding_trainable:  # the first norm's input needs no grad: nothing saved there

@@ -57,8 +57,8 @@ def prepared_images_per_row(recipe: Recipe) -> tuple[int, str] | None:
         return None
     import pyarrow.compute as pc
 
-    from finetune.data.cache import load_complete
-    from finetune.data.fingerprint import cached
+    from finetune.data.prepare.cache import load_complete
+    from finetune.data.prepare.fingerprint import cached
 
     try:
         found = cached(recipe)

@@ -32,23 +32,49 @@ from finetune.plan.inventory import (
     gib_text,
     inspect_model,
 )
+from finetune.plan.rollout import (
+    Rollout,
+    online_assumptions,
+    online_section,
+    reference_part,
+    rollout_plan,
+    training_tokens,
+)
 from finetune.plan.states import Layout, Part, gathered_bytes, model_states, shard_states
 from finetune.recipe import Recipe
+from finetune.recipe.objectives import OBJECTIVES
 
 # ---------------------------------------------------------------------------------------------- plan
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """Every part on one device for one (recipe, engine, micro batch, checkpointing)."""
+    """Every part on one device for one (recipe, engine, micro batch, checkpointing): the training
+    step's `parts`, and an online objective's `rollout` (finetune.plan.rollout)."""
 
     parts: tuple[Part, ...]
     activations: Activations
     layout: Layout
+    rollout: Rollout | None = None
+
+    @property
+    def training_gpu(self) -> float:
+        """The training step's bytes: the sum of `parts`."""
+        return sum(p.gpu_bytes for p in self.parts)
 
     @property
     def total_gpu(self) -> float:
-        return sum(p.gpu_bytes for p in self.parts)
+        """The peak of a step: the training step's, or the larger of it and the rollout's."""
+        if self.rollout is None:
+            return self.training_gpu
+        return max(self.training_gpu, self.rollout.total_gpu)
+
+    def headroom(self, gpu_memory: float) -> float:
+        """Bytes left on a device of `gpu_memory` (negative: over by that much); a vLLM engine's share
+        is not training's (finetune.plan.rollout.Rollout.headroom)."""
+        if self.rollout is None:
+            return gpu_memory - self.total_gpu
+        return self.rollout.headroom(gpu_memory, self.training_gpu)
 
     @property
     def total_host(self) -> float:
@@ -84,14 +110,20 @@ def estimate(
     trained = {m.name for m in _modules_to_save(inv, recipe.lora.modules_to_save)}
     full = not recipe.lora.enable_lora
     embedding = next((m.name for m in inv.modules if m.kind == "embedding"), None)
+    online = online_section(recipe)
     seq_len = data.packing_len if data.sample_packing else data.sequence_len
-    chunk = loss_chunk(recipe, inv, micro_batch_size * seq_len)
+    rows = micro_batch_size
+    if online is not None:  # the micro-batch's completions packed in one row; the loss is never chunked
+        rows, seq_len = 1, training_tokens(micro_batch_size, recipe, online)
+        reference = reference_part(inv, recipe, needed=online.beta > 0, what=f"grpo.beta {online.beta:g} > 0")
+        parts += [reference] if reference is not None else []
+    chunk = 0 if online is not None else loss_chunk(recipe, inv, micro_batch_size * seq_len)
     head_adapted = any(m.name == inv.output_name for m in adapter.targets) or inv.output_name in trained
     # Image features that need a gradient (trained tower or projector) make the first norm save its input.
     vision_grad = inv.vision is not None and (recipe.model.train_vision_tower or recipe.model.train_projector)
     acts = activation_bytes(
         inv,
-        micro_batch_size=micro_batch_size,
+        micro_batch_size=rows,
         seq_len=seq_len,
         attn_implementation=recipe.model.attn_implementation,
         residual_bytes=layout.residual_bytes,
@@ -105,11 +137,11 @@ def estimate(
         embedding_trainable=full or embedding in trained or vision_grad,
         loss_chunk=chunk,
         lm_head_plain=full or not head_adapted,
-        rotary_rows=_rotary_rows(inv, micro_batch_size),
+        rotary_rows=_rotary_rows(inv, rows),
         embedding_frozen=not (full or embedding in trained),
     )
     if inv.vision is not None:
-        acts = _with_vision(acts, inv, recipe, layout, micro_batch_size, images)
+        acts = _with_vision(acts, inv, recipe, layout, rows, images)
     label = "activations, " + ("gradient checkpointing" if checkpointing else "no checkpointing")
     parts.append(Part(label, acts.peak(checkpointing) - acts.logits_and_loss, note="<- recipe"))
     note = (
@@ -119,7 +151,10 @@ def estimate(
     )
     parts.append(Part("logits + loss", acts.logits_and_loss, note=note))
     parts.append(Part("CUDA context + fragmentation", CUDA_ALLOWANCE_BYTES, note="fixed allowance"))
-    return Estimate(tuple(parts), acts, layout)
+    rollout = None
+    if online is not None:
+        rollout = rollout_plan(inv, recipe, engine, layout, adapter, parts, micro_batch_size=micro_batch_size)
+    return Estimate(tuple(parts), acts, layout, rollout)
 
 
 def _rotary_rows(inv: ModelInventory, micro_batch_size: int) -> int:
@@ -212,7 +247,7 @@ def suggest(
     def fits(micro: int, ckpt: bool, eng: DistributedSetup = engine, rec: Recipe = recipe) -> bool:
         ad = adapter if rec is recipe else adapter_counts(inv, rec.lora, rec.model)
         est = estimate(inv, rec, eng, micro_batch_size=micro, checkpointing=ckpt, adapter=ad, images=images)
-        return est.total_gpu <= gpu_memory
+        return est.headroom(gpu_memory) >= 0
 
     micros = [m for m in range(rows, 0, -1) if rows % m == 0]
     for ckpt in dict.fromkeys((train.gradient_checkpointing, True)):
@@ -220,8 +255,8 @@ def suggest(
         if micro is not None:
             return _batch_suggestion(recipe, engine, global_batch, micro, ckpt, fits(micro, False))
     alternatives = []
-    for name, eng, rec, change in _alternatives(recipe, engine):
-        if fits(1, True, eng, rec):
+    for name, eng, rec, change in _online_alternatives(recipe, engine) + _alternatives(recipe, engine):
+        if name not in {a["name"] for a in alternatives} and fits(1, True, eng, rec):
             est = estimate(inv, rec, eng, micro_batch_size=1, checkpointing=True, images=images)
             alternatives.append({"name": name, "change": change, "total_gpu_bytes": est.total_gpu})
     lines = [
@@ -271,6 +306,40 @@ def _batch_suggestion(
             "fits without gradient checkpointing too (no recompute, faster): --train.gradient_checkpointing false"
         )
     return Suggestion(global_batch, micro, accumulation, ckpt, lines=tuple(lines))
+
+
+def _online_alternatives(
+    recipe: Recipe, engine: DistributedSetup
+) -> list[tuple[str, DistributedSetup, Recipe, str]]:
+    """An online recipe's rollout settings that take less memory: vLLM's sleep mode (its share is given
+    back during training steps), or fewer prompts per generate call (the largest that fits is offered)."""
+    section = online_section(recipe)
+    if section is None:
+        return []
+    name = OBJECTIVES[recipe.train.objective].section
+
+    def changed(**update) -> Recipe:
+        return recipe.model_copy(update={name: section.model_copy(update=update)})
+
+    if section.generation_backend == "vllm":
+        if section.vllm_enable_sleep_mode:
+            return []
+        change = f"--{name}.vllm_enable_sleep_mode true (vLLM frees its share during training steps)"
+        return [("vllm_sleep_mode", engine, changed(vllm_enable_sleep_mode=True), change)]
+    train = recipe.train
+    prompts = min(
+        section.generation_batch_size,
+        train.micro_batch_size * train.gradient_accumulation_steps // section.num_generations,
+    )
+    return [
+        (
+            "generation_batch_size",
+            engine,
+            changed(generation_batch_size=size),
+            f"--{name}.generation_batch_size {size} ({size * section.num_generations} sequences per generate call)",
+        )
+        for size in range(prompts - 1, 0, -1)
+    ]
 
 
 def _alternatives(
@@ -328,11 +397,11 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.estimate.total_gpu <= self.gpu_memory
+        return self.headroom >= 0
 
     @property
     def headroom(self) -> float:
-        return self.gpu_memory - self.estimate.total_gpu
+        return self.estimate.headroom(self.gpu_memory)
 
 
 def make_plan(
@@ -377,20 +446,26 @@ def make_plan(
         adapter=adapter,
         images=images,
     )
+    online = online_section(recipe)
+    seq_len = data.packing_len if data.sample_packing else data.sequence_len
+    if online is not None:  # one packed row of the micro-batch's completions
+        seq_len = training_tokens(train.micro_batch_size, recipe, online)
     return Plan(
         recipe_path=recipe_path,
         engine=engine,
         inventory=inv,
         adapter=adapter,
         micro_batch_size=train.micro_batch_size,
-        seq_len=data.packing_len if data.sample_packing else data.sequence_len,
+        seq_len=seq_len,
         checkpointing=ckpt,
         estimate=est,
         other_activations=est.activations.peak(not ckpt) - est.activations.logits_and_loss,
         gpu_memory=memory,
         gpu_memory_source=source,
         suggestion=suggest(inv, recipe, engine, memory, images),
-        assumptions=_assumptions(recipe, engine, est, source) + _vision_assumptions(inv, recipe, images),
+        assumptions=_assumptions(recipe, engine, est, source)
+        + _vision_assumptions(inv, recipe, images)
+        + online_assumptions(inv, recipe, engine, est.layout, est.rollout),
         images=images,
     )
 

@@ -11,6 +11,7 @@ from typing import Any
 from finetune.accelerate_config import REPO_ROOT
 from finetune.plan.inventory import gib_text
 from finetune.plan.planner import Plan
+from finetune.plan.rollout import online_section, training_tokens, vllm_part
 
 # -------------------------------------------------------------------------------------------- output
 
@@ -33,8 +34,7 @@ def format_plan(plan: Plan) -> str:
         f"embeddings {'tied' if inv.tied else 'untied'}",
         *_vision_lines(plan),
         f"engine: {eng.describe()}" + (f" [{_short_path(eng.source)}]" if Path(eng.source).is_file() else ""),
-        f"batch:  micro_batch_size {plan.micro_batch_size} x {plan.seq_len} tokens, gradient checkpointing "
-        f"{'on' if plan.checkpointing else 'off'}",
+        _batch_line(plan),
         "",
         f"{'part':34s} {'per-GPU GiB':>11s} {'host GiB':>9s}  note",
     ]
@@ -46,10 +46,15 @@ def format_plan(plan: Plan) -> str:
         if part.name.startswith("activations"):
             label, size = f"(activations, {other})", f"({gib_text(plan.other_activations)})"
             lines.append(f"{label:34s} {size:>11s} {'':>9s}  not counted")
-    lines.append(f"{'total':34s} {gib_text(est.total_gpu):>11s} {gib_text(est.total_host):>9s}")
+    if est.rollout is None:
+        lines.append(f"{'total':34s} {gib_text(est.total_gpu):>11s} {gib_text(est.total_host):>9s}")
+    else:
+        lines += rollout_lines(plan)
     verdict = "yes" if plan.fits else "NO"
+    vllm = est.rollout.vllm_bytes(plan.gpu_memory) if est.rollout is not None else 0.0
+    beside = f" beside vLLM's {gib_text(vllm)} GiB" if vllm else ""
     lines.append(
-        f"fits in {gib_text(plan.gpu_memory)} GiB ({plan.gpu_memory_source}): {verdict}, "
+        f"fits in {gib_text(plan.gpu_memory)} GiB ({plan.gpu_memory_source}){beside}: {verdict}, "
         f"{'headroom' if plan.fits else 'over by'} {gib_text(abs(plan.headroom))} GiB"
     )
     if est.total_host:
@@ -60,6 +65,42 @@ def format_plan(plan: Plan) -> str:
     lines.append("assumptions:")
     lines += [f"  - {a}" for a in plan.assumptions]
     return "\n".join(lines)
+
+
+def _batch_line(plan: Plan) -> str:
+    checkpointing = f"gradient checkpointing {'on' if plan.checkpointing else 'off'}"
+    if plan.estimate.rollout is None:
+        return f"batch:  micro_batch_size {plan.micro_batch_size} x {plan.seq_len} tokens, {checkpointing}"
+    return (
+        f"batch:  micro_batch_size {plan.micro_batch_size} completions packed in one row of up to {plan.seq_len} "
+        f"tokens, {checkpointing}"
+    )
+
+
+def rollout_lines(plan: Plan) -> list[str]:
+    """An online plan's totals: the training step's, the rollout's parts on top of what stays through
+    it, the step's peak (the larger), and a vLLM engine's share of the device."""
+    est, rollout = plan.estimate, plan.estimate.rollout
+    backend = "vllm" if rollout.vllm_utilization else "transformers"
+    lines = [
+        f"{'total (training step)':34s} {gib_text(est.training_gpu):>11s} {gib_text(est.total_host):>9s}",
+        f"rollout (grpo.generation_backend {backend}), before each step's training:",
+        f"{'  stays: weights, optimizer, ...':34s} {gib_text(rollout.resident):>11s} {'':>9s}  "
+        "the parts above that the rollout keeps (gradients are freed after every update)",
+    ]
+    for part in rollout.parts:
+        lines.append(f"{'  ' + part.name:34s} {gib_text(part.gpu_bytes):>11s} {'-':>9s}  {part.note}")
+    for part in rollout.other:
+        label, size = f"  ({part.name})", f"({gib_text(part.gpu_bytes)})"
+        lines.append(f"{label:34s} {size:>11s} {'':>9s}  not counted: not at the rollout's peak; {part.note}")
+    lines.append(f"{'total (rollout)':34s} {gib_text(rollout.total_gpu):>11s}")
+    which = "the rollout" if rollout.total_gpu > est.training_gpu else "the training step"
+    lines.append(f"{'peak of a step':34s} {gib_text(est.total_gpu):>11s} {'':>9s}  {which}'s")
+    if rollout.vllm_utilization:
+        part = vllm_part(rollout, plan.gpu_memory, plan.gpu_memory_source)
+        host = gib_text(part.host_bytes) if part.host_bytes else "-"
+        lines.append(f"{part.name:34s} {gib_text(part.gpu_bytes):>11s} {host:>9s}  {part.note}")
+    return lines
 
 
 def logits_line(est) -> str | None:
@@ -75,6 +116,11 @@ def logits_line(est) -> str | None:
         return f"logits: {loss.note}; {share:.0%} of the activation memory"
     if share < 0.5:
         return None
+    if est.rollout is not None:  # online objectives take full logits (train.loss_chunk_size is SFT's)
+        return (
+            f"logits: the full logits take {share:.0%} of the activation memory ({gib_text(loss.gpu_bytes)} GiB); "
+            "the online loss takes full logits: a smaller train.micro_batch_size (more accumulation) lowers them"
+        )
     return (
         f"logits: the full logits take {share:.0%} of the activation memory ({gib_text(loss.gpu_bytes)} GiB); "
         "--train.loss_chunk_size 512 computes the loss in chunks without them"
@@ -91,7 +137,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     inv, est, acts = plan.inventory, plan.estimate, plan.estimate.activations
     engine = {**asdict(plan.engine), "name": plan.engine.name, "shard_degree": plan.engine.shard_degree}
     engine["ds_config_path"] = str(engine["ds_config_path"]) if engine["ds_config_path"] else None
-    return {
+    out = {
         "recipe": plan.recipe_path,
         "model": {
             "params_total": inv.total,
@@ -127,6 +173,29 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "headroom_bytes": plan.headroom,
         "suggestion": asdict(plan.suggestion),
         "assumptions": list(plan.assumptions),
+    }
+    if est.rollout is not None:
+        out["online"] = online_dict(est, plan.gpu_memory)
+    return out
+
+
+def online_dict(est, gpu_memory: float) -> dict[str, Any]:
+    """An online plan's rollout as plain data (bytes): total_gpu_bytes is the step's peak, the larger
+    of training_step_gpu_bytes and rollout.total_gpu_bytes."""
+    rollout = est.rollout
+    return {
+        "training_step_gpu_bytes": est.training_gpu,
+        "rollout": {
+            "resident_gpu_bytes": rollout.resident,
+            "parts": [asdict(p) for p in rollout.parts],
+            "not_counted": [asdict(p) for p in rollout.other],
+            "total_gpu_bytes": rollout.total_gpu,
+            "generation": asdict(rollout.generation) if rollout.generation is not None else None,
+            "prompts_per_generate_call": rollout.prompts_per_call,
+        },
+        "vllm_engine_bytes": rollout.vllm_bytes(gpu_memory),
+        "vllm_sleep_mode": rollout.vllm_sleep,
+        "step_peak_gpu_bytes": est.total_gpu,
     }
 
 
@@ -195,12 +264,24 @@ def training_prediction(recipe, engine) -> dict[str, Any]:
         )
     except FinetuneError as exc:
         return {"unavailable": str(exc)}
-    return {
+    online = online_section(recipe)
+    out = {
         "engine": engine.describe(),
         "micro_batch_size": train.micro_batch_size,
-        "seq_len": data.packing_len if data.sample_packing else data.sequence_len,
+        "seq_len": data.packing_len
+        if data.sample_packing
+        else data.sequence_len
+        if online is None
+        else training_tokens(train.micro_batch_size, recipe, online),
         "gradient_checkpointing": train.gradient_checkpointing,
         "parts": [{"name": p.name, "gpu_bytes": p.gpu_bytes, "host_bytes": p.host_bytes} for p in est.parts],
         "total_gpu_bytes": est.total_gpu,
         "allowance_bytes": CUDA_ALLOWANCE_BYTES,
     }
+    if est.rollout is not None:  # online RL: total_gpu_bytes is the larger of the two phases
+        out["training_step_gpu_bytes"] = est.training_gpu
+        out["rollout_parts"] = [{"name": "stays through the rollout", "gpu_bytes": est.rollout.resident}] + [
+            {"name": p.name, "gpu_bytes": p.gpu_bytes} for p in est.rollout.parts
+        ]
+        out["rollout_gpu_bytes"] = est.rollout.total_gpu
+    return out

@@ -110,6 +110,14 @@ class DataSection(_Section):
         "own size policy then applies); null = as they are.",
         **FIXED_ON_RESUME,
     )
+    allow_image_paths_outside: bool = Field(
+        False,
+        description="Let a data row's image paths point outside its data file's folder (absolute paths, ../, "
+        "symlinks leading out). Off: such a row is a counted bad row (image_outside_data_folder), so a row cannot "
+        "pull any file of the machine into the prepared (and pushed) dataset. Turn it on only for data you "
+        "trust.",
+        **FIXED_ON_RESUME,
+    )
     streaming: bool = Field(
         False,
         description="Read, tokenize and pack the training rows on the fly (datasets' IterableDataset) instead "

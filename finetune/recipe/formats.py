@@ -9,7 +9,7 @@ only another format reads is an error, and the message names the type(s) that re
 other key, since which keys are allowed depends on the type.
 
 The data side of each LLM format is finetune/data/formats/<type>.py, found by the registry in
-finetune/data/formats/__init__.py; images and dreambooth entries are read by finetune/diffusion.
+finetune/data/formats/registry.py; images and dreambooth entries are read by finetune/diffusion.
 A new format is a class here, added to `ENTRY_CLASSES`, plus its module there.
 
 >>> entry = dataset_entry(path="qa.jsonl", type="input_output", field_prompt="question")
@@ -37,6 +37,9 @@ _TYPE_DESCRIPTION = "How rows are formatted into prompt and trained text."
 TrainOnInputs = Annotated[
     bool, Field(False, description="Train on prompt tokens too (otherwise they get label -100).")
 ]
+
+# The largest mixture weight: each row that many times (a weight of 1e6 asked for a 21 GiB index).
+MAX_WEIGHT = 1000.0
 
 
 def _apply_chat_template(turns: str) -> Any:
@@ -119,7 +122,7 @@ class _Entry(_Section):
         description="How much of this dataset a training mixture draws, from its kept training rows (after "
         "drops and the validation split): 1.0 each row once, 0.25 a seeded quarter of them, 3.0 each row three "
         "times; the fractional part f of a weight k + f draws round(f * rows) distinct rows once more (half "
-        "rounds up), seeded by train.seed and the entry's index (docs/data.md, Weighted mixtures).",
+        "rounds up), seeded by train.seed and the entry's index (docs/data.md, Weighted mixtures). At most 1000.",
     )
 
     @field_validator("weight")
@@ -130,6 +133,13 @@ class _Entry(_Section):
                 "weight",
                 "must be a number > 0 (1.0: each row once; 0.25: a seeded quarter of the rows; 3.0: each row "
                 "three times); to leave a dataset out, remove its entry",
+            )
+        if not value <= MAX_WEIGHT:  # also NaN and inf
+            raise PydanticCustomError(
+                "weight",
+                f"is at most {MAX_WEIGHT:g} (each row {MAX_WEIGHT:g} times; the mixture holds every drawn row, so a "
+                "larger weight asks for more rows than memory or disk can hold): lower it, or weigh the other "
+                "datasets down instead",
             )
         return value
 
@@ -299,6 +309,12 @@ class PreferenceEntry(_ScoredEntry):
         "rejected both see them. Read when the data has it or it is set; the prompt's messages may instead "
         "hold images as parts ({type: image, image: PATH}). Images need model.kind: vlm (see docs/objectives.md, "
         "Preference pairs with images).",
+    )
+    field_margin: str | None = Field(
+        None,
+        description="train.objective reward: column holding each pair's margin, a number by which the chosen "
+        "reward should exceed the rejected one (the loss is -log sigmoid(r_chosen - r_rejected - margin), TRL's "
+        "margin column). Set it on every preference entry or on none.",
     )
 
 

@@ -9,6 +9,7 @@ so all are fixed on resume.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field
@@ -32,10 +33,12 @@ _REWARD_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "length": ((), ("soft_cache",)),
 }
 _OPTIONAL = ("field_expected", "answer_pattern", "pattern", "soft_cache")
+_MODEL_FIELDS = ("batch_size", "field_prompt")  # read by reward models only
 
 
 class RewardSpec(_Section):
-    """One reward: a built-in by `name` or any importable function by `function`, and its weight."""
+    """One reward: a built-in by `name`, any importable function by `function`, or a trained reward model
+    by `model`, and its weight."""
 
     name: Literal["exact_match", "math_verify", "format", "length"] | None = Field(
         None,
@@ -51,8 +54,22 @@ class RewardSpec(_Section):
         "`path/to/file.py:function`, called as function(completions, rows) -> list of floats: completions "
         "are the decoded texts, rows the prompt rows (every column of the data) they answer.",
     )
+    model: str | None = Field(
+        None,
+        description="A trained reward model: a train.objective reward run's output_dir (the model, or its LoRA "
+        "adapter), or a Hub id of a one-label sequence-classification model. It scores the prompt and the "
+        "completion as text, rendered with its own tokenizer's chat template when it has one (the prompt as a "
+        "user turn, the completion as the assistant's), else as prompt + completion; so its tokenizer may "
+        "differ from the policy's. It runs on the rollout's device; logged as reward/<its folder name>.",
+    )
     weight: float = Field(
         1.0, description="Weight of this reward in the total (the advantages use the total)."
+    )
+    batch_size: int = Field(8, ge=1, description="model: completions scored per forward of the reward model.")
+    field_prompt: str | None = Field(
+        None,
+        description="model: the prompt rows' column holding the prompt the reward model reads (a string or a "
+        "list of messages; default: the prompt entries' field_prompt).",
     )
     field_expected: str | None = Field(
         None, description="exact_match, math_verify: the data column holding the expected answer."
@@ -71,16 +88,35 @@ class RewardSpec(_Section):
 
     @property
     def label(self) -> str:
-        """How the reward is named in logs: the built-in's name or the function's name (`digits` for
-        rewards.py:digits)."""
+        """How the reward is named in logs: the built-in's name, the function's name (`digits` for
+        rewards.py:digits), or the reward model's folder name (`rm` for outputs/rm)."""
+        if self.model is not None:
+            return self.model.rstrip("/").rpartition("/")[2] or self.model
         return self.name or str(self.function).rpartition(":")[2]
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
         problems: list[Problem] = []
-        if not ok("name", "function"):
+        if not ok("name", "function", "model"):
             return problems
-        if (self.name is None) == (self.function is None):
-            problems.append(("name", self.name, "give exactly one of name (a built-in reward) or function"))
+        if [self.name, self.function, self.model].count(None) != 2:
+            problems.append(
+                (
+                    "name",
+                    self.name,
+                    "give exactly one of name (a built-in reward), function or model (a trained reward model)",
+                )
+            )
+            return problems
+        if self.model is None:
+            for field in _MODEL_FIELDS:
+                if ok(field) and getattr(self, field) != type(self).model_fields[field].default:
+                    problems.append((field, getattr(self, field), "is read by model rewards only; remove it"))
+        if self.model is not None or self.function is not None:
+            set_fields = [f for f in _OPTIONAL if ok(f) and getattr(self, f) not in (None, False)]
+            problems += [
+                (f, getattr(self, f), "is read by built-in rewards only; remove it") for f in set_fields
+            ]
+        if self.model is not None:
             return problems
         if self.function is not None:
             module, _, attr = self.function.rpartition(":")
@@ -88,10 +124,6 @@ class RewardSpec(_Section):
                 problems.append(
                     ("function", self.function, "write it as module:function or path/to/file.py:function")
                 )
-            set_fields = [f for f in _OPTIONAL if ok(f) and getattr(self, f) not in (None, False)]
-            problems += [
-                (f, getattr(self, f), "is read by built-in rewards only; remove it") for f in set_fields
-            ]
             return problems
         needed, allowed = _REWARD_FIELDS[self.name]
         for name in needed:
@@ -324,7 +356,8 @@ class GrpoSection(_Section):
                     (
                         "rewards",
                         label,
-                        "two rewards log under the same name; use functions with different names",
+                        "two rewards log under the same name; use functions (or reward model folders) with "
+                        "different names",
                     )
                 )
         rloo_kl = ok("loss_type", "beta", "kl_in_reward") and self.loss_type == "rloo" and self.beta > 0
@@ -374,3 +407,24 @@ class GrpoSection(_Section):
         ):
             problems.append(("epsilon_high", self.epsilon_high, f"is below epsilon ({self.epsilon})"))
         return problems
+
+
+def function_file_problems(section: GrpoSection | None, folder: Path, *, name: str = "grpo") -> list[str]:
+    """`path: problem` lines for each reward `function: file.py:fn` whose file is neither beside the recipe
+    (`folder`) nor in the current folder, as finetune.generation.rewards looks for it: said by
+    `finetune validate`, without importing anything (importing would run the user's code)."""
+    if section is None:
+        return []
+    problems = []
+    for i, reward in enumerate(section.rewards):
+        module = str(reward.function or "").rpartition(":")[0]
+        if not module.endswith(".py"):
+            continue
+        candidates = [Path(module)] if Path(module).is_absolute() else [folder / module, Path.cwd() / module]
+        if not any(c.is_file() for c in candidates):
+            looked = " or ".join(str(c) for c in dict.fromkeys(candidates))
+            problems.append(
+                f"{name}.rewards[{i}].function: got {reward.function!r}: the file {module} does not exist (looked "
+                f"for {looked}); give the path relative to the recipe's folder"
+            )
+    return problems

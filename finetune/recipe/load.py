@@ -146,6 +146,13 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
         raise RecipeError(
             f"{len(bad_overrides)} bad overrides:\n" + "\n".join(f"  - {p}" for p in bad_overrides)
         )
+    from finetune.recipe.grpo import function_file_problems
+
+    missing = function_file_problems(recipe.grpo, Path(path).resolve().parent)
+    if missing:
+        raise RecipeError(
+            f"{path}: {len(missing)} problem(s):\n" + "\n".join(f"  - {problem}" for problem in missing)
+        )
     recipe.moved_settings = [*moved, *moved_overrides]
     recipe._source_path = str(Path(path).resolve())
     from finetune.recipe.tools import function_problems

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["sft", "paired", "unpaired", "online"]
+Kind = Literal["sft", "paired", "unpaired", "online", "reward"]
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class ObjectiveSpec:
     `kind` picks the implementation (finetune.objectives.objective_for): sft (next-token loss on
     any text type), paired (preference pairs: chosen and rejected completions of one prompt),
     unpaired (single completions labelled desirable or not), online (completions sampled from the
-    model during training, scored by rewards). `data_type` is the dataset entry type it trains on
+    model during training, scored by rewards), reward (a reward model: a score head trained on
+    preference pairs). `data_type` is the dataset entry type it trains on
     (None: any text type). `unit` is what its loss is averaged over. `reference`: the loss compares
     the policy with a reference model (the base with adapters disabled, a frozen copy, or
     precomputed log-probs; grpo: only with grpo.beta > 0). `settings` are the recipe fields
@@ -98,6 +99,11 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
             "RLOOTrainer)",
             section="grpo", estimator="leave_one_out",
             section_defaults=(("loss_type", "rloo"), ("scale_rewards", "none"), ("kl_in_reward", True)),
+        ),
+        ObjectiveSpec(
+            "reward", "reward", _PREFERENCE, "pairs", False, ("reward.center_rewards_coefficient",),
+            "A reward model: a one-output score head on the base, trained on preference pairs with the "
+            "Bradley-Terry loss (TRL's RewardTrainer); a GRPO reward afterwards (grpo.rewards[].model)",
         ),
     )
 }  # fmt: skip

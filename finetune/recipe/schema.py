@@ -24,6 +24,7 @@ from finetune.recipe.objectives import (
     trained_on,
 )
 from finetune.recipe.preference import PreferenceSection
+from finetune.recipe.reward import RewardSection, reward_problems
 from finetune.recipe.streaming import streaming_problems
 from finetune.recipe.train import TrainSection
 
@@ -47,6 +48,10 @@ class Recipe(_Section):
     preference: PreferenceSection = Field(
         default_factory=PreferenceSection,
         description="Settings of the preference objectives (train.objective dpo, ipo, simpo, orpo, kto).",
+    )
+    reward: RewardSection = Field(
+        default_factory=RewardSection,
+        description="Settings of train.objective reward (a reward model trained on preference pairs).",
     )
     grpo: GrpoSection | None = Field(
         None,
@@ -129,6 +134,7 @@ class Recipe(_Section):
         problems += data_init_problems(self, ok)
         problems += residual_reference_problems(self, ok)
         problems += streaming_problems(self, ok)
+        problems += reward_problems(self, ok)
         if ok("model.torch_dtype", "train.mixed_precision", "lora.enable_lora", "lora.enable_qlora"):
             problems += _precision_problems(self.model.torch_dtype, self.train.mixed_precision, self.lora)
         if ok("hub.strategy", "hub.model_id") and self.hub.strategy == "every_save" and not self.hub.model_id:
@@ -382,7 +388,7 @@ def objective_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
     sft trains on any text type; every other objective on its own data type (dpo, ipo, simpo and orpo
     on `preference` pairs, kto on `kto` examples, packed: its KL reference point comes from mismatched
     completions within each packed row; a vision-language model's kto rows are never packed, their KL
-    rows are built over the split instead, finetune.data.vision_kto).
+    rows are built over the split instead, finetune.data.batching.vision).
     """
     if not ok("train.objective", "model.kind"):
         return []

@@ -360,6 +360,10 @@ def _memory_of(run: RunData) -> str:
         )
     else:
         rows = [[p["name"], p["gpu_bytes"] / gib] for p in plan.get("parts", [])]
+        if "rollout_parts" in plan:  # online RL: the training step, then the rollout; the peak is the larger
+            rows.append(["training step", plan["training_step_gpu_bytes"] / gib])
+            rows += [["rollout: " + p["name"], p["gpu_bytes"] / gib] for p in plan["rollout_parts"]]
+            rows.append(["rollout", plan["rollout_gpu_bytes"] / gib])
         rows.append(["total predicted per device", plan["total_gpu_bytes"] / gib])
         out.append(
             f'<p class="muted">{escape(str(plan.get("engine")))}; micro batch {plan.get("micro_batch_size")} '

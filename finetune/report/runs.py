@@ -187,7 +187,7 @@ def _find_manifest(run: RunData) -> tuple[dict | None, str | None]:
 
 
 def _fingerprint_again(run: RunData) -> str | None:
-    from finetune.data.fingerprint import cached
+    from finetune.data.prepare.fingerprint import cached
     from finetune.recipe import load_recipe
 
     if not (run.path / RECIPE).is_file() or (run.recipe.get("model") or {}).get("kind") == "diffusion":

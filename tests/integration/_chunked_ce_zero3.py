@@ -16,7 +16,7 @@ from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin
 from peft import LoraConfig, get_peft_model
 
-from finetune.data.collate import collate_rows
+from finetune.data.batching.collate import collate_rows
 from finetune.losses.chunked_ce import causal_lm_loss
 from tests.fakes import reset_accelerator_state
 from tests.tiny import sequences, tiny_model

@@ -1,4 +1,5 @@
-"""Helpers for integration tests: run the real CLI / training script in subprocesses."""
+"""Helpers for integration tests: run the real CLI / training script in subprocesses (run, cli: the slow
+tier), or in this process (cli_here, train_here, train_into: tests/inprocess.py, no launcher)."""
 
 from __future__ import annotations
 
@@ -120,11 +121,31 @@ def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return run([sys.executable, "-m", "finetune.cli", *args], timeout=timeout)
 
 
+def cli_here(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
+    """`finetune ARGS` through finetune.cli.main in this process (tests/inprocess.py; `finetune train` trains
+    here, in one process); its output must be free of the notices finetune silences, as cli()'s."""
+    from tests.inprocess import finetune
+
+    result = finetune(*args, input=input)
+    assert_quiet(result.stdout + result.stderr)
+    return result
+
+
+def train_here(recipe: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """finetune/train.py RECIPE OVERRIDES (what `accelerate launch` runs on one process) in this process
+    (tests/inprocess.py); its output must be free of the notices finetune silences, as run()'s."""
+    from tests.inprocess import train
+
+    result = train(recipe, *overrides)
+    assert_quiet(result.stdout + result.stderr)
+    return result
+
+
 def train_into(recipe: Path, root: Path, *overrides: str, out: str = "out") -> subprocess.CompletedProcess:
-    """`accelerate launch finetune/train.py RECIPE` writing into root / out, with its prepared data in
-    root / "prepared" (shared by a test module's runs); it must succeed."""
+    """finetune/train.py RECIPE in this process (train_here) writing into root / out, with its prepared data
+    in root / "prepared" (shared by a test module's runs); it must succeed."""
     prepared = ("--data.dataset_prepared_path", str(root / "prepared"))
-    result = run(accelerate_cmd(recipe, "--train.output_dir", str(root / out), *prepared, *overrides))
+    result = train_here(recipe, "--train.output_dir", str(root / out), *prepared, *overrides)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -150,10 +171,12 @@ def assert_resumes_exactly(
 def ddp_and_single(recipe: Path, root: Path, micro_batch_size: int, *overrides: str) -> None:
     """`finetune train RECIPE` on the prepared data in root / "prepared": on 2 gloo DDP processes
     (--accelerate-config multi_cpu: torchrun) at `micro_batch_size` into root / "ddp", and on one process
-    at twice that (the same global batches) into root / "single"; both must succeed."""
+    at twice that (the same global batches; in this process, cli_here) into root / "single"; both must
+    succeed."""
     prepared = ("--data.dataset_prepared_path", str(root / "prepared"))
     for name, launch, size in (("ddp", ("--accelerate-config", "multi_cpu"), micro_batch_size),
                                ("single", (), 2 * micro_batch_size)):  # fmt: skip
-        result = cli("train", str(recipe), *prepared, *overrides, *launch, "--train.micro_batch_size", str(size),
-                     "--train.output_dir", str(root / name), timeout=600)  # fmt: skip
+        args = ("train", str(recipe), *prepared, *overrides, *launch, "--train.micro_batch_size", str(size),
+                "--train.output_dir", str(root / name))  # fmt: skip
+        result = cli(*args, timeout=600) if launch else cli_here(*args)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]

@@ -29,7 +29,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from finetune.data.vision import collate_vlm
+from finetune.data.batching.vision import collate_vlm
 from finetune.losses.causal_lm import token_loss_sums
 from finetune.model import vlm
 

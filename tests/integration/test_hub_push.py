@@ -1,5 +1,8 @@
 """Pushing the trained adapter (and checkpoints with hub.strategy every_save) to the test Hub, the
-token staying out of every output; and the model card's Hub metadata."""
+token staying out of every output; and the model card's Hub metadata.
+
+The push runs in this process (tests/inprocess.py); the outage is a subprocess (slow tier): the Hub
+clients read HF_ENDPOINT once, at import."""
 
 from __future__ import annotations
 
@@ -12,7 +15,15 @@ from huggingface_hub import HfApi, snapshot_download
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from tests.integration._run import DEMO, accelerate_cmd, demo_overrides, progress, run, step_losses
+from tests.integration._run import (
+    DEMO,
+    accelerate_cmd,
+    demo_overrides,
+    progress,
+    run,
+    step_losses,
+    train_here,
+)
 
 
 def _split(text: str) -> list[str]:
@@ -25,25 +36,26 @@ def _files_containing(root: Path, needles: list[bytes]) -> list[str]:
     return [str(p) for p in root.rglob("*") if p.is_file() and any(n in p.read_bytes() for n in needles)]
 
 
-@pytest.mark.slow
-def test_push_at_the_end_and_every_save_without_leaking_the_token(tmp_path, hub_server, hub_repo_id):
+def test_push_at_the_end_and_every_save_without_leaking_the_token(
+    tmp_path, hub_server, hub_repo_id, demo_prepared
+):
     token = hub_server.token
     needles = [token.encode(), token[3:19].encode()]  # the whole token, and a piece of it
     hub_server.clear_requests()
-    result = run(
-        accelerate_cmd(
-            DEMO,
-            *demo_overrides(
-                tmp_path,
-                *_split(
-                    "--train.max_steps 4 --train.save_steps 2 --train.save_epochs 0 --train.eval_steps null "
-                    "--train.log_format structured --train.log_steps 1 --hub.model_id"
-                ),
-                hub_repo_id,
-                "--hub.strategy",
-                "every_save",
+    result = train_here(
+        DEMO,
+        *demo_overrides(
+            tmp_path,
+            *_split(
+                "--train.max_steps 4 --train.save_steps 2 --train.save_epochs 0 --train.eval_steps null "
+                "--train.log_format structured --train.log_steps 1 --hub.model_id"
             ),
-        )
+            hub_repo_id,
+            "--hub.strategy",
+            "every_save",
+            "--data.dataset_prepared_path",
+            str(demo_prepared),  # the session's (tests/conftest.py)
+        ),
     )
     assert result.returncode == 0, result.stderr[-4000:]
     out = tmp_path / "out"
@@ -100,8 +112,10 @@ def test_push_at_the_end_and_every_save_without_leaking_the_token(tmp_path, hub_
     assert _files_containing(snapshot, needles) == []
 
 
-@pytest.mark.slow
-def test_a_hub_outage_at_the_final_push_is_a_warning_and_the_outputs_stay(tmp_path, hub_server, hub_repo_id):
+@pytest.mark.slow  # subprocesses: the Hub clients read HF_ENDPOINT at import
+def test_a_hub_outage_at_the_final_push_is_a_warning_and_the_outputs_stay(
+    tmp_path, hub_server, hub_repo_id, demo_prepared
+):
     """The Hub unreachable at the end: the finished run exits 0, its outputs intact, with the command that
     pushes them later; that command works once the Hub is back."""
     import socket
@@ -111,6 +125,7 @@ def test_a_hub_outage_at_the_final_push_is_a_warning_and_the_outputs_stay(tmp_pa
         probe.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
     args = _split("--train.max_steps 2 --train.save_steps 0 --train.save_epochs 0 --train.eval_steps null")
+    args += ["--data.dataset_prepared_path", str(demo_prepared)]  # the session's (tests/conftest.py)
     result = run(
         accelerate_cmd(DEMO, *demo_overrides(tmp_path, *args, "--hub.model_id", hub_repo_id)),
         extra_env={"HF_ENDPOINT": dead},

@@ -3,7 +3,10 @@ once from the training data and saved; a run resumed from a checkpoint (into ano
 loads it instead of reading the data and continues with the same losses; the final adapter loads on
 the base; 2 gloo processes compute it once and train. CorDA shares this code (finetune.model.lora_init); its
 weights are checked against PEFT's in tests/unit/model/test_lora_init.py, and its conversion to plain LoRA
-(with modules_to_save kept) in tests/unit/model/test_lora_variants.py, without a CLI run of its own."""
+(with modules_to_save kept) in tests/unit/model/test_lora_variants.py, without a CLI run of its own.
+
+One-process runs go through the CLI's main in this process (tests/inprocess.py); the 2-process run is
+real (slow tier)."""
 
 from __future__ import annotations
 
@@ -17,9 +20,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from tests.integration._run import DEMO, progress, run, short_run, step_losses
-
-pytestmark = pytest.mark.slow
+from tests.integration._run import DEMO, cli_here, progress, run, short_run, step_losses
 
 # A small rank and few batches keep EVA's incremental SVD and CorDA's covariance short on 2 cores.
 INIT = [
@@ -37,14 +38,16 @@ LOADED = "not computed again"
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    return tmp_path_factory.mktemp("prepared")
+def prepared(demo_prepared):
+    """The session's prepared demo data (tests/conftest.py)."""
+    return demo_prepared
 
 
 def _train(out: Path, prepared: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "finetune.cli", "train", str(DEMO), *short_run(), *INIT, *args]
+    cmd = ["train", str(DEMO), *short_run(), *INIT, *args]
     cmd += ["--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared)]
-    result = run(cmd)
+    multi_process = "--accelerate-config" in args  # torchrun: subprocesses, the rest in this process
+    result = run([sys.executable, "-m", "finetune.cli", *cmd]) if multi_process else cli_here(*cmd)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
 
@@ -91,6 +94,7 @@ def test_trains_and_a_resume_loads_the_saved_init(tmp_path, prepared, init, extr
     assert config["init_lora_weights"] == "eva" and config["rank_pattern"]
 
 
+@pytest.mark.slow  # two processes (torchrun)
 def test_two_processes_compute_eva_once_and_train(tmp_path, prepared):
     out = tmp_path / "ddp"
     result = _train(

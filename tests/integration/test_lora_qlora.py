@@ -1,12 +1,12 @@
-"""LoRA and QLoRA end to end through `accelerate launch finetune/train.py`, then `finetune merge-lora`
-on the trained adapter (a subprocess each), checked by loading the results with transformers/PEFT."""
+"""LoRA and QLoRA end to end through finetune/train.py's main, then `finetune merge-lora` on the trained
+adapter, in this process (tests/inprocess.py), checked by loading the results with transformers/PEFT.
+The LoRA run is the session's demo_adapter (tests/conftest.py), shared with the eval and chat tests."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
-import sys
 
 import pytest
 import torch
@@ -15,9 +15,7 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.integration._run import DEMO, accelerate_cmd, demo_overrides, progress, run, step_losses
-
-pytestmark = pytest.mark.slow
+from tests.integration._run import DEMO, cli_here, demo_overrides, progress, step_losses, train_here
 
 
 def _split(text: str) -> list[str]:
@@ -31,9 +29,9 @@ COMMON = _split(
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """One dataset cache for the module: runs with the same data settings prepare it once."""
-    return tmp_path_factory.mktemp("prepared")
+def prepared(demo_prepared):
+    """The session's prepared demo data (tests/conftest.py)."""
+    return demo_prepared
 
 
 def _overrides(tmp_path, prepared, *extra):
@@ -54,22 +52,11 @@ def _adapter_keys(folder) -> set[str]:
         return set(f.keys())
 
 
-def test_lora_trains_saves_and_merge_lora_cli_matches(tmp_path, prepared):
-    result = run(
-        accelerate_cmd(
-            DEMO,
-            *_overrides(
-                tmp_path,
-                prepared,
-                *_split(
-                    "--train.max_steps 6 --lora.lora_target_modules [q_proj,v_proj] "
-                    "--train.gradient_checkpointing true"
-                ),
-            ),
-        )
-    )
+def test_lora_trains_saves_and_merge_lora_cli_matches(tmp_path, demo_adapter):
+    # The demo, 6 steps of LoRA on q_proj and v_proj with gradient checkpointing (DEMO_ADAPTER_RUN).
+    result = demo_adapter["result"]
     assert result.returncode == 0, result.stderr[-4000:]
-    out = tmp_path / "out"
+    out = demo_adapter["out"]
     losses = step_losses(progress(out))
     assert sorted(losses) == list(range(1, 7))
     assert all(math.isfinite(v) for v in losses.values())
@@ -92,7 +79,7 @@ def test_lora_trains_saves_and_merge_lora_cli_matches(tmp_path, prepared):
     assert (want - base_logits).abs().max() > 0.1  # training changed the model
 
     merged_dir = tmp_path / "merged"
-    merge = run([sys.executable, "-m", "finetune.cli", "merge-lora", str(out), "--output", str(merged_dir)])
+    merge = cli_here("merge-lora", str(out), "--output", str(merged_dir))
     assert merge.returncode == 0, merge.stderr[-4000:]
     assert f"merged model written to {merged_dir}" in merge.stdout
     assert (merged_dir / "model.safetensors").is_file() and (merged_dir / "tokenizer.json").is_file()
@@ -101,9 +88,7 @@ def test_lora_trains_saves_and_merge_lora_cli_matches(tmp_path, prepared):
     assert merged.num_parameters() == AutoModelForCausalLM.from_pretrained(base_dir).num_parameters()
     torch.testing.assert_close(_logits(merged, ids), want, rtol=1e-4, atol=1e-5)
 
-    bad = run(
-        [sys.executable, "-m", "finetune.cli", "merge-lora", str(tmp_path), "--output", str(tmp_path / "x")]
-    )
+    bad = cli_here("merge-lora", str(tmp_path), "--output", str(tmp_path / "x"))
     assert bad.returncode == 2 and "no adapter_config.json" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -140,16 +125,7 @@ def _qlora(pretrained_dir) -> list[str]:
 
 
 def test_qlora_nf4_double_quant_bf16_end_to_end(tmp_path, prepared, pretrained_dir):
-    result = run(
-        accelerate_cmd(
-            DEMO,
-            *_overrides(
-                tmp_path,
-                prepared,
-                *_qlora(pretrained_dir),
-            ),
-        )
-    )
+    result = train_here(DEMO, *_overrides(tmp_path, prepared, *_qlora(pretrained_dir)))
     assert result.returncode == 0, result.stderr[-4000:]
     out = tmp_path / "out"
     records = progress(out)
@@ -170,17 +146,15 @@ def test_qlora_nf4_double_quant_bf16_end_to_end(tmp_path, prepared, pretrained_d
     )  # the demo trains both
 
     # A QLoRA checkpoint resumes: the base is quantized again from the recipe, the adapters restored.
-    resumed = run(
-        accelerate_cmd(
-            DEMO,
-            *_overrides(
-                tmp_path / "resumed",
-                prepared,
-                *_qlora(pretrained_dir),
-                "--train.load_checkpoint_path",
-                str(step3),
-            ),
-        )
+    resumed = train_here(
+        DEMO,
+        *_overrides(
+            tmp_path / "resumed",
+            prepared,
+            *_qlora(pretrained_dir),
+            "--train.load_checkpoint_path",
+            str(step3),
+        ),
     )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     again = step_losses(progress(tmp_path / "resumed" / "out"))

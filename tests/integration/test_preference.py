@@ -8,6 +8,9 @@
   pairs, and its checkpoint resumes exactly; a run killed with SIGKILL resumes to the same losses;
 - full fine-tuning: precomputed reference log-probs give the losses of the frozen reference copy,
   and a resumed run loads them from the cache and continues exactly.
+
+One-process runs go through the CLI's main in this process (tests/inprocess.py); DDP and the killed
+run are real processes (slow tier).
 """
 
 from __future__ import annotations
@@ -22,17 +25,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration._run import REPO, env, progress, run, short_run, step_losses
+from tests.integration._run import REPO, cli_here, env, progress, run, short_run, step_losses
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow  # real processes: DDP, or killed
 
 DPO_DEMO = REPO / "recipes" / "demo" / "tiny_dpo_cpu.yaml"
 
 
-def finetune(command: str, out: Path, prepared: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "finetune.cli", command, str(DPO_DEMO), *short_run(*args)]
+def finetune(
+    command: str, out: Path, prepared: Path, *args: str, process: bool = False
+) -> subprocess.CompletedProcess:
+    """`finetune COMMAND` on the DPO demo: in a subprocess for a 2-process launch (--accelerate-config) or
+    with `process`, else in this process."""
+    cmd = [command, str(DPO_DEMO), *short_run(*args)]
     cmd += ["--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared)]
-    result = run(cmd)
+    if process or "--accelerate-config" in args:
+        result = run([sys.executable, "-m", "finetune.cli", *cmd])
+    else:
+        result = cli_here(*cmd)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
 
@@ -115,6 +125,7 @@ def test_kto_trains_with_its_kl_reference_point(tmp_path, prepared):
     assert_same_metrics(results["tuned"]["preference"], evals[-1])
 
 
+@slow
 def test_two_process_ddp_matches_one_process_and_resumes_exactly(tmp_path, prepared):
     steps = ["--train.max_steps", "4", "--train.gradient_accumulation_steps", "2", "--train.save_steps", "2"]
     steps += ["--train.eval_steps", "null", "--train.eval_on_start", "false"]
@@ -173,6 +184,7 @@ def test_full_fine_tuning_with_precomputed_reference_resumes_exactly(tmp_path, p
     assert step_losses(progress(resumed)) == {k: losses[k] for k in (3, 4)}
 
 
+@slow
 def test_sigkill_then_resume_gives_the_same_losses_and_rewards(tmp_path, prepared):
     """DPO with LoRA dropout on (the RNG state matters), killed with SIGKILL once the step-4 checkpoint
     exists, then resumed with `auto`: every step's loss and reward margin equal the uninterrupted run's."""
@@ -201,7 +213,9 @@ def test_sigkill_then_resume_gives_the_same_losses_and_rewards(tmp_path, prepare
     killed_at = max(step_losses(progress(out)))
     assert 4 <= killed_at < 8, f"killed after step {killed_at}: the run should have been mid-way"
 
-    resumed = finetune("train", out, prepared, *steps, "--train.load_checkpoint_path", "auto")
+    # A process, as after a real crash: the killed run's training process outlives `finetune train` by up to
+    # its supervisor poll, holding the output_dir's lock until then.
+    resumed = finetune("train", out, prepared, *steps, "--train.load_checkpoint_path", "auto", process=True)
     assert "resumed from" in resumed.stdout + resumed.stderr
     after = {r["step"]: r for r in records(out)[0]}
     assert sorted(after) == list(range(1, 9))  # each step once: the log was cut back to the checkpoint

@@ -1,4 +1,6 @@
-"""`finetune prepare-dataset recipe.yaml` in a subprocess: the demo data, and GSM8K with Llama 2."""
+"""`finetune prepare-dataset recipe.yaml` through the CLI's main in this process (tests/inprocess.py):
+the demo data, damaged files, weighted mixtures; in a fresh interpreter (slow tier): what a cache hit
+imports, and GSM8K with Llama 2."""
 
 from __future__ import annotations
 
@@ -13,19 +15,13 @@ import datasets
 import pytest
 import yaml
 
-from finetune.data.mixture import draw_count
+from finetune.data.prepare.mixture import draw_count
+from tests.inprocess import finetune
 
 
-def _run_cli(repo_root: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(repo_root), "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "finetune.cli", "prepare-dataset", *args],
-        cwd=repo_root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`finetune prepare-dataset ARGS` in this process, from the repository root."""
+    return finetune("prepare-dataset", *args)
 
 
 # A config-only Llama: prepare reads the tokenizer, never the weights.
@@ -69,7 +65,7 @@ def test_prepare_dataset_cli_on_demo_data(tmp_path: Path, repo_root: Path):
     path = _write_recipe(tmp_path, demo / "tokenizer", datasets, val_set_size=0.05, sequence_len=1024)
 
     override = ("--data.sequence_len", "512")
-    first = _run_cli(repo_root, str(path), *override)
+    first = _run_cli(str(path), *override)
     assert first.returncode == 0, first.stderr
     assert "(built)" in first.stdout and "packing efficiency" in first.stdout
     m = _manifest(first.stdout)
@@ -79,7 +75,7 @@ def test_prepare_dataset_cli_on_demo_data(tmp_path: Path, repo_root: Path):
     assert m["fingerprint_inputs"]["data"]["sequence_len"] == 512  # the override reached prepare
 
     # Same recipe again: the cache is reused, nothing is tokenized.
-    second = _run_cli(repo_root, str(path), *override)
+    second = _run_cli(str(path), *override)
     assert second.returncode == 0, second.stderr
     assert "(cache)" in second.stdout and "reusing prepared dataset" in second.stdout
     assert "Tokenizing" not in second.stderr
@@ -96,6 +92,7 @@ sys.exit(code)
 """
 
 
+@pytest.mark.slow  # a fresh interpreter each time: what it imported is the subject
 def test_a_cache_hit_imports_neither_torch_transformers_nor_datasets(tmp_path: Path, repo_root: Path):
     """A prepared recipe is found from its fingerprint alone; building one does import them."""
     rows = [{"instruction": f"Add {i} and 1.", "input": "", "output": str(i + 1)} for i in range(20)]
@@ -141,7 +138,7 @@ def test_prepare_dataset_cli_on_gsm8k_with_llama2(tmp_path: Path, repo_root: Pat
     path = _write_recipe(
         tmp_path, tokenizer, [gsm8k], config={"model_type": "llama"}, name="gsm8k.yaml", sequence_len=2048
     )
-    result = _run_cli(repo_root, str(path))
+    result = _run_cli(str(path))
     assert result.returncode == 0, result.stderr
     m = _manifest(result.stdout)
     assert m["rows_in"] == 7473 == m["rows_kept"] + m["rows_dropped"]
@@ -184,7 +181,7 @@ def test_prepare_dataset_cli_on_damaged_files(tmp_path: Path, repo_root: Path, c
     recipe = _write_recipe(
         tmp_path, repo_root / "recipes" / "demo" / "tokenizer", datasets, on_bad_row=on_bad_row
     )
-    result = _run_cli(repo_root, str(recipe))
+    result = _run_cli(str(recipe))
     assert result.returncode == code, result.stderr
     assert "Traceback" not in result.stderr
     for message in messages:
@@ -207,7 +204,7 @@ def test_prepare_dataset_cli_weighted_mixture(tmp_path: Path, repo_root: Path):
     recipe = repo_root / "recipes" / "demo" / "tiny_mix_cpu.yaml"
     prepared_path = str(tmp_path / "prepared")
     args = ("--data.dataset_prepared_path", prepared_path, "--data.datasets.1.weight", "2.0")
-    result = _run_cli(repo_root, str(recipe), *args)
+    result = _run_cli(str(recipe), *args)
     assert result.returncode == 0, result.stderr
     m = _manifest(result.stdout)
     arithmetic, chat = m["mixture"]

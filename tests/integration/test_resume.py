@@ -1,4 +1,6 @@
-"""Exact resume after SIGKILL, and a clean checkpoint-and-exit on SIGTERM (DESIGN.md invariants)."""
+"""Exact resume after SIGKILL, and a clean checkpoint-and-exit on SIGTERM (DESIGN.md invariants): real
+processes, killed and signalled (slow tier). What resuming refuses or skips, and a full disk, run
+finetune/train.py's main in this process (tests/inprocess.py: the fast tier)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration._run import DEMO, REPO, accelerate_cmd, demo_overrides, env, progress, run, step_losses
+from tests import inprocess
+from tests.integration._run import (
+    DEMO,
+    REPO,
+    accelerate_cmd,
+    demo_overrides,
+    env,
+    progress,
+    run,
+    step_losses,
+    train_here,
+)
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow  # real processes: killed, signalled, or the launcher itself
 
 STEPS = 16
 COMMON = (
@@ -56,16 +69,23 @@ def _wait_for(predicate, proc, timeout=300):
     return False
 
 
+def train(prepared: Path, *args: str) -> subprocess.CompletedProcess:
+    """finetune/train.py DEMO ARGS in this process on the session's prepared demo data (`prepared`); its
+    output free of the notices finetune silences."""
+    return train_here(DEMO, *args, "--data.dataset_prepared_path", str(prepared))
+
+
 @pytest.fixture(scope="module")
-def killed_and_resumed(tmp_path_factory) -> dict:
+def killed_and_resumed(tmp_path_factory, demo_prepared) -> dict:
     """An uninterrupted run (COMMON), and the same run killed with SIGKILL after its step-8 checkpoint
     once at least one later step is logged, then resumed with `auto` into the same folder."""
     tmp = tmp_path_factory.mktemp("sigkill")
-    ref = run(accelerate_cmd(DEMO, *demo_overrides(tmp / "ref", *COMMON)))
+    prepared = ("--data.dataset_prepared_path", str(demo_prepared))  # the session's (tests/conftest.py)
+    ref = run(accelerate_cmd(DEMO, *demo_overrides(tmp / "ref", *COMMON, *prepared)))
     assert ref.returncode == 0, ref.stderr[-4000:]
 
     out = tmp / "kill" / "out"
-    cmd = accelerate_cmd(DEMO, *demo_overrides(tmp / "kill", *COMMON))
+    cmd = accelerate_cmd(DEMO, *demo_overrides(tmp / "kill", *COMMON, *prepared))
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
@@ -87,6 +107,7 @@ def killed_and_resumed(tmp_path_factory) -> dict:
     return {"ref": tmp / "ref" / "out", "out": out, "checkpoint": k, "resumed": resumed}
 
 
+@slow
 def test_sigkill_then_resume_gives_the_same_losses(killed_and_resumed):
     ref_losses = step_losses(progress(killed_and_resumed["ref"]))
     assert sorted(ref_losses) == list(range(1, STEPS + 1))
@@ -118,18 +139,20 @@ def _sigterm_once_training(cmd: list[str], out: Path, timeout: int) -> tuple[str
     return output, latest
 
 
-def test_sigterm_checkpoints_and_exits_zero(tmp_path):
+@slow
+def test_sigterm_checkpoints_and_exits_zero(tmp_path, demo_prepared):
     out = tmp_path / "out"
     cmd = [
         sys.executable,
         str(REPO / "finetune" / "train.py"),
         str(DEMO),
-        *demo_overrides(tmp_path, *UNTIL_STOPPED),
+        *demo_overrides(tmp_path, *UNTIL_STOPPED, "--data.dataset_prepared_path", str(demo_prepared)),
     ]
     _, latest = _sigterm_once_training(cmd, out, timeout=120)
     assert (out / "checkpoints" / latest / "train_state.json").is_file()
 
 
+@slow
 def test_resume_after_sigkill_logs_each_step_once_and_marks_the_resume(killed_and_resumed):
     """The resumed run replaces the log's records after its checkpoint (replayed steps are not
     doubled) and marks where it resumed."""
@@ -150,53 +173,41 @@ def _unfinish(out: Path) -> None:
     path.write_text("".join(ln + "\n" for ln in lines))
 
 
-def test_a_damaged_newest_checkpoint_is_skipped_with_the_reason(tmp_path):
+def test_a_damaged_newest_checkpoint_is_skipped_with_the_reason(tmp_path, demo_prepared):
     out = tmp_path / "out"
     args = [*demo_overrides(tmp_path, *COMMON), "--train.max_steps", "8", "--train.save_total_limit", "null"]
-    first = run([sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *args])
+    first = train(demo_prepared, *args)
     assert first.returncode == 0, first.stderr[-3000:]
     newest = out / "checkpoints" / "step-8"
     weights = newest / "trainable_0.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # an interrupted copy
     _unfinish(out)
-    again = run(
-        [
-            sys.executable,
-            str(REPO / "finetune" / "train.py"),
-            str(DEMO),
-            *args,
-            "--train.load_checkpoint_path",
-            "auto",
-        ]
-    )
+    again = train(demo_prepared, *args, "--train.load_checkpoint_path", "auto")
     output = again.stdout + again.stderr
     assert again.returncode == 0 and "Traceback" not in output, output[-3000:]
     assert f"warning: resume: skipping {newest}: {weights} has 100 bytes" in output
     assert f"resumed from {out / 'checkpoints' / 'step-4'} at step 4" in output
     weights.write_bytes(weights.read_bytes()[:100])  # the resumed run wrote step-8 again: damage it again
     _unfinish(out)
-    explicit = run(
-        [
-            sys.executable,
-            str(REPO / "finetune" / "train.py"),
-            str(DEMO),
-            *args,
-            "--train.load_checkpoint_path",
-            str(newest),
-        ]
-    )
+    explicit = train(demo_prepared, *args, "--train.load_checkpoint_path", str(newest))
     assert explicit.returncode == 2 and "Traceback" not in explicit.stderr
     assert f"error: train.load_checkpoint_path: {newest} cannot be resumed: {weights}" in explicit.stderr
 
 
-def test_resume_with_a_changed_learning_rate_is_refused(tmp_path):
+def test_resume_with_a_changed_learning_rate_is_refused(tmp_path, demo_prepared):
     args = [*demo_overrides(tmp_path, *COMMON), "--train.max_steps", "4"]
-    first = run([sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *args])
+    first = train(demo_prepared, *args)
     assert first.returncode == 0, first.stderr[-3000:]
-    changed = run(
-        [sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *args, "--train.max_steps", "8",
-         "--train.lr", "1e-4", "--train.load_checkpoint_path", "auto"]
-    )  # fmt: skip
+    changed = train(
+        demo_prepared,
+        *args,
+        "--train.max_steps",
+        "8",
+        "--train.lr",
+        "1e-4",
+        "--train.load_checkpoint_path",
+        "auto",
+    )
     assert changed.returncode == 2 and "Traceback" not in changed.stderr
     assert "cannot resume from" in changed.stderr
     assert "train.lr: 0.003 in the checkpoint, 0.0001 now" in changed.stderr
@@ -204,7 +215,8 @@ def test_resume_with_a_changed_learning_rate_is_refused(tmp_path):
     assert "add --train.extend_run true" in changed.stderr  # how to ask for a longer run
 
 
-def test_finetune_train_forwards_sigterm_and_waits_for_the_checkpoint(tmp_path):
+@slow
+def test_finetune_train_forwards_sigterm_and_waits_for_the_checkpoint(tmp_path, demo_prepared):
     """SIGTERM to `finetune train` alone (as `docker stop` sends it) reaches training, which checkpoints;
     finetune train exits 0 once it has."""
     cmd = [
@@ -213,12 +225,13 @@ def test_finetune_train_forwards_sigterm_and_waits_for_the_checkpoint(tmp_path):
         "finetune.cli",
         "train",
         str(DEMO),
-        *demo_overrides(tmp_path, *UNTIL_STOPPED),
+        *demo_overrides(tmp_path, *UNTIL_STOPPED, "--data.dataset_prepared_path", str(demo_prepared)),
     ]
     output, _ = _sigterm_once_training(cmd, tmp_path / "out", timeout=180)
     assert "asking training to checkpoint and stop" in output
 
 
+@slow
 def test_finetune_train_reports_a_training_error_with_exit_2_and_no_traceback(tmp_path):
     result = run(
         [sys.executable, "-m", "finetune.cli", "train", str(DEMO), *demo_overrides(tmp_path),
@@ -229,10 +242,10 @@ def test_finetune_train_reports_a_training_error_with_exit_2_and_no_traceback(tm
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
 
 
-def test_a_fresh_run_into_a_used_folder_keeps_the_old_log(tmp_path):
+def test_a_fresh_run_into_a_used_folder_keeps_the_old_log(tmp_path, demo_prepared):
     args = [*demo_overrides(tmp_path, *COMMON), "--train.max_steps", "2", "--train.save_steps", "0"]
     for _ in range(2):
-        result = run([sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *args])
+        result = train(demo_prepared, *args)
         assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "out"
     assert "held another run's progress.jsonl: kept as progress.1.jsonl" in result.stdout
@@ -240,20 +253,22 @@ def test_a_fresh_run_into_a_used_folder_keeps_the_old_log(tmp_path):
     assert (out / "progress.1.jsonl").is_file()
 
 
-def test_an_output_dir_that_is_a_file_is_a_clear_error(tmp_path):
+def test_an_output_dir_that_is_a_file_is_a_clear_error(tmp_path, demo_prepared):
     (tmp_path / "out").write_text("not a folder")
-    result = run([sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *demo_overrides(tmp_path)])
+    result = train(demo_prepared, *demo_overrides(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"train.output_dir: {tmp_path / 'out'} is a file, not a folder" in result.stderr
 
 
-def test_sigkill_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path):
+@slow
+def test_sigkill_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path, demo_prepared):
     """Killed with the files of step-8 written but not yet renamed into place (the write held open by
     the FINETUNE_CHECKPOINT_PAUSE_STEP hook, so the kill lands there every time): `latest` still names
     step-4, `auto` resumes from it, the replayed steps log the losses the killed run logged, and the
     run ends with every step and no temporary folder."""
     out = tmp_path / "out"
-    cmd = accelerate_cmd(DEMO, *demo_overrides(tmp_path, *COMMON, "--train.max_steps", "10"))
+    prepared = ("--data.dataset_prepared_path", str(demo_prepared))  # the session's (tests/conftest.py)
+    cmd = accelerate_cmd(DEMO, *demo_overrides(tmp_path, *COMMON, "--train.max_steps", "10", *prepared))
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -284,22 +299,24 @@ def test_sigkill_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_pa
 
 
 # torch.save's own report of a full disk (taken from a 1 MiB tmpfs), raised for the files of step-2.
-DISK_FULL_AT_STEP_2 = """
-import sys, torch
-real = torch.save
-def save(obj, f, *args, **kwargs):
-    if ".tmp-step-2" in str(f):
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
-    return real(obj, f, *args, **kwargs)
-torch.save = save
-from finetune.train import main
-sys.exit(main(sys.argv[1:]))
-"""
+DISK_FULL = "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"
 
 
-def test_a_full_disk_while_checkpointing_is_exit_2_and_keeps_the_last_checkpoint(tmp_path):
+def test_a_full_disk_while_checkpointing_is_exit_2_and_keeps_the_last_checkpoint(
+    tmp_path, monkeypatch, demo_prepared
+):
+    import torch
+
+    real = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if ".tmp-step-2" in str(f):
+            raise RuntimeError(DISK_FULL)
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
     args = [*demo_overrides(tmp_path, *COMMON), "--train.max_steps", "3", "--train.save_steps", "1"]
-    result = run([sys.executable, "-c", DISK_FULL_AT_STEP_2, str(DEMO), *args], quiet=False)
+    result = inprocess.train(DEMO, *args, "--data.dataset_prepared_path", str(demo_prepared))
     root = tmp_path / "out" / "checkpoints"
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr

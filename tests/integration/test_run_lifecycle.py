@@ -1,6 +1,6 @@
 """A run among the runs before and beside it, through the real CLI: one run per output_dir (a second is
-refused, a killed one's lock taken over), a stop signal during startup, a finished run resumed (left
-alone) or extended (train.extend_run)."""
+refused, a killed one's lock taken over), a stop signal during startup (real processes: slow tier); a
+finished run resumed (left alone) or extended (train.extend_run), in this process (tests/inprocess.py)."""
 
 from __future__ import annotations
 
@@ -16,17 +16,17 @@ from pathlib import Path
 import pytest
 
 from finetune.engine.lifecycle import PAUSE_ENV
-from tests.integration._run import DEMO, REPO, cli, env, progress, run, short_run
+from tests.integration._run import DEMO, REPO, cli, env, progress, run, short_run, train_here
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow  # real processes: paused, killed, signalled
 
 TRAIN_PY = [sys.executable, str(REPO / "finetune" / "train.py")]
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> Path:
-    """One prepared dataset for the module's runs (each prepares it only when it is not there yet)."""
-    return tmp_path_factory.mktemp("prepared")
+def prepared(demo_prepared: Path) -> Path:
+    """The session's prepared demo data (tests/conftest.py): each run prepares only what is not there yet."""
+    return demo_prepared
 
 
 def _args(tmp_path: Path, prepared: Path, max_steps: int, save_steps: int) -> list[str]:
@@ -71,6 +71,7 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     }
 
 
+@slow
 def test_a_second_run_into_a_live_runs_output_dir_exits_2_and_touches_nothing(tmp_path, prepared):
     out = tmp_path / "out"
     args = _args(tmp_path, prepared, max_steps=2, save_steps=2)
@@ -97,6 +98,7 @@ def test_a_second_run_into_a_live_runs_output_dir_exits_2_and_touches_nothing(tm
     assert not (out / ".train.owner.json").exists()  # released at its end
 
 
+@slow
 def test_the_lock_of_a_killed_run_is_taken_over_with_a_note(tmp_path, prepared):
     out = tmp_path / "out"
     args = _args(tmp_path, prepared, max_steps=2, save_steps=0)
@@ -116,6 +118,7 @@ def test_the_lock_of_a_killed_run_is_taken_over_with_a_note(tmp_path, prepared):
     assert [r["step"] for r in progress(out) if r.get("event") is None] == [1, 2]
 
 
+@slow
 def test_sigterm_during_startup_stops_cleanly(tmp_path, prepared):
     """SIGTERM to `finetune train` while training loads (as `docker stop` sends it): one line, exit 0,
     no traceback from the launcher, the lock released."""
@@ -154,19 +157,19 @@ def _lr_after(steps: int, total_steps: int) -> float:
 def test_a_finished_run_is_left_alone_and_extend_run_trains_it_longer(tmp_path, prepared):
     out = tmp_path / "out"
     args = _args(tmp_path, prepared, max_steps=4, save_steps=4)
-    first = run([*TRAIN_PY, *args])
+    first = train_here(*args)
     assert first.returncode == 0, first.stderr[-3000:]
     before = _snapshot(out)
 
-    again = run([*TRAIN_PY, *args, "--train.load_checkpoint_path", "auto"])
+    again = train_here(*args, "--train.load_checkpoint_path", "auto")
     assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr[-3000:]
     assert f"{out} holds a finished run: all 4 steps trained" in again.stdout
     assert "add --train.extend_run true" in again.stdout
     assert _snapshot(out) == before  # no eval, save or log line again
 
-    longer = run(
-        [*TRAIN_PY, *args, "--train.max_steps", "8", "--train.load_checkpoint_path", "auto", "--train.extend_run", "true"]
-    )  # fmt: skip
+    longer = train_here(
+        *args, "--train.max_steps", "8", "--train.load_checkpoint_path", "auto", "--train.extend_run", "true"
+    )
     assert longer.returncode == 0, longer.stderr[-3000:]
     assert "warning: train.extend_run: the run goes on from step 4 to 8 (it had 4 steps)" in longer.stdout
     records = progress(out)

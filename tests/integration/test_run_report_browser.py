@@ -5,20 +5,23 @@ errors, every chart holds exactly the points progress.jsonl logged, per run, wit
 tables hold eval.json's rows and the manifest's numbers; a screenshot is a non-blank PNG.
 
 Training also records the planner's prediction in progress.jsonl's "started" record: it equals what
-`finetune plan` predicts for the same recipe."""
+`finetune plan` predicts for the same recipe.
+
+The runs and commands run in this process (tests/inprocess.py); the browser makes the module slow."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
+import os
 from pathlib import Path
 
 import pytest
 
-from tests.integration._run import DEMO, REPO, cli, progress, run, short_run
+from tests.integration._run import DEMO, REPO, progress, short_run, train_here
+from tests.integration._run import cli_here as cli  # in this process (tests/inprocess.py)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # a browser
 
 CHROMIUM = Path("/usr/bin/chromium")
 DPO_DEMO = REPO / "recipes" / "demo" / "tiny_dpo_cpu.yaml"
@@ -26,9 +29,10 @@ GEN_SET = "[{{name: arith, path: {path}, field_prompt: question, field_expected:
 
 
 def _train(recipe: Path, out: Path, prepared: Path, *extra: str) -> None:
-    cmd = [sys.executable, str(REPO / "finetune" / "train.py"), str(recipe)]
-    cmd += short_run("--train.max_steps", "4", "--train.eval_steps", "2", "--train.save_steps", "0", *extra)
-    result = run([*cmd, "--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared)])
+    cmd = short_run("--train.max_steps", "4", "--train.eval_steps", "2", "--train.save_steps", "0", *extra)
+    result = train_here(
+        recipe, *cmd, "--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared)
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 
 
@@ -98,8 +102,14 @@ def test_training_records_the_planner_prediction_and_the_data_fingerprint(report
     assert "report of 2 run(s) written to" in report["stdout"]
 
 
-@pytest.mark.skipif(not CHROMIUM.is_file(), reason=f"no Chromium at {CHROMIUM}: apt-get install chromium")
 def test_the_report_renders_in_chromium_with_every_logged_point(report):
+    # Skipped without a browser on a developer's machine; CI (.ci/run installs Debian's) must have one.
+    if not CHROMIUM.is_file():
+        if os.environ.get("CI") == "true":
+            pytest.fail(
+                f"CI=true and no Chromium at {CHROMIUM}: .ci/run installs it (apt-get install chromium)"
+            )
+        pytest.skip(f"no Chromium at {CHROMIUM}: apt-get install chromium")
     from playwright.sync_api import sync_playwright
 
     from finetune.evaluation.compare import comparison_rows

@@ -7,6 +7,8 @@
   same losses as without an engine, checkpoint, resume exactly and export a normal Hugging Face
   folder that gives the trained weights' logits (checked against DeepSpeed's own fp32
   reconstruction of the checkpoint).
+
+The one-process runs they are compared with run in this process (tests/inprocess.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration._run import DEMO, progress, run, short_run, step_grad_norms, step_losses
+from tests.integration._run import DEMO, cli_here, progress, run, short_run, step_grad_norms, step_losses
 
 pytestmark = pytest.mark.slow
 
@@ -27,15 +29,18 @@ COMMON = short_run()
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    return tmp_path_factory.mktemp("prepared")
+def prepared(demo_prepared):
+    """The session's prepared demo data (tests/conftest.py)."""
+    return demo_prepared
 
 
 def finetune_train(out: Path, prepared: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "finetune.cli", "train", str(DEMO), *COMMON, *args]  # args win
     cmd += ["--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared)]
-    # DeepSpeed picks its CPU accelerator itself; ACCELERATE_USE_CPU would turn the engine off.
-    result = run(cmd, unset=("ACCELERATE_USE_CPU",) if "zero" in " ".join(args) else ())
+    if "--accelerate-config" not in args:  # one plain process: in this process (tests/inprocess.py)
+        result = cli_here(*cmd[3:])
+    else:  # DeepSpeed picks its CPU accelerator itself; ACCELERATE_USE_CPU would turn the engine off.
+        result = run(cmd, unset=("ACCELERATE_USE_CPU",) if "zero" in " ".join(args) else ())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
 

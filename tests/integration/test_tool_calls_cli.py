@@ -1,13 +1,11 @@
-"""`finetune prepare-dataset` on tool-calling conversations, in a subprocess: the manifest counts the
-bad calls, and the prepared rows train exactly the calls and replies (Qwen2.5's real template)."""
+"""`finetune prepare-dataset` on tool-calling conversations, through the CLI's main in this process
+(tests/inprocess.py): the manifest counts the bad calls, and the prepared rows train exactly the calls
+and replies (Qwen2.5's real template)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import datasets
@@ -16,6 +14,7 @@ import yaml
 from transformers import AutoTokenizer
 
 from finetune.constants import IGNORE_INDEX
+from tests.inprocess import finetune
 
 TEMPLATE = (
     Path(__file__).resolve().parents[1] / "unit" / "data" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
@@ -53,11 +52,7 @@ def prepared(tmp_path_factory, repo_root: Path):
         "train": {"output_dir": str(tmp / "out")},
     }  # fmt: skip
     (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    env = {**os.environ, "PYTHONPATH": str(repo_root), "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
-    run = subprocess.run(
-        [sys.executable, "-m", "finetune.cli", "prepare-dataset", str(tmp / "recipe.yaml")],
-        cwd=repo_root, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    run = finetune("prepare-dataset", str(tmp / "recipe.yaml"))
     assert run.returncode == 0, run.stderr
     line = next(ln for ln in run.stdout.splitlines() if ln.startswith("prepared dataset "))
     return Path(line.rsplit(" at ", 1)[1]), rows, tok

@@ -26,7 +26,7 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def trained(tmp_path_factory: pytest.TempPathFactory, demo_prepared: Path) -> dict:
     """The demo trained 4 steps, evaluated (loss and a generation set) at steps 2 and 4, logging to
     mlflow, trackio and wandb at once."""
     tmp = tmp_path_factory.mktemp("trackers")
@@ -39,10 +39,10 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "WANDB_DIR": str(tmp / "wandb"),
         "WANDB_SILENT": "true",
     }
-    return tracked_run(tmp, "[mlflow, trackio, wandb]", variables)
+    return tracked_run(tmp, "[mlflow, trackio, wandb]", variables, demo_prepared)
 
 
-def tracked_run(tmp: Path, report_to: str, variables: dict[str, str]) -> dict:
+def tracked_run(tmp: Path, report_to: str, variables: dict[str, str], prepared: Path) -> dict:
     """The demo trained 4 steps in `tmp`, evaluated (loss and a 2-question generation set) at steps 2
     and 4, logging every step to the trackers `report_to` names, with `variables` set."""
     questions = tmp / "questions.jsonl"
@@ -55,6 +55,7 @@ def tracked_run(tmp: Path, report_to: str, variables: dict[str, str]) -> dict:
         "--train.max_steps", "4", "--train.eval_steps", "2", "--train.log_steps", "1",
         "--train.log_format", "structured", "--train.save_epochs", "0",
         "--train.report_to", report_to, "--eval.generation_sets", gen_sets,
+        "--data.dataset_prepared_path", str(prepared),  # the session's (tests/conftest.py)
     ]  # fmt: skip
     result = run(
         [sys.executable, str(REPO / "finetune" / "train.py"), str(DEMO), *overrides], extra_env=variables
@@ -178,7 +179,7 @@ def test_wandb_offline_run_holds_the_progress_numbers_and_the_samples_table(trai
 
 
 @pytest.fixture(scope="module")
-def archived(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def archived(tmp_path_factory: pytest.TempPathFactory, demo_prepared: Path) -> dict:
     """The same tiny run logging to comet_ml (an offline experiment zip). clearml is tested in
     tests/unit/test_trackers.py only: in a training run its repository detection forks a `git`
     subprocess from the multi-threaded trainer, which was seen to hang task.close() at the end."""
@@ -192,7 +193,7 @@ def archived(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "COMET_ERROR_TRACKING_ENABLE": "false",
         "COMET_DISABLE_AUTO_LOGGING": "1",
     }
-    archived = tracked_run(tmp, "[comet_ml]", variables)
+    archived = tracked_run(tmp, "[comet_ml]", variables, demo_prepared)
     assert "takes no" not in archived["result"].stdout + archived["result"].stderr
     return archived
 

@@ -1,8 +1,9 @@
-"""Training-loop features end to end (finetune/train.py in a subprocess on the demo recipe), plus the
-loop's small pure helpers and early errors in process.
+"""Training-loop features end to end (finetune/train.py's main on the demo recipe), plus the loop's small
+pure helpers and early errors.
 
-Subprocess runs use `python finetune/train.py` (single process, as `accelerate launch` with one
-process runs it) to save the launcher's start-up; each run groups several checks.
+One-process runs call the training entry point in this process (tests/inprocess.py: the fast tier);
+each run groups several checks. The 2-process run (torchrun) and the compiled model (inductor's
+compile workers) are subprocesses, in the slow tier.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.errors import FinetuneError
+from tests import inprocess
 from tests.integration._run import DEMO, REPO, demo_overrides, env, progress, step_losses
 
 slow = pytest.mark.slow
@@ -44,15 +46,9 @@ def prepared(tmp_path_factory):
 
 
 def train(tmp_path: Path, prepared: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        str(REPO / "finetune" / "train.py"),
-        str(DEMO),
-        *demo_overrides(tmp_path, *COMMON, *extra),
-        "--data.dataset_prepared_path",
-        str(prepared),
-    ]
-    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    """finetune/train.py on the demo, in this process (tests/inprocess.py)."""
+    overrides = [*demo_overrides(tmp_path, *COMMON, *extra), "--data.dataset_prepared_path", str(prepared)]
+    return inprocess.train(DEMO, *overrides)
 
 
 def train_ok(tmp_path: Path, prepared: Path, overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -78,10 +74,9 @@ def same_weights(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-# ------------------------------------------------------------------------------ subprocess runs
+# ------------------------------------------------------------------------------ one-process runs
 
 
-@slow
 def test_skip_profile_sgd_linear_schedule_unpacked_data_and_eval(tmp_path, prepared):
     lr, lr_min, total, warmup = 0.3, 0.03, 6, 2
     overrides = (
@@ -141,7 +136,7 @@ def test_skip_profile_sgd_linear_schedule_unpacked_data_and_eval(tmp_path, prepa
     assert evals[2]["eval_loss"] < evals[1]["eval_loss"]
 
 
-@slow
+@slow  # two processes (torchrun)
 def test_two_process_eval_counts_every_eval_token_once(tmp_path, prepared):
     """17 packed eval rows on 2 processes: the sampler pads one duplicate row, which
     gather_for_metrics must drop (a plain gather would count its tokens twice)."""
@@ -181,7 +176,6 @@ def test_two_process_eval_counts_every_eval_token_once(tmp_path, prepared):
     assert evals[0]["eval_ppl"] == pytest.approx(math.exp(evals[0]["eval_loss"]))
 
 
-@slow
 def test_nonfinite_losses_abort_with_a_checkpoint_of_the_last_good_state(tmp_path, prepared):
     # SGD with an absurd LR: step 1 is finite but blows the weights up, so later losses overflow.
     result = train(
@@ -215,7 +209,6 @@ def test_nonfinite_losses_abort_with_a_checkpoint_of_the_last_good_state(tmp_pat
     assert not (out / "adapter_model.safetensors").exists()
 
 
-@slow
 def test_epochs_fractional_saves_limit_special_tokens_checkpointing_adamw_8bit(tmp_path, prepared):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -268,7 +261,6 @@ def test_epochs_fractional_saves_limit_special_tokens_checkpointing_adamw_8bit(t
     assert logits.shape == (1, 4, 706) and torch.isfinite(logits).all()
 
 
-@slow
 def test_exit_duration_checkpoints_and_exits_zero_with_tensorboard_events(tmp_path, prepared):
     trackers = "[tensorboard]" if HAS_TENSORBOARD else "[]"  # the exit checks run without tensorboard too
     overrides = f"--train.max_steps 50 --train.exit_duration_in_mins 0.0001 --train.report_to {trackers}"
@@ -345,7 +337,7 @@ def test_fractional_save_epochs(steps_per_epoch, save_epochs, expected):
 def test_unpacked_batches_carry_attention_masks_and_packed_ones_position_ids(tmp_path):
     from datasets import Dataset
 
-    from finetune.data.loader import count_tokens, make_dataloader, seq_stats
+    from finetune.data.batching.loader import count_tokens, make_dataloader, seq_stats
 
     rows = Dataset.from_list(
         [
@@ -375,6 +367,7 @@ def test_unpacked_batches_carry_attention_masks_and_packed_ones_position_ids(tmp
     assert seq_stats(packed) == (float(9 + 25 + 4 + 9 + 9), 16)
 
 
+@slow  # a subprocess, and inductor starts compile workers
 def test_compiled_model_trains_and_saves_the_adapter(tmp_path):
     """model.enable_compile (Accelerate's dynamo plugin, inductor on CPU): trains and saves an adapter
     with PEFT's key names (saving the compiled wrapper's state dict used to fail)."""

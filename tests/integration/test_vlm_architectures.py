@@ -1,5 +1,5 @@
 """Qwen2-VL and Gemma 3 train through the CLI: a tiny random model of each (its config inline in a recipe
-the test writes), its processor built offline as tests/unit/data/test_vlm_masking.py builds it (the demo
+the test writes), its processor built offline as tests/unit/data/formats/test_vlm_masking.py builds it (the demo
 tokenizer with the model's image tokens, the real chat template, transformers' PIL image processor), and
 the demo's first rows. LoRA trains with a finite, falling loss; the saved adapter loads on its base, and
 answers a question about a picture (`finetune chat --image` for Gemma 3; for Qwen2-VL the same
@@ -9,6 +9,7 @@ generation path in-process, see `qwen_folder`).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,14 +17,14 @@ import torch
 import yaml
 from PIL import Image
 
-from finetune.data.images import SENTINEL
+from finetune.data.formats.images import SENTINEL
 from finetune.generation.prompts import vlm_prompt_inputs
 from finetune.model.inference import load_vlm_for_inference
-from tests.integration._run import REPO, cli, progress, step_losses
-from tests.unit.data.test_vlm_masking import tiny_config
+from tests.integration._run import REPO, cli_here, progress, step_losses
+from tests.unit.data.formats.test_vlm_masking import tiny_config
 from tests.vlm_processors import PROCESSORS
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # long: two VLM architectures trained (in this process: tests/inprocess.py)
 DEMO_DATA = REPO / "recipes" / "demo" / "data" / "vlm"
 STEPS = 6
 
@@ -67,7 +68,7 @@ def write_recipe(root: Path, name: str) -> Path:
     config = tiny_config(name, processor).to_dict()
     data = root / "data"
     data.mkdir()
-    (data / "images").symlink_to(DEMO_DATA / "images")
+    shutil.copytree(DEMO_DATA / "images", data / "images")  # images stay inside the data folder
     rows = (DEMO_DATA / "train.jsonl").read_text().splitlines()[:48]
     (data / "train.jsonl").write_text("\n".join(rows) + "\n")
     recipe = {
@@ -112,7 +113,7 @@ def write_recipe(root: Path, name: str) -> Path:
 def trained(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param.replace(".", "-"))
     recipe = write_recipe(root, request.param)
-    result = cli("train", str(recipe), timeout=600)
+    result = cli_here("train", str(recipe))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return request.param, root
 
@@ -131,7 +132,7 @@ def test_the_adapter_loads_and_answers_about_a_picture(trained):
     assert (out / "adapter_model.safetensors").is_file()
     picture = DEMO_DATA / "images" / "00001.png"
     if name == "gemma3":
-        result = cli("chat", str(out), "--image", str(picture), "--prompt", "What colour is the shape?",
+        result = cli_here("chat", str(out), "--image", str(picture), "--prompt", "What colour is the shape?",
                      "--max-new-tokens", "4")  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.strip(), result.stdout

@@ -9,6 +9,7 @@ gives the run's held-out loss, and 2-process DDP gives the losses of one process
 from __future__ import annotations
 
 import json
+import shutil
 
 import datasets
 import pytest
@@ -16,18 +17,18 @@ import torch
 import yaml
 from transformers import AutoModelForImageTextToText, AutoProcessor, Idefics3Config
 
-from finetune.data.vision import collate_vlm
+from finetune.data.batching.vision import collate_vlm
 from finetune.losses.causal_lm import token_loss_sums
 from tests.integration._run import (
     REPO,
     assert_resumes_exactly,
-    cli,
     ddp_and_single,
     progress,
     step_grad_norms,
     step_losses,
     train_into,
 )
+from tests.integration._run import cli_here as cli  # in this process (tests/inprocess.py)
 from tests.vlm_processors import shuffled_images
 
 pytestmark = pytest.mark.slow
@@ -179,8 +180,8 @@ def test_eval_base_vs_tuned_loss_and_generation_set_with_images(trained):
 def test_a_missing_image_in_a_generation_set_is_an_error_before_any_model_loads(trained, tmp_path):
     rows = COLOURS.read_text().splitlines()
     broken = tmp_path / "colours.jsonl"
-    first = rows[0].replace('"images/', f'"{COLOURS.parent}/images/')  # absolute: the copy is elsewhere
-    broken.write_text("\n".join([first, rows[1].replace("images/", "gone/")]) + "\n")
+    shutil.copytree(COLOURS.parent / "images", tmp_path / "images")  # row 0's image stays readable
+    broken.write_text("\n".join([rows[0], rows[1].replace("images/", "gone/")]) + "\n")
     sets = json.dumps([{"name": "colours", "path": str(broken), "metric": "contains"}])
     result = cli(
         "eval",

@@ -14,13 +14,14 @@ import pytest
 import torch
 import yaml
 
-from finetune.data.vision_kto import collate_vlm_kto, with_kl_rows
+from finetune.data.batching.vision import collate_vlm_kto, with_kl_rows
 from finetune.model.inference import load_vlm_for_inference
 from finetune.objectives.preference_eval import score_batches, summarize
 from finetune.recipe import validate_recipe
-from tests.integration._run import REPO, cli, progress
+from tests.integration._run import REPO, progress
+from tests.integration._run import cli_here as cli  # in this process (tests/inprocess.py)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # long: an epoch of the VLM demo
 RECIPE = REPO / "recipes" / "demo" / "tiny_vlm_kto_cpu.yaml"
 STEPS = 30  # 480 examples / 16 a step; the test trains one epoch (the demo two)
 

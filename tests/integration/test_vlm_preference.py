@@ -14,11 +14,12 @@ import datasets
 import pytest
 import yaml
 
-from finetune.data.vision import collate_vlm_pairs
+from finetune.data.batching.vision import collate_vlm_pairs
 from finetune.model.inference import load_vlm_for_inference
 from finetune.objectives.preference_eval import score_batches, summarize
 from finetune.recipe import validate_recipe
-from tests.integration._run import REPO, assert_resumes_exactly, cli, ddp_and_single, progress, train_into
+from tests.integration._run import REPO, assert_resumes_exactly, ddp_and_single, progress, train_into
+from tests.integration._run import cli_here as cli  # in this process (tests/inprocess.py)
 from tests.vlm_processors import shuffled_images
 
 pytestmark = pytest.mark.slow

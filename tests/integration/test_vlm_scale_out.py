@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,10 +29,10 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-from finetune.data.vision import collate_vlm
+from finetune.data.batching.vision import collate_vlm
 from finetune.losses.causal_lm import token_loss_sums
 from finetune.model.inference import load_vlm_for_inference
-from tests.integration._run import REPO, cli, env, progress, run, short_run, step_losses
+from tests.integration._run import REPO, cli_here, env, progress, run, short_run, step_losses
 
 pytestmark = pytest.mark.slow
 RECIPE = REPO / "recipes" / "demo" / "tiny_vlm_cpu.yaml"
@@ -62,9 +63,9 @@ def prepared(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> list[str]:
-    """Overrides for the demo's first 64 training and 16 held-out rows (its images where they are)."""
+    """Overrides for the demo's first 64 training and 16 held-out rows (a copy of its images beside them)."""
     folder = tmp_path_factory.mktemp("vlm-data")
-    (folder / "images").symlink_to(DEMO_DATA / "images")
+    shutil.copytree(DEMO_DATA / "images", folder / "images")  # images stay inside the data folder
     entries = []
     for name, count in (("train", 64), ("eval", 16)):
         rows = (DEMO_DATA / f"{name}.jsonl").read_text().splitlines()[:count]
@@ -78,8 +79,9 @@ def train(out: Path, prepared: Path, pretrained: Path, data: list[str], *args: s
     cmd += ["--model.model_path", str(pretrained), "--model.config_path", "null"]
     cmd += ["--model.tokenizer_path", str(pretrained), *short_run("--train.max_steps", "4"), *args]
     cmd += ["--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared)]
-    # DeepSpeed picks its CPU accelerator itself; ACCELERATE_USE_CPU would turn the engine off.
-    result = run(cmd, unset=("ACCELERATE_USE_CPU",) if zero else ())
+    # DeepSpeed picks its CPU accelerator itself; ACCELERATE_USE_CPU would turn the engine off. A ZeRO or
+    # FSDP2 launch is a subprocess; one process (QLoRA) runs in this process (tests/inprocess.py).
+    result = run(cmd, unset=("ACCELERATE_USE_CPU",)) if zero else cli_here(*cmd[3:])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
@@ -148,7 +150,7 @@ def torchrun(processes: int, pretrained: Path, split: Path, out: Path) -> dict:
 
 def test_fsdp2_two_processes_match_one(tmp_path, pretrained, prepared, data):
     if not any(prepared.glob("*/train")):
-        result = cli("prepare-dataset", str(RECIPE), *data, "--model.tokenizer_path", str(pretrained),
+        result = cli_here("prepare-dataset", str(RECIPE), *data, "--model.tokenizer_path", str(pretrained),
                      "--data.dataset_prepared_path", str(prepared))  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
     split = next(prepared.glob("*/train"))

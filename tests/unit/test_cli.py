@@ -196,6 +196,7 @@ def test_validate_not_supported_yet(recipe_path: Path, capsys: pytest.CaptureFix
     assert "datasets[0].max_seq_len" not in err
 
 
+@pytest.mark.slow  # a fresh interpreter (a subprocess)
 def test_validate_does_not_import_heavy_libraries(recipe_path: Path) -> None:
     code = (
         "import sys\n"
@@ -209,6 +210,7 @@ def test_validate_does_not_import_heavy_libraries(recipe_path: Path) -> None:
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter (a subprocess)
 def test_console_entry_exit_code_and_no_traceback(recipe_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "finetune.cli", "validate", str(recipe_path), "--train.seed", "abc"],

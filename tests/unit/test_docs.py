@@ -139,6 +139,20 @@ def test_contributing_layer_table_is_the_import_tests_layers():
     assert _contributing_layers() == [set(names) for names in LAYERS]
 
 
+def test_contributing_names_each_packages_wings_in_the_import_tests_order():
+    """A package with wings (the import test's INNER_LAYERS) names them in its row of the layer table,
+    top to bottom, as `wing/`."""
+    from tests.unit.test_import_graph import INNER_LAYERS
+
+    text = (REPO / "docs" / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    for package, wings in INNER_LAYERS.items():
+        row = next(
+            line for line in text.splitlines() if re.match(rf"\| \d+ \| `finetune\.{package}` \|", line)
+        )
+        named = [w for w in re.findall(r"`(\w+)/`", row) if any(w in names for names in wings)]
+        assert named == [name for names in wings for name in names], (package, named)
+
+
 def test_no_module_is_over_800_lines():
     """CONTRIBUTING's house rule: a module that grows past 800 lines is split along a seam."""
     long = {

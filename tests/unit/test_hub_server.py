@@ -180,6 +180,7 @@ def test_concurrent_commits_all_land(hub, repo):
     assert all(hub.read_file(repo, f"shard-{i}.bin") == bytes([i]) * (20_000 + i) for i in range(8))
 
 
+@pytest.mark.slow  # a subprocess (its environment is the subject)
 def test_subprocesses_use_the_session_hub(hub_server):
     code = "from huggingface_hub import HfApi; print(HfApi().whoami()['name'])"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

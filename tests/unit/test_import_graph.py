@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[2] / "finetune"
 
 
@@ -121,6 +123,64 @@ def test_the_layer_check_sees_a_planted_upward_arrow():
         "finetune.recipe.load -> finetune.engine.loop"
     ]
     assert upward_arrows({"finetune.engine.loop": {"finetune.recipe.load"}}) == []
+
+
+# The wings inside a package, top to bottom (docs/CONTRIBUTING.md, the package's row): a module of a
+# wing imports only modules of its own wing or the wings below it in that package. The package's own
+# modules outside any wing (its __init__) are below every wing.
+INNER_LAYERS: dict[str, list[tuple[str, ...]]] = {
+    "data": [("prepare",), ("batching",), ("formats",), ("sources",)],
+}
+
+
+def wing_of(module: str) -> tuple[str, int] | None:
+    """(package, index of its wing in INNER_LAYERS) of a module of a package with wings, else None."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] not in INNER_LAYERS:
+        return None
+    wings = INNER_LAYERS[parts[1]]
+    if len(parts) == 2:  # the package's __init__
+        return parts[1], len(wings)
+    for index, names in enumerate(wings):
+        if parts[2] in names:
+            return parts[1], index
+    raise AssertionError(
+        f"{module} is in no wing of finetune.{parts[1]}: put it in one, or add its wing to INNER_LAYERS "
+        "(and to CONTRIBUTING.md)"
+    )
+
+
+def upward_wing_arrows(graph: dict[str, set[str]]) -> list[str]:
+    arrows = []
+    for a, targets in graph.items():
+        if (wing_a := wing_of(a)) is None:
+            continue
+        for b in targets:
+            wing_b = wing_of(b)
+            if wing_b is not None and wing_b[0] == wing_a[0] and wing_b[1] < wing_a[1]:
+                arrows.append(f"{a} -> {b}")
+    return sorted(arrows)
+
+
+def test_every_import_inside_a_package_points_down_or_sideways_its_wings():
+    graph = import_graph()
+    assert any(wing_of(m) == ("data", 3) for m in graph)  # the wings exist: the check is not empty
+    arrows = upward_wing_arrows(graph)
+    assert not arrows, "imports that point up a package's wings:\n  " + "\n  ".join(arrows)
+
+
+def test_the_wing_check_sees_a_planted_upward_arrow():
+    assert upward_wing_arrows({"finetune.data.sources.readers": {"finetune.data.formats.rows"}}) == [
+        "finetune.data.sources.readers -> finetune.data.formats.rows"
+    ]
+    assert upward_wing_arrows({"finetune.data.formats.rows": {"finetune.data.sources.damage"}}) == []
+    assert upward_wing_arrows({"finetune.data.formats.tokenize": {"finetune.data.formats.registry"}}) == []
+    assert upward_wing_arrows({"finetune.data.formats.rows": {"finetune.data"}}) == []  # the package: below
+    assert (
+        upward_wing_arrows({"finetune.data.prepare.build": {"finetune.model.build"}}) == []
+    )  # not its wings
+    with pytest.raises(AssertionError, match=r"in no wing of finetune\.data"):
+        upward_wing_arrows({"finetune.data.stray": {"finetune.data.sources.location"}})
 
 
 def _package(module: str) -> str:

@@ -1,4 +1,5 @@
-"""finetune.launcher: a stop signal that comes before the launcher has started training."""
+"""finetune.launcher: a stop signal that comes before the launcher has started training. Real processes
+and signals: the slow tier."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import time
 import pytest
 
 from finetune.launcher import run_supervised
+
+pytestmark = pytest.mark.slow  # processes started, signalled and killed
 
 
 def test_a_stop_before_the_launcher_started_training_is_a_clean_exit(capsys):

@@ -29,6 +29,7 @@ def test_a_held_lock_names_its_holder_and_a_clean_release_removes_the_record(tmp
     second.release()
 
 
+@pytest.mark.slow  # a process killed with SIGKILL
 def test_the_lock_of_a_killed_process_is_taken_over_with_its_record(tmp_path: Path):
     """A process that takes the lock and dies by SIGKILL: the OS frees the lock, its record stays."""
     script = (

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune.data.collate import collate_rows
+from finetune.data.batching.collate import collate_rows
 from finetune.losses.causal_lm import forward
 from tests.tiny import sequences, tiny_model
 
@@ -97,6 +97,7 @@ def test_padded_unpacked_batch_equals_sequences(attn):
     assert_same_as_one_by_one(tiny_model(attn), seqs, batch)
 
 
+@pytest.mark.slow  # inductor compiles flex attention: it runs g++ and its compile workers
 def test_flex_attention_packed_forward_matches_on_cpu():
     """FlexAttention has no backward on CPU (torch raises), so on CPU we check the packed loss only;
     the gradient check runs on GPU below. The sequences one by one run on the same weights with sdpa

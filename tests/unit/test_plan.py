@@ -12,7 +12,7 @@ import torch
 
 from finetune.accelerate_config import DistributedSetup
 from finetune.cli import main
-from finetune.data.collate import collate_rows
+from finetune.data.batching.collate import collate_rows
 from finetune.errors import FinetuneError
 from finetune.plan import (
     Adapter,

@@ -267,6 +267,7 @@ def test_dvclive_gets_a_table_file_and_step_named_images(tmp_path):
     assert (method, name, image.size) == ("log_image", "validation/step2_00_0.png", (4, 4))
 
 
+@pytest.mark.slow  # mlflow runs `git` (GitPython) to tag the run with the repository's state
 def test_mlflow_receives_scalars_tables_and_images_for_real(tmp_path, monkeypatch):
     pytest.importorskip("mlflow", reason="mlflow-skinny is in the test extra")
     from accelerate.tracking import MLflowTracker
@@ -312,6 +313,7 @@ def test_validate_accepts_the_peers_trackers_and_explain_lists_them(tmp_path, ca
     assert "  report_to:\n  - mlflow\n  - trackio\n" in out
 
 
+@pytest.mark.slow  # MLflow runs `git version` for its run tags: a process
 def test_mlflow_without_a_tracking_uri_logs_to_a_file_store_in_output_dir(tmp_path, monkeypatch, capsys):
     """mlflow-skinny's own default store (sqlite:///mlflow.db) fails with KeyError 'sqlite', and MLflow 3
     refuses a file store unless asked: with no MLFLOW_TRACKING_URI the run starts a file store in

@@ -17,9 +17,9 @@ from typing import Any
 
 import datasets
 
-from finetune.data import encode
-from finetune.data.encode import Encoder
-from finetune.data.rows import WRONG_TYPE, BadRow, Example, optional_column, pair, text
+from finetune.data.formats import encode
+from finetune.data.formats.encode import Encoder
+from finetune.data.formats.rows import WRONG_TYPE, BadRow, Example, optional_column, pair, text
 
 ALPACA_PROMPT_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "

@@ -5,7 +5,7 @@ is rendered by the tokenizer's template (or model.chat_template); the turns of `
 and their end-of-turn tokens (per ``train_on_eos``) are trained, everything with
 ``train_on_inputs``. ShareGPT files map their keys and roles: ``message_field_role: from``,
 ``message_field_content: value``, ``role_map: {human: user, gpt: assistant}``. How the trained
-spans are found is finetune.data.chat.chat_spans.
+spans are found is finetune.data.formats.chat.chat_spans.
 
 >>> from types import SimpleNamespace as NS
 >>> e = NS(field_messages="conversations", message_field_role="from", message_field_content="value",
@@ -21,11 +21,11 @@ from typing import Any
 
 import datasets
 
-from finetune.data import encode, images, tool_calls, vision
-from finetune.data.chat import conversation as _conversation
-from finetune.data.chat import known_roles, message_keys
-from finetune.data.encode import Encoder
-from finetune.data.rows import (
+from finetune.data.formats import encode, images
+from finetune.data.formats.chat import conversation as _conversation
+from finetune.data.formats.chat import known_roles, message_keys, tool_definitions
+from finetune.data.formats.encode import Encoder
+from finetune.data.formats.rows import (
     TEMPLATE_WITHOUT_TOOLS,
     WRONG_TYPE,
     BadRow,
@@ -64,7 +64,7 @@ def check(entry: Any, features: datasets.Features, entry_label: str) -> None:
 
 
 def conversation(value: Any, entry: Any) -> list[dict[str, Any]] | BadRow:
-    """One row's messages normalized (finetune.data.chat.conversation), or why it can't be used."""
+    """One row's messages normalized (finetune.data.formats.chat.conversation), or why it can't be used."""
     return _conversation(value, entry.field_messages, message_keys(entry))
 
 
@@ -82,7 +82,7 @@ def renders_chat(entry: Any, features: datasets.Features) -> bool:
 
 def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example | BadRow]:
     """Each conversation rendered with its row's tools and masked (encode.chat_examples); with images,
-    for a vision-language model, their tokens expanded and their bytes kept (vision.chat_examples)."""
+    for a vision-language model, their tokens expanded and their bytes kept (`image_examples`)."""
     convs = conversations(batch, entry)
     # The images column is read for a vision-language model, or when the recipe names it (a text recipe
     # whose data merely has an `images` column keeps working as before).
@@ -94,13 +94,44 @@ def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example |
         ]
     if enc.processor is None:
         convs = [images_need_vlm(c, entry.field_messages) for c in convs]
-    examples = vision.chat_examples if enc.processor is not None else encode.chat_examples
+    examples = image_examples if enc.processor is not None else encode.chat_examples
     if entry.field_tools not in batch:
         return examples(convs, enc, entry, field=entry.field_messages)
     tools = [row_tools(value, entry.field_tools, enc) for value in batch[entry.field_tools]]
     convs = [t if isinstance(t, BadRow) else c for c, t in zip(convs, tools, strict=True)]
     tools = [None if isinstance(t, BadRow) else t for t in tools]
     return examples(convs, enc, entry, field=entry.field_messages, tools=tools)
+
+
+def image_examples(
+    convs: list[list[dict[str, Any]] | BadRow],
+    enc: Encoder,
+    entry: Any,
+    *,
+    field: str,
+    tools: list[list[dict[str, Any]] | None] | None = None,
+) -> list[Example | BadRow]:
+    """Each conversation as (ids, labels, {"images": [bytes]}): rendered, masked (as
+    encode.chat_examples) and its images expanded into their tokens; or the row's BadRow."""
+    loaded = [c if isinstance(c, BadRow) else encode.load_images(c, enc, field) for c in convs]
+    convs = [img if isinstance(img, BadRow) else c for c, img in zip(convs, loaded, strict=True)]
+    texts, found = encode.chat_texts(convs, enc, entry, field=field, tools=tools)
+    rows: list[Example | BadRow] = []
+    for text, spans, encoding, imgs in zip(
+        texts, found, enc.encode(texts, offsets=True), loaded, strict=True
+    ):
+        if isinstance(spans, BadRow):
+            rows.append(spans)
+            continue
+        ids, labels = enc.labelled(encoding, None if entry.train_on_inputs else spans)
+        if imgs:
+            expanded = encode.expand(enc, text, imgs, ids, labels, field=field)
+            if isinstance(expanded, BadRow):
+                rows.append(expanded)
+                continue
+            ids, labels = expanded
+        rows.append((ids, labels, {"images": imgs}))
+    return rows
 
 
 def with_row_images(
@@ -140,7 +171,7 @@ def images_need_vlm(conv: list[dict[str, Any]] | BadRow, field: str) -> list[dic
 def row_tools(value: Any, field: str, enc: Encoder) -> list[dict[str, Any]] | BadRow | None:
     """One row's tool definitions for ``apply_chat_template(tools=...)``, or why they can't be used
     (not a list of schemas; a chat template with no ``tools`` variable, which would drop them)."""
-    tools = tool_calls.tools(value, field)
+    tools = tool_definitions(value, field)
     if tools and not isinstance(tools, BadRow) and not enc.renders_tools():
         return BadRow(
             field,

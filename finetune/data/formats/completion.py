@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from finetune.data import encode
-from finetune.data.encode import Encoder
-from finetune.data.rows import BadRow, Example, text
+from finetune.data.formats import encode
+from finetune.data.formats.encode import Encoder
+from finetune.data.formats.rows import BadRow, Example, text
 
 
 def columns(entry: Any, column_names: Sequence[str]) -> dict[str, str]:

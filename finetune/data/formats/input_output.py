@@ -21,9 +21,9 @@ from typing import Any
 
 import datasets
 
-from finetune.data import encode
-from finetune.data.encode import Encoder
-from finetune.data.rows import BadRow, Example, pair, text
+from finetune.data.formats import encode
+from finetune.data.formats.encode import Encoder
+from finetune.data.formats.rows import BadRow, Example, pair, text
 
 
 def columns(entry: Any, column_names: Sequence[str]) -> dict[str, str]:

@@ -9,7 +9,7 @@ The label must be a boolean (or 0/1).
 For a vision-language model (model.kind vlm) the prompt may hold images, as a preference pair's does
 (finetune.data.formats.preference): image parts in its messages, or an ``images`` column
 (``field_images``) with one ``<image>`` placeholder per image in its text; an image in the completion
-is a bad row (finetune.data.vision.pair_images).
+is a bad row (finetune.data.formats.preference.pair_images).
 
 >>> from types import SimpleNamespace as NS
 >>> e = NS(field_prompt="prompt", field_completion="completion", field_label="label", role_map={},
@@ -27,11 +27,15 @@ from typing import Any
 
 import datasets
 
-from finetune.data import completions
-from finetune.data.completions import CompletionsRow
-from finetune.data.encode import Encoder
-from finetune.data.formats.preference import with_images
-from finetune.data.rows import MISSING_FIELD, NOT_A_BOOLEAN, BadRow, Example, optional_column
+from finetune.data.formats.encode import Encoder
+from finetune.data.formats.preference import (
+    CompletionsRow,
+    chat_rendered,
+    completion_examples,
+    parsed_rows,
+    with_images,
+)
+from finetune.data.formats.rows import MISSING_FIELD, NOT_A_BOOLEAN, BadRow, Example, optional_column
 
 FEATURES = {"desirable": datasets.Value("bool"), "prompt_len": datasets.Value("int32")}
 """Per-example columns besides input_ids and labels: the label, and where the completion starts."""
@@ -51,7 +55,7 @@ def columns(entry: Any, column_names: Sequence[str]) -> dict[str, str]:
 def rows(batch: dict[str, list], entry: Any) -> list[CompletionsRow | BadRow]:
     """(prompt, (completion,), desirable) per row, or why it can't be used (the prompt's or the
     completion's problem before the label's)."""
-    parsed = completions.parsed_rows(batch, entry, (entry.field_completion,))
+    parsed = parsed_rows(batch, entry, (entry.field_completion,))
     out: list[CompletionsRow | BadRow] = []
     for row, label in zip(parsed, batch[entry.field_label], strict=True):
         desirable = boolean(label, entry.field_label)
@@ -75,14 +79,14 @@ def boolean(value: Any, field: str) -> bool | BadRow:
 
 def renders_chat(entry: Any, features: datasets.Features) -> bool:
     """With ``apply_chat_template``, or when a column read holds lists of messages."""
-    return completions.renders_chat(entry, features, columns)
+    return chat_rendered(entry, features, columns)
 
 
 def tokenize(batch: dict[str, list], entry: Any, enc: Encoder) -> list[Example | BadRow]:
-    """Each example (completions.completion_examples); with a vision-language processor, the images
+    """Each example (finetune.data.formats.preference, as for preference pairs); with a vision-language processor, the images
     column (when the data has it) placed in the prompts, as for preference pairs."""
     parsed = with_images(rows(batch, entry), batch, entry, enc)
     # One completion: no shared prefix to mismatch, so mismatch_field is never named.
-    return completions.completion_examples(
+    return completion_examples(
         parsed, enc, entry, field=entry.field_completion, mismatch_field=entry.field_completion
     )

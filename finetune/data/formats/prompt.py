@@ -22,10 +22,10 @@ from typing import Any
 import datasets
 
 from finetune.constants import IGNORE_INDEX
-from finetune.data.chat import conversation
-from finetune.data.damage import BAD_ROW_COLUMN
-from finetune.data.encode import Encoder
-from finetune.data.rows import BadRow, Example, text
+from finetune.data.formats.chat import conversation
+from finetune.data.formats.encode import Encoder
+from finetune.data.formats.rows import BadRow, Example, text
+from finetune.data.sources.damage import BAD_ROW_COLUMN
 
 FEATURES = {"row": datasets.Value("string")}
 

@@ -16,8 +16,15 @@ from typing import Any
 import numpy as np
 
 from finetune.constants import IGNORE_INDEX
-from finetune.data.encode import Encoder
-from finetune.data.rows import LENGTH_MISMATCH, MISSING_FIELD, OUT_OF_VOCAB, WRONG_TYPE, BadRow, Example
+from finetune.data.formats.encode import Encoder
+from finetune.data.formats.rows import (
+    LENGTH_MISMATCH,
+    MISSING_FIELD,
+    OUT_OF_VOCAB,
+    WRONG_TYPE,
+    BadRow,
+    Example,
+)
 
 
 def columns(entry: Any, column_names: Sequence[str]) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Preference pairs and kto examples: formats, tokenization (plain and chat-rendered, the shared-prefix
+"""Preference pairs and kto examples through the data wings: formats, tokenization (plain and chat-rendered, the shared-prefix
 check, the pair length policy), packing (chosen_i, rejected_i side by side, never split), kto's KL
 rows, and prepare() with its manifest, cache and Hub round trip."""
 
@@ -12,13 +12,14 @@ import datasets
 import pytest
 import torch
 
-from finetune.data import completions
-from finetune.data import prepare as prepare_mod
-from finetune.data.collate import collate_preference
-from finetune.data.packing import pack_multipack
-from finetune.data.preference import fit_lengths, kto_kl_row, pack_examples, shared_prefix_problem
-from finetune.data.prepare import prepare
-from finetune.data.tokenize import tokenize_dataset
+from finetune.data.batching.collate import collate_preference
+from finetune.data.batching.packing import pack_multipack
+from finetune.data.batching.pairs import kto_kl_row, pack_examples
+from finetune.data.formats import preference
+from finetune.data.formats.preference import shared_prefix_problem
+from finetune.data.formats.tokenize import fit_lengths, tokenize_dataset
+from finetune.data.prepare import build as prepare_mod
+from finetune.data.prepare.build import prepare
 from finetune.errors import DataError
 from finetune.losses.preference import kto_mismatched_completions
 from finetune.recipe import DatasetEntry, dataset_entry, validate_recipe
@@ -71,16 +72,16 @@ def trained_text(tokenizer, labels: list[int]) -> str:
 
 def test_conversations_drop_a_repeated_prompt_and_find_the_implicit_one():
     user = {"role": "user", "content": "2+2?"}
-    row = completions.CompletionsRow(
+    row = preference.CompletionsRow(
         "2+2?",
         ([user, {"role": "assistant", "content": "4"}], [user, {"role": "assistant", "content": "5"}]),
     )
-    shared, (chosen, _) = completions.completion_conversations(row, "chosen")
+    shared, (chosen, _) = preference.completion_conversations(row, "chosen")
     assert shared == [user] and chosen == [{"role": "assistant", "content": "4"}]
-    implicit = completions.CompletionsRow(None, row.completions)
-    assert completions.completion_conversations(implicit, "chosen")[0] == [user]
-    kto = completions.CompletionsRow(None, ([user, {"role": "assistant", "content": "4"}],), True)
-    assert completions.completion_conversations(kto, "completion") == (
+    implicit = preference.CompletionsRow(None, row.completions)
+    assert preference.completion_conversations(implicit, "chosen")[0] == [user]
+    kto = preference.CompletionsRow(None, ([user, {"role": "assistant", "content": "4"}],), True)
+    assert preference.completion_conversations(kto, "completion") == (
         [user],
         [[{"role": "assistant", "content": "4"}]],
     )
@@ -399,7 +400,7 @@ def test_objective_and_dataset_types_must_agree():
     from pydantic import ValidationError
 
     base = {"model": {"model_path": "org/m"}, "train": {"output_dir": "o"}}
-    with pytest.raises(ValidationError, match=r"needs train.objective dpo, ipo, simpo or orpo"):
+    with pytest.raises(ValidationError, match=r"needs train.objective dpo, ipo, simpo, orpo or reward"):
         validate_recipe({**base, "data": {"datasets": [{"path": "p.jsonl", "type": "preference"}]}})
     with pytest.raises(ValidationError, match=r"train.objective kto trains on examples .* use type kto"):
         validate_recipe(

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from finetune.data.cache import compute_fingerprint
+from finetune.data.prepare.cache import compute_fingerprint
 from finetune.diffusion import images as img
 from finetune.diffusion.cache import fingerprint_inputs, prepare_images
 from finetune.diffusion.loader import make_loader

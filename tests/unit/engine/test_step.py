@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from finetune.data.collate import collate_rows
+from finetune.data.batching.collate import collate_rows
 from finetune.engine.step import train_step
 from finetune.objectives.sft import SFTObjective
 from finetune.recipe import validate_recipe

@@ -16,8 +16,8 @@ from peft import LoraConfig, get_peft_model
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, Idefics3Config
 
-from finetune.data.images import SENTINEL
-from finetune.data.tokenize import tokenize_dataset
+from finetune.data.formats.images import SENTINEL
+from finetune.data.formats.tokenize import tokenize_dataset
 from finetune.errors import FinetuneError
 from finetune.evaluation.chat import chat, open_image
 from finetune.evaluation.command import run_chat

@@ -3,6 +3,8 @@ and a reward that misbehaves stops the run with its name, the row and the value 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from finetune.errors import FinetuneError
@@ -49,11 +51,27 @@ def _reward(fn, name="mine") -> list[Reward]:
         (lambda c, r: [1.0, float("inf")], r"returned inf for completion 1"),
         (lambda c, r: [1.0, "1"], r"returned '1' for completion 1"),
         (lambda c, r: [True, 0.0], r"returned True for completion 0"),
+        (lambda c, r: {0: 1.0, 1: 0.0}, r"reward mine returned a dict, not a list"),
+        (lambda c, r: [1e308, 0.0], r"returned 1e\+308 for completion 0 .*within \+-1e\+15"),
+        (lambda c, r: sys.exit(0), r"reward mine called sys\.exit"),
+        (lambda c, r: _interrupt(), r"reward mine raised KeyboardInterrupt"),
     ],
 )
 def test_a_misbehaving_reward_stops_with_name_row_and_value(fn, match):
     with pytest.raises(FinetuneError, match=match):
         score_rewards(_reward(fn), ["a", "b"], ROWS)
+
+
+def _interrupt():
+    raise KeyboardInterrupt
+
+
+def test_numpy_and_torch_scalars_are_numbers():
+    import numpy as np
+    import torch
+
+    rewards = _reward(lambda c, r: [np.float32(0.5), torch.tensor(2.0)])
+    assert score_rewards(rewards, ["a", "b"], ROWS).tolist() == [[0.5], [2.0]]
 
 
 def test_scores_are_a_completions_by_rewards_tensor():

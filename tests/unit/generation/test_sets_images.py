@@ -20,7 +20,7 @@ from PIL import Image
 from pydantic import ValidationError
 from transformers import AutoModelForImageTextToText, AutoProcessor, Idefics3Config
 
-from finetune.data.images import SENTINEL
+from finetune.data.formats.images import SENTINEL
 from finetune.errors import FinetuneError
 from finetune.generation.prompts import vlm_prompt_ids, vlm_prompt_inputs
 from finetune.generation.sets import (

@@ -39,6 +39,9 @@ def noisy(expression):
     os.write(2, b"and writes to fd 2")
     return "quiet"
 
+def crash(expression):
+    os._exit(3)
+
 def boom(expression):
     raise ValueError("cannot read " + expression)
 
@@ -179,23 +182,16 @@ class Scripted:
         return out
 
 
-def test_errors_timeouts_and_calls_past_the_limit_are_results_the_model_reads(folder, tok, capfd):
+def test_errors_and_calls_past_the_limit_are_results_the_model_reads(folder, tok):
     trigger = r"\[([^\]=]*)="
-    cases = {
-        "boom": "error: ValueError: cannot read 1",
-        "hang": "error: the tool did not answer within 0.5 s",
-        "noisy": "quiet",
-    }
-    for name, expected in cases.items():
-        backend = Scripted(tok, [("x [1=", False), (" ok.", True)])
-        box = toolbox(folder, tok, (name, trigger, "]"), timeout_s=0.5)
-        [[made]] = generate_with_tools(backend, [[5]], SamplingParams(max_new_tokens=40), box)
-        box.close()
-        assert made.finished and made.calls[0].result == expected, name
-        assert tok.decode(made.ids, skip_special_tokens=True) == f"x [1={expected}] ok.", name
-        assert made.calls[0].error == (name == "boom") and made.calls[0].timeout == (name == "hang")
-    printed = capfd.readouterr()
-    assert "a tool that prints" not in printed.out + printed.err and "fd 2" not in printed.out + printed.err
+    backend = Scripted(tok, [("x [1=", False), (" ok.", True)])
+    box = toolbox(folder, tok, ("boom", trigger, "]"))
+    [[made]] = generate_with_tools(backend, [[5]], SamplingParams(max_new_tokens=40), box)
+    box.close()
+    expected = "error: ValueError: cannot read 1"
+    assert made.finished and made.calls[0].result == expected
+    assert tok.decode(made.ids, skip_special_tokens=True) == f"x [1={expected}] ok."
+    assert made.calls[0].error and not made.calls[0].timeout
     # One call allowed: the second gets an error result, and generation goes on.
     backend = Scripted(tok, [("a [1+1=", False), (" b [2+2=", False), (" c.", True)])
     box = toolbox(folder, tok, ("add", trigger, "]"), max_tool_calls=1)
@@ -203,6 +199,29 @@ def test_errors_timeouts_and_calls_past_the_limit_are_results_the_model_reads(fo
     box.close()
     assert [c.result for c in made.calls] == ["2", "error: no more tool calls (max_tool_calls 1)"]
     assert [c.error for c in made.calls] == [False, True]
+
+
+@pytest.mark.slow  # the tool worker is a process
+def test_the_worker_stops_a_hung_tool_survives_a_crash_and_silences_prints(folder, tok, capfd):
+    trigger = r"\[([^\]=]*)="
+    cases = {
+        "boom": "error: ValueError: cannot read 1",
+        "hang": "error: the tool did not answer within 0.5 s",
+        "noisy": "quiet",
+        "crash": "error: the tool crashed its process",
+    }
+    for name, expected in cases.items():
+        backend = Scripted(tok, [("x [1=", False), (" y {1+1=", False), (" ok.", True)])
+        # `add` answers the second call: in a new worker after a hang or a crash
+        box = toolbox(folder, tok, (name, trigger, "]"), ("add", r"\{([^\}=]*)=", "}"), timeout_s=0.5)
+        [[made]] = generate_with_tools(backend, [[5]], SamplingParams(max_new_tokens=60), box)
+        box.close()
+        assert made.finished and [c.result for c in made.calls] == [expected, "2"], name
+        assert made.calls[0].error == (name in ("boom", "crash")) and made.calls[0].timeout == (
+            name == "hang"
+        )
+    printed = capfd.readouterr()
+    assert "a tool that prints" not in printed.out + printed.err and "fd 2" not in printed.out + printed.err
 
 
 def test_inserted_results_count_toward_max_new_tokens(folder, tok):

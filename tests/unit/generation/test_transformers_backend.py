@@ -138,6 +138,7 @@ def test_streaming_raises_the_generation_error(tokenizer, tiny, monkeypatch: pyt
         list(stream_chat(tiny, tokenizer, "Hi"))
 
 
+@pytest.mark.slow  # the real model
 def test_real_model_answers(smollm2: SmolLM2) -> None:
     model, tokenizer = load_for_inference(str(smollm2.folder))
     rows = [

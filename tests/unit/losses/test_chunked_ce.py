@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
-from finetune.data.collate import collate_rows
+from finetune.data.batching.collate import collate_rows
 from finetune.errors import FinetuneError
 from finetune.losses.chunked_ce import (
     causal_lm_loss,

@@ -78,10 +78,8 @@ def trl_trainer(model, tmp: str, **options):
     from tests.unit.losses.test_preference_losses import word_tokenizer
 
     beta = options.pop("beta", 0.0)
-    args = trl.GRPOConfig(
-        output_dir=tmp, report_to=[], use_cpu=True, seed=0, bf16=False, num_generations=2, per_device_train_batch_size=4,
-        **options,
-    )  # fmt: skip
+    options = {"num_generations": 2, "per_device_train_batch_size": 4, **options}
+    args = trl.GRPOConfig(output_dir=tmp, report_to=[], use_cpu=True, seed=0, bf16=False, **options)
     trainer = trl.GRPOTrainer(
         model=model,
         reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
@@ -169,23 +167,31 @@ def test_losses_and_gradients_equal_trls(loss_type, options):
 
 
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
-def test_advantages_equal_trls(scale_rewards):
-    """TRL's formula (GRPOTrainer._generate_and_score_completions, one reward function, weight 1)."""
-    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.0, 2.0, 2.0])
-    num_generations = 2
-    grouped = rewards.view(-1, num_generations)
-    mean = grouped.mean(1).repeat_interleave(num_generations)
-    std = {
-        "group": grouped.std(1).repeat_interleave(num_generations),
-        "batch": rewards.std().expand_as(rewards),
-    }
-    expected = rewards - mean
-    if scale_rewards != "none":
-        expected = expected / (std[scale_rewards] + 1e-4)
-    advantages, flat = pg.group_advantages(
-        rewards, num_generations=num_generations, scale_rewards=scale_rewards
+def test_advantages_equal_trls(scale_rewards, tmp_path):
+    """TRL's own code: GRPOTrainer._generate_and_score_completions on fixed completions (its generation
+    replaced by them) with a reward function giving fixed rewards, against group_advantages."""
+    rewards = [1.0, 0.0, 1.0, 1.0, 0.5, 0.0, 2.0, 2.0]
+    completions = [f"w{k + 1}" for k in range(len(rewards))]  # distinct words of the test vocabulary
+    by_text = dict(zip(completions, rewards, strict=True))
+    trainer = trl_trainer(
+        tiny_llama(), str(tmp_path), scale_rewards=scale_rewards, per_device_train_batch_size=8
     )
-    torch.testing.assert_close(advantages, expected)
+    trainer.reward_funcs = [lambda completions, **kwargs: [by_text[c] for c in completions]]
+    trainer.reward_func_names = ["fixed"]
+    trainer.reward_weights = torch.ones(1)
+    tokenizer = trainer.processing_class
+    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
+    prompt = tokenizer("w1 w2", add_special_tokens=False)["input_ids"]
+
+    def fixed_generation(prompts):
+        return [prompt] * len(prompts), ids, None, completions, None, {}, None, None
+
+    trainer._generate = fixed_generation
+    trainer.model.eval()
+    with torch.no_grad():
+        out = trainer._generate_and_score_completions([{"prompt": "w1 w2"} for _ in rewards])
+    ours, flat = pg.group_advantages(torch.tensor(rewards), num_generations=2, scale_rewards=scale_rewards)
+    torch.testing.assert_close(ours, out["advantages"].cpu().float())
     assert flat.tolist() == [False, False, True, True, False, False, True, True]
 
 
@@ -284,10 +290,8 @@ def trl_rloo_trainer(model, tmp: str, **options):
 
     from tests.unit.losses.test_preference_losses import word_tokenizer
 
-    args = trl.RLOOConfig(
-        output_dir=tmp, report_to=[], use_cpu=True, seed=0, bf16=False, num_generations=2, per_device_train_batch_size=4,
-        beta=0.0, **options,
-    )  # fmt: skip
+    options = {"num_generations": 2, "per_device_train_batch_size": 4, "beta": 0.0, **options}
+    args = trl.RLOOConfig(output_dir=tmp, report_to=[], use_cpu=True, seed=0, bf16=False, **options)
     trainer = trl.RLOOTrainer(
         model=model,
         reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
@@ -345,42 +349,50 @@ def test_rloo_sequence_loss_and_gradients_equal_trls(options):
 
 
 @pytest.mark.parametrize("normalize", [False, True])
-def test_rloo_advantages_and_reward_kl_equal_trls(normalize):
-    """TRL's formula (RLOOTrainer._generate_and_score_completions): rewards minus beta x each completion's
-    summed log(old / ref), then each minus the mean of its group's others, then (normalize_advantages)
-    (A - mean) / (std + 1e-4) over the step."""
-    g = torch.Generator().manual_seed(2)
-    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.0, 2.0, 1.0, 0.0])
-    old, ref = torch.randn(9, 5, generator=g), torch.randn(9, 5, generator=g)
-    completion_mask = (torch.rand(9, 5, generator=g) > 0.3).float()
-    beta, num_generations = 0.05, 3
-    # TRL's lines, on the padded layout:
-    kl = ((old - ref) * completion_mask).sum(-1)
-    trl_rewards = rewards - beta * kl
-    grouped = trl_rewards.view(-1, num_generations)
-    baselines = ((grouped.sum(1, keepdim=True) - grouped) / (num_generations - 1)).view(-1)
-    expected = trl_rewards - baselines
-    if normalize:
-        expected = (expected - expected.mean()) / (expected.std() + 1e-4)
-    # Ours: the KL sums through the rollout's packed micro-batches, then the estimator.
-    from finetune.objectives.rollout import completion_sums, pack_completions
+def test_rloo_advantages_and_reward_kl_equal_trls(normalize, tmp_path):
+    """TRL's own code: RLOOTrainer._generate_and_score_completions on fixed completions (its generation
+    replaced by them), fixed rewards and a reference model, against ours: each completion's summed
+    log(policy / reference) over the packed rows paid from its reward (beta), then leave-one-out
+    advantages (normalize_advantages: scale_rewards batch)."""
+    import copy
 
-    lengths = completion_mask.sum(1).long().tolist()
-    sequences = [([1], list(range(3, 3 + n)), True, 0.0) for n in lengths]
-    batches = pack_completions(sequences, per_batch=4, pad_token_id=0)
-    kept = [completion_mask[r].bool() for r in range(9)]
-    start = 0
-    for batch in batches:  # each completion's kept tokens' log-probs, in order
-        n = int(batch["num_sequences"])
-        trained = batch["seq_index"] >= 0
-        batch["old_logps"][trained] = torch.cat([old[r][kept[r]] for r in range(start, start + n)])
-        batch["ref_logps"][trained] = torch.cat([ref[r][kept[r]] for r in range(start, start + n)])
-        start += n
-    ours_kl = completion_sums(batches, lambda b: b["old_logps"] - b["ref_logps"])
-    torch.testing.assert_close(ours_kl, kl)
-    advantages, _ = pg.leave_one_out_advantages(
-        rewards - beta * ours_kl,
-        num_generations=num_generations,
-        scale_rewards="batch" if normalize else "none",
+    from finetune.objectives.rollout import completion_sums, pack_completions, token_logps_at
+
+    rewards = [1.0, 0.0, 1.0, 1.0, 0.5, 0.0, 2.0, 1.0]
+    completions = ["w1 w2", "w3", "w4 w5 w6", "w7", "w2 w2", "w8 w1", "w3 w3 w3", "w5"]
+    by_text = dict(zip(completions, rewards, strict=True))
+    policy = tiny_llama()
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    beta = 0.1
+    trainer = trl_rloo_trainer(
+        policy, str(tmp_path), per_device_train_batch_size=8, normalize_advantages=normalize
     )
-    torch.testing.assert_close(advantages, expected)
+    # TRL patches the models it prepares (a fused head returning log-probs): the reference goes through a
+    # trainer of its own, as TRL would load it
+    reference_trainer = trl_rloo_trainer(reference, str(tmp_path / "ref"), per_device_train_batch_size=8)
+    trainer.beta, trainer.ref_model = beta, reference_trainer.model
+    trainer.reward_funcs = [lambda completions, **kwargs: [by_text[c] for c in completions]]
+    trainer.reward_func_names = ["fixed"]
+    trainer.reward_weights = torch.ones(1)
+    tokenizer = trainer.processing_class
+    eos = tokenizer.eos_token_id
+    ids = [[*tokenizer(c, add_special_tokens=False)["input_ids"], eos] for c in completions]  # all finished
+    prompt = tokenizer("w1 w2", add_special_tokens=False)["input_ids"]
+    trainer._generate = lambda prompts: ([prompt] * len(prompts), ids, completions)
+    trainer.model.eval()
+    with torch.no_grad():
+        out = trainer._generate_and_score_completions([{"prompt": "w1 w2"} for _ in rewards])
+    batches = pack_completions([(prompt, c, True, 0.0) for c in ids], per_batch=3, pad_token_id=0)
+    with torch.no_grad():
+        for batch in batches:
+            batch["old_logps"] = token_logps_at(policy.eval(), batch)
+            batch["ref_logps"] = token_logps_at(reference, batch)
+    kl = completion_sums(batches, lambda b: b["old_logps"] - b["ref_logps"])
+    ours, _ = pg.leave_one_out_advantages(
+        torch.tensor(rewards) - beta * kl, num_generations=2, scale_rewards="batch" if normalize else "none"
+    )
+    torch.testing.assert_close(ours, out["advantages"].cpu().float(), rtol=1e-5, atol=1e-6)
+    assert (kl.abs() > 1e-3).all()  # the reference differs: the KL term moves the advantages

@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from finetune.data.collate import collate_rows
+from finetune.data.batching.collate import collate_rows
 from finetune.errors import FinetuneError
 from finetune.losses import preference as pref
 from finetune.losses.causal_lm import forward

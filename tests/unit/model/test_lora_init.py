@@ -12,7 +12,7 @@ from peft import EvaConfig, LoraConfig, get_peft_model, initialize_lora_eva_weig
 from peft.tuners.lora.config import CordaConfig
 from peft.tuners.lora.corda import preprocess_corda
 
-from finetune.data.collate import collate_rows
+from finetune.data.batching.collate import collate_rows
 from finetune.errors import FinetuneError
 from finetune.model.adapters import apply_lora, init_modifies_base
 from finetune.model.lora_init import CORDA_FILE, EVA_FILE, InitData, real_tokens

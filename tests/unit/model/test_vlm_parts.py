@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from transformers import AutoModelForImageTextToText, Idefics3Config
 from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-from finetune.data.vision import collate_vlm
+from finetune.data.batching.vision import collate_vlm
 from finetune.model.adapters import apply_lora
 from finetune.model.vlm import freeze, lora_settings, parts
 from finetune.recipe import Recipe, validate_recipe

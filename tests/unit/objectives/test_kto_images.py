@@ -20,8 +20,8 @@ import torch
 from PIL import Image
 
 from finetune.constants import IGNORE_INDEX
-from finetune.data.preference import pack_examples
-from finetune.data.vision_kto import collate_vlm_kto, with_kl_rows
+from finetune.data.batching.pairs import pack_examples
+from finetune.data.batching.vision import collate_vlm_kto, with_kl_rows
 from finetune.losses import preference as pref
 from finetune.objectives.preference import PreferenceObjective
 from finetune.objectives.preference_scores import completion_logps, policy_logps

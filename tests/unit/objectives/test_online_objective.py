@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune.data.sampler import RankBatchSampler, RepeatBatchSampler
+from finetune.data.batching.sampler import RankBatchSampler, RepeatBatchSampler
 from finetune.engine.extra_state import load_extra, save_extra
 from finetune.losses import policy_gradient as pg
 from finetune.losses.causal_lm import forward
@@ -41,7 +41,7 @@ def sequences(n: int = 6, seed: int = 0) -> list[tuple[list[int], list[int], boo
 def objective(loss_type: str, **settings) -> OnlineObjective:
     obj = OnlineObjective.__new__(OnlineObjective)  # the parts `loss` and `units` read, without a build
     obj.ahead = None
-    obj.toolbox, obj.prompt_fields = None, []  # no tools in the loop
+    obj.toolbox, obj.message_fields = None, []  # no tools in the loop
     obj.settings = GrpoSection(
         loss_type=loss_type, max_new_tokens=8, rewards=[{"name": "length"}], **settings
     )
@@ -455,3 +455,26 @@ def test_async_rollouts_sample_the_next_step_with_one_step_old_weights():
     obj.after_update(policy)
     third, _ = obj.rollout(policy, items([3], []), step=3)  # rows 3 were not made ahead (2 were): in step
     assert obj.ahead.key is None and len(third) == 1
+
+
+def test_prompt_rows_a_reward_cannot_score_and_prompts_too_long_for_the_model_are_errors():
+    import datasets
+
+    from finetune.errors import FinetuneError
+    from finetune.objectives.rollout import check_lengths, check_reward_columns
+
+    specs = GrpoSection(rewards=[{"name": "exact_match", "field_expected": "answer"}]).rewards
+    rows = datasets.Dataset.from_dict(
+        {"row": ['{"q": "a", "answer": "#### 1"}', '{"q": "b", "answer": null}', '{"q": "c", "answer": ""}'],
+         "input_ids": [[1, 2, 3], [1, 2], [1]]}
+    )  # fmt: skip
+    with pytest.raises(FinetuneError, match=r"2 of 3 prompt rows have no 'answer' .*rows 1, 2\)"):
+        check_reward_columns(specs, rows)
+    check_reward_columns(specs, rows.select([0]))
+    with pytest.raises(FinetuneError, match="no column 'answer'"):
+        check_reward_columns(specs, datasets.Dataset.from_dict({"row": ['{"q": "a"}'], "input_ids": [[1]]}))
+    check_lengths(rows, 5, 8)  # 3 + 5 fits 8 positions
+    with pytest.raises(
+        FinetuneError, match=r"longest prompt \(3 tokens\) .* lower max_new_tokens to 5 or less"
+    ):
+        check_lengths(rows, 6, 8)

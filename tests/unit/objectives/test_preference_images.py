@@ -23,8 +23,8 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, Idefics3Config
 
 from finetune.constants import IGNORE_INDEX
-from finetune.data.preference import pack_examples
-from finetune.data.vision import collate_vlm_pairs
+from finetune.data.batching.pairs import pack_examples
+from finetune.data.batching.vision import collate_vlm_pairs
 from finetune.losses import preference as pref
 from finetune.objectives.preference import PreferenceObjective
 from finetune.objectives.preference_scores import policy_logps
@@ -375,7 +375,7 @@ def test_vision_language_recipes_take_the_offline_preference_objectives_and_refu
 
     for name in ("dpo", "ipo", "simpo", "orpo"):
         assert validate_recipe(recipe(name)).data.sample_packing is False
-    # kto too, unpacked: its KL rows are built over the split (finetune.data.vision_kto).
+    # kto too, unpacked: its KL rows are built over the split (finetune.data.batching.vision).
     assert validate_recipe(recipe("kto", "kto")).data.sample_packing is False
     with pytest.raises(ValidationError) as info:
         validate_recipe(recipe("grpo", "prompt"))

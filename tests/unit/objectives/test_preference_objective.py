@@ -12,8 +12,8 @@ import datasets
 import pytest
 import torch
 
-from finetune.data.collate import collate_preference, collate_rows
-from finetune.data.preference import pack_examples
+from finetune.data.batching.collate import collate_preference, collate_rows
+from finetune.data.batching.pairs import pack_examples
 from finetune.engine.step import train_step
 from finetune.losses import preference as pref
 from finetune.losses.causal_lm import forward

@@ -170,3 +170,53 @@ def test_the_environment_reward_reads_each_completions_environment():
     backend = SimpleNamespace(tokenizer=tokenizer, stops=[2])
     _, _, total = score(rewards, backend, made, rows)
     assert total.tolist() == [2.5, -1.0] and rows[0][ENVIRONMENT_KEY] == 2.5
+
+
+def test_async_rollouts_run_the_tools_in_the_background_and_checkpoint_the_rollout_made_ahead(tmp_path):
+    """grpo.async_rollouts with tools: the next step's rollout runs the tool loop in the background (the
+    worker's calls serialized), and what it made (batches, tool figures, logged calls) goes through the
+    checkpoint's extra state and gives the same step as a rollout made in step with those weights."""
+    from finetune.engine.extra_state import load_extra, save_extra
+    from finetune.generation.tools import load_tools
+    from finetune.generation.transformers_backend import TransformersBackend
+    from finetune.objectives.ahead import AheadRollout, MarkedRows
+    from tests.tiny import tiny_model
+
+    (tmp_path / "marks.py").write_text("def mark(vowel):\n    return vowel.upper()\n")
+    tokenizer = AutoTokenizer.from_pretrained("recipes/demo/tokenizer")
+    torch.manual_seed(0)
+    policy = tiny_model(vocab_size=len(tokenizer), initializer_range=0.2, eos_token_id=2, pad_token_id=3)
+    obj = online_objective(tokenizer, [[5, 2]], temperature=1.0, log_completions=2)
+    obj.settings = obj.settings.model_copy(update={"max_new_tokens": 16})
+    obj.ahead, obj.backend = AheadRollout(), TransformersBackend(copy.deepcopy(policy), tokenizer)
+    obj._waits_logged = 0.0
+    obj.model = policy
+    obj.accelerator.unwrap_model = lambda m: m
+    obj.accelerator.trackers = []
+    obj.reference = SimpleNamespace(forward_passes=0)
+    spec = SimpleNamespace(function="marks.py:mark", trigger="([aeiou])", close="|")
+    obj.toolbox = load_tools(
+        [spec], tokenizer=tokenizer, max_tool_calls=3, timeout_s=5, base=tmp_path, label="grpo"
+    )
+    rows = [{"input_ids": [1, 5 + k, 6], "row_index": k, "row": '{"q": "x"}'} for k in range(3)]
+    marked = MarkedRows(rows)
+    try:
+        obj.rollout(policy, [[marked[k] for k in (0, -1, 1)]], step=1)  # row 1 made in the background
+        saved = tmp_path / "ckpt"
+        saved.mkdir()
+        save_extra({"rollout_ahead": obj.ahead}, saved)
+        resumed = AheadRollout()
+        load_extra({"rollout_ahead": resumed}, saved)
+        obj.ahead = resumed
+        ahead_batches, ahead_stats = obj.rollout(policy, [[marked[k] for k in (1, -1)]], step=2)
+        obj.ahead = None  # the same step in step, the same weights
+        in_step, stats = obj.rollout(policy, [rows[1:2]], step=2)
+    finally:
+        obj.toolbox.close()
+    assert stats["tool_calls_sum"] > 0 and ahead_stats["tool_calls_sum"] == stats["tool_calls_sum"]
+    for a, b in zip(ahead_batches, in_step, strict=True):
+        assert (
+            a["input_ids"].tolist() == b["input_ids"].tolist()
+            and a["labels"].tolist() == b["labels"].tolist()
+        )
+    assert any((b["labels"] == -100).sum() > 3 for b in in_step)  # the inserted results are not trained

@@ -57,3 +57,26 @@ def test_valid_variants_pass():
     GrpoSection(
         rewards=REWARDS, loss_type="dapo", beta=0.1, kl_in_reward=True
     )  # GRPO may pay its KL in the reward too
+
+
+def test_validate_names_a_reward_file_that_does_not_exist(tmp_path):
+    """`function: nope.py:f` is found beside the recipe or in the current folder; neither: a recipe error
+    at validate, without importing anything."""
+    import shutil
+    from pathlib import Path
+
+    from finetune.errors import RecipeError
+    from finetune.recipe import load_recipe
+
+    demo = Path(__file__).resolve().parents[3] / "recipes" / "demo"
+    recipe = tmp_path / "grpo.yaml"
+    shutil.copy(demo / "tiny_grpo_cpu.yaml", recipe)
+    with pytest.raises(
+        RecipeError, match=r"grpo\.rewards\[0\]\.function: got 'nope\.py:f': the file nope\.py does not exist"
+    ):
+        load_recipe(recipe, ["--grpo.rewards", "[{function: nope.py:f}]"])
+    (tmp_path / "mine.py").write_text("def f(completions, rows):\n    return [0.0] * len(completions)\n")
+    assert (
+        load_recipe(recipe, ["--grpo.rewards", "[{function: mine.py:f}]"]).grpo.rewards[0].function
+        == "mine.py:f"
+    )

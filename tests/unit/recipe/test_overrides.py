@@ -276,7 +276,7 @@ def test_dict_key_of_a_text_value_is_an_error() -> None:
         ("train..lr", "empty part"),
         (
             "zzz",
-            "'zzz' is not a field of the recipe (fields: model, data, train, lora, hub, eval, preference, grpo, diffusion)",
+            "'zzz' is not a field of the recipe (fields: model, data, train, lora, hub, eval, preference, reward, grpo, diffusion)",
         ),
     ],
 )

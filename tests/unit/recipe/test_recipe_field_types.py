@@ -216,3 +216,18 @@ def test_every_numeric_field_refuses_true():
         assert at_field and at_field[0]["input"] is True, f"{cls.__name__}.{name} took true"
         checked.append(f"{cls.__name__}.{name}")
     assert len(checked) > 60, checked  # the schema has ~80 numeric fields: the walk found them
+
+
+@pytest.mark.parametrize(
+    "weight, says", [(1e6, "is at most 1000"), (1e300, "is at most 1000"), (float("inf"), "finite number")]
+)
+def test_a_mixture_weight_beyond_what_data_can_draw_is_refused_at_validate(weight, says):
+    """A weight of 1e6 asked for a 21 GiB index and 1e300 overflowed: both tracebacks at prepare. At most
+    1000 (each row 1000 times), said at validate."""
+    from pydantic import ValidationError
+
+    from finetune.recipe import dataset_entry
+
+    with pytest.raises(ValidationError, match=says):
+        dataset_entry(path="d.jsonl", type="completion", weight=weight)
+    assert dataset_entry(path="d.jsonl", type="completion", weight=1000).weight == 1000

@@ -6,7 +6,7 @@ import datasets
 import pytest
 
 from finetune.data.formats import chat_template
-from finetune.data.rows import BadRow
+from finetune.data.formats.rows import BadRow
 from finetune.errors import DataError
 from finetune.recipe import DatasetEntry, dataset_entry
 

@@ -9,9 +9,9 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
-from finetune.data import formats
-from finetune.data.formats import FORMATS
-from finetune.data.tokenize import tokenize_dataset
+from finetune.data.formats import registry
+from finetune.data.formats.registry import FORMATS
+from finetune.data.formats.tokenize import tokenize_dataset
 from finetune.diffusion.sources import load_entry
 from finetune.errors import DataError
 from finetune.recipe import DatasetEntry, DiffusionSection, dataset_entry
@@ -72,7 +72,7 @@ def entry(**kw) -> DatasetEntry:
 def test_check_columns_missing_with_did_you_mean() -> None:
     e = entry(type="input_output", field_prompt="questoin", field_completion="answer")
     with pytest.raises(DataError) as err:
-        formats.check_columns(e, ["question", "answer"], entry_label="data.datasets[2]")
+        registry.check_columns(e, ["question", "answer"], entry_label="data.datasets[2]")
     msg = str(err.value)
     assert "data.datasets[2]" in msg and "data/x.jsonl" in msg
     assert "'questoin'" in msg and "['question', 'answer']" in msg
@@ -81,24 +81,24 @@ def test_check_columns_missing_with_did_you_mean() -> None:
 
 
 def test_check_columns_each_type() -> None:
-    formats.check_columns(entry(type="completion"), ["text"])
-    formats.check_columns(entry(type="alpaca"), ["instruction", "output"])  # input is optional
-    formats.check_columns(entry(type="alpaca"), ["instruction", "input", "output"])
-    formats.check_columns(entry(type="chat_template"), ["messages", "id"])
-    formats.check_columns(entry(type="tokenized"), ["input_ids"])
-    formats.check_columns(entry(type="preference"), ["chosen", "rejected"])  # prompt is optional
-    formats.check_columns(entry(type="kto"), ["prompt", "completion", "label"])
+    registry.check_columns(entry(type="completion"), ["text"])
+    registry.check_columns(entry(type="alpaca"), ["instruction", "output"])  # input is optional
+    registry.check_columns(entry(type="alpaca"), ["instruction", "input", "output"])
+    registry.check_columns(entry(type="chat_template"), ["messages", "id"])
+    registry.check_columns(entry(type="tokenized"), ["input_ids"])
+    registry.check_columns(entry(type="preference"), ["chosen", "rejected"])  # prompt is optional
+    registry.check_columns(entry(type="kto"), ["prompt", "completion", "label"])
     with pytest.raises(DataError, match="'text'"):
-        formats.check_columns(entry(type="completion"), ["content"])
+        registry.check_columns(entry(type="completion"), ["content"])
     with pytest.raises(DataError, match="'input_ids'"):
-        formats.check_columns(entry(type="tokenized"), ["ids", "labels"])
+        registry.check_columns(entry(type="tokenized"), ["ids", "labels"])
     # An explicitly mapped input column must exist: no silent fallback to "no input".
     with pytest.raises(DataError, match="'context'"):
-        formats.check_columns(entry(type="alpaca", field_input="context"), ["instruction", "output"])
+        registry.check_columns(entry(type="alpaca", field_input="context"), ["instruction", "output"])
     with pytest.raises(DataError, match="'label'"):
-        formats.check_columns(entry(type="kto"), ["prompt", "completion"])
+        registry.check_columns(entry(type="kto"), ["prompt", "completion"])
 
 
 def test_image_types_have_no_llm_format() -> None:
     with pytest.raises(DataError, match="unknown dataset type 'images'"):
-        formats.format_of(entry(type="images"))
+        registry.format_of(entry(type="images"))

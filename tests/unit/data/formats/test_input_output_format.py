@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from finetune.data.chat import pair_turns
 from finetune.data.formats import input_output
-from finetune.data.rows import BadRow
+from finetune.data.formats.chat import pair_turns
+from finetune.data.formats.rows import BadRow
 from finetune.recipe import DatasetEntry, dataset_entry
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from finetune.data.formats import kto
-from finetune.data.rows import MISSING_FIELD, NOT_A_BOOLEAN
+from finetune.data.formats.rows import MISSING_FIELD, NOT_A_BOOLEAN
 from finetune.recipe import dataset_entry
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import datasets
 
-from finetune.data.completions import CompletionsRow
 from finetune.data.formats import preference
-from finetune.data.rows import IDENTICAL_COMPLETIONS, MISSING_FIELD
+from finetune.data.formats.preference import CompletionsRow
+from finetune.data.formats.rows import IDENTICAL_COMPLETIONS, MISSING_FIELD
 from finetune.recipe import DatasetEntry, dataset_entry
 
 

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from finetune.constants import IGNORE_INDEX
-from finetune.data.tokenize import tokenize_dataset
+from finetune.data.formats.tokenize import tokenize_dataset
 from finetune.recipe import dataset_entry
 
 DEMO_TOKENIZER = Path(__file__).resolve().parents[4] / "recipes" / "demo" / "tokenizer"
@@ -93,7 +93,7 @@ def test_prepare_keeps_answers_that_look_like_json_as_the_strings_they_are(tmp_p
     """GSM8K-style answers in a column where other rows hold a list of accepted answers: "42",
     "null" and "[1, 2]" reach the rewards as those strings (datasets' Json column read them as 42,
     None and a list)."""
-    from finetune.data.prepare import prepare
+    from finetune.data.prepare.build import prepare
     from finetune.recipe import validate_recipe
 
     answers = ["42", "null", "[1, 2]", ["7", "seven"]]
