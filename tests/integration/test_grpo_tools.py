@@ -65,6 +65,16 @@ def finetune(name: str, out: Path, prepared: Path, *args: str, **kw) -> subproce
     return result
 
 
+def inserted(text: str, completion: str) -> bool:
+    """`text` is in the completion, or the completion ends inside it: inserted results count toward
+    max_new_tokens, so the budget may end within one (and no shorter prefix than a token).
+
+    >>> inserted("AA]", "xAA] b"), inserted("error: V]", "be error: V"), inserted("AA]", "xA b")
+    (True, True, False)
+    """
+    return text in completion or any(completion.endswith(text[:k]) for k in range(2, len(text)))
+
+
 def steps_of(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in progress(out) if r.get("event") is None and "loss" in r}
 
@@ -92,9 +102,11 @@ def test_grpo_with_an_inline_tool_logs_its_calls_and_scores_with_it(trained, roo
     assert sum(r["tool_errors"] for r in steps.values()) > 0  # every 'e' raises: an error result, no crash
     samples = [s for r in steps.values() for s in r["completions_sample"]]
     shown = [s for s in samples if "shout(['a']) -> AA" in s["tool_calls"]]
-    assert shown and all("AA]" in s["completion"] for s in shown)  # the result as inserted, then close
+    assert shown and all(
+        inserted("AA]", s["completion"]) for s in shown
+    )  # the result as inserted, then close
     errors = [s for s in samples if "e is too quiet" in s["tool_calls"]]
-    assert all("error: ValueError: e is too quiet]" in s["completion"] for s in errors)
+    assert errors and all(inserted("error: ValueError: e is too quiet]", s["completion"]) for s in errors)
     (evaluated,) = [r for r in progress(trained) if r.get("event") == "eval"]
     assert evaluated["eval_tool_calls"] > 0
 
@@ -174,11 +186,16 @@ def test_finetune_eval_and_chat_call_the_tools(trained, root):
                   "--eval.generation_sets", sets, "--output", str(out)])  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "    tools: shout(" in result.stdout
-    samples = json.loads(out.read_text())["results"]["tuned"]["generation"]["shouts"]["samples"]
-    assert any(s["tool_calls"] for s in samples) and "shouting" not in result.stdout + result.stderr
+    results = json.loads(out.read_text())["results"]
+    # base and tuned both generate with the tool (which of them writes an 'a' or 'e' greedily depends on
+    # the random tiny model): every sample lists its calls, and some made calls
+    samples = [s for model in ("base", "tuned") for s in results[model]["generation"]["shouts"]["samples"]]
+    assert all("tool_calls" in s for s in samples) and any(s["tool_calls"] for s in samples)
+    assert "shouting" not in result.stdout + result.stderr
 
+    # any lowercase letter calls it: the tuned tiny model may write no 'a' or 'e' (it collapses to 'un...')
     chat = run([sys.executable, "-m", "finetune.cli", "chat", str(trained), "--prompt", "What is 2 + 3?",
-                "--tool", f"{tool}:([ae])", "--tool-close", "]", "--max-new-tokens", "16"])  # fmt: skip
+                "--tool", f"{tool}:([a-z])", "--tool-close", "]", "--max-new-tokens", "16"])  # fmt: skip
     assert chat.returncode == 0, chat.stderr[-3000:]
     assert "[tool] shout(['" in chat.stdout and "shouting" not in chat.stdout + chat.stderr
     bad = run([sys.executable, "-m", "finetune.cli", "chat", str(trained), "--prompt", "Hi",
