@@ -22,6 +22,10 @@ class InProcessRunner:
         self.lock = threading.Lock()
         self.generation = 0
         self.state: dict | None = None
+        self.stopping = threading.Event()
+
+    def stop(self) -> None:
+        self.stopping.set()
 
     def _start(self) -> None:
         self.state, self.generation = {}, self.generation + 1
@@ -38,6 +42,8 @@ class InProcessRunner:
             return self.generation
 
     def request(self, request: dict) -> CallResult:
+        if self.stopping.is_set():
+            return CallResult("error: the run is stopping (a stop signal)", timeout=True)
         with self.lock:
             if self.state is None:
                 self._start()

@@ -1,4 +1,7 @@
-"""Tools run in a process of their own: a hung tool is stopped, and its prints reach nobody.
+"""Tools, environments and reward functions run in a process of their own: a hung one is stopped, and
+its prints reach nobody. (Rewards: finetune.generation.rewards.WorkerReward, with grpo.reward_timeout_s;
+their values come back as JSON numbers, `plain_values`.) `stop()` (a stop signal) ends a pending call at
+once, and later calls answer at once, as timeouts.
 
 Why a process and not a thread: Python cannot stop a thread, so a tool stuck in a loop would hold the
 run forever (and a thread shares the run's stdout, where its prints would mix with the progress bar).
@@ -54,7 +57,9 @@ class ToolRunner:
         self.proc: subprocess.Popen | None = None
         self.lock = threading.Lock()
         self.generation = 0  # worker starts: an episode made by an earlier worker is replayed
+        self.stopping = threading.Event()  # set by `stop()`: no call waits any more
         self._buffer = b""
+        self._exited = False
 
     def _start(self) -> None:
         import finetune
@@ -80,7 +85,7 @@ class ToolRunner:
         """Send one request, wait up to `timeout` s for its answer; None: no answer in time (or the
         worker died)."""
         try:
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.write((json.dumps(request, default=str) + "\n").encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             return None
@@ -88,10 +93,13 @@ class ToolRunner:
         fd = self.proc.stdout.fileno()
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or self.stopping.is_set():
                 return None
+            if not select.select([fd], [], [], min(left, 0.1))[0]:  # a tenth: `stop()` is seen soon
+                continue
             chunk = os.read(fd, 1 << 16)
-            if not chunk:  # the worker exited
+            if not chunk:  # the worker exited (perhaps not reaped yet: poll() may still say it runs)
+                self._exited = True
                 return None
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
@@ -104,17 +112,29 @@ class ToolRunner:
                 self._start()
             return self.generation
 
+    def stop(self) -> None:
+        """The run is stopping (a stop signal: finetune.engine.loop.StopFlag): a pending call ends now,
+        and later ones answer at once, as timeouts. Safe in a signal handler (it only sets an event)."""
+        self.stopping.set()
+
     def request(self, request: dict) -> CallResult:
         """One call (see the module docstring): its result, or an error / timeout result."""
+        if self.stopping.is_set():
+            return CallResult("error: the run is stopping (a stop signal)", timeout=True)
         with self.lock:
             if self.proc is None or self.proc.poll() is not None:
                 self._start()
             started = time.perf_counter()
+            self._exited = False
             answer = self._exchange(request, timeout=self.timeout_s)
             seconds = time.perf_counter() - started
             if answer is None:
-                died = self.proc.poll() is not None
+                died = self._exited or self.proc.poll() is not None
                 self.close()  # killed: the next call starts a fresh worker
+                if self.stopping.is_set():
+                    return CallResult(
+                        "error: the run is stopping (a stop signal)", timeout=True, seconds=seconds
+                    )
                 if died:
                     return CallResult("error: the tool crashed its process", error=True, seconds=seconds)
                 return CallResult(
@@ -180,10 +200,40 @@ def _answer(request: dict, functions: list, episodes: dict) -> dict:
         observation, reward, done = episodes[request["episode"]].step(request["text"])
         reward = float(reward)
         return {"text": "" if observation is None else str(observation), "value": [reward, bool(done)]}
+    if op == "reward":  # a reward function on a step's completions (finetune.generation.rewards)
+        try:
+            values = functions[request["fn"]](request["completions"], request["rows"])
+        except (SystemExit, KeyboardInterrupt) as exc:  # would end the worker without a word
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"text": "", "value": plain_values(values)}
     if op == "env_close":
         episodes.pop(request["episode"], None)
         return {"text": ""}
     raise ValueError(f"unknown request {op!r}")
+
+
+def plain_values(values: Any) -> dict:
+    """What a reward function returned, as JSON for the pipe: {"values": [...]} with each value a float
+    when it is a real number (Python, numpy or a one-element torch tensor; not a bool), else {"shown":
+    its repr}; {"not_list": type name} for a value that is no list. The training process checks them
+    (finetune.generation.rewards.score_rewards), as it checks a reward run in its own process.
+
+    >>> plain_values([1, 0.5, True, "x"]), plain_values({"a": 1})
+    ({'values': [1.0, 0.5, {'shown': 'True'}, {'shown': "'x'"}]}, {'not_list': 'dict'})
+    """
+    import numbers
+
+    if isinstance(values, (dict, str, bytes)) or not hasattr(values, "__iter__"):
+        return {"not_list": type(values).__name__}
+    out = []
+    for value in values:
+        if hasattr(value, "numel") and hasattr(value, "item") and value.numel() == 1:
+            value = value.item()  # a torch scalar (the worker imports no torch itself)
+        is_bool = isinstance(value, bool) or type(value).__name__ == "bool_"
+        out.append(
+            float(value) if isinstance(value, numbers.Real) and not is_bool else {"shown": repr(value)[:200]}
+        )
+    return {"values": out}
 
 
 def main() -> None:

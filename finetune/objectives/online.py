@@ -200,6 +200,16 @@ class OnlineObjective:
         else:
             self.backend.sync_weights(unwrapped)
 
+    def on_stop_signal(self, name: str) -> None:
+        """SIGTERM / SIGINT (finetune.engine.loop.StopFlag, in the signal handler): a reward or tool call
+        waiting in its worker ends now, and later ones answer at once (as timeouts), so the step ends
+        soon and the run checkpoints; the loop then stops."""
+        runners = [getattr(r.fn, "runner", None) for r in self.rewards]
+        runners.append(self.toolbox.runner if self.toolbox is not None else None)
+        for runner in runners:
+            if runner is not None:
+                runner.stop()
+
     # --------------------------------------------------------------------------------- rollout
 
     def rollout(self, model, items: list, *, step: int) -> tuple[list[dict], dict[str, float]]:
@@ -222,18 +232,27 @@ class OnlineObjective:
         kl = None  # RLOO's KL term: each completion's sum of log(old / ref), paid out of its reward
         if settings.kl_in_reward and settings.beta > 0:
             kl = ro.completion_sums(batches, lambda b: b["old_logps"] - b["ref_logps"])
-        total = made["total"]
+        # A reward that timed out left NaN (grpo.reward_timeout_s): those completions' groups train no
+        # advantage this step (set to 0 after the estimator), and they count as 0 in the reward means.
+        failed = made["total"].isnan()
+        total = made["total"].nan_to_num(0.0)
+        per_reward = made["per_reward"].nan_to_num(0.0)
         trained_reward = total if kl is None else total - settings.beta * kl
         advantages, flat_groups = self._advantages(trained_reward)
+        if failed.any():
+            group = settings.num_generations
+            advantages = advantages.masked_fill(failed.view(-1, group).any(1).repeat_interleave(group), 0.0)
         ro.set_advantages(batches, advantages)
         if settings.num_iterations > 1:  # reused on the next steps (and checkpointed)
             self.buffer.keep(key, batches)
         self._keep_samples(
-            prompts, made["texts"], made["per_reward"], total, step, made.get("calls"), made.get("prompts")
+            prompts, made["texts"], per_reward, total, step, made.get("calls"), made.get("prompts")
         )
+        tools = made.get("tools") or {}
         stats = self._rollout_stats(
-            made["per_reward"], total, flat_groups, made["lengths"], made["finished"], kl, made.get("tools")
-        )
+            per_reward, total, flat_groups, made["lengths"], made["finished"], kl,
+            tools | {"reward_timeouts_sum": float(failed.sum())},
+        )  # fmt: skip
         if self.ahead is not None:  # the time training waited for the background rollout since the last step
             stats["rollout_wait_seconds"] = self.ahead.wait_seconds - self._waits_logged
             self._waits_logged = self.ahead.wait_seconds

@@ -207,6 +207,8 @@ def rollout_fields(interval: dict[str, float], rewards) -> dict[str, float]:
     fields["clipped_ratio"] = interval["clipped_completions"] / n
     if "reward_kl_sum" in interval:  # kl_in_reward: the mean KL each completion's reward paid
         fields["reward_kl"] = interval["reward_kl_sum"] / n
+    if interval.get("reward_timeouts_sum"):  # completions a reward timed out on (grpo.reward_timeout_s)
+        fields["reward_timeouts"] = interval["reward_timeouts_sum"]
     if "tool_calls_sum" in interval:  # tools in the loop: calls per completion, failures, time apart
         fields["tool_calls"] = interval["tool_calls_sum"] / n
         fields["tool_errors"] = interval["tool_errors_sum"]
@@ -244,13 +246,23 @@ def eval_rewards(
     else:
         flat, figures = complete(rows, params)
     _, per_reward, total = score(rewards, backend, flat, [json.loads(r["row"]) for r in rows])
-    fields = {"eval_reward": float(total.mean())}
-    fields |= {f"eval_reward/{r.name}": float(per_reward[:, i].mean()) for i, r in enumerate(rewards)}
+    # A reward that timed out gave NaN (finetune.generation.rewards.score_rewards): the means are over
+    # the completions it scored, and the others are counted.
+    fields = {"eval_reward": _mean_known(total)}
+    fields |= {f"eval_reward/{r.name}": _mean_known(per_reward[:, i]) for i, r in enumerate(rewards)}
+    if total.isnan().any():
+        fields["eval_reward_timeouts"] = int(total.isnan().sum())
     fields["eval_completion_length"] = sum(len(c.ids) for c in flat) / max(len(flat), 1)
     fields["eval_prompts"] = len(rows)
     if "tool_calls_sum" in figures:
         fields["eval_tool_calls"] = figures["tool_calls_sum"] / max(len(flat), 1)
     return fields
+
+
+def _mean_known(values: torch.Tensor) -> float:
+    """The mean of the values that are not NaN (0.0 when none is)."""
+    known = values[~values.isnan()]
+    return float(known.mean()) if len(known) else 0.0
 
 
 def prompt_loader(
@@ -351,6 +363,7 @@ def rewards_for(
         device=device,
         prompt_fields=prompt_fields,
         section=section,
+        timeout_s=getattr(settings, "reward_timeout_s", None),
     )
     if getattr(settings, "environment", None) is not None:
         rewards.append(Reward("environment", 1.0, environment_reward))

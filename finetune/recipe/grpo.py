@@ -270,6 +270,14 @@ class GrpoSection(_Section):
         default_factory=list,
         description="The rewards, summed by weight (at least one, unless an environment gives the reward).",
     )
+    reward_timeout_s: float | None = Field(
+        60.0,
+        gt=0,
+        description="Seconds a reward function (`function:`) may take on a step's completions. The functions run "
+        "in a worker process (as tools do): a hung one is stopped, its completions' groups get no advantage that "
+        "step, and it is counted (reward_timeouts) and named in a warning; SIGTERM stops a pending call at once. "
+        "null: the functions run in the training process, without a timeout (a reward that keeps state there).",
+    )
     tools: list[ToolSpec] = tools_field(
         "its completions (the same tools for rloo and every online objective)"
     )
