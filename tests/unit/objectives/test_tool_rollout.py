@@ -120,12 +120,17 @@ class ScriptedRolls:
         return out
 
 
-def test_the_rollout_with_an_inline_tool_trains_the_models_tokens_only_and_logs_the_calls(tmp_path):
+@pytest.mark.parametrize("name", ["grpo", "rloo"])  # every online objective: one rollout, one tools list
+def test_the_rollout_with_an_inline_tool_trains_the_models_tokens_only_and_logs_the_calls(tmp_path, name):
     from finetune.generation.tools import load_tools
+    from finetune.recipe.objectives import OBJECTIVES
 
     (tmp_path / "calc.py").write_text("def add(e):\n    return sum(int(x) for x in e.split('+'))\n")
     tokenizer = AutoTokenizer.from_pretrained("recipes/demo/tokenizer")
-    obj = online_objective(tokenizer, [[5, 2]], log_completions=2)
+    obj = online_objective(
+        tokenizer, [[5, 2]], log_completions=2, loss_type="rloo" if name == "rloo" else "grpo"
+    )
+    obj.estimator = pg.ESTIMATORS[OBJECTIVES[name].estimator]
     obj.backend = ScriptedRolls(tokenizer)
     obj.accelerator.trackers = []  # the samples' table goes nowhere
     spec = SimpleNamespace(function="calc.py:add", trigger=r"\[([^\]=]*)=", close="]")
