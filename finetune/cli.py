@@ -171,6 +171,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="an image for the first message (repeatable; vision-language models only). "
         "In a conversation, /image PATH attaches one to the next message",
     )
+    talk.add_argument(
+        "--tool",
+        action="append",
+        metavar="FILE.py:FUNCTION[:TRIGGER]",
+        help="a tool the model calls while it answers (repeatable): with a TRIGGER regex an inline call "
+        "(fn(*groups) where the text ends with a match, its result inserted), without one a chat tool in "
+        "the template's call format; as grpo.tools and generation sets' tools",
+    )
+    talk.add_argument("--tool-close", default="", metavar="TEXT", help="inserted after inline results ('>>')")
+    talk.add_argument(
+        "--tool-timeout", type=float, default=10.0, metavar="S", help="seconds a tool call may take (10)"
+    )
 
     checkpoints = sub.add_parser(
         "checkpoints",
@@ -402,6 +414,9 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
             system=args.system,
             max_new_tokens=args.max_new_tokens,
             images=args.image,
+            tools=args.tool,
+            tool_close=args.tool_close,
+            tool_timeout_s=args.tool_timeout,
         )
     if args.command == "checkpoints":
         if overrides:

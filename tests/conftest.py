@@ -224,3 +224,13 @@ def demo_adapter(tmp_path_factory: pytest.TempPathFactory, demo_prepared: Path) 
             saved.write_text(json.dumps([result.args, result.returncode, result.stdout, result.stderr]))
     result = subprocess.CompletedProcess(*json.loads(saved.read_text()))
     return {"tmp": tmp, "out": tmp / "out", "result": result, "gen_sets": gen_sets, "prepared": demo_prepared}
+
+
+@pytest.fixture(autouse=True)
+def tools_in_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside the slow tier, tools run in this process (tests/tools_in_process.py): the fast tier starts
+    no process, and the worker's own behaviour (timeouts, prints, crashes) is tested in the slow tier."""
+    if request.node.get_closest_marker("slow") is None:
+        from tests.tools_in_process import InProcessRunner
+
+        monkeypatch.setattr("finetune.generation.tool_worker.ToolRunner", InProcessRunner)

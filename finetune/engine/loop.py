@@ -229,15 +229,21 @@ def start_progress_log(path: Path, *, resumed_at: int | None, say) -> None:
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT: the loop finishes the current step, checkpoints and exits 0."""
+    """Set by SIGTERM/SIGINT: the loop finishes the current step, checkpoints and exits 0. `on_signal`
+    (the objective's optional `on_stop_signal`) is told at once, in the signal handler: an objective
+    waiting on something slow (a reward or tool call in its worker) stops waiting, so one signal ends
+    the step soon."""
 
-    def __init__(self):
+    def __init__(self, on_signal=None):
         self.signal_name: str | None = None
+        self.on_signal = on_signal
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
         self.signal_name = signal.Signals(signum).name
+        if self.on_signal is not None:
+            self.on_signal(self.signal_name)
 
 
 def batches_per_window(objective, train) -> int:
@@ -267,7 +273,7 @@ def train_loop(run: Run, log: ProgressLog) -> None:
     """Epochs of accumulation windows until total_steps; logs, evaluates, checkpoints, stops cleanly."""
     acc, train, st, objective = run.accelerator, run.train, run.state, run.objective
     per_window = batches_per_window(objective, train)
-    stop = StopFlag()
+    stop = StopFlag(getattr(objective, "on_stop_signal", None))
     started = time.monotonic()
     profiler = None
     interval: dict = {"t0": time.perf_counter()}

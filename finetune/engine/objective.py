@@ -35,7 +35,9 @@ class Objective(Protocol):
     Attributes the engine reads: `name` (for messages), `eval_every` (optimizer steps between
     evaluations, None = none during training), `can_evaluate` (whether there is anything to
     evaluate; the engine evaluates once more at the end when the last step was not evaluated) and
-    `summary_keys` (count names shown in the per-process summary of a multi-process run).
+    `summary_keys` (count names shown in the per-process summary of a multi-process run). Optional:
+    `on_stop_signal(name)`, called in the signal handler when SIGTERM or SIGINT arrives (it must only
+    set flags): online RL stops waiting on its reward and tool workers.
     """
 
     name: str

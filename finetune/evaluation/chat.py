@@ -39,6 +39,7 @@ def chat(
     read: Callable[[str], str] = input,
     out: TextIO | None = None,
     pictures: list[Any] | None = None,
+    toolbox=None,
 ) -> int:
     """One answer to `prompt`, or a conversation read line by line from `read` until /exit or EOF,
     each answer streamed by `backend` (finetune.generation.protocol) as it is generated.
@@ -46,7 +47,9 @@ def chat(
     The whole conversation so far is the prompt of each answer (rendered with the chat template, with
     `system` as the system turn when given, else the template's default). With a vision-language
     model's backend (it has a processor), `pictures` (PIL images) go with the first message, and
-    `/image PATH` lines attach images to the next one.
+    `/image PATH` lines attach images to the next one. With a `toolbox` (finetune.generation.tools) the
+    model calls its tools while it answers: each answer is written whole once made (inserted results
+    included), each call on a line of its own (`[tool] name(arguments) -> result`).
     """
     from finetune.data.formats.images import SENTINEL
     from finetune.generation.prompts import chat_inputs
@@ -58,6 +61,8 @@ def chat(
     shown: list[Any] = []  # every image of the conversation so far, in order
 
     def answer(messages: list[dict[str, Any]]) -> str:
+        if toolbox is not None:
+            return tool_answer(messages)
         pieces = []
         inputs = chat_inputs(backend.tokenizer, messages, processor=processor, pictures=shown)
         stream = backend.stream(inputs, SamplingParams(max_new_tokens=max_new_tokens))
@@ -68,6 +73,16 @@ def chat(
         out.write("\n")
         out.flush()
         return "".join(pieces).strip()
+
+    def tool_answer(messages: list[dict[str, Any]]) -> str:
+        from finetune.generation.tools import answers_with_tools
+
+        (text,), (calls,) = answers_with_tools(backend, [messages], toolbox, max_new_tokens=max_new_tokens)
+        for call in calls:
+            out.write(f"[tool] {call.name}({call.arguments}) -> {call.result}\n")
+        out.write(text + "\n")
+        out.flush()
+        return text
 
     def user(text: str, attached: list[Any]) -> dict[str, Any]:
         shown.extend(attached)
@@ -101,6 +116,40 @@ def chat(
         messages.append(user(line, pending))
         pending = []
         messages.append({"role": "assistant", "content": answer(messages)})
+
+
+def tool_specs(values: list[str], *, close: str = "") -> list[Any]:
+    """`--tool` values as tool specs (finetune.recipe.tools.ToolSpec): `file.py:function` (a chat tool)
+    or `file.py:function:TRIGGER` (inline, `close` inserted after each result); the files are looked for
+    in the current folder, and checked as `finetune validate` checks a recipe's.
+
+    >>> [(s.function, s.trigger, s.close) for s in tool_specs(["json:loads:<<([^<>=]*)=", "json:dumps"], close=">>")]
+    [('json:loads', '<<([^<>=]*)=', '>>'), ('json:dumps', None, None)]
+    """
+    from pydantic import ValidationError
+
+    from finetune.recipe.tools import ToolSpec, static_problem
+
+    specs = []
+    for value in values:
+        module, _, rest = value.partition(":")
+        function, _, trigger = rest.partition(":")
+        try:
+            spec = ToolSpec(
+                function=f"{module}:{function}",
+                trigger=trigger or None,
+                close=(close or None) if trigger else None,
+            )
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'tool'}: {e['msg']}" for e in exc.errors()
+            )
+            raise FinetuneError(f"--tool {value}: {problems}; write FILE.py:FUNCTION[:TRIGGER]") from None
+        problem = static_problem(spec.function, spec, Path.cwd())
+        if problem is not None:
+            raise FinetuneError(f"--tool {value}: {problem}")
+        specs.append(spec)
+    return specs
 
 
 def _attach(path: str, processor, out: TextIO) -> list[Any]:

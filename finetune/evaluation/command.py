@@ -27,10 +27,15 @@ def run_chat(
     system: str | None,
     max_new_tokens: int,
     images: list[str] | None = None,
+    tools: list[str] | None = None,
+    tool_close: str = "",
+    tool_timeout_s: float = 10.0,
 ) -> int:
     """`finetune chat`: load the model once, then one answer (`prompt`) or a conversation; a
-    vision-language model (with its processor) also takes `images` (paths) for the first message."""
-    from finetune.evaluation.chat import chat, open_image
+    vision-language model (with its processor) also takes `images` (paths) for the first message.
+    `tools` (`file.py:function[:trigger]`, finetune.evaluation.chat.tool_specs) are called while it
+    answers, as in training and evaluation."""
+    from finetune.evaluation.chat import chat, open_image, tool_specs
     from finetune.generation.backends import backend_for
     from finetune.model.inference import (
         inference_device,
@@ -40,6 +45,7 @@ def run_chat(
     )
 
     pictures = [open_image(path) for path in images or []]  # checked before the model loads
+    specs = tool_specs(tools or [], close=tool_close)  # checked too
     processor = None
     if is_vision_language(Path(model_dir).expanduser()):
         model, processor = load_vlm_for_inference(model_dir, base=base)
@@ -53,7 +59,25 @@ def run_chat(
         model, tokenizer = load_for_inference(model_dir, base=base)
     model.to(inference_device())
     backend = backend_for("transformers", model, tokenizer, processor=processor)
-    return chat(backend, prompt=prompt, system=system, max_new_tokens=max_new_tokens, pictures=pictures)
+    toolbox = None
+    if specs:
+        from finetune.generation.tools import load_tools
+
+        toolbox = load_tools(
+            specs, tokenizer=tokenizer, max_tool_calls=4, timeout_s=tool_timeout_s, base=None, label="--tool"
+        )
+    try:
+        return chat(
+            backend,
+            prompt=prompt,
+            system=system,
+            max_new_tokens=max_new_tokens,
+            pictures=pictures,
+            toolbox=toolbox,
+        )
+    finally:
+        if toolbox is not None:
+            toolbox.close()
 
 
 def _say(text: str) -> None:
@@ -152,6 +176,7 @@ def run_eval(recipe, args) -> int:
         device=inference_device(),
         processor=processor,
         image_max_pixels=recipe.data.image_max_pixels,
+        base=Path(recipe.source_path).parent if recipe.source_path else None,
         images_outside=recipe.data.allow_image_paths_outside,
     )
     default = Path(targets[-1] if targets else recipe.train.output_dir) / "eval.json"

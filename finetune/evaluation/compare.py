@@ -42,11 +42,12 @@ def evaluate_models(
     device: torch.device | None = None,
     processor=None,
     image_max_pixels: int | None = None,
+    base: Path | None = None,
     images_outside: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Evaluate each model: eval loss on the eval split when `eval_batches(tokenizer)` gives batches,
     `score(name, model, tokenizer)`'s results (preference recipes: the held-out pairs), and every
-    generation set.
+    generation set (a set's tool files are looked up in `base`, the recipe's folder, first).
 
     The models are evaluated one at a time, in order (base first: preference scoring takes it as the
     reference): each loads, moves to `device`, is evaluated and is freed before the next loads, so peak
@@ -84,7 +85,7 @@ def evaluate_models(
             result.update(score(name, model, tokenizer))
         backend = backend_for("transformers", model, tokenizer, processor=processor)
         result["generation"] = score_generation_sets(
-            backend, sets, rows, batch_size=batch_size, progress=progress
+            backend, sets, rows, batch_size=batch_size, progress=progress, base=base
         )
         results[name] = result
         del model, backend  # the backend holds the model too
@@ -192,6 +193,8 @@ def format_table(results: dict[str, dict[str, Any]], *, samples: int = 2, width:
                 other = results[n]["generation"][set_name]["samples"][k]
                 mark = {True: " [correct]", False: " [wrong]"}.get(other["correct"], "")
                 lines.append(f"  {n}{mark}: {_short(other['output'], width)}")
+                if other.get("tool_calls"):  # tools in the loop: each call and the result it inserted
+                    lines.append(f"    tools: {_short('; '.join(other['tool_calls']), width)}")
     return "\n".join(lines)
 
 

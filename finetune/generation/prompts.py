@@ -28,11 +28,16 @@ END_OF_TURN_TOKENS = (
 )  # fmt: skip
 
 
-def prompt_ids(tokenizer, prompt: Prompt, *, use_chat_template: bool = True) -> list[int]:
-    """Token ids of one prompt, ending where the model's answer starts."""
+def prompt_ids(
+    tokenizer, prompt: Prompt, *, use_chat_template: bool = True, tools: list[dict] | None = None
+) -> list[int]:
+    """Token ids of one prompt, ending where the model's answer starts; `tools` (JSON schemas of chat
+    tools) go to the chat template, which renders them where the model family expects them."""
     if use_chat_template:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, tools=tools
+        )
     elif isinstance(prompt, str):
         text = prompt
     else:
@@ -126,11 +131,13 @@ def encode_prompts(
     use_chat_template: bool = True,
     processor=None,
     images: Sequence[Sequence[Any]] | None = None,
+    tools: list[dict] | None = None,
 ) -> list[list[int]]:
-    """Token ids of each prompt (`prompt_ids`); with a vision-language model's `processor`, prompt k's
-    images `images[k]` (bytes or PIL images) expanded into its image tokens (`vlm_prompt_ids`)."""
+    """Token ids of each prompt (`prompt_ids`, with the chat tools' schemas `tools`); with a
+    vision-language model's `processor`, prompt k's images `images[k]` (bytes or PIL images) expanded
+    into its image tokens (`vlm_prompt_ids`)."""
     if processor is None:
-        return [prompt_ids(tokenizer, p, use_chat_template=use_chat_template) for p in prompts]
+        return [prompt_ids(tokenizer, p, use_chat_template=use_chat_template, tools=tools) for p in prompts]
     return [
         vlm_prompt_ids(processor, p, pictures_of(images[k] if images else ())) for k, p in enumerate(prompts)
     ]

@@ -10,6 +10,10 @@ rewards and generation sets (greedy answers), and `finetune chat` (one streamed 
   Greedy when params.temperature is 0; else completion j of prompt k is drawn with seed
   `seeds[k][j]`, so what a prompt's completions are depends on its seeds only (a resumed run samples
   the same completions, whatever the batching) where the engine honours per-request seeds.
+  With `params.stop_patterns` (inline tool triggers), a completion also ends, unfinished, at the first
+  token where its text ends with a match (finetune.generation.triggers.match_at_end), so the tool loop
+  (finetune.generation.tools) can run the tool and continue it: a backend that cannot stop there
+  raises (the vLLM backend, for now: see tools.py for what it would take).
 * `stream(inputs, params) -> Iterator[str]`: one greedy answer to a batch of one, in pieces of text.
 * `sync_weights(model)`: make the engine generate with `model`'s current weights. The online-RL
   objective calls it from the engine's after-update seam (`Objective.after_update`), after every
@@ -42,6 +46,9 @@ class Completion:
     ids: list[int]
     finished: bool
     logprobs: list[float] | None = None
+    # Which ids the model sampled (False: inserted by the tool loop: tool results, tool messages and the
+    # template's turns around them, never trained); None: every id is the model's own.
+    own: list[bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     num_return_sequences: int = 1
+    stop_patterns: tuple[str, ...] = ()  # regexes: stop where the text ends with a match (inline tools)
 
     @property
     def greedy(self) -> bool:

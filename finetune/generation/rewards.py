@@ -23,11 +23,8 @@ A trained reward model (grpo.rewards[].model) is a reward function too: finetune
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import re
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +33,9 @@ from typing import Any
 import torch
 
 from finetune.errors import FinetuneError
+from finetune.generation.functions import load_function
 from finetune.generation.metrics import GSM8K_ANSWER_PATTERN, math_equal, require_math_verify, score
+from finetune.notices import warn
 
 RewardFn = Callable[[list[str], list[dict[str, Any]]], Sequence[float]]
 
@@ -114,36 +113,56 @@ def _overlong_penalty(max_new_tokens: int | None, soft_cache: int | None, count_
     return length
 
 
-def load_function(path: str, *, base: Path | None = None) -> RewardFn:
-    """A user's reward function from `module:function` or `file.py:function` (a relative file from
-    `base`, the recipe's folder, then the current folder); a clear error when it cannot be found."""
-    module_name, _, attr = path.rpartition(":")
-    try:
-        if module_name.endswith(".py"):
-            candidates = [Path(module_name)] if Path(module_name).is_absolute() else []
-            candidates += [(base or Path.cwd()) / module_name, Path.cwd() / module_name]
-            file = next((c for c in candidates if c.is_file()), None)
-            if file is None:
+class RewardTimeout(Exception):
+    """A reward function that did not answer within grpo.reward_timeout_s (or was stopped by a stop
+    signal): a counted failure of its batch, not an error."""
+
+
+class _Shown(str):
+    """A value a reward returned in its worker that is not a number, shown as its repr there."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+@dataclass
+class WorkerReward:
+    """A reward function run in the reward worker (finetune.generation.tool_worker: a process of its own,
+    the functions imported there), so a hung one is stopped after `timeout_s` (a RewardTimeout) and its
+    prints reach nobody. What it returns comes back as JSON and is checked as an in-process reward's."""
+
+    runner: Any  # a tool_worker.ToolRunner holding the section's reward functions
+    index: int
+    name: str
+
+    def __call__(self, completions: list[str], rows: list[dict[str, Any]]):
+        result = self.runner.request(
+            {"op": "reward", "fn": self.index, "completions": completions, "rows": rows}
+        )
+        if result.timeout:
+            stopped = self.runner.stopping.is_set()
+            raise RewardTimeout(
+                "stopped by the run's stop signal"
+                if stopped
+                else f"did not answer within {self.runner.timeout_s:g} s (grpo.reward_timeout_s; its worker was stopped)"
+            )
+        if result.error:
+            text = result.text.removeprefix("error: ")
+            if text.startswith("the tool crashed"):  # os._exit, a segfault: the worker is gone
                 raise FinetuneError(
-                    f"grpo.rewards: reward file {module_name} does not exist (looked in {base or Path.cwd()})"
+                    _failure(
+                        self.name, "ended its worker process (os._exit or a crash)", "", rows, completions
+                    )
                 )
-            spec = importlib.util.spec_from_file_location(f"finetune_reward_{file.stem}", file)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            if base is not None and str(base) not in sys.path:
-                sys.path.insert(0, str(base))  # a module next to the recipe imports like one in the cwd
-            module = importlib.import_module(module_name)
-    except FinetuneError:
-        raise
-    except Exception as exc:
-        raise FinetuneError(
-            f"grpo.rewards: cannot import {module_name} for reward {path}: {type(exc).__name__}: {exc}"
-        ) from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise FinetuneError(f"grpo.rewards: {module_name} has no function {attr!r} (reward {path})")
-    return fn
+            kind, _, message = text.partition(": ")
+            what = {"SystemExit": "called sys.exit", "KeyboardInterrupt": "raised KeyboardInterrupt"}
+            raise FinetuneError(
+                _failure(self.name, what.get(kind, f"raised {kind}"), message, rows, completions)
+            )
+        answer = result.value
+        if "not_list" in answer:
+            raise FinetuneError(_not_a_list(self.name, answer["not_list"], len(completions)))
+        return [v if isinstance(v, float) else _Shown(v["shown"]) for v in answer["values"]]
 
 
 def build_rewards(
@@ -155,10 +174,20 @@ def build_rewards(
     device: Any = "cpu",
     prompt_fields: Sequence[str] = (),
     section: str = "grpo",
+    timeout_s: float | None = None,
 ) -> list[Reward]:
     """The recipe's grpo.rewards as Reward objects (functions imported now, reward models loaded now onto
     `device`, so a bad path or a model with the wrong head fails at start). A reward model reads each
-    row's prompt from its field_prompt, else from the first of `prompt_fields` the row has."""
+    row's prompt from its field_prompt, else from the first of `prompt_fields` the row has. With
+    `timeout_s` (grpo.reward_timeout_s) the functions run in a worker process (WorkerReward), started on
+    the first call; without, in this process."""
+    from finetune.generation import tool_worker
+
+    functions = [s for s in specs if getattr(s, "model", None) is None and s.function is not None]
+    runner = None
+    if timeout_s is not None and functions:
+        where = [(s.function, str(base) if base else None) for s in functions]
+        runner = tool_worker.ToolRunner(where, timeout_s=timeout_s)
     rewards = []
     for i, spec in enumerate(specs):
         if getattr(spec, "model", None) is not None:
@@ -170,7 +199,9 @@ def build_rewards(
                 spec.model, batch_size=spec.batch_size, device=device, prompt_fields=fields, where=where
             )
         elif spec.function is not None:
-            fn = load_function(spec.function, base=base)
+            fn = load_function(spec.function, base=base)  # imported here too: its errors now, at start
+            if runner is not None:
+                fn = WorkerReward(runner, functions.index(spec), spec.label)
         else:
             fn = builtin_reward(
                 spec.name,
@@ -195,15 +226,23 @@ def score_rewards(
     """Every reward of every completion: a float32 tensor completions x rewards, checked (see the module
     docstring); rows[k] is the data row completion k answers. A user's function is never silent: an
     exception, sys.exit or Ctrl-C inside it, a wrong count, a mapping, or a value that is not a finite
-    number within +-MAX_REWARD is a FinetuneError naming the reward (numpy and torch scalars are numbers)."""
+    number within +-MAX_REWARD is a FinetuneError naming the reward (numpy and torch scalars are numbers).
+    A reward run in its worker that times out (RewardTimeout) gives NaN for that batch, with a warning
+    naming it: the caller counts those completions (reward_timeouts) and trains nothing on them."""
     columns = []
     for reward in rewards:
-        values = _call(reward, completions, rows)
-        if isinstance(values, (dict, str, bytes)) or not hasattr(values, "__iter__"):
-            raise FinetuneError(
-                f"reward {reward.name} returned a {type(values).__name__}, not a list: it must return one float "
-                f"per completion ({len(completions)} here), in order"
+        try:
+            values = _call(reward, completions, rows)
+        except RewardTimeout as exc:  # counted by the caller (NaN: no reward), never a hang or a crash
+            warn(
+                f"reward {reward.name}: {exc} on a batch of {len(completions)} completions (first row: "
+                f"{_short(rows[0]) if rows else '-'}): they get no reward from it (logged as reward_timeouts); "
+                "raise grpo.reward_timeout_s if it needs longer"
             )
+            columns.append(torch.full((len(completions),), float("nan")))
+            continue
+        if isinstance(values, (dict, str, bytes)) or not hasattr(values, "__iter__"):
+            raise FinetuneError(_not_a_list(reward.name, type(values).__name__, len(completions)))
         values = list(values)
         if len(values) != len(completions):
             raise FinetuneError(
@@ -219,13 +258,27 @@ def _call(reward: Reward, completions: list[str], rows: list[dict[str, Any]]):
     end the run without a word, or with a traceback) becomes a FinetuneError naming it."""
     try:
         return reward.fn(list(completions), list(rows))
+    except (RewardTimeout, FinetuneError):
+        raise
     except (Exception, SystemExit, KeyboardInterrupt) as exc:
         what = {SystemExit: "called sys.exit", KeyboardInterrupt: "raised KeyboardInterrupt"}.get(type(exc))
-        raise FinetuneError(
-            f"reward {reward.name} {what or 'raised ' + type(exc).__name__}: {exc} (on a batch of "
-            f"{len(completions)} completions; first row: {_short(rows[0]) if rows else '-'}); a reward function "
-            "returns one float per completion and must not end the program"
-        ) from None
+        what = what or f"raised {type(exc).__name__}"
+        raise FinetuneError(_failure(reward.name, what, str(exc), rows, completions)) from None
+
+
+def _failure(name: str, what: str, message: str, rows, completions) -> str:
+    return (
+        f"reward {name} {what}: {message} (on a batch of {len(completions)} completions; first row: "
+        f"{_short(rows[0]) if rows else '-'}); a reward function returns one float per completion and must not "
+        "end the program"
+    )
+
+
+def _not_a_list(name: str, type_name: str, count: int) -> str:
+    return (
+        f"reward {name} returned a {type_name}, not a list: it must return one float per completion "
+        f"({count} here), in order"
+    )
 
 
 def _number(reward: Reward, value: Any, k: int, completions: list[str], rows: list[dict[str, Any]]) -> float:

@@ -34,8 +34,11 @@ def evaluate_generations(
     case_sensitive: bool = False,
     use_chat_template: bool = True,
     progress: bool = True,
+    toolbox=None,
 ) -> dict[str, Any]:
-    """Generate an answer for every row with `backend` (finetune.generation.protocol) and score it.
+    """Generate an answer for every row with `backend` (finetune.generation.protocol) and score it;
+    with a `toolbox` (finetune.generation.tools) the model calls its tools while it answers, and each
+    sample also shows its calls ("tool_calls": `name(arguments) -> result`, the result as inserted).
 
     rows: mappings with "prompt" (a string or a list of chat messages) and, unless metric is none,
     "expected" (the reference answer; for exact_match a GSM8K answer with "#### 42" works as is).
@@ -56,15 +59,19 @@ def evaluate_generations(
     vision = {}  # a vision-language model's prompts: the rows' messages, with their images
     if backend.processor is not None:
         vision = {"images": [row.get("image_bytes") or [] for row in rows]}
-    outputs = answers(
-        backend,
-        [row.get("messages", row["prompt"]) if vision else row["prompt"] for row in rows],
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        use_chat_template=use_chat_template,
-        progress=progress,
-        **vision,
-    )
+    prompts = [row.get("messages", row["prompt"]) if vision else row["prompt"] for row in rows]
+    options = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "progress": progress}
+    calls = None
+    if toolbox is not None and vision:
+        raise FinetuneError("tools in a generation set of a vision-language model are not supported yet")
+    if toolbox is None:
+        outputs = answers(backend, prompts, use_chat_template=use_chat_template, **options, **vision)
+    else:
+        from finetune.generation.tools import answers_with_tools
+
+        outputs, calls = answers_with_tools(
+            backend, prompts, toolbox, use_chat_template=use_chat_template, **options
+        )
     results = [
         {
             "prompt": row["prompt"],
@@ -74,8 +81,9 @@ def evaluate_generations(
             "correct": score(
                 metric, output, row.get("expected"), pattern=pattern, case_sensitive=case_sensitive
             ),
+            **({"tool_calls": [f"{c.name}({c.arguments}) -> {c.result}" for c in calls[k]]} if calls else {}),
         }
-        for row, output in zip(rows, outputs, strict=True)
+        for k, (row, output) in enumerate(zip(rows, outputs, strict=True))
     ]
     return summarize(results, metric=metric, num_samples=num_samples)
 
@@ -235,24 +243,48 @@ def score_generation_sets(
     *,
     batch_size: int,
     progress: bool = True,
+    base: Path | None = None,
 ) -> dict[str, dict[str, Any]]:
     """{set name: {"metric", "score", "n", "samples"}} for every generation set, answered by `backend`
-    (a vision-language model's: the prompts with their images)."""
+    (a vision-language model's: the prompts with their images; a set's tools in the loop, their
+    functions found beside the recipe, `base`, first)."""
     results = {}
     for gen_set in sets:
-        results[gen_set.name] = evaluate_generations(
-            backend,
-            rows[gen_set.name],
-            metric=gen_set.metric,
-            max_new_tokens=gen_set.max_new_tokens,
-            batch_size=batch_size,
-            num_samples=gen_set.num_samples,
-            pattern=gen_set.answer_pattern,
-            case_sensitive=gen_set.case_sensitive,
-            use_chat_template=gen_set.use_chat_template,
-            progress=progress,
-        )
+        toolbox = _set_toolbox(gen_set, backend.tokenizer, base)
+        try:
+            results[gen_set.name] = _score_set(backend, gen_set, rows, batch_size, progress, toolbox)
+        finally:
+            if toolbox is not None:
+                toolbox.close()
     return results
+
+
+def _set_toolbox(gen_set, tokenizer, base: Path | None):
+    """A generation set's tools, loaded (None without)."""
+    if not getattr(gen_set, "tools", None):
+        return None
+    from finetune.generation.tools import load_tools
+
+    return load_tools(
+        gen_set.tools, tokenizer=tokenizer, max_tool_calls=gen_set.max_tool_calls, timeout_s=gen_set.tool_timeout_s,
+        base=base, label=f"eval.generation_sets[{gen_set.name}]",
+    )  # fmt: skip
+
+
+def _score_set(backend, gen_set, rows, batch_size: int, progress: bool, toolbox) -> dict[str, Any]:
+    return evaluate_generations(
+        backend,
+        rows[gen_set.name],
+        metric=gen_set.metric,
+        max_new_tokens=gen_set.max_new_tokens,
+        batch_size=batch_size,
+        num_samples=gen_set.num_samples,
+        pattern=gen_set.answer_pattern,
+        case_sensitive=gen_set.case_sensitive,
+        use_chat_template=gen_set.use_chat_template,
+        progress=progress,
+        toolbox=toolbox,
+    )
 
 
 def training_generation_rows(
@@ -291,7 +323,7 @@ IMAGE_SAMPLE_COLUMNS = ["images", *SAMPLE_COLUMNS]
 
 
 def generation_metrics(
-    accelerator, model, tokenizer, eval_settings, rows: dict, *, step: int, processor=None
+    accelerator, model, tokenizer, eval_settings, rows: dict, *, step: int, processor=None, base=None
 ) -> dict[str, Any]:
     """Generation sets scored on the main process (greedy decoding of the unwrapped model, through the
     transformers backend); the others wait. Scores and samples go to progress.jsonl, and to the trackers as scalars and tables;
@@ -301,8 +333,9 @@ def generation_metrics(
     if acc.is_main_process:
         backend = backend_for("transformers", acc.unwrap_model(model), tokenizer, processor=processor)
         results = score_generation_sets(
-            backend, eval_settings.generation_sets, rows, batch_size=eval_settings.batch_size, progress=False
-        )
+            backend, eval_settings.generation_sets, rows, batch_size=eval_settings.batch_size, progress=False,
+            base=base,
+        )  # fmt: skip
         for name, result in results.items():
             if result["score"] is not None:
                 fields[f"eval_{name}_{result['metric']}"] = result["score"]

@@ -80,6 +80,7 @@ class TransformersBackend:
             processor=self.processor,
             images=images,
             synced_processes=self.synced_processes,
+            stop_patterns=params.stop_patterns,
         )
 
     def stream(self, inputs: Mapping[str, torch.Tensor], params: SamplingParams) -> Iterator[str]:
@@ -186,6 +187,7 @@ def generate_ids(
     processor=None,
     images: Sequence[Sequence[Any]] | None = None,
     synced_processes: bool = False,
+    stop_patterns: Sequence[str] = (),
 ) -> list[list[Completion]]:
     """For each prompt (token ids, e.g. from `prompt_ids`), its `num_return_sequences` completions.
 
@@ -197,6 +199,8 @@ def generate_ids(
     `vlm_prompt_ids`) come with `images[k]`, prompt k's images (bytes or PIL images, in order), which
     its `processor` turns into the batch's pixels as training's collate does. `synced_processes`: every
     process calls this with as many prompts and runs each generate step together until all are done.
+    `stop_patterns` (inline tool triggers): a row also stops, unfinished, where its text ends with a match
+    (finetune.generation.pattern_stop).
     """
     from tqdm.auto import tqdm
 
@@ -228,12 +232,26 @@ def generate_ids(
                     for k in batch
                     for _ in range(num_return_sequences)
                 ]
+            if stop_patterns:  # inline tools: a row pauses where its text ends with a trigger's match
+                extra["stopping_criteria"] = [pattern_stop(tokenizer, stop_patterns, rows, stops)]
             new_ids = generate_batch(model, rows, {**kwargs, **extra}, processor=processor, pictures=pictures)
+            paused = extra["stopping_criteria"][0].stopped_at if stop_patterns else {}
             for r, row in enumerate(new_ids.tolist()):
                 end = next((t for t, token in enumerate(row) if token in stops), None)
                 completion = Completion(row if end is None else row[: end + 1], end is not None)
+                if r in paused:  # its trigger matched: cut there, not finished (the tool loop continues it)
+                    completion = Completion(row[: paused[r]], False)
                 outputs[batch[r // num_return_sequences]].append(completion)
     return outputs
+
+
+def pattern_stop(tokenizer, patterns: Sequence[str], rows: list[list[int]], stops):
+    """The stopping criterion of a batch of `rows` (left-padded to the longest) for inline tool triggers."""
+    from finetune.generation.pattern_stop import PatternStop
+    from finetune.generation.triggers import compile_triggers
+
+    width = max(len(ids) for ids in rows)
+    return PatternStop(tokenizer, compile_triggers(patterns), start=width, stops=stops)
 
 
 def generate_batch(

@@ -108,6 +108,8 @@ class VLLMBackend:
             raise ValueError(
                 "sampling needs one seed per completion: seeds[k] holds num_return_sequences seeds"
             )
+        if params.stop_patterns:  # what it would take: finetune/generation/tools.py's module docstring
+            raise FinetuneError("tools with inline triggers are not supported by the vLLM backend yet")
         if params.temperature > MAX_TEMPERATURE:
             raise FinetuneError(
                 f"grpo.temperature {params.temperature}: vLLM samples at temperatures up to {MAX_TEMPERATURE}"

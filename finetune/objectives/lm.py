@@ -82,9 +82,16 @@ def evaluate_lm(objective, model, step: int, held_out=None) -> dict[str, Any]:
                 rows,
                 step=step,
                 processor=processor,
+                base=recipe_folder(objective),
             )
         )
     return metrics
+
+
+def recipe_folder(objective) -> Path | None:
+    """The folder of the objective's recipe file, where a generation set's tool files are looked up first."""
+    path = getattr(getattr(objective, "recipe", None), "source_path", None)
+    return Path(path).parent if path else None
 
 
 def with_row_index(rows):

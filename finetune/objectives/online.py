@@ -42,6 +42,7 @@ import torch
 
 import finetune.objectives.lm as lm
 import finetune.objectives.rollout as ro
+import finetune.objectives.tool_rollout as tr
 from finetune import trackers
 from finetune.constants import IGNORE_INDEX
 from finetune.data.batching.loader import seq_stats
@@ -91,6 +92,9 @@ class OnlineObjective:
         self.rewards: list = []
         self.eval_rows: list[dict] = []
         self.samples: list[dict] = []  # the last rollout's logged completions
+        # grpo.tools / grpo.environment, loaded in build (finetune.objectives.tool_rollout)
+        self.toolbox = None
+        self.message_fields: list[str] = []  # where chat tools and environments read a row's conversation
 
     # ----------------------------------------------------------------------------------- build
 
@@ -127,6 +131,9 @@ class OnlineObjective:
                 ro.check_reward_columns(self.settings.rewards, split, section=self.section)
                 limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
                 ro.check_lengths(split, self.settings.max_new_tokens, limit, section=self.section)
+        path = _recipe_path(self.recipe)
+        self.toolbox = tr.toolbox_for(self.settings, self.tokenizer, recipe_path=path, section=self.section)
+        self.message_fields = tr.message_fields(self.data.datasets, self.toolbox, section=self.section)
         train_loader = ro.prompt_loader(
             prepared.train,
             prompts_per_step=self.prompts_per_step,
@@ -193,6 +200,16 @@ class OnlineObjective:
         else:
             self.backend.sync_weights(unwrapped)
 
+    def on_stop_signal(self, name: str) -> None:
+        """SIGTERM / SIGINT (finetune.engine.loop.StopFlag, in the signal handler): a reward or tool call
+        waiting in its worker ends now, and later ones answer at once (as timeouts), so the step ends
+        soon and the run checkpoints; the loop then stops."""
+        runners = [getattr(r.fn, "runner", None) for r in self.rewards]
+        runners.append(self.toolbox.runner if self.toolbox is not None else None)
+        for runner in runners:
+            if runner is not None:
+                runner.stop()
+
     # --------------------------------------------------------------------------------- rollout
 
     def rollout(self, model, items: list, *, step: int) -> tuple[list[dict], dict[str, float]]:
@@ -215,16 +232,27 @@ class OnlineObjective:
         kl = None  # RLOO's KL term: each completion's sum of log(old / ref), paid out of its reward
         if settings.kl_in_reward and settings.beta > 0:
             kl = ro.completion_sums(batches, lambda b: b["old_logps"] - b["ref_logps"])
-        total = made["total"]
+        # A reward that timed out left NaN (grpo.reward_timeout_s): those completions' groups train no
+        # advantage this step (set to 0 after the estimator), and they count as 0 in the reward means.
+        failed = made["total"].isnan()
+        total = made["total"].nan_to_num(0.0)
+        per_reward = made["per_reward"].nan_to_num(0.0)
         trained_reward = total if kl is None else total - settings.beta * kl
         advantages, flat_groups = self._advantages(trained_reward)
+        if failed.any():
+            group = settings.num_generations
+            advantages = advantages.masked_fill(failed.view(-1, group).any(1).repeat_interleave(group), 0.0)
         ro.set_advantages(batches, advantages)
         if settings.num_iterations > 1:  # reused on the next steps (and checkpointed)
             self.buffer.keep(key, batches)
-        self._keep_samples(prompts, made["texts"], made["per_reward"], total, step)
-        stats = self._rollout_stats(
-            made["per_reward"], total, flat_groups, made["lengths"], made["finished"], kl
+        self._keep_samples(
+            prompts, made["texts"], per_reward, total, step, made.get("calls"), made.get("prompts")
         )
+        tools = made.get("tools") or {}
+        stats = self._rollout_stats(
+            per_reward, total, flat_groups, made["lengths"], made["finished"], kl,
+            tools | {"reward_timeouts_sum": float(failed.sum())},
+        )  # fmt: skip
         if self.ahead is not None:  # the time training waited for the background rollout since the last step
             stats["rollout_wait_seconds"] = self.ahead.wait_seconds - self._waits_logged
             self._waits_logged = self.ahead.wait_seconds
@@ -240,18 +268,18 @@ class OnlineObjective:
             max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
             top_p=settings.top_p, top_k=settings.top_k, num_return_sequences=group,
         )  # fmt: skip
-        completions = ro.sample(
-            backend,
-            prompts,
-            params,
-            seed=self.train.seed,
-            step=step,
-            batch_size=settings.generation_batch_size,
-        )
+        how = {"seed": self.train.seed, "step": step, "batch_size": settings.generation_batch_size}
+        tools = {}  # with tools in the loop: the step's tool figures
+        if self.toolbox is None:
+            completions = ro.sample(backend, prompts, params, **how)
+        else:
+            completions, tools = tr.sample(
+                backend, prompts, params, toolbox=self.toolbox, fields=self.message_fields, **how
+            )
         rows = [json.loads(row["row"]) for row in prompts for _ in range(group)]
         texts, per_reward, total = ro.score(self.rewards, backend, completions, rows)
-        sequences = [
-            (list(prompts[k // group]["input_ids"]), c.ids, c.finished, 0.0)
+        sequences = [  # a completion made with tools carries its prompt (an environment's makes a new one)
+            (list(getattr(c, "prompt", None) or prompts[k // group]["input_ids"]), c.ids, c.finished, 0.0)
             for k, c in enumerate(completions)
         ]
         batches = ro.pack_completions(
@@ -261,6 +289,7 @@ class OnlineObjective:
             pad_to_multiple_of=self.data.pad_to_multiple_of,
             mask_truncated=settings.mask_truncated_completions,
             sampling_logps=self._sampling_logps(completions),
+            own=[getattr(c, "own", None) for c in completions],
         )
         if self.ahead is not None:
             sampler = backend.model
@@ -278,6 +307,15 @@ class OnlineObjective:
             "total": total,
             "lengths": torch.tensor([len(c.ids) for c in completions], dtype=torch.float32),
             "finished": torch.tensor([c.finished for c in completions]),
+            "tools": tools,
+            "calls": tr.samples(completions[: self.settings.log_completions]) if tools else [],
+            # with tools, the prompt each logged completion continued (an environment's first message)
+            "prompts": [
+                self.tokenizer.decode(c.prompt, skip_special_tokens=True)
+                for c in completions[: self.settings.log_completions]
+            ]
+            if tools
+            else [],
         }
 
     def _sampling_logps(self, completions) -> list[list[float]] | None:
@@ -330,8 +368,11 @@ class OnlineObjective:
     def _token_logps(self, model, batch: dict) -> torch.Tensor:
         return ro.token_logps_at(model, batch, temperature=self.settings.temperature)
 
-    def _rollout_stats(self, per_reward, total, flat_groups, lengths, finished, kl=None) -> dict[str, float]:
-        """Sums over all processes (one reduce): the logging interval averages them in log_fields."""
+    def _rollout_stats(
+        self, per_reward, total, flat_groups, lengths, finished, kl=None, tools=None
+    ) -> dict[str, float]:
+        """Sums over all processes (one reduce): the logging interval averages them in log_fields. The
+        tool figures' counts are summed too; their seconds are this process's (as rollout_seconds)."""
         group = self.settings.num_generations
         local = {
             "completions": float(len(lengths)),
@@ -344,6 +385,8 @@ class OnlineObjective:
         }
         if kl is not None:
             local["reward_kl_sum"] = float(kl.sum())
+        tools = tools or {}
+        local |= {k: v for k, v in tools.items() if k.endswith("_sum")}
         for i, reward in enumerate(self.rewards):
             local[f"reward/{reward.name}_sum"] = float(per_reward[:, i].sum())
             local[f"reward/{reward.name}_sq_sum"] = float((per_reward[:, i] ** 2).sum())
@@ -357,21 +400,25 @@ class OnlineObjective:
             longest = lengths.max()
         stats = dict(zip(names, values.tolist(), strict=True))
         stats["max:completion_length"] = float(longest)
+        stats |= {k: v for k, v in tools.items() if k.endswith("_seconds")}
         return stats
 
-    def _keep_samples(self, prompts, texts, per_reward, total, step: int) -> None:
-        """The first log_completions completions with their rewards, for progress.jsonl and the
-        trackers (this process's; the main process logs)."""
+    def _keep_samples(self, prompts, texts, per_reward, total, step: int, calls=None, shown=None) -> None:
+        """The first log_completions completions with their rewards (and, with tools, each call with the
+        result inserted), for progress.jsonl and the trackers (this process's; the main process logs)."""
         count = self.settings.log_completions
         if not count:
             return
         group = self.settings.num_generations
         self.samples = [
             {
-                "prompt": self.tokenizer.decode(prompts[k // group]["input_ids"], skip_special_tokens=True),
+                "prompt": shown[k]
+                if shown
+                else self.tokenizer.decode(prompts[k // group]["input_ids"], skip_special_tokens=True),
                 "completion": texts[k],
                 "reward": float(total[k]),
                 **{f"reward/{r.name}": float(per_reward[k, i]) for i, r in enumerate(self.rewards)},
+                **({"tool_calls": calls[k]} if calls else {}),
             }
             for k in range(min(count, len(texts)))
         ]
@@ -507,10 +554,17 @@ class OnlineObjective:
                 metrics = ro.eval_rewards(
                     self._backend(), self.eval_rows, self.rewards,
                     max_new_tokens=self.settings.max_new_tokens, batch_size=self.eval_settings.batch_size,
+                    complete=self._completer(self._backend(), self.toolbox, self.eval_settings.batch_size),
                 )  # fmt: skip
             trackers.log_scalars(acc, metrics, step)
         acc.wait_for_everyone()
         return metrics
+
+    def _completer(self, backend, toolbox, batch_size: int):
+        """The held-out completions' maker with the tools in the loop (None: plain greedy generation)."""
+        if toolbox is None:
+            return None
+        return tr.completer(backend, toolbox, batch_size=batch_size, fields=self.message_fields)
 
     @staticmethod
     def held_out(recipe, prepared) -> dict[str, Any]:
@@ -527,14 +581,20 @@ class OnlineObjective:
                 prompt_fields=ro.prompt_fields(recipe.data), section=section,
             )  # fmt: skip
             backend = backend_for("transformers", model, tokenizer)
-            fields = ro.eval_rewards(
-                backend,
-                rows,
-                rewards,
-                max_new_tokens=settings.max_new_tokens,
-                batch_size=recipe.eval.batch_size,
-            )
-            return {"rewards": fields}
+            toolbox = tr.toolbox_for(settings, tokenizer, recipe_path=_recipe_path(recipe), section=section)
+            complete = None
+            if toolbox is not None:  # the tools in the loop, as in training
+                fields = tr.message_fields(recipe.data.datasets, toolbox)
+                complete = tr.completer(backend, toolbox, batch_size=recipe.eval.batch_size, fields=fields)
+            try:
+                figures = ro.eval_rewards(
+                    backend, rows, rewards, max_new_tokens=settings.max_new_tokens,
+                    batch_size=recipe.eval.batch_size, complete=complete,
+                )  # fmt: skip
+            finally:
+                if toolbox is not None:
+                    toolbox.close()
+            return {"rewards": figures}
 
         return {"score": score}
 

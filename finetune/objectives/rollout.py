@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from finetune.constants import IGNORE_INDEX
-from finetune.generation.prompts import decode_completion
 from finetune.generation.protocol import Completion, GenerationBackend, SamplingParams
 from finetune.generation.rewards import build_rewards, score_rewards
+from finetune.generation.tools import completion_text, environment_reward, with_environment_rewards
 from finetune.losses.causal_lm import forward
 from finetune.losses.preference import token_logps
 
@@ -70,7 +70,8 @@ def score(
 ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
     """(decoded texts, every reward of every completion [N, R], their weighted totals [N]); `rows` are
     the data rows the completions answer, one per completion."""
-    texts = [decode_completion(backend.tokenizer, c.ids, stops=backend.stops) for c in completions]
+    texts = [completion_text(backend.tokenizer, c, stops=backend.stops) for c in completions]
+    with_environment_rewards(rows, completions)  # an environment's rewards, for the reward `environment`
     per_reward = score_rewards(rewards, texts, list(rows))
     total = per_reward @ torch.tensor([r.weight for r in rewards])
     return texts, per_reward, total
@@ -84,6 +85,7 @@ def pack_completions(
     pad_to_multiple_of: int = 1,
     mask_truncated: bool = False,
     sampling_logps: list[list[float]] | None = None,
+    own: Sequence[list[bool] | None] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Micro-batches of `per_batch` (prompt ids, completion ids, finished, advantage) sequences, each
     one packed row: position_ids restart at every sequence, labels are the completion tokens (-100 on
@@ -91,7 +93,10 @@ def pack_completions(
     completion's advantage and index in the micro-batch (-1 outside completions). Padding up to a
     multiple of pad_to_multiple_of forms its own segment. `sampling_logps` (one list per sequence: the
     log-prob each completion token was sampled with by an engine with its own weights) become the
-    per-token `sampling_logps` (NaN elsewhere).
+    per-token `sampling_logps` (NaN elsewhere). `own` (one mask per sequence, or None: all) marks the
+    completion tokens the model sampled: the others, inserted by tools (finetune.generation.tools), keep
+    their place in the row but get label -100 and no completion index, so no loss and no log-prob of the
+    ratio covers them.
 
     >>> b = pack_completions([([1, 2], [3, 4], True, 0.5), ([1], [5], False, -1.0)], per_batch=2, pad_token_id=0)
     >>> b[0]["labels"].tolist(), b[0]["seq_index"].tolist(), b[0]["position_ids"].tolist()
@@ -106,13 +111,14 @@ def pack_completions(
             if sampling_logps is not None:
                 sampled += [math.nan] * len(prompt) + list(sampling_logps[start + k])
             trained = finished or not mask_truncated
+            mine = (own[start + k] if own is not None else None) or [True] * len(completion)
             ids += prompt + completion
-            labels += [IGNORE_INDEX] * len(prompt) + (
-                completion if trained else [IGNORE_INDEX] * len(completion)
-            )
+            labels += [IGNORE_INDEX] * len(prompt) + [
+                t if trained and m else IGNORE_INDEX for t, m in zip(completion, mine, strict=True)
+            ]
             positions += list(range(len(prompt) + len(completion)))
-            advantages += [0.0] * len(prompt) + [advantage] * len(completion)
-            owners += [-1] * len(prompt) + ([k] if trained else [-1]) * len(completion)
+            advantages += [0.0] * len(prompt) + [advantage if m else 0.0 for m in mine]
+            owners += [-1] * len(prompt) + [k if trained and m else -1 for m in mine]
             prompt_tokens += len(prompt)
             completion_tokens += len(completion)
         pad = -len(ids) % pad_to_multiple_of
@@ -201,6 +207,14 @@ def rollout_fields(interval: dict[str, float], rewards) -> dict[str, float]:
     fields["clipped_ratio"] = interval["clipped_completions"] / n
     if "reward_kl_sum" in interval:  # kl_in_reward: the mean KL each completion's reward paid
         fields["reward_kl"] = interval["reward_kl_sum"] / n
+    if interval.get("reward_timeouts_sum"):  # completions a reward timed out on (grpo.reward_timeout_s)
+        fields["reward_timeouts"] = interval["reward_timeouts_sum"]
+    if "tool_calls_sum" in interval:  # tools in the loop: calls per completion, failures, time apart
+        fields["tool_calls"] = interval["tool_calls_sum"] / n
+        fields["tool_errors"] = interval["tool_errors_sum"]
+        fields["tool_timeouts"] = interval["tool_timeouts_sum"]
+        fields["tool_seconds"] = interval["tool_seconds"]
+        fields["generation_seconds"] = interval["generation_seconds"]
     return fields
 
 
@@ -212,22 +226,43 @@ def _std(total: float, squares: float, n: float) -> float:
 
 
 def eval_rewards(
-    backend: GenerationBackend, rows: list[dict], rewards, *, max_new_tokens: int, batch_size: int
+    backend: GenerationBackend,
+    rows: list[dict],
+    rewards,
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    complete=None,
 ) -> dict[str, float]:
     """Greedy completions of held-out prompt rows scored by the rewards: eval_reward (weighted total),
-    eval_reward/<name> and eval_completion_length, averaged over the rows."""
-    completions = backend.generate(
-        [list(r["input_ids"]) for r in rows],
-        SamplingParams(max_new_tokens=max_new_tokens),
-        batch_size=batch_size,
-    )
-    flat = [c[0] for c in completions]
+    eval_reward/<name> and eval_completion_length, averaged over the rows. `complete(rows, params) ->
+    (one completion per row, figures)` makes them another way (tools in the loop:
+    finetune.objectives.tool_rollout, whose calls per completion are eval_tool_calls)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    figures = {}
+    if complete is None:
+        completions = backend.generate([list(r["input_ids"]) for r in rows], params, batch_size=batch_size)
+        flat = [c[0] for c in completions]
+    else:
+        flat, figures = complete(rows, params)
     _, per_reward, total = score(rewards, backend, flat, [json.loads(r["row"]) for r in rows])
-    fields = {"eval_reward": float(total.mean())}
-    fields |= {f"eval_reward/{r.name}": float(per_reward[:, i].mean()) for i, r in enumerate(rewards)}
+    # A reward that timed out gave NaN (finetune.generation.rewards.score_rewards): the means are over
+    # the completions it scored, and the others are counted.
+    fields = {"eval_reward": _mean_known(total)}
+    fields |= {f"eval_reward/{r.name}": _mean_known(per_reward[:, i]) for i, r in enumerate(rewards)}
+    if total.isnan().any():
+        fields["eval_reward_timeouts"] = int(total.isnan().sum())
     fields["eval_completion_length"] = sum(len(c.ids) for c in flat) / max(len(flat), 1)
     fields["eval_prompts"] = len(rows)
+    if "tool_calls_sum" in figures:
+        fields["eval_tool_calls"] = figures["tool_calls_sum"] / max(len(flat), 1)
     return fields
+
+
+def _mean_known(values: torch.Tensor) -> float:
+    """The mean of the values that are not NaN (0.0 when none is)."""
+    known = values[~values.isnan()]
+    return float(known.mean()) if len(known) else 0.0
 
 
 def prompt_loader(
@@ -316,8 +351,11 @@ def rewards_for(
 ) -> list:
     """An online section's rewards, ready to score: functions imported (beside the recipe file at
     `recipe_path` first), the length reward counting tokens with `tokenizer`, reward models loaded on
-    `device` (reading the prompt from `prompt_fields`, see `prompt_fields`)."""
-    return build_rewards(
+    `device` (reading the prompt from `prompt_fields`, see `prompt_fields`); with an environment, its
+    summed rewards as the reward `environment` (weight 1)."""
+    from finetune.generation.rewards import Reward
+
+    rewards = build_rewards(
         settings.rewards,
         max_new_tokens=settings.max_new_tokens,
         count_tokens=lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
@@ -325,7 +363,11 @@ def rewards_for(
         device=device,
         prompt_fields=prompt_fields,
         section=section,
+        timeout_s=getattr(settings, "reward_timeout_s", None),
     )
+    if getattr(settings, "environment", None) is not None:
+        rewards.append(Reward("environment", 1.0, environment_reward))
+    return rewards
 
 
 def prompt_fields(data) -> tuple[str, ...]:

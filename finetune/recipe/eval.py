@@ -9,6 +9,13 @@ from typing import Literal
 from pydantic import Field
 
 from finetune.recipe.base import Problem, Regex, _Section
+from finetune.recipe.tools import (
+    ToolSpec,
+    max_tool_calls_field,
+    tool_timeout_field,
+    tools_field,
+    tools_problems,
+)
 
 # GSM8K answers end with "#### <number>" (finetune.generation.metrics.GSM8K_ANSWER_PATTERN).
 DEFAULT_ANSWER_PATTERN = r"####\s*\$?\s*(-?[\d,.]+)"
@@ -54,9 +61,12 @@ class GenerationSet(_Section):
         True, description="Render prompts with the tokenizer's chat template (false: plain text prompts)."
     )
     num_samples: int = Field(3, ge=0, description="Sample answers shown and logged.")
+    tools: list[ToolSpec] = tools_field("its answers (greedy)")
+    max_tool_calls: int = max_tool_calls_field()
+    tool_timeout_s: float = tool_timeout_field()
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
-        problems: list[Problem] = []
+        problems: list[Problem] = tools_problems(self.tools, self.max_tool_calls, self.tool_timeout_s, ok)
         if ok("metric", "field_expected") and self.metric != "none" and self.field_expected is None:
             problems.append(
                 ("field_expected", None, f"metric {self.metric} needs the expected answers' column")

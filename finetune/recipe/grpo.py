@@ -15,6 +15,13 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from finetune.recipe.base import Problem, Regex, _Section
+from finetune.recipe.tools import (
+    ToolSpec,
+    max_tool_calls_field,
+    tool_timeout_field,
+    tools_field,
+    tools_problems,
+)
 
 BUILTIN_REWARDS = ("exact_match", "math_verify", "format", "length")
 # What each built-in reward reads besides the completion: the recipe fields it needs, and those it
@@ -268,7 +275,31 @@ class GrpoSection(_Section):
         ge=0,
         description="Sampled completions with their rewards written to progress.jsonl per logged step.",
     )
-    rewards: list[RewardSpec] = Field(min_length=1, description="The rewards, summed by weight.")
+    rewards: list[RewardSpec] = Field(
+        default_factory=list,
+        description="The rewards, summed by weight (at least one, unless an environment gives the reward).",
+    )
+    reward_timeout_s: float | None = Field(
+        60.0,
+        gt=0,
+        description="Seconds a reward function (`function:`) may take on a step's completions. The functions run "
+        "in a worker process (as tools do): a hung one is stopped, its completions' groups get no advantage that "
+        "step, and it is counted (reward_timeouts) and named in a warning; SIGTERM stops a pending call at once. "
+        "null: the functions run in the training process, without a timeout (a reward that keeps state there).",
+    )
+    tools: list[ToolSpec] = tools_field(
+        "its completions (the same tools for rloo and every online objective)"
+    )
+    max_tool_calls: int = max_tool_calls_field()
+    tool_timeout_s: float = tool_timeout_field()
+    environment: str | None = Field(
+        None,
+        description="A multi-turn task: `path/to/file.py:Class` (or module:Class), one object made per completion; "
+        "reset(row) -> the first user message (null: the row's prompt), then step(assistant_text) -> "
+        "(observation, reward, done) after every assistant turn: the observation is the next user turn (not "
+        "trained), the rewards add up to the reward `environment` (weight 1, beside grpo.rewards); at most "
+        "max_tool_calls turns.",
+    )
 
     @property
     def backend_options(self) -> dict:
@@ -280,6 +311,39 @@ class GrpoSection(_Section):
             "max_model_len": self.vllm_max_model_len,
             "enable_sleep_mode": self.vllm_enable_sleep_mode,
         }
+
+    def _tool_problems(self, ok: Callable[..., bool]) -> list[Problem]:
+        """What tools and environments cannot do yet: the vLLM backend, and chat tools beside an
+        environment (both answer an assistant turn)."""
+        problems: list[Problem] = []
+        if not ok("tools", "environment", "generation_backend"):
+            return problems
+        if (self.tools or self.environment) and self.generation_backend == "vllm":
+            field = "tools" if self.tools else "environment"
+            problems.append(
+                (
+                    field,
+                    getattr(self, field),
+                    "with generation_backend vllm is not built yet: use transformers",
+                )
+            )
+        if self.environment is not None and any(t is not None and t.trigger is None for t in self.tools):
+            problems.append(
+                ("environment", self.environment, "beside chat tools is not built yet (both answer the assistant's "
+                 "turns): keep inline tools (with a trigger) only, or no environment")
+            )  # fmt: skip
+        if self.environment is not None:
+            module, _, attr = self.environment.rpartition(":")
+            if not module or not attr.isidentifier():
+                problems.append(
+                    ("environment", self.environment, "write it as path/to/file.py:Class or module:Class")
+                )
+        labels = [r.label for r in self.rewards if r is not None] if ok("rewards") else []
+        if self.environment is not None and "environment" in labels:
+            problems.append(
+                ("rewards", "environment", "is the environment's reward's name; rename the function")
+            )
+        return problems
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
         problems: list[Problem] = []
@@ -303,6 +367,14 @@ class GrpoSection(_Section):
                     "is read by generation_backend: transformers only (vllm is synced with merged weights "
                     "always); remove it",
                 )
+            )
+        problems += tools_problems(
+            self.tools, self.max_tool_calls, self.tool_timeout_s, ok, environment=self.environment
+        )
+        problems += self._tool_problems(ok)
+        if ok("rewards", "environment") and not self.rewards and self.environment is None:
+            problems.append(
+                ("rewards", [], "give at least one reward (or an environment, whose rewards count)")
             )
         if ok("rewards"):
             labels = [r.label for r in self.rewards if r is not None]

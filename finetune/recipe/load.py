@@ -155,6 +155,11 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
         )
     recipe.moved_settings = [*moved, *moved_overrides]
     recipe._source_path = str(Path(path).resolve())
+    from finetune.recipe.tools import function_problems
+
+    unusable = function_problems(recipe, Path(path).resolve().parent)  # read, not imported
+    if unusable:
+        raise RecipeError(f"{path}: {len(unusable)} problem(s):\n" + "\n".join(f"  - {p}" for p in unusable))
     return recipe
 
 

@@ -41,6 +41,7 @@ def sequences(n: int = 6, seed: int = 0) -> list[tuple[list[int], list[int], boo
 def objective(loss_type: str, **settings) -> OnlineObjective:
     obj = OnlineObjective.__new__(OnlineObjective)  # the parts `loss` and `units` read, without a build
     obj.ahead = None
+    obj.toolbox, obj.message_fields = None, []  # no tools in the loop
     obj.settings = GrpoSection(
         loss_type=loss_type, max_new_tokens=8, rewards=[{"name": "length"}], **settings
     )

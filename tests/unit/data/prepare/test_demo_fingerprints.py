@@ -18,6 +18,7 @@ from finetune.recipe import load_recipe
 PINNED = {
     "tiny_dpo_cpu.yaml": ("06cb603e49f9c70f", "ebf04f51deb9863d"),
     "tiny_grpo_cpu.yaml": ("96d3726b093837f2", "441b1ce9dd3a6005"),
+    "tiny_grpo_env_cpu.yaml": ("96d3726b093837f2", "441b1ce9dd3a6005"),  # the same prompts as tiny_grpo_cpu
     "tiny_mix_cpu.yaml": ("eca9d69aa492d21f", "33ad359361a4f7b5"),
     "tiny_reward_cpu.yaml": ("788792903732197d", "b8399560408a693d"),
     "tiny_sft_cpu.yaml": ("e74cadbd8c0af1b0", "1ca646e6b1593f9a"),
