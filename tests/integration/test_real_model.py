@@ -145,12 +145,12 @@ def test_the_readme_table_is_what_the_demo_prints(tmp_path):
     out, prepared = tmp_path / "out", tmp_path / "prepared"
     trained = cli(
         "train", str(RECIPE), "--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared),
-        timeout=1800,
+        timeout=3600,
     )  # fmt: skip
     assert trained.returncode == 0, trained.stderr[-3000:]
     evaluated = cli(
         "eval", str(RECIPE), "--adapter", str(out), "--data.dataset_prepared_path", str(prepared), "--no-progress",
-        timeout=1800,
+        timeout=3600,
     )  # fmt: skip
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     printed = _table(evaluated.stdout)
