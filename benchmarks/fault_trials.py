@@ -12,6 +12,8 @@ classifies how it ended:
 * counted drop: exit code 0 and the manifest accounts for every input row (rows_in = kept +
   dropped) with exactly the expected drop reasons, each with a sample;
 * clean load: exit code 0 with nothing dropped, for inputs that are odd but valid (BOM, CRLF);
+* completed: a command on an odd but valid input (a numpy reward, ``--overwrite`` of a file outside
+  the run) ran to the end and left what it should;
 * recovered: a damaged or killed training run resumed from the newest checkpoint that verifies, said
   which one it skipped and why, and logged exactly the losses of a run that was never interrupted;
 * traceback: "Traceback" anywhere in the output. Must be 0;
@@ -54,7 +56,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "benchmarks" / "RESULTS.md"
 SECTION_START, SECTION_END = "<!-- fault-trials:start -->", "<!-- fault-trials:end -->"
 DEMO_TOKENIZER = REPO_ROOT / "recipes" / "demo" / "tokenizer"
-OUTCOMES = ("clear error", "counted drop", "clean load", "recovered", "traceback", "unexpected")
+OUTCOMES = ("clear error", "counted drop", "clean load", "recovered", "completed", "traceback", "unexpected")
 TIMEOUT_S = 300
 
 
@@ -66,7 +68,7 @@ class Trial:
     name: str
     command: list[str]
     cwd: Path
-    expect: str  # one of OUTCOMES[:4]
+    expect: str  # one of OUTCOMES[:5]
     names: str = ""  # text a clear error must contain (the damaged file's path)
     drops: dict[str, int] = field(default_factory=dict)  # expected manifest drops (counted drop)
     rows_in: int | None = None  # expected manifest rows_in (counted drop, clean load)
@@ -437,7 +439,7 @@ def _damage(out: Path, how: str) -> tuple[str, str]:
     ckpt = out / "checkpoints" / f"step-{TRAIN_STEPS}"
     files = {
         "truncated weights": "trainable_0.safetensors", "bit-flipped optimizer state": "optimizer.bin",
-        "missing RNG state": "random_states_0.pkl", "missing scheduler state": "scheduler.bin",
+        "missing RNG state": "rng_state_0.safetensors", "missing scheduler state": "scheduler.bin",
         "truncated train state": "train_state.json", "missing checksums": "checksums.json",
     }  # fmt: skip
     if how in files:
@@ -1161,6 +1163,501 @@ def dpo_sigkill_trials(root: Path) -> list[Trial]:
     return sigkill_trials(root, count=8, seed=1, recipe="dpo")
 
 
+# ---------------------------------------------------------------- the new wings (issue 32)
+
+
+def _classify_completed(check: Callable[[Trial], str | None] | None = None) -> Callable:
+    """Exit 0 with no traceback, and `check` (what the run must have left behind) finds nothing wrong."""
+
+    def classify(trial: Trial, proc: subprocess.CompletedProcess) -> tuple[str, str]:
+        if "Traceback" in proc.stdout + proc.stderr:
+            return "traceback", _last_line(proc.stderr)
+        if proc.returncode != 0:
+            return "unexpected", f"exit code {proc.returncode}: {_last_line(proc.stderr)}"
+        problem = check(trial) if check else None
+        if problem:
+            return "unexpected", problem
+        return ("completed" if trial.expect == "completed" else "unexpected"), "exit 0 as expected"
+
+    return classify
+
+
+def _and_then(classify: Callable, check: Callable[[Trial], str | None]) -> Callable:
+    """`classify`, then `check` (a file left untouched, a payload that never ran) on its good outcome."""
+
+    def both(trial: Trial, proc: subprocess.CompletedProcess) -> tuple[str, str]:
+        outcome, note = classify(trial, proc)
+        if outcome == trial.expect:
+            problem = check(trial)
+            if problem:
+                return "unexpected", f"{problem}; {note}"
+        return outcome, note
+
+    return both
+
+
+VLM_DEMO = REPO_ROOT / "recipes" / "demo" / "tiny_vlm_cpu.yaml"
+VLM_DATA = REPO_ROOT / "recipes" / "demo" / "data" / "vlm"
+IMAGE_CASES = {  # case: (the image path row 5 names, relative to the data file's folder unless absolute)
+    "image ../outside/x.png": "../outside/x.png",
+    "image as an absolute path outside": "{outside}/x.png",
+    "symlink in the folder to an image outside": "images/link.png",
+    "non-image ../../../../etc/hostname": "../../../../../../../../etc/hostname",
+    "non-image /etc/passwd": "/etc/passwd",
+}
+
+
+def _vlm_case(folder: Path, image: str, on_bad_row: str, *, allow_outside: bool = False) -> Path:
+    """12 rows of the VLM demo with their images in folder/data, an image outside it (folder/outside),
+    row 5's image replaced by `image`; returns the prepare recipe."""
+    data = folder / "data"
+    (data / "images").mkdir(parents=True)
+    (folder / "outside").mkdir()
+    rows = [json.loads(line) for line in (VLM_DATA / "train.jsonl").read_text().splitlines()[:12]]
+    for row in rows:
+        for part in row["messages"][0]["content"]:
+            if part["type"] == "image":
+                shutil.copy(VLM_DATA / part["image"], data / part["image"])
+    shutil.copy(VLM_DATA / "images" / "00000.png", folder / "outside" / "x.png")
+    (data / "images" / "link.png").symlink_to(folder / "outside" / "x.png")
+    rows[5]["messages"][0]["content"][0]["image"] = image.format(outside=folder / "outside")
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = yaml.safe_load(VLM_DEMO.read_text())
+    recipe["model"]["tokenizer_path"] = str(REPO_ROOT / "recipes" / "demo" / "vlm_processor")
+    recipe["data"]["datasets"][0]["path"] = str(data / "train.jsonl")
+    recipe["data"].pop("test_datasets", None)
+    recipe["data"] |= {"dataset_prepared_path": str(folder / "prepared"), "on_bad_row": on_bad_row}
+    recipe["data"]["val_set_size"] = 0
+    if allow_outside:
+        recipe["data"]["allow_image_paths_outside"] = True
+    recipe["train"]["output_dir"] = str(folder / "out")
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def image_trials(root: Path) -> list[Trial]:
+    """VLM rows whose image path leaves the data file's folder (relative, absolute, a symlink, files that
+    are no images): a counted drop with skip, a clear error naming the row with raise, never read; the
+    same outside image accepted under data.allow_image_paths_outside."""
+    trials = []
+    for case, image in IMAGE_CASES.items():
+        for mode in ("raise", "skip"):
+            folder = root / "image" / f"{_slug(case)}-{mode}"
+            recipe = _vlm_case(folder, image, mode)
+            command = [sys.executable, "-m", "finetune.cli", "prepare-dataset", str(recipe)]
+            trial = Trial("image", f"{case} [{mode}]", command, folder, "clear error", names="row 5")
+            if mode == "skip":
+                trial.expect, trial.rows_in = "counted drop", 12
+                trial.drops = {"bad_row:image_outside_data_folder": 1}
+            trials.append(trial)
+    folder = root / "image" / "allowed"
+    recipe = _vlm_case(folder, IMAGE_CASES["image ../outside/x.png"], "raise", allow_outside=True)
+    command = [sys.executable, "-m", "finetune.cli", "prepare-dataset", str(recipe)]
+    trials.append(
+        Trial("image", "image outside with allow_image_paths_outside (valid)", command, folder, "clean load",
+              rows_in=12)
+    )  # fmt: skip
+    return trials
+
+
+STREAM_DEMO = REPO_ROOT / "recipes" / "demo" / "tiny_sft_stream_cpu.yaml"
+
+
+def _stream_command(buffer: int, *extra: str) -> list[str]:
+    """The streaming demo on the shards in ./shards (run in the trial's folder: the path in the recipe
+    is relative, so a copied run resumes with the recipe it was written with)."""
+    return [
+        sys.executable, str(REPO_ROOT / "finetune" / "train.py"), str(STREAM_DEMO), *TRAIN_ARGS,
+        "--train.output_dir", "out", "--model.tokenizer_path", str(DEMO_TOKENIZER),
+        "--data.datasets", "[{path: shards, type: alpaca}]", "--data.on_bad_row", "skip",
+        "--data.stream_buffer_size", str(buffer), *extra,
+    ]  # fmt: skip
+
+
+def _stream_reference(folder: Path, buffer: int) -> dict[int, float]:
+    """Three jsonl shards of 50 demo rows (two bad rows, counted), and one uninterrupted run on them."""
+    rows = [json.loads(ln) for ln in DEMOS["sft"][1].read_text().splitlines()[:150]]
+    rows[7]["output"], rows[120]["output"] = 5, ["not", "text"]
+    (folder / "shards").mkdir(parents=True)
+    for k in range(3):
+        (folder / "shards" / f"part-{k}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows[k * 50 : (k + 1) * 50])
+        )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        _stream_command(buffer), cwd=folder, env=env, check=True, capture_output=True, timeout=TIMEOUT_S
+    )
+    return _losses(folder / "out")
+
+
+def _stream_records(out: Path) -> dict[int, dict]:
+    path = out / "progress.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    keys = (
+        "stream_rows_in",
+        "stream_rows_kept",
+        "stream_dropped",
+        "stream_pass",
+        "stream_packing_efficiency",
+    )
+    return {r["step"]: {k: r.get(k) for k in keys} for r in records if r.get("event") is None and "loss" in r}
+
+
+def _rewind(source: Path, folder: Path, step: int) -> None:
+    """A copy of a finished streaming run as if killed after its checkpoint at `step` (later ones gone)."""
+    shutil.copytree(source, folder)  # copy2: the shards keep their modification times
+    _unfinish(folder / "out")
+    for ckpt in (folder / "out" / "checkpoints").glob("step-*"):
+        if int(ckpt.name.removeprefix("step-")) > step:
+            shutil.rmtree(ckpt)
+    (folder / "out" / "checkpoints" / "latest").write_text(f"step-{step}")
+
+
+def _classify_stream_resume(reference: dict[int, float], source: Path, *, warned: str = "") -> Callable:
+    """A resume that logs the uninterrupted losses and the same row counters at every step (and says
+    `warned` when given)."""
+    base = _classify_resume(reference)
+
+    def classify(trial: Trial, proc: subprocess.CompletedProcess) -> tuple[str, str]:
+        outcome, note = base(trial, proc)
+        if outcome != "recovered":
+            return outcome, note
+        if warned and warned not in proc.stderr:
+            return "unexpected", f"did not warn {warned!r}: {note}"
+        want, got = _stream_records(source / "out"), _stream_records(trial.cwd / "out")
+        wrong = [s for s in want if got.get(s) != want[s]]
+        if wrong:
+            s = wrong[0]
+            return "unexpected", f"stream counters differ at step {s}: {got.get(s)} vs {want[s]}"
+        return outcome, (f"warned; {note}" if warned else note)
+
+    return classify
+
+
+def stream_trials(root: Path) -> list[Trial]:
+    """data.streaming runs resumed from checkpoints taken with the packer's buffers in whatever state
+    they were (buffer sizes 16 and 256; checkpoints at steps 4 and 8): the uninterrupted losses and row
+    counters. Then shards changed after the kill: rewritten or grown (a clear error naming the shard),
+    touched only (a warning, and the same run)."""
+    trials = []
+    for buffer in (16, 256):
+        source = root / "stream" / f"buffer-{buffer}-reference"
+        reference = _stream_reference(source, buffer)
+        for step in (4, 8):
+            folder = root / "stream" / f"buffer-{buffer}-from-{step}"
+            _rewind(source, folder, step)
+            command = _stream_command(buffer, "--train.load_checkpoint_path", "auto")
+            trials.append(Trial("stream", f"buffer {buffer}, resumed from step {step}", command, folder,
+                                "recovered", classify=_classify_stream_resume(reference, source)))  # fmt: skip
+        if buffer != 16:
+            continue
+
+        def reorder(path: Path) -> None:
+            lines = path.read_text().splitlines(keepends=True)
+            path.write_text("".join(lines[1:] + lines[:1]))
+
+        changes = {
+            "shard rewritten, rows reordered": ("part-1.jsonl", reorder),
+            "shard grown by a row": ("part-2.jsonl", lambda p: p.write_text(p.read_text() + p.read_text().splitlines()[0] + "\n")),
+            "shard touched (mtime only)": ("part-0.jsonl", lambda p: os.utime(p, ns=(p.stat().st_atime_ns, p.stat().st_mtime_ns + 10**9))),
+        }  # fmt: skip
+        for case, (name, change) in changes.items():
+            folder = root / "stream" / f"changed-{_slug(case)}"
+            _rewind(source, folder, 6)
+            change(folder / "shards" / name)
+            command = _stream_command(buffer, "--train.load_checkpoint_path", "auto")
+            if "touched" in case:
+                classify = _classify_stream_resume(reference, source, warned=f"shard {name} was modified")
+                trials.append(Trial("stream", case, command, folder, "recovered", classify=classify))
+            else:
+                trials.append(Trial("stream", case, command, folder, "clear error", names=f"shard {name}"))
+    return trials
+
+
+def _rng_damage(ckpt: Path, how: str) -> str:
+    """Damage the checkpoint's RNG state and rewrite its checksums to match; return the file to name."""
+    sys.path.insert(0, str(REPO_ROOT))
+    import pickle
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from finetune.checkpoint import write_checksums
+
+    tensors, plain = ckpt / "rng_state_0.safetensors", ckpt / "rng_state_0.json"
+    if how == "truncated":
+        tensors.write_bytes(tensors.read_bytes()[: tensors.stat().st_size // 2])
+        named = tensors
+    elif how == "wrong shape":
+        state = load_file(str(tensors))
+        state["torch"] = torch.zeros(100, dtype=torch.uint8)
+        save_file(state, str(tensors))
+        named = tensors
+    elif how == "replaced by other JSON":
+        plain.write_text(json.dumps({"python": "not a state"}))
+        named = plain
+    elif how == "pickle payload beside it":
+
+        class Payload:
+            def __reduce__(self):
+                return (open, (str(ckpt.parent.parent / "PAYLOAD_RAN"), "w"))
+
+        (ckpt / "random_states_0.pkl").write_bytes(pickle.dumps(Payload()))
+        named = ckpt / "random_states_0.pkl"
+    else:
+        raise ValueError(how)
+    (ckpt / "checksums.json").unlink()
+    write_checksums(ckpt)
+    return str(named)
+
+
+def rng_trials(root: Path) -> list[Trial]:
+    """The RNG state of a checkpoint damaged with its checksums rewritten to match (so only loading it
+    can tell): a clear error naming the file; a pickle planted beside it never runs, and the run resumes
+    to the uninterrupted losses."""
+    reference = _reference(root / "rng")
+    source = root / "rng" / "reference" / "out"
+    trials = []
+    for how in ("truncated", "wrong shape", "replaced by other JSON", "pickle payload beside it"):
+        folder = root / "rng" / _slug(how)
+        shutil.copytree(source, folder / "out")
+        _unfinish(folder / "out")
+        shutil.rmtree(folder / "out" / "checkpoints" / f"step-{TRAIN_STEPS}")  # resume from step 10
+        (folder / "out" / "checkpoints" / "latest").write_text(f"step-{TRAIN_STEPS - 2}")
+        ckpt = folder / "out" / "checkpoints" / f"step-{TRAIN_STEPS - 2}"
+        named = _rng_damage(ckpt, how)
+        if "payload" in how:
+            command = _train_command(folder, "--train.load_checkpoint_path", "auto")
+            marker = folder / "out" / "PAYLOAD_RAN"
+            classify = _and_then(
+                _classify_resume(reference),
+                lambda t, m=marker: "the pickle payload ran" if m.exists() else None,
+            )
+            trials.append(Trial("rng", f"RNG state: {how}", command, folder, "recovered", classify=classify))
+        else:
+            command = _train_command(folder, "--train.load_checkpoint_path", str(ckpt))
+            trials.append(
+                Trial("rng", f"RNG state: {how}", command, folder, "clear error", names=Path(named).name)
+            )
+    return trials
+
+
+REWARD_FUNCTIONS = """\
+import sys
+
+import numpy as np
+import torch
+
+
+def reward_exits(completions, rows):
+    sys.exit(0)
+
+
+def reward_interrupts(completions, rows):
+    raise KeyboardInterrupt
+
+
+def reward_mapping(completions, rows):
+    return {k: 1.0 for k in range(len(completions))}
+
+
+def reward_huge(completions, rows):
+    return [1e308] * len(completions)
+
+
+def reward_minus_huge(completions, rows):
+    return [-1e308] * len(completions)
+
+
+def reward_nan(completions, rows):
+    return [float("nan")] * len(completions)
+
+
+def reward_too_few(completions, rows):
+    return [0.0]
+
+
+def reward_numpy(completions, rows):
+    return [np.float32(len(c) % 3) for c in completions]
+
+
+def reward_torch(completions, rows):
+    return [torch.tensor(float(len(c) % 2)) for c in completions]
+"""
+
+
+def reward_trials(root: Path) -> list[Trial]:
+    """`finetune train` of the tiny GRPO demo with a user's reward that ends the program, returns a
+    mapping, values beyond +-1e15, NaN or the wrong count: a clear error naming the reward; numpy and
+    torch scalars are numbers (the run completes and writes its adapter)."""
+    grpo = yaml.safe_load((REPO_ROOT / "recipes" / "demo" / "tiny_grpo_cpu.yaml").read_text())
+    trials = []
+    for fn, valid in (
+        ("reward_exits", False), ("reward_interrupts", False), ("reward_mapping", False), ("reward_huge", False),
+        ("reward_minus_huge", False), ("reward_nan", False), ("reward_too_few", False), ("reward_numpy", True),
+        ("reward_torch", True),
+    ):  # fmt: skip
+        folder = root / "reward" / fn
+        folder.mkdir(parents=True)
+        (folder / "rewards.py").write_text(REWARD_FUNCTIONS)
+        recipe = json.loads(json.dumps(grpo))
+        recipe["model"]["tokenizer_path"] = str(DEMO_TOKENIZER)
+        recipe["data"]["datasets"][0]["path"] = str(REPO_ROOT / "recipes" / "demo" / "data" / "prompts.jsonl")
+        recipe["data"]["dataset_prepared_path"] = str(folder / "prepared")
+        recipe["train"] |= {
+            "output_dir": str(folder / "out"),
+            "max_steps": 2,
+            "save_steps": 0,
+            "eval_steps": None,
+        }
+        recipe["grpo"]["rewards"] = [{"function": f"rewards.py:{fn}"}]
+        (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+        command = [sys.executable, "-m", "finetune.cli", "train", str(folder / "recipe.yaml")]
+        if valid:
+            adapter = folder / "out" / "adapter_model.safetensors"
+            check = lambda t, a=adapter: None if a.is_file() else "no adapter written"  # noqa: E731
+            trials.append(Trial("reward", f"{fn} (valid)", command, folder, "completed",
+                                classify=_classify_completed(check)))  # fmt: skip
+        else:
+            trials.append(Trial("reward", fn, command, folder, "clear error", names=fn))
+    return trials
+
+
+def _digest(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def export_trials(root: Path) -> list[Trial]:
+    """`finetune export-gguf --output` pointed at the run's own adapter (with and without --overwrite) or
+    at an existing file: a clear error, the file untouched; --overwrite replaces a file outside the run."""
+    adapter = _trained_adapter(root / "export")
+    weights = adapter / "adapter_model.safetensors"
+    cli = [sys.executable, "-m", "finetune.cli", "export-gguf", str(adapter)]
+    trials = []
+    for case, target, extra, expect in (
+        ("--output the run's adapter_model.safetensors", weights, [], "clear error"),
+        ("--output the run's adapter, --overwrite", weights, ["--overwrite"], "clear error"),
+        ("--output the run's recipe.resolved.yaml, --overwrite", adapter / "recipe.resolved.yaml", ["--overwrite"],
+         "clear error"),
+        ("--output an existing file", None, [], "clear error"),
+        ("--output an existing file, --overwrite (valid)", None, ["--overwrite"], "completed"),
+    ):  # fmt: skip
+        folder = root / "export" / _slug(case)
+        folder.mkdir(parents=True)
+        if target is None:
+            target = folder / "model.gguf"
+            target.write_bytes(b"an existing file the user keeps\n")
+        before = _digest(target)
+        command = [*cli, "--output", str(target), *extra]
+        if expect == "completed":
+
+            def check(t: Trial, p: Path = target) -> str | None:
+                return None if p.read_bytes()[:4] == b"GGUF" else "not replaced by a GGUF file"
+
+            trials.append(Trial("export", case, command, folder, expect, classify=_classify_completed(check)))
+        else:
+            untouched = lambda t, p=target, d=before: None if _digest(p) == d else f"{p.name} was changed"  # noqa: E731
+            trials.append(Trial("export", case, command, folder, expect, names=target.name,
+                                classify=_and_then(classify_cli, untouched)))  # fmt: skip
+    return trials
+
+
+def mixture_trials(root: Path) -> list[Trial]:
+    """Weights no dataset can draw (1e6, 1e300, inf) refused at `finetune validate` naming the field,
+    and at prepare-dataset before anything is read; the bound itself (1000) accepted."""
+    mix = REPO_ROOT / "recipes" / "demo" / "tiny_mix_cpu.yaml"
+    trials = []
+    for weight in ("1e6", "1e300", ".inf", "1000"):
+        for command_name in ("validate", "prepare-dataset"):
+            if weight == "1000" and command_name == "prepare-dataset":
+                continue
+            command = [
+                sys.executable,
+                "-m",
+                "finetune.cli",
+                command_name,
+                str(mix),
+                "--data.datasets.0.weight",
+                weight,
+            ]
+            name = f"weight {weight} [{command_name}]"
+            if weight == "1000":
+                trials.append(Trial("mixture", f"{name} (valid)", command, REPO_ROOT, "clean load",
+                                    classify=_classify_accepted))  # fmt: skip
+            else:
+                trials.append(Trial("mixture", name, command, REPO_ROOT, "clear error", names="weight",
+                                    classify=_classify_refused))  # fmt: skip
+    return trials
+
+
+def kill_trials(root: Path) -> list[Trial]:
+    """`finetune train` killed with SIGKILL, its whole process group (`kill -9 -PGID`) or the CLI alone (as
+    `timeout -s KILL` does): nothing trains on as an orphan (the log stops growing, the output_dir lock
+    is free), and a resume with `auto` logs the uninterrupted losses."""
+    reference = _reference(root / "kill")
+    trials = []
+    for how in ("group", "cli"):
+        folder = root / "kill" / how
+        folder.mkdir(parents=True)
+        command = [
+            sys.executable,
+            __file__,
+            "--kill-child",
+            str(folder),
+            "--how",
+            how,
+            "--timeout",
+            str(TIMEOUT_S),
+        ]
+        name = (
+            "kill -9 of the process group" if how == "group" else "kill -9 of the CLI alone (timeout -s KILL)"
+        )
+        trials.append(Trial("kill", name, command, folder, "recovered", classify=_classify_resume(reference)))
+    return trials
+
+
+def kill_child(folder: Path, how: str) -> int:
+    """Start `finetune train`, SIGKILL it (`how`: its process group, or the CLI process alone) once step 3
+    is logged, check that no training goes on, then resume it through the CLI."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "finetune.cli", "train", *_train_command(folder)[2:]]
+    proc = subprocess.Popen(
+        cli, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None and max(_losses(folder / "out"), default=0) < 3:
+        time.sleep(0.01)
+    if proc.poll() is not None:
+        print(f"not killed: the run ended (exit {proc.returncode})", file=sys.stderr)
+        return 3
+    if how == "group":
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(3)  # the supervisor watch polls every 0.2 s
+    log = folder / "out" / "progress.jsonl"
+    size = log.stat().st_size
+    time.sleep(3)
+    if log.stat().st_size != size:
+        print("orphan: the training process kept logging after the kill", file=sys.stderr)
+        return 4
+    print(
+        f"killed: {max(_losses(folder / 'out'), default=0)} steps logged; no orphan",
+        file=sys.stderr,
+        flush=True,
+    )
+    resumed = subprocess.run(
+        [*cli, "--train.load_checkpoint_path", "auto"], env=env, capture_output=True, text=True
+    )
+    sys.stdout.write(resumed.stdout)
+    sys.stderr.write(resumed.stderr)
+    return resumed.returncode
+
+
 # Trial kinds: name -> function building the trials under a root folder.
 KINDS: dict[str, Callable[[Path], list[Trial]]] = {
     "data": data_trials,
@@ -1173,7 +1670,15 @@ KINDS: dict[str, Callable[[Path], list[Trial]]] = {
     "disk": disk_trials,
     "concurrent": concurrent_trials,
     "dpo-sigkill": dpo_sigkill_trials,
+    "image": image_trials,
+    "stream": stream_trials,
+    "rng": rng_trials,
+    "reward": reward_trials,
+    "export": export_trials,
+    "mixture": mixture_trials,
+    "kill": kill_trials,
 }
+NEW_KINDS = ("image", "stream", "rng", "reward", "export", "mixture", "kill")  # issue 32's wings
 
 
 # ---------------------------------------------------------------------------------------- report
@@ -1221,22 +1726,56 @@ KINDS_TEXT = """\
   output_dir of a live run: a clear error, and the live run's log exactly the uninterrupted one's."""
 
 
-def write_results(text: str, command: str, seconds: float) -> None:
+NEW_KINDS_TEXT = """\
+- image: VLM rows whose image path leaves the data file's folder (`../outside/x.png`, an absolute path,
+  a symlink in the folder to a file outside, `/etc/passwd`, `../../etc/hostname`) through
+  `finetune prepare-dataset`: a clear error naming the row with `raise`, a counted drop
+  (`image_outside_data_folder`) with `skip`, the file never read; the outside image accepted under
+  `data.allow_image_paths_outside: true`.
+- stream: a `data.streaming` run (3 jsonl shards, 2 bad rows) with `stream_buffer_size` 16 and 256,
+  resumed from its checkpoints at steps 4 and 8 (whatever its packer and ready-row buffers held then):
+  the uninterrupted losses and the same row counters at every step. Then, after the kill, a shard
+  rewritten (rows reordered) or grown (a clear error naming the shard) or only touched (a warning
+  naming it, and the uninterrupted run).
+- rng: the RNG state of the checkpoint a run resumes from truncated, given a wrong shape or replaced by
+  other JSON, its checksums rewritten to match: a clear error naming the file; a pickle payload planted
+  beside it never runs and the run resumes to the uninterrupted losses.
+- reward: `finetune train` of the tiny GRPO demo with a reward that calls `sys.exit(0)`, raises
+  KeyboardInterrupt, returns a dict, +-1e308, NaN or one value for many: a clear error naming the reward;
+  numpy and torch scalars train to the end (completed).
+- export: `finetune export-gguf --output` at the run's own adapter or recipe (with and without
+  `--overwrite`) or at an existing file: a clear error and the file unchanged; `--overwrite` of a file
+  outside the run replaces it with the GGUF file (completed).
+- mixture: `data.datasets[0].weight` 1e6, 1e300 and inf through `finetune validate` and
+  `prepare-dataset`: refused naming the field; 1000, the bound, accepted.
+- kill: `finetune train` SIGKILLed as a process group (`kill -9 -PGID`) or the CLI alone (as `timeout -s
+  KILL` does) after step 3: the training process stops too (its log stops growing), and a resume with
+  `auto` logs the uninterrupted losses."""
+SECTIONS = {  # --section: (heading, what the kinds are)
+    "fault-trials": ("Fault trials", KINDS_TEXT),
+    "fault-trials-wings": ("Fault trials: the new wings (issue 32)", NEW_KINDS_TEXT),
+}
+
+
+def write_results(text: str, command: str, seconds: float, section_name: str = "fault-trials") -> None:
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    heading, kinds_text = SECTIONS[section_name]
+    start, end = f"<!-- {section_name}:start -->", f"<!-- {section_name}:end -->"
     section = (
-        f"{SECTION_START}\n## Fault trials\n\n`{command}` ({machine}; {seconds:.0f} s). Damaged inputs through "
-        f"the real CLI; the traceback column must be 0.\n\n{KINDS_TEXT}\n\n{text}\n{SECTION_END}"
+        f"{start}\n## {heading}\n\n`{command}` ({machine}; {seconds:.0f} s). Damaged inputs through "
+        f"the real CLI; the traceback column must be 0.\n\n{kinds_text}\n\n{text}\n{end}"
     )
     current = RESULTS.read_text(encoding="utf-8") if RESULTS.exists() else "# Benchmark results\n"
-    if SECTION_START in current and SECTION_END in current:
-        head, rest = current.split(SECTION_START, 1)
-        current = head + section + rest.split(SECTION_END, 1)[1]
+    if start in current and end in current:
+        head, rest = current.split(start, 1)
+        current = head + section + rest.split(end, 1)[1]
     else:
         current = current.rstrip("\n") + "\n\n" + section + "\n"
     RESULTS.write_text(current, encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
+    global TIMEOUT_S
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     parser.add_argument(
@@ -1245,22 +1784,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="trials run at once (each is one CLI process)")
     parser.add_argument("--keep", type=Path, help="build the trials in this folder and keep it")
     parser.add_argument("--write-results", action="store_true", help="update benchmarks/RESULTS.md")
+    parser.add_argument(
+        "--timeout",
+        type=int,
+        default=TIMEOUT_S,
+        help=f"seconds before a command counts as hung ({TIMEOUT_S})",
+    )
+    parser.add_argument(
+        "--section", default="fault-trials", choices=list(SECTIONS), help="the RESULTS.md section to write"
+    )
     parser.add_argument("--sigkill-child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--at", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--delay", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--recipe", default="sft", choices=list(DEMOS), help=argparse.SUPPRESS)
     parser.add_argument("--concurrent-child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--kill-child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--how", default="group", choices=["group", "cli"], help=argparse.SUPPRESS)
     parser.add_argument("extra", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    TIMEOUT_S = args.timeout  # a machine shared with other jobs runs the same commands several times slower
     if args.sigkill_child:
         return sigkill_child(args.sigkill_child, args.at, args.delay, args.recipe)
     if args.concurrent_child:
         return concurrent_child(args.concurrent_child, args.extra)
+    if args.kill_child:
+        return kill_child(args.kill_child, args.how)
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="finetune-fault-trials-"))
     start = time.perf_counter()
     try:
-        trials = [t for kind in args.kinds for t in KINDS[kind](root)]
+        # The kinds build their inputs and reference runs side by side (each in its own folder).
+        with ThreadPoolExecutor(max_workers=len(args.kinds)) as pool:
+            built = list(pool.map(lambda kind: KINDS[kind](root), args.kinds))
+        trials = [t for kind_trials in built for t in kind_trials]
         if args.only:
             trials = [t for t in trials if any(o.lower() in t.name.lower() for o in args.only)]
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -1274,7 +1830,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.write_results:
         command = "python benchmarks/fault_trials.py" + (f" --kinds {' '.join(args.kinds)}" if argv else "")
-        write_results(text, command, seconds)
+        if args.section != "fault-trials":
+            command += f" --section {args.section}"
+        write_results(text, command, seconds, args.section)
     bad = [r for r in results if r.outcome != r.trial.expect]
     print(f"\n{len(results)} trials in {seconds:.0f} s; {len(bad)} not as expected", file=sys.stderr)
     return 1 if bad else 0

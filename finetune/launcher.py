@@ -140,8 +140,12 @@ def run_supervised(cmd: list[str], env: dict[str, str] | None = None) -> int:
         if status.is_file():
             report = json.loads(status.read_text())
             line = f"error: {report.get('error', '')}"
-            if line.encode() not in b"".join(shown):  # the relay dropped it with what followed
-                print(line, file=sys.stderr, flush=True)
+            relayed = b"".join(shown)
+            if line.encode() not in relayed:  # the relay dropped it with what followed
+                # ... and maybe the newline before it: the last bytes relayed can be a progress bar's
+                # last draw (no newline), and the error starts a line of its own.
+                lead = "\n" if relayed and not relayed.endswith(b"\n") else ""
+                print(lead + line, file=sys.stderr, flush=True)
             return int(report.get("exit", 2))
         if code == -signal.SIGTERM and signals.launcher_only and signals.count == 1:
             # Stopped before the launcher had started training: nothing trained, nothing to save.

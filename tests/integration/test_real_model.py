@@ -127,3 +127,49 @@ def test_qlora_trains_the_real_model(workdir):
     # already teach the answer format.
     assert final["eval_loss"] < 0.7, final
     assert (workdir / "qlora" / "out" / "adapter_model.safetensors").is_file()
+
+
+def _table(text: str) -> list[str]:
+    """The metric table of a `finetune eval` output or a docs page: the `metric` line and the lines after
+    it up to the first blank one (or the end of its code block)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["metric"])
+    end = next((i for i in range(start, len(lines)) if lines[i].strip() in ("", "```")), len(lines))
+    return [line.rstrip() for line in lines[start:end]]
+
+
+def test_the_readme_table_is_what_the_demo_prints(tmp_path):
+    """README's demo, its two commands as written (the recipe as it is: 30 steps, then `finetune eval`
+    with the base beside), prints the table README shows; RESULTS.md and docs/evaluation.md quote the
+    same. (The `trained` fixture is a shortened run: the table needs the demo itself.)"""
+    out, prepared = tmp_path / "out", tmp_path / "prepared"
+    trained = cli(
+        "train", str(RECIPE), "--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared),
+        timeout=3600,
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    evaluated = cli(
+        "eval", str(RECIPE), "--adapter", str(out), "--data.dataset_prepared_path", str(prepared), "--no-progress",
+        timeout=3600,
+    )  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    printed = _table(evaluated.stdout)
+    assert printed[0].split() == ["metric", "base", "tuned"], evaluated.stdout[:2000]
+    # README shows the whole output (the table and both samples), as a block of its own.
+    readme = (REPO / "README.md").read_text().split("## What the demo shows", 1)[1]
+    block = readme.split("```\n", 2)[1].rstrip("\n").splitlines()
+    output = evaluated.stdout.split("\nfull results and every sample:", 1)[0].rstrip("\n").splitlines()
+    assert [line.rstrip() for line in block] == [line.rstrip() for line in output], (
+        "README.md's demo output differs from what the demo prints:\n" + "\n".join(output)
+    )
+    pages = {  # page: the words just before its table of the demo
+        "README.md": "## What the demo shows",
+        "benchmarks/RESULTS.md": "### The real-model demo",
+        "docs/evaluation.md": "real-model demo prints:",
+    }
+    for page, before in pages.items():
+        text = (REPO / page).read_text()
+        shown = _table(text[text.index(before) :])
+        assert shown == printed, (
+            f"{page} shows\n" + "\n".join(shown) + "\nthe demo prints\n" + "\n".join(printed)
+        )

@@ -74,3 +74,22 @@ def test_a_process_not_under_finetune_train_watches_nothing(monkeypatch):
 
     monkeypatch.delenv(SUPERVISOR_ENV, raising=False)
     assert watch_supervisor() is None
+
+
+def test_the_error_starts_a_line_of_its_own_after_a_progress_bar(capsys):
+    """Training draws its progress bar (no newline), reports a user error, then prints it: the relay drops
+    what follows the report, the newline before the message with it, and `finetune train` prints the
+    message itself. It must start a line, not end the bar's (fault trials under load: 3 of 9 rewards)."""
+    training = (
+        "import sys, time\n"
+        "from finetune.launcher import write_status\n"
+        "sys.stderr.write('\\rtrain:   0%|          | 0/2 [00:00<?, ?step/s]'); sys.stderr.flush()\n"
+        "time.sleep(2)\n"  # the relay shows the bar before the report exists
+        "write_status(2, 'reward f returned a dict')\n"
+        "sys.stderr.write('\\nerror: reward f returned a dict\\n'); sys.stderr.flush()\n"
+        "sys.exit(1)\n"
+    )
+    code = run_supervised([sys.executable, "-c", training])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "error: reward f returned a dict" in err.splitlines(), err

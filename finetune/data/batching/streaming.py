@@ -37,8 +37,10 @@ from finetune.data.batching.collate import collate_rows
 from finetune.data.batching.packing import BufferedPacker, examples_from_state, examples_state, packed_row
 from finetune.data.formats.rows import TEMPLATE_WITHOUT_TOOLS
 from finetune.data.formats.tokenize import TOO_LONG, bad_row_error, tokenize_stream, too_long_error
+from finetune.data.sources.location import SHARD_BLOCK_BYTES, shard_identities
 from finetune.data.sources.readers import load_stream
 from finetune.errors import DataError, FinetuneError
+from finetune.notices import warn
 
 _DAMAGED = (
     "A damaged file? `finetune prepare-dataset` with that file as the entry names the line and byte "
@@ -152,18 +154,28 @@ class StreamReader:
             stream = self.make_stream()
             if position is not None:
                 stream.load_state_dict(position)
-            kept_before = counts.rows_kept
-            for row in _read(stream):
-                example = self._account(row, counts)
-                if example is not None:
-                    ready.extend(packer.add(example))
+            kept_before, rows_read = counts.rows_kept, _read(stream)
+            state, moved = position, False  # the stream's position (before its next row), read since?
+            while True:
+                # Rows ready for a micro-batch leave before the next row is read: one row can release
+                # several packed rows, and a snapshot taken between their micro-batches resumes to the
+                # next one with nothing read (reading first counted one row more after a resume).
                 while len(ready) >= self.micro_batch_size:
                     rows, ready = ready[: self.micro_batch_size], ready[self.micro_batch_size :]
+                    if moved:  # a copy of the stream's state: taken once per micro-batch, not per row
+                        state, moved = stream.state_dict(), False
                     snapshot = Snapshot(
-                        epoch, stream.state_dict(), list(packer.pending), list(ready),
+                        epoch, state, list(packer.pending), list(ready),
                         (packer.num_rows, packer.num_tokens), counts.copy(),
                     )  # fmt: skip
                     yield self._collate(rows), snapshot
+                row = next(rows_read, None)
+                if row is None:
+                    break
+                example = self._account(row, counts)
+                if example is not None:
+                    ready.extend(packer.add(example))
+                moved = True
             if counts.rows_kept == kept_before and position is None:
                 raise DataError(
                     f"the stream of data.datasets has no training rows (read {counts.rows_in}, dropped "
@@ -277,7 +289,8 @@ class StreamLoader:
 
             ranks = [None] * self.world_size
             dist.all_gather_object(ranks, local)
-        return {"num_processes": self.world_size, "ranks": ranks}
+        shards = {f"data.datasets[{i}]": shard_identities(e) for i, e in enumerate(self.reader.entries)}
+        return {"num_processes": self.world_size, "ranks": ranks, "shards": shards}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a checkpoint's position (this process's part of it)."""
@@ -287,6 +300,8 @@ class StreamLoader:
                 f"{self.world_size}: each process reads its own part of a stream, so resume with "
                 f"{state['num_processes']} processes"
             )
+        if "shards" in state:  # (checkpoints of earlier versions hold no shard identities)
+            check_shards(state["shards"], self.reader.entries, say=warn if self.rank == 0 else None)
         local = state["ranks"][self.rank]
         examples = examples_from_state(local["ready"])
         ready, start = [], 0
@@ -304,6 +319,57 @@ class StreamLoader:
                 counts["rows_in"], counts["rows_kept"], counts["truncated"], dict(counts["dropped"])
             ),
         )
+
+
+def check_shards(recorded: dict, entries: list, *, say: Callable[[str], Any] | None = warn) -> None:
+    """Refuse to resume a stream whose local shards changed since the checkpoint (a shard added or
+    gone, or its size or first block changed: the checkpoint's position counts rows of the shards as
+    they were, so the run would train other rows without a word); warn (through `say`) when only a
+    shard's modification time changed."""
+    for i, entry in enumerate(entries):
+        label = f"data.datasets[{i}]"
+        before = {s["name"]: s for s in recorded.get(label, [])}
+        now = {s["name"]: s for s in shard_identities(entry)}
+        if not before:  # a Hub id or a URL (nothing recorded), or an entry the checkpoint did not have
+            continue
+        redo = (
+            "Put the shards back as they were to resume this run, or start a new one (another "
+            "train.output_dir, or --train.load_checkpoint_path null) to train on the data as it is now"
+        )
+        gone, added = sorted(before.keys() - now.keys()), sorted(now.keys() - before.keys())
+        if gone or added:
+            what = "; ".join(
+                part
+                for part in (
+                    f"gone: {', '.join(gone)}" if gone else "",
+                    f"new: {', '.join(added)}" if added else "",
+                )
+                if part
+            )
+            raise DataError(
+                f"{label} ({entry.path}): its shards changed since the checkpoint ({what}): the checkpoint's "
+                f"stream position counts the rows of the shards it read. {redo}"
+            )
+        for name, was in before.items():
+            is_ = now[name]
+            if was["size"] != is_["size"] or was["head_blake2b"] != is_["head_blake2b"]:
+                change = (
+                    f"its size went from {was['size']} to {is_['size']} bytes"
+                    if was["size"] != is_["size"]
+                    else f"its first {SHARD_BLOCK_BYTES // 1024} KiB differ"
+                )
+                raise DataError(
+                    f"{label} ({entry.path}): shard {name} changed since the checkpoint ({change}): the "
+                    f"checkpoint's stream position counts the rows of the shard as it was, and resuming "
+                    f"would train other rows than the interrupted run. {redo}"
+                )
+            if was["mtime_ns"] != is_["mtime_ns"] and say is not None:
+                say(
+                    f"{label} ({entry.path}): shard {name} was modified since the checkpoint (same size and "
+                    f"first {SHARD_BLOCK_BYTES // 1024} KiB, another modification time); resuming from the "
+                    "checkpoint's position. If its rows changed, the resumed run reads other rows than the "
+                    "interrupted one: put the shard back as it was, or start a new run"
+                )
 
 
 def make_stream_loader(

@@ -62,6 +62,11 @@ DEFAULT_ROLES = ("system", "user", "assistant", "tool")
 BAD_TOOL_CALL = "bad_tool_call"
 ORPHAN_TOOL_RESULT = "orphan_tool_result"
 BAD_TOOLS = "bad_tools"
+MAX_JSON_DEPTH = 100
+"""How deeply a call's arguments or a tool definition may nest. The template renders them with
+`tojson`, one Python call per level: a few hundred levels reach Python's recursion limit while the
+template renders (and 100,000 while the JSON string is parsed). Real arguments and schemas nest a few
+levels; deeper ones are bad rows that say so, counted as data.on_bad_row says."""
 
 
 # ----------------------------------------------------------------------------------------- messages
@@ -239,7 +244,7 @@ def _arguments(value: Any, field: str) -> dict[str, Any] | BadRow:
         return BadRow(
             field, BAD_TOOL_CALL, f"{field!r} should be a JSON object of named arguments, got {value!r:.80}"
         )
-    return value
+    return _too_deep(value, field, BAD_TOOL_CALL) or value
 
 
 def _parsed(text: str, field: str, reason: str) -> Any:
@@ -248,6 +253,32 @@ def _parsed(text: str, field: str, reason: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         return BadRow(field, reason, f"{field!r} is not valid JSON ({e.msg} at char {e.pos}): {text[:80]!r}")
+    except RecursionError:  # json's parser recurses once per level of nesting
+        return BadRow(
+            field,
+            reason,
+            f"{field!r} nests too deeply to parse (more than {MAX_JSON_DEPTH} levels are refused)",
+        )
+
+
+def _too_deep(value: Any, field: str, reason: str) -> BadRow | None:
+    """The bad row of a JSON value nested more than MAX_JSON_DEPTH levels, else None (walked with a
+    stack, not recursion, for any depth).
+
+    >>> _too_deep({"a": [[1]]}, "f", "bad") is None, _too_deep([[[]]] * 2, "f", "bad") is None
+    (True, True)
+    """
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return BadRow(
+                field, reason, f"{field!r} nests more than {MAX_JSON_DEPTH} levels deep: the chat template "
+                "could not render it; flatten it"
+            )  # fmt: skip
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return None
 
 
 def orphan_result(turns: list[dict[str, Any]], field: str) -> BadRow | None:
@@ -295,7 +326,7 @@ def tool_definitions(value: Any, field: str) -> list[dict[str, Any]] | BadRow | 
     for k, schema in enumerate(value):
         if not isinstance(schema, dict):
             return BadRow(f"{field}[{k}]", BAD_TOOLS, f"tool {k} should be a JSON object (a function schema)")
-    return value or None
+    return _too_deep(value, field, BAD_TOOLS) or value or None
 
 
 def has_calls(message: dict[str, Any]) -> bool:

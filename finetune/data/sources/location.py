@@ -213,6 +213,32 @@ def image_files(entry: Any) -> list[dict]:
     return [_file_entry(p, p.relative_to(root).as_posix()) for p in files]
 
 
+SHARD_BLOCK_BYTES = 1 << 16  # the first block of a shard, hashed into each stream checkpoint
+
+
+def shard_identities(entry: Any) -> list[dict]:
+    """What a streaming checkpoint records of each local file the stream of ``entry`` reads: its name,
+    size, modification time (ns) and the blake2b of its first `SHARD_BLOCK_BYTES`; a resume compares
+    them (finetune.data.batching.streaming). Hashing one block, not the file, keeps a checkpoint cheap
+    over many large shards. Hub ids and URLs: none (their files are not on this machine).
+    """
+    kind = locate(entry).kind
+    local = Path(entry.path).expanduser()
+    if kind in ("saved_dataset", "local_dir"):
+        files = [(f, f.relative_to(local).as_posix()) for f in local_dir_files(local, entry)]
+    elif kind == "local_file":
+        files = [(local, local.name)]
+    else:
+        return []
+    out = []
+    for path, name in files:
+        info = path.stat()
+        with open(path, "rb") as f:
+            head = hashlib.blake2b(f.read(SHARD_BLOCK_BYTES), digest_size=16).hexdigest()
+        out.append({"name": name, "size": info.st_size, "mtime_ns": info.st_mtime_ns, "head_blake2b": head})
+    return out
+
+
 def _file_entry(path: Path, name: str) -> dict:
     return {"name": name, "size": path.stat().st_size, "blake2b": file_hash(path)}
 

@@ -94,6 +94,77 @@ def test_a_packed_rollout_gives_the_padded_layouts_loss_and_gradients(loss_type)
     }
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+def test_a_packed_rollout_that_clips_and_pays_kl_gives_trls_loss_and_gradients(loss_type, tmp_path):
+    """The objective's loss on a packed rollout against TRL's GRPOTrainer._compute_loss on the padded
+    layout, in the setting where the packing could go wrong unseen: num_iterations 2 (old log-probs of
+    the policy before the update, perturbed so that ratios clip on both sides), beta > 0 with reference
+    log-probs (the KL term), an asymmetric clip and a temperature. Loss and gradients."""
+    from tests.unit.losses.test_policy_gradient_losses import grads, padded_logps, trl_trainer
+
+    generator = torch.Generator().manual_seed(7)
+    width, num = 8, 6  # completions right-padded to max_new_tokens; prompts of one length (TRL's
+    # forward gets no position_ids, so a left-padded prompt would start at its padding's positions)
+    lengths = [8, 3, 5, 1, 6, 4]
+    data = {
+        "prompt_ids": torch.randint(3, VOCAB, (num, 4), generator=generator),
+        "prompt_mask": torch.ones(num, 4, dtype=torch.long),
+        "completion_mask": (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long(),
+        "advantages": torch.tensor([0.9, -1.2, 0.4, -0.7, 1.5, -0.3]),  # both signs: both clips act
+    }
+    data["completion_ids"] = (
+        torch.randint(3, VOCAB, (num, width), generator=generator) * data["completion_mask"]
+    )
+    settings = {"num_iterations": 2, "beta": 0.1, "epsilon": 0.15, "epsilon_high": 0.3, "temperature": 0.7}
+    policy = tiny_llama()
+    ours_model = copy.deepcopy(policy)
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+        old = padded_logps(policy, data, 0.7) + 0.5 * torch.randn(num, width, generator=generator)
+        ref = padded_logps(reference, data, 0.7)
+
+    trainer = trl_trainer(
+        policy, str(tmp_path), loss_type=loss_type, max_completion_length=width, per_device_train_batch_size=num,
+        num_iterations=2, beta=0.1, epsilon=0.15, epsilon_high=0.3, temperature=0.7, use_bias_correction_kl=True,
+    )  # fmt: skip
+    inputs = {
+        k: data[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
+    }
+    inputs |= {"old_per_token_logps": old, "ref_per_token_logps": ref}
+    trl_loss = trainer._compute_loss(
+        trainer.model, inputs | {"num_items_in_batch": data["completion_mask"].sum()}
+    )
+    trl_loss.backward()
+
+    mask = data["completion_mask"].bool()
+    seqs = [
+        (
+            data["prompt_ids"][k].tolist(),
+            data["completion_ids"][k][mask[k]].tolist(),
+            True,
+            float(data["advantages"][k]),
+        )
+        for k in range(num)
+    ]
+    (batch,) = pack_completions(seqs, per_batch=num, pad_token_id=0, pad_to_multiple_of=16)
+    trained = batch["labels"] != -100
+    for key, padded in (("old_logps", old), ("ref_logps", ref)):  # each completion token's, in packed order
+        batch[key] = torch.zeros(batch["labels"].shape)
+        batch[key][trained] = padded[mask]
+    obj = objective(loss_type, kl_bias_correction=True, **settings)
+    loss, metrics = obj.loss(ours_model, batch, obj.units(batch))
+    loss.backward()
+    torch.testing.assert_close(loss, trl_loss.detach(), rtol=1e-5, atol=1e-6)
+    theirs, ours = grads(trainer.model), grads(ours_model)
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    assert metrics["clip_ratio/low"] > 0 and metrics["clip_ratio/high"] > 0, metrics  # both clips acted
+    assert metrics["kl"] > 0
+
+
 def test_accumulated_micro_batches_equal_one_batch_for_the_window_units():
     """Two micro-batches normalised by the window's units give the one-batch loss (dapo: tokens)."""
     seqs = sequences(8, seed=3)

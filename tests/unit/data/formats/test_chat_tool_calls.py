@@ -69,3 +69,24 @@ def test_conversation_with_calls() -> None:
     assert empty_turns(conv[:2], ["assistant"], "messages") is None
     # Without calls, a null content is still a missing field.
     assert conversation([{"role": "assistant", "content": None}], "messages").reason == "missing_field"
+
+
+def test_arguments_nested_too_deeply_are_bad_calls() -> None:
+    """A mapping (the HF form) nested 100,000 deep is a bad call naming its field, walked without
+    recursion; 100 levels pass."""
+
+    def nested(depth: int) -> dict:
+        value: dict = {}
+        for _ in range(depth - 1):
+            value = {"a": value}
+        return value
+
+    bad = normalized_calls([{"function": {"name": "f", "arguments": nested(100_000)}}], "m[1]")
+    assert isinstance(bad, BadRow) and (bad.field, bad.reason) == (
+        "m[1].tool_calls[0].function.arguments",
+        "bad_tool_call",
+    )
+    assert "more than 100 levels" in bad.detail
+    ok = normalized_calls([{"function": {"name": "f", "arguments": nested(100)}}], "m[1]")
+    assert not isinstance(ok, BadRow)
+    assert tool_definitions([{"type": "function", "function": nested(200)}], "tools").reason == "bad_tools"

@@ -241,6 +241,38 @@ def test_bad_tool_calls_are_counted_bad_rows(tok) -> None:
         tokenize(rows, tok, template)
 
 
+def test_deeply_nested_arguments_and_tools_are_counted_bad_rows(tok) -> None:
+    """Arguments nested 100,000 deep were a RecursionError out of json.loads, and a few hundred levels one
+    inside the template's tojson (counted under a false reason): bad rows that say so. 100 levels pass."""
+
+    def nested(depth: int) -> str:  # {"a": [[...]]}: depth levels in all
+        return '{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+
+    def deep_call(depth: int) -> list[dict]:
+        return [USER, calling({"id": "c1", "function": {"name": "add", "arguments": nested(depth)}})]
+
+    deep_tools = json.dumps([WEATHER])[:-1] + ", " + "[" * 100_000 + "]" * 100_000 + "]"
+    rows = [
+        {"messages": deep_call(100_000), "tools": None},
+        {"messages": deep_call(900), "tools": None},
+        {"messages": deep_call(100), "tools": None},
+        {"messages": CONVERSATIONS["ends_with_call"], "tools": deep_tools},
+    ]
+    template = (TEMPLATES / SETUPS["qwen25"][0]).read_text()
+    out = tokenize(rows, tok, template, on_bad_row="skip", field_tools="tools")
+    assert len(out.dataset) == 1  # the call 100 levels deep
+    assert out.dropped == {"bad_row:bad_tool_call": 2, "bad_row:bad_tools": 1}
+    details = {s["row"]: (s["field"], s["detail"]) for s in out.bad_row_samples}
+    arguments = "messages[1].tool_calls[0].function.arguments"
+    assert details[0][0] == arguments and "nests too deeply to parse" in details[0][1]
+    assert details[1][0] == arguments and "nests more than 100 levels deep" in details[1][1]
+    assert details[3][0] == "tools" and "nests too deeply" in details[3][1]
+    with pytest.raises(
+        DataError, match=r"row 0: field 'messages\[1\].tool_calls\[0\].function.arguments'.*deeply"
+    ):
+        tokenize(rows, tok, template, field_tools="tools")
+
+
 def test_bad_tools_column_is_a_bad_row(tok) -> None:
     conv = CONVERSATIONS["ends_with_call"]
     rows = [{"messages": conv, "tools": t} for t in ("[{broken", '{"name": "x"}', json.dumps([WEATHER]))]

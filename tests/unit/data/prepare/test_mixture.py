@@ -182,7 +182,7 @@ def test_weighted_prepare_draws_counts_and_reports_shares(workdir: Path):
             == d["rows_kept"] + next(s for s in m["sources"] if s["dataset"] == d["dataset"])["rows_dropped"]
         )
         assert d["rows_kept"] == d["rows_eval"] + d["rows_train"]
-        assert d["rows_drawn"] == draw_count(d["weight"], d["rows_train"])
+        assert d["rows_drawn"] == _expected_count(d["weight"], d["rows_train"])
     assert (a["rows_in"], a["rows_kept"], b["rows_kept"]) == (41, 40, 25)
     assert a["rows_eval"] + b["rows_eval"] == round(0.2 * 65) == m["splits"]["eval"]["examples"]
     eval_rows = set(_sequences(prepared.eval))
@@ -204,6 +204,35 @@ def test_weighted_prepare_draws_counts_and_reports_shares(workdir: Path):
     assert any("data.datasets[1] (texts.jsonl): weight 3" in line for line in logs)
 
 
+@pytest.mark.parametrize(
+    ("weights", "want"),
+    [
+        ((0.5, 0.5), (20, 13)),  # 25 texts x 0.5 = 12.5: half up to 13 (floor: 12)
+        (
+            (1.15, 2.5),
+            (46, 63),
+        ),  # 40 x 1.15 = 46 (1.15 - 1 is 0.1499... in binary: 45); 25 x 2.5 = 62.5 -> 63
+        ((0.0125, 0.02), (1, 1)),  # half a row each: 1 (floor: 0, an error)
+    ],
+    ids=["half", "binary", "half-a-row"],
+)
+def test_prepared_rows_per_dataset_are_the_half_up_counts(workdir: Path, weights, want):
+    """The rows each dataset has in the prepared training split, counted from the rows themselves, against
+    counts worked out by hand (40 sums and 25 texts kept, nothing held out): rounding half up on the
+    weight as written, which the project's own draw_count would not catch if it rounded otherwise."""
+    from transformers import AutoTokenizer
+
+    name = "half-" + "-".join(map(str, weights))
+    prepared = prepare(_recipe(workdir, weights, name=name, val_set_size=0, sample_packing=False), log=_quiet)
+    tok = AutoTokenizer.from_pretrained(workdir / "tokenizer")
+    texts = Counter(
+        tok.decode(seq, skip_special_tokens=True).startswith("the ") for seq in _sequences(prepared.train)
+    )
+    assert (texts[False], texts[True]) == want
+    assert want == tuple(_expected_count(w, n) for w, n in zip(weights, (40, 25), strict=True))
+    assert [d["rows_drawn"] for d in prepared.manifest["mixture"]] == list(want)
+
+
 def test_packed_shares_match_the_packed_rows_and_do_not_depend_on_num_proc(workdir: Path):
     one = prepare(_recipe(workdir, (0.3, 2.5), name="np1", val_set_size=4), log=_quiet)
     two = prepare(_recipe(workdir, (0.3, 2.5), name="np2", val_set_size=4, dataset_num_proc=2), log=_quiet)
@@ -215,7 +244,7 @@ def test_packed_shares_match_the_packed_rows_and_do_not_depend_on_num_proc(workd
     assert sum(d["num_trained_tokens"] for d in m["mixture"]) == packed_trained == m["num_trainable_tokens"]
     assert sum(d["num_tokens"] for d in m["mixture"]) == m["num_tokens"]
     assert [d["rows_drawn"] for d in m["mixture"]] == [
-        draw_count(0.3, d["rows_train"]) if i == 0 else draw_count(2.5, d["rows_train"])
+        _expected_count(0.3, d["rows_train"]) if i == 0 else _expected_count(2.5, d["rows_train"])
         for i, d in enumerate(m["mixture"])
     ]
 
@@ -318,7 +347,7 @@ def test_weights_apply_to_kto_examples_and_prompts(repo_root: Path, workdir: Pat
     m = prepared.manifest
     assert m["kind"] == kind
     drawn = [d["rows_drawn"] for d in m["mixture"]]
-    assert drawn == [draw_count(d["weight"], d["rows_train"]) for d in m["mixture"]]
+    assert drawn == [_expected_count(d["weight"], d["rows_train"]) for d in m["mixture"]]
     assert m["splits"]["train"]["examples"] == sum(drawn)
     if kind in ("preference", "kto"):  # pairs or examples packed several to a row, each once
         assert sum(prepared.train["num_units"]) == sum(drawn)
