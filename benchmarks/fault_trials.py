@@ -1445,6 +1445,7 @@ def rng_trials(root: Path) -> list[Trial]:
 
 REWARD_FUNCTIONS = """\
 import sys
+import time
 
 import numpy as np
 import torch
@@ -1484,6 +1485,10 @@ def reward_numpy(completions, rows):
 
 def reward_torch(completions, rows):
     return [torch.tensor(float(len(c) % 2)) for c in completions]
+
+
+def reward_hangs(completions, rows):
+    time.sleep(3600)
 """
 
 
@@ -1496,7 +1501,7 @@ def reward_trials(root: Path) -> list[Trial]:
     for fn, valid in (
         ("reward_exits", False), ("reward_interrupts", False), ("reward_mapping", False), ("reward_huge", False),
         ("reward_minus_huge", False), ("reward_nan", False), ("reward_too_few", False), ("reward_numpy", True),
-        ("reward_torch", True),
+        ("reward_torch", True), ("reward_hangs", True),
     ):  # fmt: skip
         folder = root / "reward" / fn
         folder.mkdir(parents=True)
@@ -1512,9 +1517,14 @@ def reward_trials(root: Path) -> list[Trial]:
             "eval_steps": None,
         }
         recipe["grpo"]["rewards"] = [{"function": f"rewards.py:{fn}"}]
+        if fn == "reward_hangs":  # grpo.reward_timeout_s: the hung call is stopped, counted and said
+            recipe["grpo"]["reward_timeout_s"] = 5
         (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
         command = [sys.executable, "-m", "finetune.cli", "train", str(folder / "recipe.yaml")]
-        if valid:
+        if fn == "reward_hangs":
+            trials.append(Trial("reward", f"{fn} (timed out)", command, folder, "completed",
+                                classify=_classify_completed(_timeouts_counted(folder / "out"))))  # fmt: skip
+        elif valid:
             adapter = folder / "out" / "adapter_model.safetensors"
             check = lambda t, a=adapter: None if a.is_file() else "no adapter written"  # noqa: E731
             trials.append(Trial("reward", f"{fn} (valid)", command, folder, "completed",
@@ -1522,6 +1532,20 @@ def reward_trials(root: Path) -> list[Trial]:
         else:
             trials.append(Trial("reward", fn, command, folder, "clear error", names=fn))
     return trials
+
+
+def _timeouts_counted(out: Path) -> Callable[[Trial], str | None]:
+    """A run whose reward hung every call: it ended with its adapter and logged reward_timeouts each step."""
+
+    def check(trial: Trial) -> str | None:
+        if not (out / "adapter_model.safetensors").is_file():
+            return "no adapter written"
+        records = [json.loads(x) for x in (out / "progress.jsonl").read_text().splitlines() if x.strip()]
+        if not any(r.get("reward_timeouts", 0) > 0 for r in records):
+            return "no reward_timeouts logged"
+        return None
+
+    return check
 
 
 def _digest(path: Path) -> str:
@@ -1742,6 +1766,7 @@ NEW_KINDS_TEXT = """\
   beside it never runs and the run resumes to the uninterrupted losses.
 - reward: `finetune train` of the tiny GRPO demo with a reward that calls `sys.exit(0)`, raises
   KeyboardInterrupt, returns a dict, +-1e308, NaN or one value for many: a clear error naming the reward;
+  one that hangs (grpo.reward_timeout_s 5): the run completes, the timeouts counted in progress.jsonl;
   numpy and torch scalars train to the end (completed).
 - export: `finetune export-gguf --output` at the run's own adapter or recipe (with and without
   `--overwrite`) or at an existing file: a clear error and the file unchanged; `--overwrite` of a file
