@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/ (torchrun runs this file as a script)
 
 from finetune.losses.causal_lm import forward, trainable_tokens
 from finetune.parallel.sequence import SequenceShards, register_sequence_parallel
