@@ -284,7 +284,7 @@ def start(
             accelerator.print(note)
 
 
-def mlflow_store(output_dir: Path | None, environ=os.environ) -> str | None:
+def mlflow_store(output_dir: Path | None, environ=None) -> str | None:
     """Where MLflow keeps the run when nothing says so: mlflow-skinny's own default (sqlite:///mlflow.db)
     needs the SQL extras it does not ship (`KeyError: 'sqlite'`), and MLflow 3 refuses a file store
     unless MLFLOW_ALLOW_FILE_STORE is true. Without MLFLOW_TRACKING_URI the run goes to a file store in
@@ -296,6 +296,7 @@ def mlflow_store(output_dir: Path | None, environ=os.environ) -> str | None:
     >>> env["MLFLOW_TRACKING_URI"], env["MLFLOW_ALLOW_FILE_STORE"]
     ('file:///runs/a/mlruns', 'true')
     """
+    environ = os.environ if environ is None else environ  # at call time: os.environ may have been replaced
     uri = environ.get("MLFLOW_TRACKING_URI")
     if not uri and output_dir is not None:
         store = (Path(output_dir).resolve() / "mlruns").as_uri()
