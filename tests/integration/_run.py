@@ -180,3 +180,23 @@ def ddp_and_single(recipe: Path, root: Path, micro_batch_size: int, *overrides: 
                 "--train.output_dir", str(root / name))  # fmt: skip
         result = cli(*args, timeout=600) if launch else cli_here(*args)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+
+def kill_once_saved(cmd: list[str], output_dir: Path, step: int, *, timeout: float = 300) -> None:
+    """Run `cmd` (a training into `output_dir`) in its own session and SIGKILL its whole process group
+    once checkpoint step-`step` is the latest (or the run ended, or `timeout` seconds passed), as a crash
+    would end it."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    latest = output_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if latest.is_file() and latest.read_text().strip() == f"step-{step}":
+            break
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

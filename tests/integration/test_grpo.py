@@ -16,16 +16,13 @@ run are real processes (slow tier).
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration._run import REPO, cli_here, env, progress, run, short_run
+from tests.integration._run import REPO, cli_here, kill_once_saved, progress, run, short_run
 
 slow = pytest.mark.slow  # real processes: DDP, or killed
 
@@ -140,18 +137,7 @@ def test_sigkill_then_resume_gives_the_same_completions_rewards_and_losses(tmp_p
     assert all(kl in r for r in expected.values() if "reward" in r)
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen(
-        command("train", out, prepared, *args), cwd=REPO, env=env(),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    latest = out / "checkpoints" / "latest"
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
-        if latest.is_file() and latest.read_text().strip() == "step-3":
-            break
-        time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_once_saved(command("train", out, prepared, *args), out, 3)
     killed_at = max(steps_of(out))
     assert 3 <= killed_at < 6, f"killed after step {killed_at}: the run should have been mid-way"
 

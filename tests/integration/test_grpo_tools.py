@@ -13,16 +13,13 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration._run import REPO, env, progress, run, short_run
+from tests.integration._run import REPO, kill_once_saved, progress, run, short_run
 
 pytestmark = pytest.mark.slow
 
@@ -126,18 +123,7 @@ def test_sigkill_then_resume_gives_the_same_completions_tool_calls_and_losses(ro
     finetune("train", reference, prepared, *args)
     expected = steps_of(reference)
     out = root / "killed"
-    proc = subprocess.Popen(
-        command("train", out, prepared, *args), cwd=REPO, env=env(),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    latest = out / "checkpoints" / "latest"
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
-        if latest.is_file() and latest.read_text().strip() == "step-3":
-            break
-        time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_once_saved(command("train", out, prepared, *args), out, 3)
     assert 3 <= max(steps_of(out)) < 6
     finetune("train", out, prepared, *args, "--train.load_checkpoint_path", "auto")
     after = steps_of(out)

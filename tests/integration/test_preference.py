@@ -16,16 +16,13 @@ run are real processes (slow tier).
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration._run import REPO, cli_here, env, progress, run, short_run, step_losses
+from tests.integration._run import REPO, cli_here, kill_once_saved, progress, run, short_run, step_losses
 
 slow = pytest.mark.slow  # real processes: DDP, or killed
 
@@ -199,17 +196,7 @@ def test_sigkill_then_resume_gives_the_same_losses_and_rewards(tmp_path, prepare
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "finetune.cli", "train", str(DPO_DEMO), *short_run(*steps)]
     cmd += ["--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared)]
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    latest = out / "checkpoints" / "latest"
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
-        if latest.is_file() and latest.read_text().strip() == "step-4":
-            break
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_once_saved(cmd, out, 4)
     killed_at = max(step_losses(progress(out)))
     assert 4 <= killed_at < 8, f"killed after step {killed_at}: the run should have been mid-way"
 

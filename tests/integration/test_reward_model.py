@@ -15,17 +15,14 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration._run import REPO, env, progress, run, short_run
+from tests.integration._run import REPO, kill_once_saved, progress, run, short_run
 
 pytestmark = pytest.mark.slow
 
@@ -194,18 +191,7 @@ def test_sigkill_then_resume_gives_the_same_losses_and_accuracies(tmp_path, prep
     assert sorted(expected) == list(range(1, 9))
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen(
-        command("train", out, prepared, *steps), cwd=REPO, env=env(),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    latest = out / "checkpoints" / "latest"
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
-        if latest.is_file() and latest.read_text().strip() == "step-4":
-            break
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_once_saved(command("train", out, prepared, *steps), out, 4)
     killed_at = max(steps_of(out))
     assert 4 <= killed_at < 8, f"killed after step {killed_at}: the run should have been mid-way"
 
