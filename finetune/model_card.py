@@ -230,8 +230,8 @@ def render_diffusion_model_card(
         ("buckets", ", ".join(f"{k}: {v}" for k, v in (manifest.get("buckets") or {}).items())),
     ]
     objective = ("noise offset / min-SNR gamma", f"{diffusion['noise_offset']} / {diffusion['snr_gamma']}")
-    # Flow matching (SD3, Flux) weights timesteps its own way.
-    if manifest.get("pipeline", {}).get("family") in ("sd3", "flux"):
+    # Flow matching (SD3, Flux, Qwen-Image, Flux.2) weights timesteps its own way.
+    if manifest.get("pipeline", {}).get("family") in ("sd3", "flux", "qwenimage", "flux2"):
         objective = ("objective", f"flow matching, weighting_scheme {diffusion['weighting_scheme']}")
     hyper = [
         ("resolution", f"{diffusion['resolution']} (buckets: {diffusion['aspect_ratio_buckets']})"),

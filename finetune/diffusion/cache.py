@@ -11,12 +11,15 @@ so shuffling can never pair a latent with another image's caption):
 * the caption and the text-encoder outputs of that caption (`prompt_embeds`, SDXL, SD3 and Flux:
   also `pooled_prompt_embeds`; SD3: CLIP-L + CLIP-G + T5 as StableDiffusion3Pipeline.encode_prompt
   computes them, Flux: T5 hidden states and CLIP's pooled output as FluxPipeline.encode_prompt does,
-  with diffusion.max_sequence_length T5 tokens), computed once per distinct caption;
+  with diffusion.max_sequence_length T5 tokens; Qwen-Image: Qwen2.5-VL's hidden states, unpadded, each
+  caption its own length; Flux.2: Qwen3's stacked hidden states as Flux2KleinPipeline.encode_prompt
+  computes them), computed once per distinct caption;
 * the latent distribution of the resized and cropped image: `latent_mean` and `latent_std`
   (raw: neither shifted nor scaled, for every family). Training samples `mean + std * N(0, 1)` at
   every step, as encoding every step would, instead of freezing one sample at prepare time, then
   applies the VAE's `(z - shift_factor) * scaling_factor` (both recorded in the manifest; SD3's and
-  Flux's VAEs have a shift factor, SD/SDXL's none);
+  Flux's VAEs have a shift factor, SD/SDXL's none; Qwen-Image's and Flux.2's are per channel: the
+  VAE's latents_mean / latents_std, and its BatchNorm statistics of the 2x2-patchified latents);
 * with `random_flip`, the same for the horizontally flipped image (`*_flipped`): flips cannot be
   drawn per step once latents are cached, so both variants are stored and the loader picks one per
   (seed, epoch, position);
@@ -270,7 +273,7 @@ def _build(
     scratch.mkdir(parents=True)
     try:
         t0 = time.perf_counter()
-        features = _features(flip=settings.random_flip, sdxl=info.family in ("sdxl", "sd3", "flux"))
+        features = _features(flip=settings.random_flip, sdxl=info.spec.pooled)
         from datasets.arrow_writer import ArrowWriter
 
         # Written batch by batch: memory stays at one encode batch however large the dataset.
@@ -386,11 +389,12 @@ def _encode_batch(batch, records, settings, vae, tokenizers, encoders, info, see
     if not items:
         return []
     pixels = torch.from_numpy(np.stack([img.to_pixels(c) for _, _, c, _ in items]))
-    mean, std = encode_pixels(vae, pixels)
+    video = info.spec.video_vae
+    mean, std = encode_pixels(vae, pixels, video=video)
     flipped = None
     if settings.random_flip:
         flipped = encode_pixels(
-            vae, torch.from_numpy(np.stack([img.to_pixels(img.flip(c)) for _, _, c, _ in items]))
+            vae, torch.from_numpy(np.stack([img.to_pixels(img.flip(c)) for _, _, c, _ in items])), video=video
         )
     captions = sorted({records[index].caption for index, *_ in items})
     embeds = encode_prompts(
@@ -401,6 +405,9 @@ def _encode_batch(batch, records, settings, vae, tokenizers, encoders, info, see
         max_sequence_length=info.sequence_length(settings.max_sequence_length),
     )
     position = {caption: k for k, caption in enumerate(captions)}
+    prompt = embeds["prompt_embeds"]
+    if "prompt_lengths" in embeds:  # Qwen-Image: each caption stored unpadded (the loader pads a batch)
+        prompt = [prompt[k, : int(n)] for k, n in enumerate(embeds["prompt_lengths"])]
     rows = []
     for j, (index, bucket, _, crop) in enumerate(items):
         record, k = records[index], position[records[index].caption]
@@ -421,8 +428,8 @@ def _encode_batch(batch, records, settings, vae, tokenizers, encoders, info, see
             "latent_shape": list(mean.shape[1:]),
             "latent_mean": mean[j].flatten().cpu().numpy(),
             "latent_std": std[j].flatten().cpu().numpy(),
-            "prompt_shape": list(embeds["prompt_embeds"].shape[1:]),
-            "prompt_embeds": embeds["prompt_embeds"][k].flatten().cpu().numpy(),
+            "prompt_shape": list(prompt[k].shape),
+            "prompt_embeds": prompt[k].flatten().cpu().numpy(),
         }
         if flipped is not None:
             row["latent_mean_flipped"] = flipped[0][j].flatten().cpu().numpy()
@@ -502,8 +509,7 @@ def _manifest(
         "latents": {
             "stored": "mean and std of the VAE latent distribution (unscaled); sampled every step",
             "flipped_variants": "latent_mean_flipped" in rows.column_names,
-            "scaling_factor": vae.config.scaling_factor,
-            "shift_factor": getattr(vae.config, "shift_factor", None),
+            **info.spec.latent_norm(vae),  # scaling_factor and shift_factor: numbers or per channel
         },
         "sources": per_source,
         "bad_row_samples": [b for s in sources for b in s.bad_rows][:20] + drops.samples,

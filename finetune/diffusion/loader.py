@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 
 class BucketBatchSampler(torch.utils.data.Sampler):
@@ -179,10 +180,23 @@ class CachedLatents(torch.utils.data.Dataset):
 
 
 def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
-    """Stack same-bucket samples (same shapes by construction)."""
+    """Stack same-bucket samples (same latent shapes by construction).
+
+    Captions stored unpadded (Qwen-Image) may differ in length: they are zero-padded to the longest
+    and `prompt_embeds_mask` marks the real positions, as train_dreambooth_lora_qwen_image.py pads them.
+    """
     out = {
-        key: torch.stack([s[key] for s in samples]) for key in samples[0] if key not in ("index", "is_prior")
+        key: torch.stack([s[key] for s in samples])
+        for key in samples[0]
+        if key not in ("index", "is_prior", "prompt_embeds")
     }
+    texts = [s["prompt_embeds"] for s in samples]
+    longest = max(t.shape[0] for t in texts)
+    if any(t.shape[0] != longest for t in texts):
+        out["prompt_embeds"] = torch.stack([F.pad(t, (0, 0, 0, longest - t.shape[0])) for t in texts])
+        out["prompt_embeds_mask"] = torch.stack([(torch.arange(longest) < t.shape[0]).long() for t in texts])
+    else:
+        out["prompt_embeds"] = torch.stack(texts)
     out["index"] = torch.tensor([s["index"] for s in samples], dtype=torch.long)
     out["is_prior"] = torch.tensor([s["is_prior"] for s in samples], dtype=torch.bool)
     return out

@@ -1,13 +1,15 @@
 """The parts of a diffusers pipeline that training needs, and LoRA on its denoiser.
 
-Supported: UNet pipelines, i.e. StableDiffusionPipeline (SD 1.x / 2.x, epsilon or v-prediction) and
-StableDiffusionXLPipeline (two text encoders, pooled embeddings and size/crop time ids), and
-StableDiffusion3Pipeline (SD3: an SD3Transformer2DModel trained with flow matching, CLIP-L + CLIP-G +
-T5 text encoders, a VAE with a shift factor) and FluxPipeline (Flux: a FluxTransformer2DModel trained
-with flow matching on 2x2-packed latents, a pooled CLIP + T5 text encoder, embedded guidance on
-guidance-distilled checkpoints). Other transformer pipelines (Sana, PixArt, ...) are refused with a
-clear error. The denoiser (UNet or transformer) is still called `unet` in the training loop's
-variables; `PipelineInfo.denoiser_name` says which it is.
+Supported: the rows of finetune.diffusion.families. UNet pipelines: StableDiffusionPipeline (SD 1.x /
+2.x, epsilon or v-prediction) and StableDiffusionXLPipeline (two text encoders, pooled embeddings and
+size/crop time ids). Flow-matching transformer pipelines: StableDiffusion3Pipeline (SD3, CLIP-L +
+CLIP-G + T5, a VAE with a shift factor), FluxPipeline (Flux: 2x2-packed latents, pooled CLIP + T5,
+embedded guidance on guidance-distilled checkpoints), QwenImagePipeline (Qwen-Image: a Qwen2.5-VL text
+encoder, a video VAE with per-channel latent statistics, 2x2-packed latents) and Flux2KleinPipeline
+(Flux.2 [klein]: a Qwen3 text encoder, 2x2-patchified latents normalised by the VAE's BatchNorm
+statistics). Other pipelines (Sana, PixArt, ...) are refused with a clear error. The denoiser (UNet or
+transformer) is still called `unet` in the training loop's variables; `PipelineInfo.denoiser_name`
+says which it is.
 """
 
 from __future__ import annotations
@@ -19,23 +21,17 @@ from typing import Any
 
 import torch
 
+from finetune.diffusion.families import FAMILIES as TABLE
+from finetune.diffusion.families import DiffusionFamily, family_named, supported, vae_factor
 from finetune.errors import FinetuneError
 
-# model_index.json `_class_name` -> family.
-FAMILIES = {
-    "StableDiffusionPipeline": "sd",
-    "StableDiffusionXLPipeline": "sdxl",
-    "StableDiffusion3Pipeline": "sd3",
-    "FluxPipeline": "flux",
-}
-SUPPORTED = (
-    "StableDiffusionPipeline (SD 1.x/2.x), StableDiffusionXLPipeline (SDXL), StableDiffusion3Pipeline (SD3) "
-    "and FluxPipeline (Flux)"
-)
+# model_index.json `_class_name` -> family name (the rows of finetune.diffusion.families).
+FAMILIES = {f.pipeline: f.name for f in TABLE}
+SUPPORTED = supported()
 # Families whose denoiser is trained with flow matching (the rest: epsilon / v-prediction).
-FLOW_MATCHING_FAMILIES = ("sd3", "flux")
-# T5 tokens per caption when diffusion.max_sequence_length is null: each pipeline's own default.
-DEFAULT_SEQUENCE_LENGTH = {"sd3": 256, "flux": 512}
+FLOW_MATCHING_FAMILIES = tuple(f.name for f in TABLE if f.flow_matching)
+# Text tokens per caption when diffusion.max_sequence_length is null: each pipeline's own default.
+DEFAULT_SEQUENCE_LENGTH = {f.name: f.sequence_length for f in TABLE if f.sequence_length}
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -46,8 +42,13 @@ class PipelineInfo:
     path: str
     revision: str | None
     class_name: str
-    family: str  # "sd", "sdxl", "sd3" or "flux"
+    family: str  # a DiffusionFamily.name: "sd", "sdxl", "sd3", "flux", "qwenimage" or "flux2"
     vae_path: str | None = None  # a separate VAE (diffusion.vae_path), else the pipeline's vae/
+
+    @property
+    def spec(self) -> DiffusionFamily:
+        """The family's row of the table."""
+        return family_named(self.family)
 
     @property
     def pipeline_class(self):
@@ -57,26 +58,25 @@ class PipelineInfo:
 
     @property
     def text_encoder_names(self) -> tuple[str, ...]:
-        count = {"sd": 1, "sdxl": 2, "sd3": 3, "flux": 2}[self.family]
-        return ("text_encoder", "text_encoder_2", "text_encoder_3")[:count]
+        return self.spec.text_encoders
 
     @property
     def tokenizer_names(self) -> tuple[str, ...]:
-        return ("tokenizer", "tokenizer_2", "tokenizer_3")[: len(self.text_encoder_names)]
+        return self.spec.tokenizers
 
     @property
     def denoiser_name(self) -> str:
-        """The pipeline component that is trained: `unet`, or `transformer` for SD3 and Flux."""
-        return "transformer" if self.family in ("sd3", "flux") else "unet"
+        """The pipeline component that is trained: `unet`, or `transformer` for the transformer families."""
+        return self.spec.denoiser
 
     @property
     def flow_matching(self) -> bool:
-        return self.family in FLOW_MATCHING_FAMILIES
+        return self.spec.flow_matching
 
     def sequence_length(self, max_sequence_length: int | None) -> int | None:
-        """T5 tokens per caption: diffusion.max_sequence_length, or the pipeline's default when null;
-        None for the families without T5 (SD, SDXL)."""
-        default = DEFAULT_SEQUENCE_LENGTH.get(self.family)
+        """Text tokens per caption: diffusion.max_sequence_length, or the pipeline's default when null;
+        None for the families without one (SD, SDXL)."""
+        default = self.spec.sequence_length
         if default is None:
             return None
         return max_sequence_length or default
@@ -118,13 +118,13 @@ def pipeline_info(model_path: str, revision: str | None = None, vae_path: str | 
         if base in FAMILIES and base != class_name:
             hint = f"; it is a {class_name}: use the text-to-image {base} of the same weights"
         elif any(
-            k in class_name for k in ("Flux", "StableDiffusion3", "Sana", "PixArt", "Lumina", "HunyuanDiT")
+            k in class_name
+            for k in ("Flux", "StableDiffusion3", "QwenImage", "Sana", "PixArt", "Lumina", "HunyuanDiT")
         ):
+            examples = ", ".join(f"{f.pipeline}, e.g. {f.example}" for f in TABLE if f.flow_matching)
             hint = (
                 f"; {class_name} is a transformer-based pipeline that training does not support yet (the "
-                "supported transformer-based pipelines are StableDiffusion3Pipeline, e.g. "
-                "stabilityai/stable-diffusion-3-medium-diffusers, and FluxPipeline, e.g. "
-                "black-forest-labs/FLUX.1-dev)"
+                f"supported transformer-based pipelines are {examples})"
             )
         else:
             hint = ""
@@ -151,9 +151,9 @@ def settings_problems(info: PipelineInfo, settings: Any) -> list[str]:
     fields = type(settings).model_fields
     defaults = {name: fields[name].get_default() for name in FLOW_MATCHING_FIELDS}
     guidance_changed = settings.guidance_scale != fields["guidance_scale"].get_default()
-    if guidance_changed and info.family != "flux":
+    if guidance_changed and not info.spec.guidance:
         problems.append(
-            f"diffusion.guidance_scale: the embedded guidance of guidance-distilled Flux transformers; "
+            f"diffusion.guidance_scale: the embedded guidance of guidance-distilled Flux / Flux.2 transformers; "
             f"{info.class_name} has none: remove it (sampling uses diffusion.validation_guidance_scale)"
         )
     elif guidance_changed and not guidance_embeds(info):
@@ -185,21 +185,29 @@ def settings_problems(info: PipelineInfo, settings: Any) -> list[str]:
         for name, default in defaults.items():
             if getattr(settings, name) != default:
                 problems.append(
-                    f"diffusion.{name}: applies to flow-matching pipelines (SD3, Flux) only, not to "
+                    f"diffusion.{name}: applies to flow-matching pipelines ({_flow_labels()}) only, not to "
                     f"{info.class_name}: remove it"
                 )
     return problems
 
 
-def guidance_embeds(info: PipelineInfo) -> bool:
-    """Whether the pipeline's Flux transformer is guidance-distilled (FLUX.1-dev: yes, schnell: no);
-    False for the other families."""
-    if info.family != "flux":
-        return False
-    from diffusers import FluxTransformer2DModel
+def _flow_labels() -> str:
+    return ", ".join(f.label for f in TABLE if f.flow_matching)
 
-    config = FluxTransformer2DModel.load_config(info.path, subfolder="transformer", revision=info.revision)
-    return bool(config.get("guidance_embeds", False))
+
+def _denoiser_config(info: PipelineInfo) -> dict:
+    import diffusers
+
+    cls = getattr(diffusers, info.spec.denoiser_class)
+    return cls.load_config(info.path, subfolder=info.denoiser_name, revision=info.revision)
+
+
+def guidance_embeds(info: PipelineInfo) -> bool:
+    """Whether the pipeline's Flux or Flux.2 transformer is guidance-distilled (FLUX.1-dev: yes,
+    schnell and FLUX.2 [klein]: no); False for the other families."""
+    if not info.spec.guidance:
+        return False
+    return bool(_denoiser_config(info).get("guidance_embeds", False))
 
 
 def check_settings(info: PipelineInfo, settings: Any) -> None:
@@ -233,22 +241,20 @@ def load_unet(info: PipelineInfo, dtype: torch.dtype):
 
 
 def load_denoiser(info: PipelineInfo, dtype: torch.dtype):
-    """The model that training adapts: the UNet, SD3's SD3Transformer2DModel or Flux's
-    FluxTransformer2DModel."""
-    if info.family not in ("sd3", "flux"):
-        return load_unet(info, dtype)
+    """The model that training adapts: the UNet or the family's transformer (its `denoiser_class`)."""
     import diffusers
 
-    cls = diffusers.SD3Transformer2DModel if info.family == "sd3" else diffusers.FluxTransformer2DModel
-    return cls.from_pretrained(info.path, subfolder="transformer", revision=info.revision, dtype=dtype)
+    cls = getattr(diffusers, info.spec.denoiser_class)
+    return cls.from_pretrained(info.path, subfolder=info.denoiser_name, revision=info.revision, dtype=dtype)
 
 
 def load_vae(info: PipelineInfo, device: torch.device | str = "cpu"):
-    """The VAE in fp32: latents are computed once, and SD/SDXL VAEs overflow in fp16."""
-    from diffusers import AutoencoderKL
+    """The VAE (the family's `vae_class`) in fp32: latents are computed once, and SD/SDXL VAEs
+    overflow in fp16."""
+    import diffusers
 
     path, subfolder = info.vae_location()
-    vae = AutoencoderKL.from_pretrained(
+    vae = getattr(diffusers, info.spec.vae_class).from_pretrained(
         path, subfolder=subfolder, revision=info.revision, dtype=torch.float32
     )
     return vae.to(device).eval().requires_grad_(False)
@@ -296,7 +302,7 @@ def load_noise_scheduler(info: PipelineInfo, prediction_type: str | None):
         )
     if prediction_type == "flow_matching":
         raise FinetuneError(
-            f"diffusion.prediction_type: flow_matching is for flow-matching pipelines (SD3, Flux); {info.class_name} "
+            f"diffusion.prediction_type: flow_matching is for flow-matching pipelines ({_flow_labels()}); {info.class_name} "
             "predicts epsilon or v_prediction (null = its scheduler's)"
         )
     scheduler = DDPMScheduler.from_pretrained(info.path, subfolder="scheduler", revision=info.revision)
@@ -311,42 +317,33 @@ def load_noise_scheduler(info: PipelineInfo, prediction_type: str | None):
 
 
 def pixel_multiple(info: PipelineInfo) -> int:
-    """Image sides must be multiples of this: VAE downsampling x UNet downsampling (SD3: x patch size,
-    Flux: x 2, the 2x2 patches FluxPipeline packs latents into).
+    """Image sides must be multiples of this: VAE downsampling x the denoiser's (UNet: its down blocks;
+    SD3: its patch size; Flux, Qwen-Image, Flux.2: 2, the 2x2 patches their pipelines pack latents into).
 
-    64 for SD and SDXL (8 x 8), 16 for SD3 (8 x 2) and Flux (8 x 2). Read from the configs, so tiny
-    test pipelines get their own value.
+    64 for SD and SDXL (8 x 8), 16 for SD3, Flux, Qwen-Image and Flux.2 (8 x 2). Read from the
+    configs, so tiny test pipelines get their own value.
     """
-    from diffusers import AutoencoderKL, SD3Transformer2DModel, UNet2DConditionModel
+    import diffusers
 
     path, subfolder = info.vae_location()
-    vae_config = AutoencoderKL.load_config(path, subfolder=subfolder, revision=info.revision)
-    vae_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
-    if info.family == "flux":  # FluxPipeline._pack_latents: 2x2 latent patches, whatever config.patch_size
-        return vae_factor * 2
-    if info.family == "sd3":
-        config = SD3Transformer2DModel.load_config(info.path, subfolder="transformer", revision=info.revision)
-        return vae_factor * config["patch_size"]
-    unet_config = UNet2DConditionModel.load_config(info.path, subfolder="unet", revision=info.revision)
-    unet_factor = 2 ** (len(unet_config["down_block_types"]) - 1)
-    return vae_factor * unet_factor
+    vae_config = getattr(diffusers, info.spec.vae_class).load_config(
+        path, subfolder=subfolder, revision=info.revision
+    )
+    return vae_factor(vae_config) * info.spec.denoiser_factor(_denoiser_config(info))
 
 
 def max_pixel_side(info: PipelineInfo) -> int | None:
-    """The longest image side the denoiser accepts, in pixels; None when unbounded (UNets, Flux's
-    rotary position embeddings).
+    """The longest image side the denoiser accepts, in pixels; None when unbounded (UNets, the rotary
+    position embeddings of Flux, Qwen-Image and Flux.2).
 
     SD3's transformer crops a fixed position-embedding grid of `pos_embed_max_size` patches per side.
     """
-    if info.family != "sd3":
+    field = info.spec.max_side_config
+    if field is None:
         return None
-    from diffusers import SD3Transformer2DModel
-
-    config = SD3Transformer2DModel.load_config(info.path, subfolder="transformer", revision=info.revision)
-    return config["pos_embed_max_size"] * pixel_multiple(info)
+    return _denoiser_config(info)[field] * pixel_multiple(info)
 
 
-@torch.no_grad()
 def encode_prompts(
     tokenizers: list,
     encoders: list,
@@ -355,74 +352,24 @@ def encode_prompts(
     *,
     max_sequence_length: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Text-encoder outputs as the pipelines compute them (float32, on the encoders' device).
-
-    sd: `prompt_embeds` = last hidden state. sdxl: `prompt_embeds` = penultimate hidden states of
-    both encoders concatenated, `pooled_prompt_embeds` = the second encoder's projected output
-    (StableDiffusionXLPipeline.encode_prompt with clip_skip None). sd3: the pipeline's own
-    encode_prompt: `prompt_embeds` = both CLIPs' penultimate hidden states concatenated, zero-padded
-    to T5's width, followed by T5's `max_sequence_length` hidden states; `pooled_prompt_embeds` =
-    both CLIPs' projected outputs concatenated. flux: FluxPipeline.encode_prompt: `prompt_embeds` =
-    T5's `max_sequence_length` hidden states, `pooled_prompt_embeds` = CLIP's pooled output (the
-    text ids are zeros, made at training time).
-    """
-    if family in ("sd3", "flux"):
-        length = max_sequence_length or DEFAULT_SEQUENCE_LENGTH[family]
-        return _encode_prompts_t5(tokenizers, encoders, prompts, family, length)
-    out: dict[str, torch.Tensor] = {}
-    hidden = []
-    for tokenizer, encoder in zip(tokenizers, encoders, strict=True):
-        ids = tokenizer(
-            prompts,
-            padding="max_length",
-            max_length=tokenizer.model_max_length,
-            truncation=True,
-            return_tensors="pt",
-        ).input_ids.to(encoder.device)
-        if family == "sd":
-            mask = None
-            if getattr(encoder.config, "use_attention_mask", False):
-                mask = (ids != tokenizer.pad_token_id).long()
-            return {"prompt_embeds": encoder(ids, attention_mask=mask)[0].float()}
-        result = encoder(ids, output_hidden_states=True)
-        hidden.append(result.hidden_states[-2])
-        out["pooled_prompt_embeds"] = result[0].float()  # the last encoder's pooled output wins
-    out["prompt_embeds"] = torch.cat(hidden, dim=-1).float()
-    return out
-
-
-def _encode_prompts_t5(tokenizers, encoders, prompts, family, max_sequence_length) -> dict[str, torch.Tensor]:
-    from diffusers import FluxPipeline, StableDiffusion3Pipeline
-
-    # A pipeline of the text encoders only: the pipeline's encode_prompt is then exactly what
-    # inference computes (the transformer, VAE and scheduler are not needed for it).
-    names = ("text_encoder", "text_encoder_2", "text_encoder_3")[: len(encoders)]
-    parts = dict(zip(names, encoders, strict=True))
-    parts |= {n.replace("text_encoder", "tokenizer"): t for n, t in zip(names, tokenizers, strict=True)}
-    device = encoders[0].device
-    if family == "flux":
-        pipe = FluxPipeline(transformer=None, scheduler=None, vae=None, **parts)
-        prompt_embeds, pooled, _ = pipe.encode_prompt(
-            prompts, None, device=device, max_sequence_length=max_sequence_length
-        )
-    else:
-        pipe = StableDiffusion3Pipeline(transformer=None, scheduler=None, vae=None, **parts)
-        prompt_embeds, _, pooled, _ = pipe.encode_prompt(
-            prompts,
-            None,
-            None,
-            device=device,
-            do_classifier_free_guidance=False,
-            max_sequence_length=max_sequence_length,
-        )
-    return {"prompt_embeds": prompt_embeds.float(), "pooled_prompt_embeds": pooled.float()}
+    """Text-encoder outputs as the family's pipeline computes them (finetune.diffusion.prompts: float32,
+    on the encoders' device); `max_sequence_length` null: the family's default."""
+    spec = family_named(family)
+    length = (max_sequence_length or spec.sequence_length) if spec.sequence_length else None
+    return spec.encode(tokenizers, encoders, prompts, length)
 
 
 @torch.no_grad()
-def encode_pixels(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, std) of the VAE's latent distribution for pixels in [-1, 1], unscaled, float32."""
-    dist = vae.encode(pixels.to(vae.device, torch.float32)).latent_dist
-    return dist.mean.float(), dist.std.float()
+def encode_pixels(vae, pixels: torch.Tensor, *, video: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) of the VAE's latent distribution for pixels in [-1, 1], unscaled, float32.
+
+    `video`: a video VAE (Qwen-Image's) encodes the images as one-frame videos; the frame axis is
+    dropped from its latents (QwenImagePipeline adds it back before decoding).
+    """
+    pixels = pixels.to(vae.device, torch.float32)
+    dist = vae.encode(pixels.unsqueeze(2) if video else pixels).latent_dist
+    mean, std = dist.mean.float(), dist.std.float()
+    return (mean.squeeze(2), std.squeeze(2)) if video else (mean, std)
 
 
 def lora_target_names(unet: torch.nn.Module, targets: list[str] | str) -> list[str]:
@@ -476,15 +423,15 @@ def add_lora(
 def lora_state_dict(unet: torch.nn.Module, family: str = "sd") -> dict[str, torch.Tensor]:
     """The denoiser's LoRA weights as diffusers' training scripts save them.
 
-    UNets: converted to the diffusers naming (train_text_to_image_lora*.py); SD3's and Flux's
-    transformers: the PEFT naming, as train_dreambooth_lora_{sd3,flux}.py write (all load with
+    UNets: converted to the diffusers naming (train_text_to_image_lora*.py); transformers: the PEFT
+    naming, as train_dreambooth_lora_{sd3,flux,qwen_image,flux2_klein}.py write (all load with
     `load_lora_weights`).
     """
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
     state = get_peft_model_state_dict(unet)
-    return state if family in ("sd3", "flux") else convert_state_dict_to_diffusers(state)
+    return state if family_named(family).denoiser == "transformer" else convert_state_dict_to_diffusers(state)
 
 
 def save_lora(info: PipelineInfo, unet: torch.nn.Module, folder: str | Path, **kwargs: Any) -> None:

@@ -1,9 +1,11 @@
 """The denoising loss of one batch: noise, timesteps, target, min-SNR weights, prior-preservation weight.
 
-Objectives chosen by the pipeline's family: `diffusion_loss` (UNets: epsilon or v-prediction),
-`flow_matching_loss` (SD3: rectified flow) and `flux_loss` (Flux: rectified flow on 2x2-packed
-latents, with embedded guidance). Uses the scheduler's own `add_noise` / `get_velocity` / `sigmas`,
-FluxPipeline's latent packing and position ids, and diffusers' `compute_snr`,
+Objectives chosen by the pipeline's family (its `loss` in finetune.diffusion.families):
+`diffusion_loss` (UNets: epsilon or v-prediction), `flow_matching_loss` (SD3: rectified flow),
+`flux_loss` (Flux: rectified flow on 2x2-packed latents, with embedded guidance), `qwenimage_loss`
+(Qwen-Image: 2x2-packed latents, a text mask) and `flux2_loss` (Flux.2: 2x2-patchified latents with
+4-axis position ids). Uses the scheduler's own `add_noise` / `get_velocity` / `sigmas`, the pipelines'
+own latent packing and position ids, and diffusers' `compute_snr`,
 `compute_density_for_timestep_sampling` and `compute_loss_weighting_for_sd3`; what is written here
 is only the glue those lack (sampling cached latent distributions, per-sample weighting, the
 prior-preservation split).
@@ -19,11 +21,24 @@ import torch.nn.functional as F
 
 
 def sample_latents(
-    mean: torch.Tensor, std: torch.Tensor, scaling_factor: float, shift_factor: float = 0.0
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    scaling_factor: float | list[float],
+    shift_factor: float | list[float] = 0.0,
 ) -> torch.Tensor:
     """A draw from the cached latent distribution, shifted and scaled as the denoiser expects:
-    `(z - shift_factor) * scaling_factor`, as the pipelines decode it back (global RNG: resumable)."""
-    return (mean + std * torch.randn_like(mean) - shift_factor) * scaling_factor
+    `(z - shift_factor) * scaling_factor`, as the pipelines decode it back (global RNG: resumable).
+
+    The factors are numbers, or one per latent channel (Qwen-Image's latents_mean / latents_std,
+    Flux.2's BatchNorm statistics)."""
+    z = mean + std * torch.randn_like(mean)
+    return (z - _per_channel(shift_factor, z)) * _per_channel(scaling_factor, z)
+
+
+def _per_channel(factor: float | list[float], like: torch.Tensor) -> float | torch.Tensor:
+    if isinstance(factor, (int, float)):
+        return factor
+    return torch.as_tensor(factor, dtype=like.dtype, device=like.device).view(1, -1, *([1] * (like.ndim - 2)))
 
 
 def min_snr_weights(scheduler, timesteps: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -152,12 +167,16 @@ def flow_matching_loss(
     )
     sigmas = sigmas.to(latents.device, torch.float32).view(-1, 1, 1, 1)
     noisy = (1.0 - sigmas) * latents + sigmas * noise
+    text = {"encoder_hidden_states": batch["prompt_embeds"].to(model_dtype)}
+    if "pooled_prompt_embeds" in batch:  # SD3, Flux
+        text["pooled_projections"] = batch["pooled_prompt_embeds"].to(model_dtype)
+    if "prompt_embeds_mask" in batch:  # Qwen-Image, a batch of captions of several lengths
+        text["encoder_hidden_states_mask"] = batch["prompt_embeds_mask"]
     pred = transformer(
         hidden_states=noisy.to(model_dtype),
         timestep=timesteps.to(latents.device),
-        encoder_hidden_states=batch["prompt_embeds"].to(model_dtype),
-        pooled_projections=batch["pooled_prompt_embeds"].to(model_dtype),
         return_dict=False,
+        **text,
     )[0]
     weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=sigmas).float()
     per_sample = (weighting * (pred.float() - (noise - latents).float()) ** 2).mean(dim=(1, 2, 3))
@@ -216,6 +235,96 @@ def _flux_forward(
     )[0]
     # vae_scale_factor 1: height and width are already latent sides.
     return (FluxPipeline._unpack_latents(pred, height, width, 1),)
+
+
+def qwenimage_loss(transformer, scheduler, batch: dict[str, torch.Tensor], **flow: Any) -> torch.Tensor:
+    """Rectified-flow loss of Qwen-Image, as diffusers' train_dreambooth_lora_qwen_image.py computes it.
+
+    `flow_matching_loss` (latents normalised per channel by the VAE's latents_mean / latents_std: the
+    manifest's factors), the transformer seeing the noisy latents packed into 2x2 patches
+    (`QwenImagePipeline._pack_latents`) with their `img_shapes`, `timestep / 1000` and the captions'
+    mask when their lengths differ; its prediction is unpacked before the loss.
+    """
+    return flow_matching_loss(functools.partial(_qwenimage_forward, transformer), scheduler, batch, **flow)
+
+
+def _qwenimage_forward(
+    transformer, *, hidden_states: torch.Tensor, timestep: torch.Tensor, **inputs: Any
+) -> tuple[torch.Tensor]:
+    from diffusers import QwenImagePipeline
+
+    bsz, channels, height, width = hidden_states.shape
+    if height % 2 or width % 2:
+        raise ValueError(f"Qwen-Image packs 2x2 latent patches: latent sides {height}x{width} must be even")
+    pred = transformer(
+        hidden_states=QwenImagePipeline._pack_latents(hidden_states, bsz, channels, height, width),
+        timestep=timestep / 1000,
+        img_shapes=[(1, height // 2, width // 2)] * bsz,
+        **inputs,
+    )[0]
+    # vae_scale_factor 1: height and width are already latent sides; the frame axis (1) is dropped.
+    return (QwenImagePipeline._unpack_latents(pred, height, width, 1).squeeze(2),)
+
+
+def flux2_loss(
+    transformer,
+    scheduler,
+    batch: dict[str, torch.Tensor],
+    *,
+    guidance_scale: float | None = None,
+    **flow: Any,
+) -> torch.Tensor:
+    """Rectified-flow loss of Flux.2, as diffusers' train_dreambooth_lora_flux2_klein.py computes it.
+
+    The cached latent distribution is patchified into 2x2 patches first (`_patchify_latents`: 4x the
+    channels at half the side), where the manifest's per-channel factors (the VAE's BatchNorm
+    statistics) apply; then `flow_matching_loss`, the transformer seeing the patchified latents as a
+    sequence (`_pack_latents`) with their 4-axis position ids and the text's, `timestep / 1000` and
+    `guidance_scale` when it is guidance-distilled. The target stays in the patchified space, as there.
+    """
+    from diffusers import Flux2KleinPipeline
+
+    height, width = batch["latent_mean"].shape[-2:]
+    if height % 2 or width % 2:
+        raise ValueError(f"Flux.2 patchifies 2x2 latent patches: latent sides {height}x{width} must be even")
+    patchified = {
+        key: Flux2KleinPipeline._patchify_latents(batch[key]) for key in ("latent_mean", "latent_std")
+    }
+    return flow_matching_loss(
+        functools.partial(_flux2_forward, transformer, guidance_scale),
+        scheduler,
+        {**batch, **patchified},
+        **flow,
+    )
+
+
+def _flux2_forward(
+    transformer,
+    guidance_scale: float | None,
+    *,
+    hidden_states: torch.Tensor,
+    timestep: torch.Tensor,
+    **inputs: Any,
+) -> tuple[torch.Tensor]:
+    from diffusers import Flux2KleinPipeline
+
+    bsz = hidden_states.shape[0]
+    device = hidden_states.device
+    guidance = None
+    if guidance_scale is not None:
+        guidance = torch.full((bsz,), float(guidance_scale), device=device, dtype=torch.float32)
+    image_ids = Flux2KleinPipeline._prepare_latent_ids(hidden_states).to(device)
+    packed = Flux2KleinPipeline._pack_latents(hidden_states)
+    pred = transformer(
+        hidden_states=packed,
+        timestep=timestep / 1000,
+        guidance=guidance,
+        txt_ids=Flux2KleinPipeline._prepare_text_ids(inputs["encoder_hidden_states"]).to(device),
+        img_ids=image_ids,
+        **inputs,
+    )[0]
+    pred = pred[:, : packed.size(1)]
+    return (Flux2KleinPipeline._unpack_latents_with_ids(pred, image_ids),)
 
 
 def combine_prior(per_sample: torch.Tensor, prior: torch.Tensor, prior_loss_weight: float) -> torch.Tensor:

@@ -158,7 +158,7 @@ class DiffusionObjective:
 
         if guidance_embeds(self.info):
             self.guidance_scale = self.settings.guidance_scale
-        elif self.info.family == "flux":  # a non-default value was refused when the cache was prepared
+        elif self.info.spec.guidance:  # a non-default value was refused when the cache was prepared
             accelerator.print(
                 f"diffusion.guidance_scale: not used: the transformer of {self.info.path} has no guidance embedding"
             )
@@ -214,7 +214,7 @@ class DiffusionObjective:
 
     def loss(self, model, batch: dict, num_units: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The family's objective: flow matching (SD3, Flux) or epsilon / v-prediction (UNets)."""
-        from finetune.diffusion.objective import diffusion_loss, flow_matching_loss, flux_loss
+        from finetune.diffusion.objective import diffusion_loss
 
         settings = self.settings
         common = dict(
@@ -230,12 +230,9 @@ class DiffusionObjective:
                 logit_std=settings.logit_std,
                 mode_scale=settings.mode_scale,
             )
-            if self.info.family == "flux":
-                mean = flux_loss(
-                    model, self.noise_scheduler, batch, guidance_scale=self.guidance_scale, **flow, **common
-                )
-            else:
-                mean = flow_matching_loss(model, self.noise_scheduler, batch, **flow, **common)
+            if self.info.spec.guidance:  # Flux, Flux.2: embedded guidance (None: not distilled)
+                flow["guidance_scale"] = self.guidance_scale
+            mean = self.info.spec.loss(model, self.noise_scheduler, batch, **flow, **common)
         else:
             mean = diffusion_loss(
                 model,

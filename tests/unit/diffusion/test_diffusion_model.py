@@ -47,7 +47,8 @@ from tests.diffusion_data import dreambooth_recipe, validated_recipe, with_defau
         (
             "KandinskyPipeline",
             "supports StableDiffusionPipeline (SD 1.x/2.x), StableDiffusionXLPipeline (SDXL), "
-            "StableDiffusion3Pipeline (SD3) and FluxPipeline (Flux)",
+            "StableDiffusion3Pipeline (SD3), FluxPipeline (Flux), QwenImagePipeline (Qwen-Image) and "
+            "Flux2KleinPipeline (Flux.2 [klein])",
         ),
     ],
 )
