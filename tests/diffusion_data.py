@@ -196,7 +196,7 @@ def prepare_and_train(
     train: dict | None = None,
     **diffusion,
 ) -> dict:
-    """A tiny pipeline of `family` (sd, sdxl, sd3, flux) and 8 coloured images (`captions` as in
+    """A tiny pipeline of `family` (sd, sdxl, sd3, flux, qwenimage, flux2) and 8 coloured images (`captions` as in
     write_color_folder), prepared with the CLI (unless `prepare` is False), then trained `steps` steps
     (accumulation 2, checkpoints every 3 steps, a validation sample every 3 steps, LoRA dropout so
     resume must replay the masks) through finetune/train.py's main in this process (tests/inprocess.py),
@@ -207,7 +207,7 @@ def prepare_and_train(
     from finetune.diffusion.tiny import build_tiny_pipeline
     from tests.integration._run import cli_here, train_here
 
-    flags = {"sd": {}, "sdxl": {"sdxl": True}, "sd3": {"sd3": True}, "flux": {"flux": True}}[family]
+    flags = {} if family == "sd" else {family: True}
     pipeline = build_tiny_pipeline(tmp / f"tiny-{family}", **flags)
     write_color_folder(tmp / "imgs", captions=captions)
     settings = {

@@ -62,7 +62,7 @@ def generate(
                 for i in range(num_images)
             ]
             result = pipeline(
-                [prompt] * num_images,
+                prompt=[prompt] * num_images,  # by name: Flux2KleinPipeline's first argument is `image`
                 num_inference_steps=steps,
                 guidance_scale=guidance_scale,
                 height=resolution,

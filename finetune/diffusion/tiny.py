@@ -3,12 +3,16 @@
 For tests, the CPU demo recipe and benchmarks: `build_tiny_pipeline(folder)` writes a diffusers
 folder that `StableDiffusionPipeline.from_pretrained(folder)` loads, with a byte-level CLIP
 tokenizer made here (every byte is a token; no merges), so it runs offline. The SD3 and Flux
-layouts also need a T5 tokenizer: a character-level Unigram vocabulary made here (`t5_tokenizer`).
+layouts also need a T5 tokenizer: a character-level Unigram vocabulary made here (`t5_tokenizer`);
+the Qwen-Image and Flux.2 [klein] layouts a byte-level Qwen2 tokenizer with the chat markup tokens
+(`qwen_tokenizer`).
 
     python -m finetune.diffusion.tiny outputs/tiny-sd            # SD 1.x layout
     python -m finetune.diffusion.tiny outputs/tiny-sdxl --sdxl   # SDXL layout (two text encoders)
     python -m finetune.diffusion.tiny outputs/tiny-sd3 --sd3     # SD3 layout (transformer, CLIP x2 + T5)
     python -m finetune.diffusion.tiny outputs/tiny-flux --flux   # Flux layout (transformer, CLIP + T5)
+    python -m finetune.diffusion.tiny outputs/tiny-qwen --qwenimage  # Qwen-Image (Qwen2.5-VL, video VAE)
+    python -m finetune.diffusion.tiny outputs/tiny-flux2 --flux2 # Flux.2 [klein] layout (Qwen3)
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ def build_tiny_pipeline(
     sdxl: bool = False,
     sd3: bool = False,
     flux: bool = False,
+    qwenimage: bool = False,
+    flux2: bool = False,
     seed: int = 0,
     max_length: int = 16,
 ) -> Path:
@@ -82,8 +88,8 @@ def build_tiny_pipeline(
     Pixel sides must be multiples of 4 (VAE /2, UNet /2; SD3: VAE /2, patch 2; Flux: VAE /2, 2x2
     packing); 32-64 px images keep a training step in the tens of milliseconds on a CPU.
     """
-    if sdxl + sd3 + flux > 1:
-        raise ValueError("build_tiny_pipeline: choose one of sdxl, sd3 and flux")
+    if sdxl + sd3 + flux + qwenimage + flux2 > 1:
+        raise ValueError("build_tiny_pipeline: choose one of sdxl, sd3, flux, qwenimage and flux2")
     from diffusers import (
         DDPMScheduler,
         StableDiffusionPipeline,
@@ -133,7 +139,11 @@ def build_tiny_pipeline(
         steps_offset=1,
         clip_sample=False,
     )
-    if sd3:
+    if qwenimage:
+        pipe = _tiny_qwenimage(seed)
+    elif flux2:
+        pipe = _tiny_flux2(seed)
+    elif sd3:
         pipe = _tiny_sd3(text_config, tokenizer, seed)
     elif flux:
         pipe = _tiny_flux(text_config, tokenizer, seed)
@@ -304,14 +314,192 @@ def _tiny_flux(text_config, clip_tokenizer, seed: int):
     )
 
 
+_QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen3's chat markup (Flux2KleinPipeline applies the tokenizer's chat template to each caption).
+_QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen_tokenizer():
+    """A byte-level Qwen2 tokenizer (every byte a token, no merges) with Qwen's chat markup tokens and a
+    chat template, so captions tokenize as Qwen-Image's and Flux.2's pipelines format them, offline."""
+    from transformers import Qwen2TokenizerFast
+
+    vocab = {symbol: i for i, symbol in enumerate(sorted(_bytes_to_unicode().values()))}
+    for token in _QWEN_SPECIALS:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2TokenizerFast(
+        vocab=vocab, merges=[], unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": _QWEN_SPECIALS})
+    tokenizer.chat_template = _QWEN_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _tiny_qwenimage(seed: int):
+    """QwenImagePipeline: a 2-layer QwenImageTransformer2DModel, a 2-block AutoencoderKLQwenImage (a
+    video VAE, spatial factor 2, 4 latent channels with per-channel latents_mean / latents_std that are
+    not the identity, so the normalisation is exercised) and a 2-layer Qwen2.5-VL text encoder (16 wide,
+    a 2-layer vision tower it never uses); Qwen-Image's scheduler config (dynamic shifting)."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    tokenizer = qwen_tokenizer()
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,  # 4 latent channels x a 2x2 patch (QwenImagePipeline._pack_latents)
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=16,  # the text encoder's width
+        axes_dims_rope=(8, 4, 4),  # sums to attention_head_dim
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=24,
+        z_dim=4,
+        dim_mult=[1, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False],  # one spatial halving
+        latents_mean=[0.1, -0.2, 0.05, 0.3],
+        latents_std=[1.5, 0.8, 1.2, 2.0],
+    )
+    text = {
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "vocab_size": len(tokenizer),
+        "bos_token_id": None,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1000000.0},
+    }
+    vision = {"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, vocab_size=len(tokenizer))
+    scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen/Qwen-Image's scheduler_config.json
+        num_train_timesteps=1000,
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    )
+    return QwenImagePipeline(
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=Qwen2_5_VLForConditionalGeneration(config).eval(),
+        tokenizer=tokenizer,
+    )
+
+
+def _tiny_flux2(seed: int):
+    """Flux2KleinPipeline: a Flux2Transformer2DModel with one double- and one single-stream block and no
+    guidance embeddings (FLUX.2 [klein]'s layout), a 2-block AutoencoderKLFlux2 (spatial factor 2, 4
+    latent channels; BatchNorm statistics over the 16 patchified channels set away from the identity,
+    so the normalisation is exercised) and a 27-layer, 16-wide Qwen3 text encoder (the pipeline stacks
+    the hidden states of layers 9, 18 and 27)."""
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    tokenizer = qwen_tokenizer()
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=16,  # 4 latent channels x a 2x2 patch (Flux2KleinPipeline._patchify_latents)
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=48,  # 3 stacked Qwen3 layers x 16
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),  # sums to attention_head_dim
+        guidance_embeds=False,
+    )
+    vae = AutoencoderKLFlux2(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(32, 64),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=32,
+        sample_size=32,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    generator = torch.Generator().manual_seed(seed)
+    vae.bn.running_mean.copy_(0.2 * torch.randn(16, generator=generator))
+    vae.bn.running_var.copy_(0.5 + torch.rand(16, generator=generator))
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=27,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=1024,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(  # FLUX.2 [klein]'s scheduler config (dynamic shifting)
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    return Flux2KleinPipeline(
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=Qwen3ForCausalLM(config).eval(),
+        tokenizer=tokenizer,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write a tiny random Stable Diffusion pipeline folder.")
     parser.add_argument("folder")
     parser.add_argument("--sdxl", action="store_true", help="SDXL layout (two text encoders)")
     parser.add_argument("--sd3", action="store_true", help="SD3 layout (transformer, CLIP x2 + T5)")
     parser.add_argument("--flux", action="store_true", help="Flux layout (transformer, CLIP + T5)")
+    parser.add_argument("--qwenimage", action="store_true", help="Qwen-Image layout (Qwen2.5-VL, video VAE)")
+    parser.add_argument("--flux2", action="store_true", help="Flux.2 [klein] layout (Qwen3 text encoder)")
     args = parser.parse_args(argv)
-    print(build_tiny_pipeline(args.folder, sdxl=args.sdxl, sd3=args.sd3, flux=args.flux))
+    print(
+        build_tiny_pipeline(
+            args.folder,
+            sdxl=args.sdxl,
+            sd3=args.sd3,
+            flux=args.flux,
+            qwenimage=args.qwenimage,
+            flux2=args.flux2,
+        )
+    )
     return 0
 
 
