@@ -140,7 +140,7 @@ def assert_lora_changes_generation(pipe, out: Path, **call) -> None:
     def generate():
         generator = torch.Generator().manual_seed(0)
         return pipe(
-            "a red square",
+            prompt="a red square",  # by name: Flux2KleinPipeline's first argument is `image`
             num_inference_steps=2,
             height=32,
             width=32,
