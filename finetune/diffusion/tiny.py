@@ -324,8 +324,16 @@ _QWEN_CHAT_TEMPLATE = (
 
 def qwen_tokenizer():
     """A byte-level Qwen2 tokenizer (every byte a token, no merges) with Qwen's chat markup tokens and a
-    chat template, so captions tokenize as Qwen-Image's and Flux.2's pipelines format them, offline."""
-    from transformers import Qwen2TokenizerFast
+    chat template, so captions tokenize as Qwen-Image's and Flux.2's pipelines format them, offline.
+
+    The words of QwenImagePipeline's prompt template are tokens of their own (as in Qwen's BPE), so
+    the template's prefix is the `prompt_template_encode_start_idx` (34) tokens that the pipeline
+    drops: the cached embeddings are then the caption's, as with the real tokenizer.
+    """
+    import re
+
+    from diffusers import QwenImagePipeline
+    from transformers import AddedToken, Qwen2TokenizerFast
 
     vocab = {symbol: i for i, symbol in enumerate(sorted(_bytes_to_unicode().values()))}
     for token in _QWEN_SPECIALS:
@@ -335,6 +343,20 @@ def qwen_tokenizer():
     )
     tokenizer.add_special_tokens({"additional_special_tokens": _QWEN_SPECIALS})
     tokenizer.chat_template = _QWEN_CHAT_TEMPLATE
+    template = QwenImagePipeline(
+        scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None
+    )
+    prefix = template.prompt_template_encode.split("{}")[0]
+    words = re.findall(
+        r" ?[^\s,:<>|]+|[,:]", prefix.replace("<|im_start|>", "\n").replace("<|im_end|>", "\n")
+    )
+    words.append("assistant")  # the suffix's role, one token as in Qwen's vocabulary
+    tokenizer.add_tokens([AddedToken(w, normalized=False) for w in dict.fromkeys(words)])
+    if len(tokenizer(prefix).input_ids) != template.prompt_template_encode_start_idx:
+        raise AssertionError(
+            f"the tiny Qwen tokenizer makes {len(tokenizer(prefix).input_ids)} tokens of QwenImagePipeline's "
+            f"template prefix, not {template.prompt_template_encode_start_idx}"
+        )
     return tokenizer
 
 
