@@ -22,7 +22,7 @@ finetune.diffusion.objective where the forward differs): docs/CONTRIBUTING.md, "
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.diffusion import objective, prompts
@@ -100,6 +100,7 @@ class DiffusionFamily:
     guidance: bool = False  # its transformer may be guidance-distilled (config.guidance_embeds)
     video_vae: bool = False  # the VAE takes (batch, channels, frames, height, width): one frame
     max_side_config: str | None = None  # denoiser config field: position-embedding grid side in patches
+    load_kwargs: dict = field(default_factory=dict)  # from_pretrained arguments of the sampling pipeline
 
     @property
     def flow_matching(self) -> bool:
@@ -121,6 +122,10 @@ FAMILIES: tuple[DiffusionFamily, ...] = (
         text_encoders=("text_encoder",),
         encode=prompts.encode_clip,
         denoiser_factor=unet_factor,
+        load_kwargs={
+            "safety_checker": None,
+            "requires_safety_checker": False,
+        },  # training samples: no checker
     ),
     DiffusionFamily(
         name="sdxl",

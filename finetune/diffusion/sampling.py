@@ -26,8 +26,7 @@ def load_pipeline(info: PipelineInfo, *, dtype: torch.dtype, device, unet=None):
         from diffusers import AutoencoderKL
 
         kwargs["vae"] = AutoencoderKL.from_pretrained(info.vae_path, dtype=dtype)
-    if info.family == "sd":
-        kwargs.update(safety_checker=None, requires_safety_checker=False)
+    kwargs.update(info.spec.load_kwargs)
     pipeline = info.pipeline_class.from_pretrained(info.path, **kwargs)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline.to(device)

@@ -280,3 +280,20 @@ def test_flux2_loss_is_the_diffusers_scripts(tiny_flux2: Path) -> None:
     target = noise - model_input
     expected = _weighted(pred[:1], target[:1], sigmas[:1]) + _weighted(pred[1:], target[1:], sigmas[1:])
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_no_code_outside_the_table_tests_a_diffusion_family_by_name() -> None:
+    """Family facts live in finetune/diffusion/families.py: elsewhere, code asks the row (`info.spec`)."""
+    import re
+
+    root = Path(__file__).resolve().parents[3] / "finetune"
+    pattern = re.compile(r"family\s*(==|!=|in\s*\()|\.family\s+in\b")
+    found = [
+        f"{path.relative_to(root)}:{number}: {line.strip()}"
+        for path in sorted(root.rglob("*.py"))
+        # model_card.py (layer 6) cannot import finetune.diffusion: it reads the family from the manifest.
+        if path.name != "families.py" and "model_card" not in path.name
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not found, found
