@@ -102,12 +102,14 @@ class DiffusionSection(_Section):
     prediction_type: Literal["epsilon", "v_prediction", "flow_matching"] | None = Field(
         None,
         description="What the denoiser predicts; null = what the pipeline's scheduler defines "
-        "(its prediction_type for UNets; flow_matching for SD3 and Flux, whose FlowMatchEulerDiscreteScheduler "
+        "(its prediction_type for UNets; flow_matching for SD3, Flux, Qwen-Image and Flux.2, whose "
+        "FlowMatchEulerDiscreteScheduler "
         "gives the noise levels: input (1 - sigma) * latents + sigma * noise, target noise - latents).",
     )
     weighting_scheme: Literal["none", "logit_normal", "mode", "sigma_sqrt", "cosmap"] = Field(
         "logit_normal",
-        description="Flow matching (SD3, Flux) only, as diffusers' SD3 and Flux scripts: logit_normal / mode draw "
+        description="Flow matching (SD3, Flux, Qwen-Image, Flux.2) only, as diffusers' DreamBooth LoRA scripts: "
+        "logit_normal / mode draw "
         "timesteps from that density (SD3 paper), sigma_sqrt / cosmap draw them uniformly and weight "
         "the loss; none = uniform, unweighted.",
     )
@@ -118,14 +120,16 @@ class DiffusionSection(_Section):
         None,
         ge=1,
         le=512,
-        description="SD3 and Flux: T5 tokens per caption, also used for validation images; null = the "
-        "pipeline's default (SD3: 256, Flux: 512). The cache holds (77 + this) x 4096 floats per image "
-        "for SD3, this x 4096 for Flux.",
+        description="SD3, Flux, Qwen-Image and Flux.2: text tokens per caption (SD3, Flux: T5's; Qwen-Image: "
+        "at most this many, each caption stored unpadded), also used for validation images; null = the "
+        "pipeline's default (SD3: 256, Flux, Qwen-Image and Flux.2: 512). The cache holds (77 + this) x 4096 "
+        "floats per image for SD3, this x 4096 for Flux, this x 3 x the Qwen3 width for Flux.2.",
     )
     guidance_scale: float = Field(
         3.5,
         ge=0,
-        description="Flux only: the embedded guidance value a guidance-distilled transformer (FLUX.1-dev) "
+        description="Flux and Flux.2 only: the embedded guidance value a guidance-distilled transformer "
+        "(FLUX.1-dev) "
         "is trained with, as diffusers' Flux scripts (3.5); ignored, with a message, by transformers "
         "without guidance embeddings (FLUX.1-schnell), where a non-default value is an error.",
     )
