@@ -7,7 +7,7 @@ convert_hf_to_gguf.py writes them and its runtime reads them.
   one again), the head size as `attention.key_length`/`value_length`, the sliding window as
   `attention.sliding_window`, Gemma 2's attention and final logit soft-capping as
   `attn_logit_softcapping`/`final_logit_softcapping`. Gemma 3's rope base is its global layers'
-  (llama.cpp runs the local layers at 10000), its linear rope scaling likewise. The embeddings are
+  (`rope.freq_base_swa` the local ones'), its linear rope scaling likewise. The embeddings are
   tied (Gemma 2 has no `output` tensor in GGUF).
 * **Phi-3** (`phi3`): the fused `qkv_proj` and `gate_up_proj` stay fused (`attn_qkv`, `ffn_up` of
   twice the feed-forward length, which llama.cpp splits), no Q/K permutation (its rope rotates halves
@@ -82,7 +82,9 @@ def add_hyperparameters(writer, config, arch: str) -> None:
     """The keys an architecture adds to the common ones (finetune.gguf.export), and warnings for what
     llama.cpp runs differently from transformers."""
     window = getattr(config, "sliding_window", None)
-    if arch in SLIDING and window is not None:
+    if arch == "phi3":  # llama.cpp's converter writes 0 for none (how llama.cpp tells Phi-4 from Phi-3)
+        writer.add_sliding_window(window or 0)
+    elif arch in SLIDING and window is not None:
         writer.add_sliding_window(window)
     if arch in _GEMMA:
         _gemma(writer, config, arch)
@@ -99,23 +101,29 @@ def add_hyperparameters(writer, config, arch: str) -> None:
 def _gemma(writer, config, arch: str) -> None:
     head_dim = config.head_dim
     if arch == "gemma2":
-        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
-        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        for key, value in (
+            ("attn_logit_softcapping", config.attn_logit_softcapping),
+            ("final_logit_softcapping", config.final_logit_softcapping),
+        ):
+            if value is not None:
+                getattr(writer, f"add_{key}")(value)
+            else:  # llama.cpp reads a missing key as Gemma 2's own cap (50, 30)
+                warn(f"export-gguf: {key} is off, but llama.cpp's gemma2 caps anyway: its outputs may differ")
     else:
         if getattr(config, "final_logit_softcapping", None) is not None:
             writer.add_final_logit_softcapping(config.final_logit_softcapping)
-        if getattr(config, "attn_logit_softcapping", None) is not None:
-            warn(
-                "export-gguf: this Gemma 3 model soft-caps attention logits "
-                f"(attn_logit_softcapping {config.attn_logit_softcapping}), which llama.cpp's gemma3 does "
-                "not: its outputs will differ from transformers'"
+        if (
+            getattr(config, "attn_logit_softcapping", None) is not None
+        ):  # llama.cpp's converter refuses it too
+            raise FinetuneError(
+                "export-gguf: this Gemma 3 model soft-caps attention logits (attn_logit_softcapping "
+                f"{config.attn_logit_softcapping}), which llama.cpp's gemma3 architecture does not do; set it to "
+                "null in config.json only if the model was trained without it"
             )
+        # The local (sliding-window) layers' rope base, as llama.cpp's converter writes it.
         local = (getattr(config, "rope_parameters", None) or {}).get("sliding_attention") or {}
-        if local.get("rope_theta", 10000.0) != 10000.0:
-            warn(
-                f"export-gguf: the local layers' rope base is {local['rope_theta']}; llama.cpp's gemma3 "
-                "runs them at 10000, so its outputs will differ from transformers'"
-            )
+        if "rope_theta" in local:
+            writer.add_rope_freq_base_swa(local["rope_theta"])
     scalar = getattr(config, "query_pre_attn_scalar", head_dim)
     if scalar != head_dim:
         warn(

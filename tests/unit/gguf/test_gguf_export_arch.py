@@ -133,6 +133,7 @@ def test_gemma_files_hold_what_llama_cpp_reads(tmp_path, demo_tokenizer) -> None
     write_gguf(net, demo_tokenizer, tmp_path / "g3.gguf", outtype="q8_0", name="g3")
     fields, tensors = fields_and_tensors(tmp_path / "g3.gguf")
     assert fields["general.architecture"] == "gemma3" and fields["gemma3.rope.freq_base"] == 1e6
+    assert fields["gemma3.rope.freq_base_swa"] == 1e4  # the local layers' (transformers' sliding_attention)
     assert fields["gemma3.attention.sliding_window"] == 4096 and "gemma3.attn_logit_softcapping" not in fields
     q_norm = net.state_dict()["model.layers.0.self_attn.q_norm.weight"]
     assert np.array_equal(stored(tensors["blk.0.attn_q_norm.weight"]), (q_norm + 1).numpy())
@@ -154,6 +155,7 @@ def test_phi3_keeps_qkv_and_gate_up_fused_and_writes_longrope(tmp_path, demo_tok
     fields, tensors = fields_and_tensors(tmp_path / "p.gguf")
     assert fields["phi3.rope.scaling.original_context_length"] == 32
     assert fields["phi3.rope.dimension_count"] == 16
+    assert fields["phi3.attention.sliding_window"] == 0  # none: 0, as llama.cpp's converter writes it
     assert fields["phi3.rope.scaling.attn_factor"] == pytest.approx(net.model.rotary_emb.attention_scaling)
     assert net.model.rotary_emb.attention_scaling > 1  # 128 positions over 32: the factor is in use
     assert stored(tensors["rope_factors_long.weight"]).tolist() == rope["long_factor"]
@@ -217,6 +219,26 @@ def test_what_llama_cpp_runs_differently_is_said_or_refused(tmp_path, demo_token
         name="c",
     )
     assert "norm_topk_prob is False, but llama.cpp's qwen3moe always renormalises" in capsys.readouterr().err
+    with pytest.raises(
+        FinetuneError, match=r"Gemma 3 model soft-caps attention logits \(attn_logit_softcapping 50"
+    ):
+        write_gguf(
+            model("gemma3_text", demo_tokenizer, attn_logit_softcapping=50.0),
+            demo_tokenizer,
+            tmp_path / "e.gguf",
+            outtype="f16",
+            name="e",
+        )
+    assert not (tmp_path / "e.gguf").exists()
+    write_gguf(
+        model("gemma2", demo_tokenizer, final_logit_softcapping=None),
+        demo_tokenizer,
+        tmp_path / "f.gguf",
+        outtype="f16",
+        name="f",
+    )
+    assert "final_logit_softcapping is off, but llama.cpp's gemma2 caps anyway" in capsys.readouterr().err
+    assert "gemma2.final_logit_softcapping" not in fields_and_tensors(tmp_path / "f.gguf")[0]
     with pytest.raises(FinetuneError, match=r"layers \[1\] of this Qwen3-MoE model are dense"):
         write_gguf(
             model("qwen3_moe", demo_tokenizer, mlp_only_layers=[1]),
