@@ -257,6 +257,21 @@ def test_what_llama_cpp_runs_differently_is_said_or_refused(tmp_path, demo_token
         gguf_architecture("gemma")
 
 
+def test_export_gguf_writes_a_saved_gemma3_run(tmp_path, demo_tokenizer) -> None:
+    """The command's path (finetune.model.inference.export_gguf): a saved Gemma 3 text model folder is
+    accepted from its config, loaded, written and read back."""
+    from finetune.model.inference import export_gguf
+
+    net = model("gemma3_text", demo_tokenizer)
+    net.save_pretrained(tmp_path / "run")
+    demo_tokenizer.save_pretrained(tmp_path / "run")
+    path = export_gguf(str(tmp_path / "run"), outtype="q8_0", output=str(tmp_path / "out" / "g.gguf"))
+    ids = torch.tensor([demo_tokenizer(TEXTS[1]).input_ids])
+    with torch.no_grad():
+        want, got = net(ids).logits, load_back(path)[0](ids).logits
+    assert (got - want).abs().max().item() <= TOLERANCE["q8_0"] * want.abs().max().item()
+
+
 @pytest.mark.parametrize("model_type", ARCHS)
 def test_llama_cpp_runs_the_exported_architecture(tmp_path, demo_tokenizer, model_type) -> None:
     if importlib.util.find_spec("llama_cpp") is None:
