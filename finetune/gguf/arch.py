@@ -108,13 +108,15 @@ def _gemma(writer, config, arch: str) -> None:
             if value is not None:
                 getattr(writer, f"add_{key}")(value)
             else:  # llama.cpp reads a missing key as Gemma 2's own cap (50, 30)
-                warn(f"export-gguf: {key} is off, but llama.cpp's gemma2 caps anyway: its outputs may differ")
+                warn(
+                    f"export-gguf: {key} is off, but llama.cpp's gemma2 then applies its default cap: its "
+                    "outputs may differ from transformers'"
+                )
     else:
         if getattr(config, "final_logit_softcapping", None) is not None:
             writer.add_final_logit_softcapping(config.final_logit_softcapping)
-        if (
-            getattr(config, "attn_logit_softcapping", None) is not None
-        ):  # llama.cpp's converter refuses it too
+        # llama.cpp's converter refuses attention soft-capping for Gemma 3 too.
+        if getattr(config, "attn_logit_softcapping", None) is not None:
             raise FinetuneError(
                 "export-gguf: this Gemma 3 model soft-caps attention logits (attn_logit_softcapping "
                 f"{config.attn_logit_softcapping}), which llama.cpp's gemma3 architecture does not do; set it to "
@@ -124,11 +126,13 @@ def _gemma(writer, config, arch: str) -> None:
         local = (getattr(config, "rope_parameters", None) or {}).get("sliding_attention") or {}
         if "rope_theta" in local:
             writer.add_rope_freq_base_swa(local["rope_theta"])
+    # llama.cpp's graph scales queries by 1/sqrt(head size), or 1/sqrt(hidden / heads) for the 27B
+    # models (whose query_pre_attn_scalar is that); it reads no key for it.
     scalar = getattr(config, "query_pre_attn_scalar", head_dim)
-    if scalar != head_dim:
+    if scalar not in (head_dim, config.hidden_size // config.num_attention_heads):
         warn(
-            f"export-gguf: query_pre_attn_scalar is {scalar}, not the head size {head_dim}; llama.cpp's "
-            f"{arch} scales attention by the head size (but for Gemma 2 27B), so its outputs may differ"
+            f"export-gguf: query_pre_attn_scalar is {scalar}, neither the head size {head_dim} nor hidden size "
+            f"/ heads; llama.cpp's {arch} scales attention by one of those, so its outputs will differ"
         )
     layers = getattr(config, "layer_types", None)
     every = 2 if arch == "gemma2" else 6  # llama.cpp's fixed patterns: gemma2 alternates, gemma3 5:1

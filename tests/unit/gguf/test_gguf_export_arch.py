@@ -199,7 +199,9 @@ def test_qwen3_moe_experts_are_split_and_stacked_as_llama_cpp_reads_them(tmp_pat
 def test_what_llama_cpp_runs_differently_is_said_or_refused(tmp_path, demo_tokenizer, capsys) -> None:
     net = model("gemma2", demo_tokenizer, query_pre_attn_scalar=144)
     write_gguf(net, demo_tokenizer, tmp_path / "a.gguf", outtype="f16", name="a")
-    assert "query_pre_attn_scalar is 144, not the head size 256" in capsys.readouterr().err
+    assert "query_pre_attn_scalar is 144, neither the head size 256 nor hidden size / heads" in (
+        capsys.readouterr().err
+    )
     layers = ["full_attention", "sliding_attention"]
     write_gguf(
         model("gemma3_text", demo_tokenizer, layer_types=layers),
@@ -237,7 +239,9 @@ def test_what_llama_cpp_runs_differently_is_said_or_refused(tmp_path, demo_token
         outtype="f16",
         name="f",
     )
-    assert "final_logit_softcapping is off, but llama.cpp's gemma2 caps anyway" in capsys.readouterr().err
+    assert "final_logit_softcapping is off, but llama.cpp's gemma2 then applies its default cap" in (
+        capsys.readouterr().err
+    )
     assert "gemma2.final_logit_softcapping" not in fields_and_tensors(tmp_path / "f.gguf")[0]
     with pytest.raises(FinetuneError, match=r"layers \[1\] of this Qwen3-MoE model are dense"):
         write_gguf(
