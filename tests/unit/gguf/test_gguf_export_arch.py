@@ -261,6 +261,26 @@ def test_what_llama_cpp_runs_differently_is_said_or_refused(tmp_path, demo_token
         gguf_architecture("gemma")
 
 
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_an_exported_file_is_a_base_through_the_gguf_in_path(tmp_path, demo_tokenizer, model_type) -> None:
+    """finetune's own GGUF-in path (finetune.gguf.convert: dense weights, no quantizer left, the
+    cached Hugging Face folder a recipe trains on) reads each exported architecture back."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.gguf.convert import converted_folder
+
+    net = model(model_type, demo_tokenizer)
+    path = tmp_path / f"{model_type}.gguf"
+    write_gguf(net, demo_tokenizer, path, outtype="f16", name=model_type)
+    folder = converted_folder(path, root=tmp_path / "cache")
+    back = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert type(back) is type(net) and getattr(back.config, "quantization_config", None) is None
+    ids = torch.tensor([demo_tokenizer(TEXTS[2]).input_ids])
+    with torch.no_grad():
+        want, got = net(ids).logits, back(ids).logits
+    assert (got - want).abs().max().item() <= TOLERANCE["f16"] * want.abs().max().item()
+
+
 def test_export_gguf_writes_a_saved_gemma3_run(tmp_path, demo_tokenizer) -> None:
     """The command's path (finetune.model.inference.export_gguf): a saved Gemma 3 text model folder is
     accepted from its config, loaded, written and read back."""
