@@ -135,9 +135,25 @@ def test_gemma_files_hold_what_llama_cpp_reads(tmp_path, demo_tokenizer) -> None
     assert fields["general.architecture"] == "gemma3" and fields["gemma3.rope.freq_base"] == 1e6
     assert fields["gemma3.rope.freq_base_swa"] == 1e4  # the local layers' (transformers' sliding_attention)
     assert fields["gemma3.attention.sliding_window"] == 4096 and "gemma3.attn_logit_softcapping" not in fields
+    assert "gemma3.rope.scaling.type" not in fields
     q_norm = net.state_dict()["model.layers.0.self_attn.q_norm.weight"]
     assert np.array_equal(stored(tensors["blk.0.attn_q_norm.weight"]), (q_norm + 1).numpy())
     assert "output.weight" not in tensors
+    # Gemma 3 4B and larger scale the global layers' rope linearly (factor 8): written as llama.cpp reads it.
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    write_gguf(
+        model("gemma3_text", demo_tokenizer, rope_parameters=rope),
+        demo_tokenizer,
+        tmp_path / "g3l.gguf",
+        outtype="f16",
+        name="g3l",
+    )
+    fields = fields_and_tensors(tmp_path / "g3l.gguf")[0]
+    assert (fields["gemma3.rope.scaling.type"], fields["gemma3.rope.scaling.factor"]) == ("linear", 8.0)
+    assert fields["gemma3.rope.freq_base"] == 1e6 and fields["gemma3.rope.freq_base_swa"] == 1e4
 
 
 def test_phi3_keeps_qkv_and_gate_up_fused_and_writes_longrope(tmp_path, demo_tokenizer) -> None:
@@ -252,6 +268,18 @@ def test_what_llama_cpp_runs_differently_is_said_or_refused(tmp_path, demo_token
             name="d",
         )
     assert not (tmp_path / "d.gguf").exists()
+    # Gemma 2 in GGUF has no output matrix of its own: untied embeddings cannot be written.
+    with pytest.raises(
+        FinetuneError, match=r"tensor 'lm_head.weight' has no name in GGUF's gemma2 architecture"
+    ):
+        write_gguf(
+            model("gemma2", demo_tokenizer, tie_word_embeddings=False),
+            demo_tokenizer,
+            tmp_path / "g.gguf",
+            outtype="f16",
+            name="g",
+        )
+    assert not (tmp_path / "g.gguf").exists()
     # The model types still refused name the new ones among the supported.
     with pytest.raises(
         FinetuneError,
