@@ -78,7 +78,7 @@ def read_runs(paths: list[Path], labels: list[str]) -> list[RunData]:
         try:
             runs.append(load_run(path, label))
         except (FinetuneError, OSError) as exc:  # OSError: removed between the check and the read
-            problem = f"cannot be read now: {exc}. The page shows it again once the folder is back"
+            problem = f"cannot be read now: {exc}. The page follows it again once the folder holds a run"
             runs.append(RunData(label=label, path=path, recipe={}, problems=[problem]))
     return runs
 
@@ -218,14 +218,12 @@ class LiveServer6(LiveServer):
 
 def make_server(output_dirs: list[str], host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *,
                 poll_s: float = POLL_S) -> LiveServer:  # fmt: skip
-    """Check the folders (each must be a run now, as for the static report) and bind host:port
-    (0: any free port); errors name the flag to change."""
+    """Bind host:port (0: any free port) for the runs in `output_dirs`; errors name the flag to change.
+    A folder need not be a run yet (`--serve` may start before training does): see not_runs_yet."""
     if not 0 <= port <= 65535:
         raise FinetuneError(f"--port {port} is not a port: give 1-65535, or 0 for any free one")
     paths = [Path(p) for p in output_dirs]
     labels = run_labels(paths)
-    for path, label in zip(paths, labels, strict=True):
-        load_run(path, label)  # FinetuneError naming a folder that is not a run
     cls = LiveServer6 if ":" in host else LiveServer
     try:
         return cls((host, port), paths, labels, poll_s)
@@ -240,9 +238,25 @@ def make_server(output_dirs: list[str], host: str = DEFAULT_HOST, port: int = DE
         ) from None
 
 
+def not_runs_yet(paths: list[Path], labels: list[str]) -> list[str]:
+    """One line per folder that is not a training output_dir now (a warning, not the static report's
+    error: the page waits for it, as for a run that is about to start or is being copied)."""
+    lines = []
+    for path, label in zip(paths, labels, strict=True):
+        try:
+            load_run(path, label)
+        except (FinetuneError, OSError) as exc:
+            lines.append(
+                f"{exc}. The page shows it once training writes there; if no run is coming, check the path"
+            )
+    return lines
+
+
 def serve_report(output_dirs: list[str], host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> int:
     """Serve until Ctrl-C (which stops it cleanly: exit code 0)."""
     server = make_server(output_dirs, host, port)
+    for line in not_runs_yet(server.paths, server.labels):
+        warn(line)
     if not is_loopback(host):
         warn(
             f"--host {host}: the report and the files of its run folders are served to anyone who can "

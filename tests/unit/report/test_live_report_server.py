@@ -148,7 +148,7 @@ def test_a_damaged_line_and_a_vanished_run_folder_are_shown_not_fatal(serving):
         data = events.until(
             f"dpo: cannot be read now: {runs['dpo']} is not a training output_dir: it does not exist"
         )
-        assert "The page shows it again once the folder is back" in data
+        assert "The page follows it again once the folder holds a run" in data
         assert loss_steps(data) == {"sft": [1, 2, 3]}
         write_run(runs["dpo"], 1)
         data = events.until('data-run="dpo" data-logged="1"')
@@ -249,6 +249,16 @@ def test_it_binds_loopback_unless_told_and_warns_then(tmp_path, capsys, monkeypa
     assert "warning" not in err and "at http://127.0.0.1:" in out
 
 
+def test_a_folder_that_is_not_a_run_yet_is_a_warning_and_waited_for(tmp_path, capsys, monkeypatch):
+    from finetune.report import serve
+
+    monkeypatch.setattr(serve.LiveServer, "serve_forever", lambda self: None)
+    assert main(["report", str(tmp_path / "soon"), "--serve", "--port", "0"]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {tmp_path / 'soon'} is not a training output_dir: it does not exist" in err
+    assert "The page shows it once training writes there" in err
+
+
 def test_ctrl_c_stops_it_cleanly(tmp_path, capsys, monkeypatch):
     run = write_run(tmp_path / "run", 1)
     from finetune.report import serve
@@ -268,8 +278,6 @@ def test_flags_that_would_do_nothing_and_a_busy_port_are_errors(tmp_path, capsys
     assert "--port and --host are for --serve" in capsys.readouterr().err
     assert main(["report", str(run), "--serve", "--output", str(tmp_path / "r.html")]) == 2
     assert "--output writes a file, --serve serves the page instead" in capsys.readouterr().err
-    assert main(["report", str(tmp_path / "nowhere"), "--serve", "--port", "0"]) == 2
-    assert "nowhere is not a training output_dir" in capsys.readouterr().err
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
