@@ -6,7 +6,10 @@ from the write to:
 
 - sse: the `update` event holding the new point, read by an HTTP client (the server's part alone);
 - browser: the page in headless Chromium (Debian's /usr/bin/chromium through Playwright, when present)
-  drawing the new point in the loss chart (checked at every animation frame).
+  drawing the new point in the loss chart (Playwright's wait_for_selector).
+
+Each line is written at a random moment within a poll (as a training step's line is), so the figures
+include the wait for the server's next look.
 
 Each figure: median, 90th percentile and maximum in milliseconds. With a poll every POLL_S seconds a
 line waits POLL_S / 2 on average for the server to look; the rest is reading the folder, rendering
@@ -22,6 +25,7 @@ import http.client
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -50,6 +54,9 @@ def record(step: int) -> dict:
 
 
 def append(folder: Path, step: int) -> float:
+    # at a random moment: right after an update the server has just looked, and would always wait a
+    # whole poll; a training step's line comes at any point of it
+    time.sleep(random.uniform(0, POLL_S))
     with open(folder / "progress.jsonl", "a") as f:
         f.write(json.dumps(record(step)) + "\n")
     return time.perf_counter()
@@ -58,7 +65,8 @@ def append(folder: Path, step: int) -> float:
 def sse_latencies(server, folder: Path, first: int, lines: int) -> list[float]:
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
     conn.request("GET", "/events")
-    stream = conn.getresponse().fp
+    response = conn.getresponse()  # kept: the stream closes with it
+    stream = response.fp
 
     def next_update() -> str:
         data = []
@@ -83,18 +91,20 @@ def sse_latencies(server, folder: Path, first: int, lines: int) -> list[float]:
 def browser_latencies(server, folder: Path, first: int, lines: int) -> list[float]:
     from playwright.sync_api import sync_playwright
 
-    count = "document.querySelectorAll('figure.chart[data-key=\"loss\"] circle.point').length"
     out = []
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
         try:
             page = browser.new_page()
             page.goto(server.url)
-            page.wait_for_function("document.getElementById('live-status').dataset.state === 'live'")
+            page.wait_for_selector('#live-status[data-state="live"]')
+            # selectors, not wait_for_function: its polling evaluates strings, which the page's
+            # Content-Security-Policy (no 'unsafe-eval') refuses
             for step in range(first, first + lines):
-                drawn = page.evaluate(count)
                 sent = append(folder, step)
-                page.wait_for_function(f"{count} > {drawn}", polling="raf", timeout=30_000)
+                page.wait_for_selector(
+                    f'figure.chart[data-key="loss"] g.series[data-logged="{step}"]', timeout=30_000
+                )
                 out.append(time.perf_counter() - sent)
         finally:
             browser.close()

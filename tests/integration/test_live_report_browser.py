@@ -67,7 +67,9 @@ def test_the_live_page_follows_a_training_run_in_chromium(tmp_path, record_prope
                 page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
                 page.on("request", lambda r: None if r.url.startswith(server.url) else problems.append(f"request: {r.url}"))  # fmt: skip
                 page.goto(server.url)
-                page.wait_for_function("document.getElementById('live-status').dataset.state === 'live'")
+                # selectors, not wait_for_function: its polling evaluates strings, which the page's
+                # Content-Security-Policy (no 'unsafe-eval') refuses
+                page.wait_for_selector('#live-status[data-state="live"]')
                 assert "cannot be read now" in page.inner_text("#runs")  # before training starts
                 with open(log, "w") as sink:
                     training = subprocess.Popen(
@@ -80,9 +82,7 @@ def test_the_live_page_follows_a_training_run_in_chromium(tmp_path, record_prope
                     if training.poll() is None:
                         training.kill()
                 assert training.wait() == 0, log.read_text()[-4000:]
-                page.wait_for_function(
-                    f"document.querySelector('#runs').textContent.includes('finished at step {STEPS}')"
-                )
+                page.locator("#runs").get_by_text(f"finished at step {STEPS}").wait_for()
                 counts.append(page.evaluate(LOSS_POINTS))
                 charts = page.eval_on_selector_all(
                     "figure.chart",
