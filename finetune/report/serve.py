@@ -312,8 +312,8 @@ class LiveHandler(BaseHTTPRequestHandler):
         header = self.headers.get("Host")
         if header is None:
             return True
-        name = header.rsplit(":", 1)[0] if not header.endswith("]") else header
-        return name.strip("[]") in ("127.0.0.1", "localhost", "::1") or is_loopback(name.strip("[]"))
+        name = header if header.endswith("]") else header.rsplit(":", 1)[0]  # [::1] or name:port
+        return is_loopback(name.strip("[]"))
 
     def _security_headers(self, nonce: str | None = None) -> None:
         script = f"'nonce-{nonce}'" if nonce else "'none'"

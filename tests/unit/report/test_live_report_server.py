@@ -225,9 +225,11 @@ def test_files_inside_a_run_folder_are_served_as_plain_text(serving):
 def test_another_host_name_is_refused(serving):
     server, _ = serving
     port = server.server_address[1]
-    assert get(server, "/", host=f"localhost:{port}")[0] == 200
-    status, _, body = get(server, "/", host=f"evil.example:{port}")  # DNS rebinding
-    assert status == 403 and b"finetune report" not in body
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "127.0.0.1", f"[::1]:{port}"):
+        assert get(server, "/files/0/progress.jsonl", host=host)[0] == 200, host
+    for host in (f"evil.example:{port}", "evil.example", f"localhost.evil.example:{port}", "[evil]"):
+        status, _, body = get(server, "/", host=host)  # a DNS-rebinding page sends its own name
+        assert status == 403 and b"finetune report" not in body, host
 
 
 def test_it_binds_loopback_unless_told_and_warns_then(tmp_path, capsys, monkeypatch):
