@@ -288,5 +288,7 @@ def test_flags_that_would_do_nothing_and_a_busy_port_are_errors(tmp_path, capsys
             make_server([str(run)], port=port)
     with pytest.raises(FinetuneError, match="--port 70000 is not a port"):
         make_server([str(run)], port=70000)
-    with pytest.raises(FinetuneError, match=r"cannot serve on 192\.0\.2\.1:0: .*the default --host 127\.0\.0\.1"):
+    with pytest.raises(
+        FinetuneError, match=r"cannot serve on 192\.0\.2\.1:0: .*the default --host 127\.0\.0\.1"
+    ):
         make_server([str(run)], host="192.0.2.1", port=0)  # TEST-NET: an address of no interface here
