@@ -196,8 +196,18 @@ def build_parser() -> argparse.ArgumentParser:
         "table and samples, the data manifest, the planner's memory prediction vs the measured peak.",
     )
     report.add_argument("output_dirs", nargs="+", metavar="OUTPUT_DIR", help="a run's train.output_dir")
+    report.add_argument("--output", metavar="FILE", help="the HTML file to write (report.html)")
     report.add_argument(
-        "--output", default="report.html", metavar="FILE", help="the HTML file to write (report.html)"
+        "--serve",
+        action="store_true",
+        help="serve the page on this machine instead of writing it, kept current while the runs log "
+        "(Ctrl-C stops)",
+    )
+    report.add_argument("--port", type=int, metavar="N", help="--serve's port (8765; 0: any free port)")
+    report.add_argument(
+        "--host",
+        metavar="ADDRESS",
+        help="--serve's address (127.0.0.1, this machine only; another address is served with a warning)",
     )
 
     merge = sub.add_parser(
@@ -425,6 +435,10 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.command == "report":
         if overrides:
             raise FinetuneError(f"report takes no recipe overrides, got {' '.join(overrides)}")
+        if args.serve:
+            return _serve_report(args)
+        if args.port is not None or args.host is not None:
+            raise FinetuneError("report: --port and --host are for --serve: add --serve, or leave them out")
         from finetune.report import build_report
 
         path = build_report(args.output_dirs, args.output)
@@ -511,6 +525,18 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
         return run_supervised(cmd, env)
     raise AssertionError(args.command)
+
+
+def _serve_report(args: argparse.Namespace) -> int:
+    """`finetune report --serve`: the live page until Ctrl-C."""
+    if args.output is not None:
+        raise FinetuneError(
+            "report: --output writes a file, --serve serves the page instead: give one of them"
+        )
+    from finetune.report.serve import DEFAULT_HOST, DEFAULT_PORT, serve_report
+
+    port = DEFAULT_PORT if args.port is None else args.port
+    return serve_report(args.output_dirs, host=args.host or DEFAULT_HOST, port=port)
 
 
 def main(argv: list[str] | None = None) -> int:
