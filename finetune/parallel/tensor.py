@@ -26,14 +26,18 @@ SHARDED_STATE = "tp_state"
 """A tensor-parallel checkpoint's folder of DCP files: the trained weights' and the optimizer's shards."""
 
 
-def distributed_config(train: Any):
-    """transformers' DistributedConfig for `from_pretrained` (the model's own TP plan over every process),
-    or None without tensor parallel."""
+def distributed_config(train: Any, num_processes: int = 0):
+    """transformers' DistributedConfig for `from_pretrained`, or None without tensor parallel: the model's
+    own TP plan over train.tensor_parallel_size processes and, on more processes than that, FSDP2 across
+    the TP groups (transformers' 2-D mesh, dims (fsdp, tp), tp innermost as finetune.parallel.sizes lays
+    out ranks): data parallel beside tensor parallel."""
     if train.tensor_parallel_size <= 1:
         return None
     from transformers.distributed import DistributedConfig
 
-    return DistributedConfig(tp_size=train.tensor_parallel_size, tp_plan="auto")
+    tp = train.tensor_parallel_size
+    data_parallel = max(1, num_processes // tp)
+    return DistributedConfig(tp_size=tp, tp_plan="auto", fsdp_size=data_parallel)
 
 
 def is_tensor_parallel(model) -> bool:
