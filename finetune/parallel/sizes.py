@@ -73,7 +73,8 @@ def engine_problems(engine: Any, train: Any, *, cuda_available: bool, lora: bool
         if engine.kind in ("deepspeed", "fsdp"):
             problems.append(
                 f"{where}: tensor parallel runs on the DDP launcher (multi_cpu, multi_gpu), not {engine.label}, "
-                "which would shard the DTensor weights a second time; use multi_gpu (multi_cpu on CPU)"
+                "which would shard the DTensor weights a second time; use multi_gpu (multi_cpu on CPU), with more "
+                "processes than the size for data parallel beside it (transformers' FSDP2 across the TP groups)"
             )
         if train.mixed_precision == "fp16":
             problems.append(

@@ -171,9 +171,18 @@ def test_lora_under_tensor_and_data_parallel_is_refused_naming_what_works():
     assert problems({"tensor_parallel_size": 2}, DDP4_CPU, lora={"enable_lora": False}) == []
 
 
-def test_tensor_parallel_runs_on_the_ddp_launcher_only():
-    zero3 = DistributedSetup(kind="deepspeed", num_processes=2, zero_stage=3, source="zero3.yaml")
-    found = problems({"tensor_parallel_size": 2}, zero3, cuda=True)
+@pytest.mark.parametrize(
+    "engine",
+    [
+        DistributedSetup(kind="deepspeed", num_processes=2, zero_stage=3, source="zero3.yaml"),
+        DistributedSetup(kind="fsdp", num_processes=4, source="fsdp2.yaml"),
+    ],
+    ids=["zero3", "fsdp2"],
+)
+def test_tensor_parallel_runs_on_the_ddp_launcher_only(engine):
+    """Under ZeRO or Accelerate's FSDP the split weights would be sharded a second time; data parallel
+    beside TP comes from transformers' own FSDP2 on the DDP launcher."""
+    found = problems({"tensor_parallel_size": 2}, engine, cuda=True)
     assert any("use multi_gpu (multi_cpu on CPU)" in line for line in found)
 
 
