@@ -4,7 +4,9 @@ multi_cpu --train.tensor_parallel_size 2`, torchrun) split each decoder layer by
 gradient norms over 6 steps, for a tiny Llama and a tiny Qwen2, full fine-tuning and LoRA; a run resumed
 from its step-3 checkpoint (the shards through torch.distributed.checkpoint) continues exactly; the final
 folder is a plain Hugging Face one that loads in transformers (PEFT for the adapter) on one process and
-gives the one-process run's logits.
+gives the one-process run's logits. With data parallel beside it, 4 gloo processes (TP=2 x DP=2:
+transformers' FSDP2 across the two TP groups) give the losses and gradient norms of one process with the
+same global batch, and resume exactly.
 
 The one-process runs they are compared with run in this process (tests/inprocess.py).
 """
