@@ -12,9 +12,9 @@ from finetune.errors import FinetuneError
 def make_accelerator(train, *, model_kind: str, qlora: bool, compile_model: bool, lora: bool = False):
     """An Accelerator for the recipe's train section on the engine `accelerate launch` started.
 
-    `model_kind` (model.kind), `qlora` (lora.enable_qlora) and `lora` (lora.enable_lora) feed the same refusals `finetune train`
-    makes before launch, for `accelerate launch` users; `compile_model` (model.enable_compile) adds
-    the TorchDynamo plugin.
+    `model_kind` (model.kind), `qlora` (lora.enable_qlora) and `lora` (lora.enable_lora) feed the same
+    refusals `finetune train` makes before launch, for `accelerate launch` users; `compile_model`
+    (model.enable_compile) adds the TorchDynamo plugin.
     """
     from finetune.quiet import quiet_third_party
 
