@@ -394,6 +394,7 @@ def check_before_launch(recipe, config: Path | None, launch: dict) -> None:
         model_kind=recipe.model.kind,
         qlora=recipe.lora.enable_qlora,
         cuda_available=torch.cuda.is_available(),
+        lora=recipe.lora.enable_lora,
     )
 
 
