@@ -289,6 +289,7 @@ def diffusion_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
                 problems.append((path, value, f"does not apply to a diffusion recipe ({reason}); remove it"))
     if ok("lora.enable_lora") and not recipe.lora.enable_lora:
         problems.append(("lora.enable_lora", False, "diffusion recipes train LoRA adapters: set true"))
+    problems += _full_finetune_problems(recipe, ok)
     if ok("diffusion", "data.datasets") and recipe.diffusion is not None:
         types = {e.type for e in recipe.data.datasets if e is not None}
         settings = recipe.diffusion
@@ -304,6 +305,32 @@ def diffusion_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
                     "is used by dreambooth datasets only; the images type takes captions from the data",
                 )
             )
+    return problems
+
+
+def _full_finetune_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
+    """diffusion.adapter full trains the denoiser's own weights: no LoRA settings apply, and the
+    trained weights stay fp32 (mixed precision computes in 16-bit)."""
+    problems: list[Problem] = []
+    if not ok("diffusion", "lora", "model.torch_dtype") or recipe.diffusion is None:
+        return problems
+    if recipe.diffusion.adapter != "full":
+        return problems
+    for name in ("lora_rank", "lora_alpha", "lora_dropout"):
+        value = getattr(recipe.lora, name)
+        if value != type(recipe.lora).model_fields[name].get_default():
+            problems.append(
+                (f"lora.{name}", value, "does nothing with diffusion.adapter: full (no adapter): remove it")
+            )
+    if recipe.model.torch_dtype not in ("auto", "fp32"):
+        problems.append(
+            (
+                "model.torch_dtype",
+                recipe.model.torch_dtype,
+                "diffusion.adapter full keeps the trained denoiser in fp32 (train.mixed_precision computes in "
+                "16-bit): use auto or fp32",
+            )
+        )
     return problems
 
 
