@@ -106,6 +106,10 @@ class DiffusionObjective:
         self.accelerator = accelerator
         recipe, train, settings = self.recipe, self.train, self.settings
         self.info = pipeline_info(recipe.model.model_path, recipe.model.revision, settings.vae_path)
+        if settings.train_text_encoder:  # refused for SD3 before anything is encoded
+            from finetune.diffusion.text_encoder import trained_encoder_names
+
+            trained_encoder_names(self.info.family, self.info.class_name)
         # One process per machine encodes; the others wait, however long the VAE takes, then load
         # the cache it wrote.
         prepared = prepare_on_main_process(

@@ -123,6 +123,13 @@ class Recipe(_Section):
                 value = getattr(owner, name)
                 if value != type(owner).model_fields[name].get_default(call_default_factory=True):
                     found.append((path, value, f"does nothing in a diffusion recipe ({reason})"))
+            if self.diffusion is not None and self.diffusion.adapter == "full":
+                for name in ("lora_rank", "lora_alpha", "lora_dropout"):
+                    value = getattr(self.lora, name)
+                    if value != type(self.lora).model_fields[name].get_default():
+                        found.append(
+                            (f"lora.{name}", value, "does nothing with diffusion.adapter: full (no adapter)")
+                        )
         return found
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
@@ -309,19 +316,13 @@ def diffusion_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
 
 
 def _full_finetune_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
-    """diffusion.adapter full trains the denoiser's own weights: no LoRA settings apply, and the
-    trained weights stay fp32 (mixed precision computes in 16-bit)."""
+    """diffusion.adapter full trains the denoiser's own weights, which stay fp32 (mixed precision
+    computes in 16-bit). (LoRA sizes it does not read are warnings: Recipe._warnings.)"""
     problems: list[Problem] = []
-    if not ok("diffusion", "lora", "model.torch_dtype") or recipe.diffusion is None:
+    if not ok("diffusion", "model.torch_dtype") or recipe.diffusion is None:
         return problems
     if recipe.diffusion.adapter != "full":
         return problems
-    for name in ("lora_rank", "lora_alpha", "lora_dropout"):
-        value = getattr(recipe.lora, name)
-        if value != type(recipe.lora).model_fields[name].get_default():
-            problems.append(
-                (f"lora.{name}", value, "does nothing with diffusion.adapter: full (no adapter): remove it")
-            )
     if recipe.model.torch_dtype not in ("auto", "fp32"):
         problems.append(
             (

@@ -115,7 +115,6 @@ def test_image_sources_need_diffusion_kind_and_the_section_needs_it_too(tmp_path
             "adapter lokr does not write",
         ),
         ({"diffusion": {"text_encoder_lr": 1e-5}}, "diffusion.text_encoder_lr", "without train_text_encoder"),
-        ({"diffusion": {"adapter": "full"}, "lora": {"lora_rank": 8}}, "lora.lora_rank", "adapter: full"),
         (
             {"diffusion": {"adapter": "full"}, "model": {"torch_dtype": "bf16"}},
             "model.torch_dtype",
@@ -152,3 +151,11 @@ def test_training_modes_resolve() -> None:
     assert recipe.diffusion.adapter == "lora" and recipe.diffusion.text_encoder_lr == 5e-6
     full = validate_recipe(with_changes(diffusion={"adapter": "full", "use_ema": True}))
     assert full.diffusion.adapter == "full" and full.diffusion.use_ema
+
+
+def test_lora_sizes_with_full_finetuning_are_warnings() -> None:
+    recipe = validate_recipe(with_changes(diffusion={"adapter": "full"}, lora={"lora_rank": 8}))
+    assert any(
+        path == "lora.lora_rank" and "diffusion.adapter: full" in reason
+        for path, _, reason in recipe._warnings()
+    )
