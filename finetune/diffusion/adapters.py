@@ -113,11 +113,13 @@ def save_denoiser(denoiser: torch.nn.Module, folder: str | Path) -> None:
 
 
 def load_denoiser_weights(denoiser: torch.nn.Module, folder: str | Path) -> None:
-    """Put `save_denoiser`'s weights back into the denoiser (resume); accelerate's loader reads the
-    single or sharded safetensors files save_pretrained wrote."""
-    from accelerate.utils import load_checkpoint_in_model
-
+    """Put `save_denoiser`'s weights back into the denoiser (resume). diffusers' from_pretrained reads the
+    single or sharded files save_pretrained wrote (accelerate's loader knows transformers' file names
+    only); the copy is then loaded into the training model, which keeps its hooks and checkpointing."""
     folder = Path(folder)
-    if not folder.is_dir():
-        raise FinetuneError(f"{folder} is missing: this checkpoint was not written by full fine-tuning")
-    load_checkpoint_in_model(denoiser, str(folder), strict=True)
+    if not (folder / "config.json").is_file():
+        raise FinetuneError(
+            f"{folder} holds no denoiser: this checkpoint was not written by full fine-tuning"
+        )
+    saved = type(denoiser).from_pretrained(str(folder), dtype=torch.float32)  # a second copy, briefly
+    denoiser.load_state_dict(saved.state_dict(), strict=True)
