@@ -129,7 +129,7 @@ def trainable_embeds(
 
     sd: `prompt_embeds`; sdxl: `prompt_embeds` and `pooled_prompt_embeds`; flux: CLIP's pooled output
     only, the T5 `prompt_embeds` staying the cached ones of `batch`. `tokenizers` / `encoders`: all of
-    the pipeline's, in its order (the frozen ones included).
+    the pipeline's, in its order; an encoder that is not trained may be None (Flux's T5).
     """
     from diffusers import FluxPipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
 

@@ -189,15 +189,21 @@ class DiffusionObjective:
         )
 
         names = trained_encoder_names(self.info.family, self.info.class_name)
-        self.tokenizers, self.encoders = load_text_encoders(self.info, accelerator.device)
+        # Loaded on the CPU; only the trained ones stay and go to the device (Flux's frozen T5 is read
+        # from the cache: its embeddings never change, so it is dropped, not kept in device memory).
+        self.tokenizers, encoders = load_text_encoders(self.info, "cpu")
         lora, trained = self.recipe.lora, {}
-        for name, encoder in zip(self.info.text_encoder_names, self.encoders, strict=True):
+        for name, encoder in zip(self.info.text_encoder_names, encoders, strict=True):
             if name in names:
                 count = add_text_encoder_lora(
-                    encoder, rank=lora.lora_rank, alpha=lora.lora_alpha, dropout=lora.lora_dropout
+                    encoder.to(accelerator.device),
+                    rank=lora.lora_rank,
+                    alpha=lora.lora_alpha,
+                    dropout=lora.lora_dropout,
                 )
                 accelerator.print(f"{name} LoRA: {count:,} trainable parameters")
                 trained[name] = encoder
+        self.encoders = [trained.get(name) for name in self.info.text_encoder_names]
         self.captions = dict(zip(rows["index"], rows["caption"], strict=True))
         return WithTextEncoders(unet, trained)
 
