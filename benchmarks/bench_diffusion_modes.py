@@ -27,7 +27,7 @@ MODES = {
     "loha": {"adapter": "loha"},
     "full + EMA": {"adapter": "full", "use_ema": True},
 }
-SAVED = {"lora": "pytorch_lora_weights.safetensors", "lokr": "{d}", "loha": "{d}", "full": "pipeline/{d}"}
+SAVED = {"lora": "pytorch_lora_weights.safetensors", "lokr": "{d}/", "loha": "{d}/", "full": "pipeline/{d}/"}
 
 
 def _size(path: Path) -> int:
@@ -72,7 +72,6 @@ def run(tmp: Path, family: str, steps: int, name: str, settings: dict) -> dict:
         "s_per_step": statistics.median(per_step),
         "saved": f"{SAVED[adapter].format(d=denoiser)}",
         "saved_bytes": _size(saved),
-        "checkpoint_bytes": _size(out / "checkpoints") if (out / "checkpoints").exists() else 0,
     }
 
 
