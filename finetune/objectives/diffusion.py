@@ -22,6 +22,9 @@ from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
 from finetune.notices import warn
 
+# diffusion.adapter -> how messages name it.
+ADAPTER_NAMES = {"lora": "LoRA", "lokr": "LoKr", "loha": "LoHa", "full": "full fine-tuning"}
+
 
 class _DeviceEMA:
     """diffusers' EMAModel as checkpointed extra state (finetune.engine.extra_state: safetensors and
@@ -173,7 +176,7 @@ class DiffusionObjective:
             )  # fmt: skip
         total = sum(p.numel() for p in unet.parameters())
         accelerator.print(
-            f"{self.info.denoiser_name} {adapter}: {trainable:,} trainable / {total:,} total parameters "
+            f"{self.info.denoiser_name} {ADAPTER_NAMES[adapter]}: {trainable:,} trainable / {total:,} total parameters "
             f"({self.info.class_name})"
         )
         return unet
@@ -454,7 +457,7 @@ class DiffusionObjective:
         if adapter != "full":
             self._write_trained(trained, output_dir)
             where = "pytorch_lora_weights.safetensors" if adapter == "lora" else f"{name}/ (PEFT format)"
-            self.accelerator.print(f"{adapter} weights saved: {output_dir / where}")
+            self.accelerator.print(f"{ADAPTER_NAMES[adapter]} weights saved: {output_dir / where}")
             return
         # The base pipeline's other components around the trained denoiser, saved as one folder.
         pipeline = load_pipeline(self.info, dtype=self.weight_dtype, device="cpu", unet=trained)

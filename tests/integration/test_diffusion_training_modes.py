@@ -164,7 +164,7 @@ def test_lokr_and_loha_resume_exactly(trained: Callable[[str], dict], name: str)
 def test_full_finetune_with_ema_saves_a_pipeline_that_diffusers_loads(trained: Callable[[str], dict]) -> None:
     run = trained("full")
     out = run["tmp"] / "out"
-    assert "unet full: 792,964 trainable / 792,964 total parameters" in run["train"].stdout
+    assert "unet full fine-tuning: 792,964 trainable / 792,964 total parameters" in run["train"].stdout
     assert (out / "checkpoints" / "step-3" / "unet" / "diffusion_pytorch_model.safetensors").is_file()
     base, tuned = _pipeline("sd", run["pipeline"]), _pipeline("sd", out / "pipeline")
     before, after = _generate(base, "sd"), _generate(tuned, "sd")
