@@ -123,6 +123,13 @@ class Recipe(_Section):
                 value = getattr(owner, name)
                 if value != type(owner).model_fields[name].get_default(call_default_factory=True):
                     found.append((path, value, f"does nothing in a diffusion recipe ({reason})"))
+            if self.diffusion is not None and self.diffusion.adapter == "full":
+                for name in ("lora_rank", "lora_alpha", "lora_dropout"):
+                    value = getattr(self.lora, name)
+                    if value != type(self.lora).model_fields[name].get_default():
+                        found.append(
+                            (f"lora.{name}", value, "does nothing with diffusion.adapter: full (no adapter)")
+                        )
         return found
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
@@ -289,6 +296,7 @@ def diffusion_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
                 problems.append((path, value, f"does not apply to a diffusion recipe ({reason}); remove it"))
     if ok("lora.enable_lora") and not recipe.lora.enable_lora:
         problems.append(("lora.enable_lora", False, "diffusion recipes train LoRA adapters: set true"))
+    problems += _full_finetune_problems(recipe, ok)
     if ok("diffusion", "data.datasets") and recipe.diffusion is not None:
         types = {e.type for e in recipe.data.datasets if e is not None}
         settings = recipe.diffusion
@@ -304,6 +312,26 @@ def diffusion_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
                     "is used by dreambooth datasets only; the images type takes captions from the data",
                 )
             )
+    return problems
+
+
+def _full_finetune_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
+    """diffusion.adapter full trains the denoiser's own weights, which stay fp32 (mixed precision
+    computes in 16-bit). (LoRA sizes it does not read are warnings: Recipe._warnings.)"""
+    problems: list[Problem] = []
+    if not ok("diffusion", "model.torch_dtype") or recipe.diffusion is None:
+        return problems
+    if recipe.diffusion.adapter != "full":
+        return problems
+    if recipe.model.torch_dtype not in ("auto", "fp32"):
+        problems.append(
+            (
+                "model.torch_dtype",
+                recipe.model.torch_dtype,
+                "diffusion.adapter full keeps the trained denoiser in fp32 (train.mixed_precision computes in "
+                "16-bit): use auto or fp32",
+            )
+        )
     return problems
 
 
