@@ -592,13 +592,19 @@ class OnlineObjective:
 
         section = OBJECTIVES[recipe.train.objective].section
         settings, rows = getattr(recipe, section), list(prepared.eval)
+        processor = None  # a vision-language model's: the prompts' images become pixels, as in training
+        if recipe.model.kind == "vlm":
+            from finetune.model.vlm import load_processor
+
+            processor = load_processor(recipe.model)
 
         def score(model_name: str, model, tokenizer) -> dict[str, Any]:
+            tokenizer = processor.tokenizer if processor is not None else tokenizer
             rewards = ro.rewards_for(
                 settings, tokenizer, recipe_path=_recipe_path(recipe), device=inference_device(),
                 prompt_fields=ro.prompt_fields(recipe.data), section=section,
             )  # fmt: skip
-            backend = backend_for("transformers", model, tokenizer)
+            backend = backend_for("transformers", model, tokenizer, processor=processor)
             toolbox = tr.toolbox_for(settings, tokenizer, recipe_path=_recipe_path(recipe), section=section)
             complete = None
             if toolbox is not None:  # the tools in the loop, as in training

@@ -8,11 +8,14 @@
 * the log-probs of a packed micro-batch (the policy's in the loss, the sampling policy's and the reference's)
   equal those of the padded layout, one sequence per row with its own pixels (TRL's layout), and change with
   the picture;
+* the loss and gradients of a packed micro-batch with pixels equal TRL's GRPOTrainer on the padded layout with
+  the same pictures (its own VLM path);
 * generation never writes image markup; a family whose positions come from the images is refused.
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 from contextlib import contextmanager
@@ -159,10 +162,10 @@ def online_objective(processor, completions, reference, **settings) -> OnlineObj
     """An online objective of a vision-language model ready to roll out through a RecordingBackend."""
     obj = OnlineObjective.__new__(OnlineObjective)
     obj.ahead, obj.toolbox, obj.message_fields, obj.sharding = None, None, [], None
+    settings = {"loss_type": "grpo", **settings}
     obj.settings = GrpoSection(
-        loss_type="grpo", max_new_tokens=4, rewards=[{"name": "length"}], num_generations=2, log_completions=0,
-        **settings,
-    )  # fmt: skip
+        max_new_tokens=4, rewards=[{"name": "length"}], num_generations=2, log_completions=0, **settings
+    )
     obj.estimator = pg.ESTIMATORS["group"]
     obj.train = SimpleNamespace(seed=5, micro_batch_size=4)  # two prompts' completions per packed row
     obj.data = SimpleNamespace(pad_to_multiple_of=8)
@@ -310,3 +313,61 @@ def test_what_online_rl_of_a_vision_language_model_does_not_do_yet_is_an_error()
     with pytest.raises(FinetuneError, match="multimodal RoPE"):
         _check_packable(SimpleNamespace(config=qwen2_vl()))
     _check_packable(tiny_vlm(0))  # Idefics3 packs
+
+
+def test_a_packed_rollout_with_pixels_gives_trls_vlm_grpo_loss_and_gradients(tmp_path, processor):
+    """The objective's loss on a packed micro-batch with its pixels against TRL's GRPOTrainer._compute_loss on
+    the padded layout of the same completions with the same pictures (its own VLM path: pixel_values and
+    pixel_attention_mask per row, num_images), as the text loss is compared in test_online_objective.py: loss and
+    gradients, with a temperature, for the demo's loss type (the loss types themselves are compared on text:
+    the pixels change the log-probs, not the loss's arithmetic)."""
+    loss_type = "dapo"
+    trl = pytest.importorskip("trl", reason="trl is not installed (it is in the test extra)")
+
+    rows = prompt_rows(tmp_path, processor, ("red", "blue"))
+    completions = [words(processor, "red")[0], words(processor, "green blue")[0]]
+    seqs = [(list(rows[k // 2]["input_ids"]), completions[k % 2]) for k in range(4)]
+    advantages = torch.tensor([0.9, -0.9, 0.4, -0.4])
+    width = max(len(c) for _, c in seqs)
+    policy = tiny_vlm(0).train()
+    ours_model = copy.deepcopy(policy)
+
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, seed=0, bf16=False, num_generations=2,
+        per_device_train_batch_size=4, max_completion_length=width, loss_type=loss_type, temperature=0.7,
+    )  # fmt: skip
+    trainer = trl.GRPOTrainer(
+        model=policy, reward_funcs=lambda completions, **kwargs: [0.0] * len(completions), args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": ["a", "b"]}), processing_class=processor,
+    )  # fmt: skip
+    trainer.current_gradient_accumulation_steps = 1
+    pictures = [Image.open(io.BytesIO(rows[k // 2]["images"][0])).convert("RGB") for k in range(4)]
+    pixels = processor.image_processor(images=[[pic] for pic in pictures], return_tensors="pt")
+    completion_ids = torch.full((4, width), 3)
+    completion_mask = torch.zeros(4, width, dtype=torch.long)
+    for k, (_, c) in enumerate(seqs):
+        completion_ids[k, : len(c)], completion_mask[k, : len(c)] = torch.tensor(c), 1
+    prompt_ids = torch.tensor([p for p, _ in seqs])  # one length: the same question about one picture each
+    inputs = {
+        "prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": completion_ids,
+        "completion_mask": completion_mask, "advantages": advantages, "num_images": [1] * 4,
+        "pixel_values": pixels["pixel_values"], "pixel_attention_mask": pixels["pixel_attention_mask"],
+        "num_items_in_batch": completion_mask.sum(),
+    }  # fmt: skip
+    trl_loss = trainer._compute_loss(trainer.model, inputs)
+    trl_loss.backward()
+
+    (batch,) = pack_completions(
+        [(p, c, True, float(a)) for (p, c), a in zip(seqs, advantages, strict=True)], per_batch=4, pad_token_id=3,
+        pad_to_multiple_of=8,
+    )  # fmt: skip
+    add_pixels([batch], [rows[k // 2]["images"] for k in range(4)], processor)
+    obj = online_objective(processor, completions, None, temperature=0.7, loss_type=loss_type)
+    loss, _ = obj.loss(ours_model, batch, obj.units(batch))
+    loss.backward()
+    torch.testing.assert_close(loss, trl_loss.detach(), rtol=1e-5, atol=1e-6)
+    theirs = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
+    ours = {n: p.grad for n, p in ours_model.named_parameters() if p.grad is not None}
+    assert ours.keys() == theirs.keys() and any("vision_model" in n for n in ours)
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-6, msg=name)
