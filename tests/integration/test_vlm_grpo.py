@@ -2,8 +2,8 @@
 whose picture is in the prompt (LLaVA style in training, image parts held out), a reward function of the recipe's
 folder scoring how close the answer comes to naming the picture's colour. The run (60 of the demo's 120 steps)
 logs its rewards every step, its held-out reward rises from the start, and it saves the adapter; resumed from a
-checkpoint (into another output_dir) it samples the same completions and gets the same rewards and losses step
-for step; `finetune eval --adapter` gives the run's first and last held-out rewards for base and tuned."""
+checkpoint (into another output_dir), or killed with SIGKILL and resumed with `auto`, it samples the same
+completions and gets the same rewards and losses step for step; `finetune eval --adapter` gives the run's first and last held-out rewards for base and tuned."""
 
 from __future__ import annotations
 
@@ -82,3 +82,31 @@ def test_eval_scores_base_and_tuned_on_the_held_out_prompts_with_their_pictures(
     for model, logged in (("base", first), ("tuned", last)):
         figures = results[model]["rewards"]
         assert figures["eval_reward"] == pytest.approx(logged["eval_reward"], abs=1e-6), model
+
+
+def test_a_run_killed_with_sigkill_resumes_to_the_same_completions(trained, tmp_path):
+    """A run of the first steps killed with SIGKILL once its step-4 checkpoint is the latest (a real process, as
+    after a crash), resumed with `auto`: each step's completions, rewards and loss are those of the uninterrupted
+    run (the module's: constant learning rate, no warmup, so its first 8 steps are these 8 steps')."""
+    import sys
+
+    from tests.integration._run import kill_once_saved, run
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "finetune.cli", "train", str(RECIPE), *LOGS, "--train.max_steps", "8",
+           "--train.save_steps", "4", "--train.eval_steps", "null", "--train.output_dir", str(out),
+           "--data.dataset_prepared_path", str(trained / "prepared")]  # fmt: skip
+    kill_once_saved(cmd, out, 4)
+    killed_at = max(steps(tmp_path, "killed"), default=0)
+    assert 4 <= killed_at < 8, f"killed after step {killed_at}: the run should have been mid-way"
+    resumed = run([*cmd, "--train.load_checkpoint_path", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    after, expected = steps(tmp_path, "killed"), steps(trained)
+    assert sorted(after) == list(range(1, 9))
+    for step in after:
+        assert after[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-6), step
+        assert after[step]["reward"] == pytest.approx(expected[step]["reward"], abs=1e-6), step
+        assert [s["completion"] for s in after[step]["completions_sample"]] == [
+            s["completion"] for s in expected[step]["completions_sample"]
+        ], step
