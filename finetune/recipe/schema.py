@@ -383,12 +383,13 @@ def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
                         f"data.{key}.{i}.type",
                         entry.type,
                         "a vision-language recipe reads chat_template rows (messages with image parts, or "
-                        "<image> placeholders and field_images), or preference pairs or kto examples whose "
-                        "prompt holds the images; other types are not supported yet",
+                        "<image> placeholders and field_images), preference pairs or kto examples whose "
+                        "prompt holds the images, or prompts (online RL); other types are not supported yet",
                     )
                 )
     if ok("train.objective"):
         problems += _vision_objective_problems(recipe.train.objective)
+        problems += _vision_online_problems(recipe, ok)
     for i, gen_set in enumerate(recipe.eval.generation_sets if ok("eval.generation_sets") else []):
         if gen_set is not None and not gen_set.use_chat_template:
             reason = "a vision-language model's prompts are rendered with its chat template (where the images go); remove it"
@@ -396,19 +397,37 @@ def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
     return problems
 
 
-VLM_DATASET_TYPES = ("chat_template", "preference", "kto")
+VLM_DATASET_TYPES = ("chat_template", "preference", "kto", "prompt")
 """Data types a vision-language recipe reads: chats for sft, pairs for the paired preference objectives,
-labelled examples for kto."""
+labelled examples for kto, prompts for online RL."""
 
 
 def _vision_objective_problems(name: str) -> list[Problem]:
-    """sft and the offline preference objectives (paired, and kto) train vision-language models; online
-    RL not yet."""
+    """sft, the offline preference objectives (paired, and kto) and online RL train vision-language
+    models; the reward model (a sequence-classification head) does not."""
     spec = OBJECTIVES[name]
-    if spec.name == "sft" or spec.kind in ("paired", "unpaired"):
+    if spec.name == "sft" or spec.kind in ("paired", "unpaired", "online"):
         return []
-    reason = "vision-language models train with sft, dpo, ipo, simpo, orpo or kto for now"
+    reason = "vision-language models train with sft, dpo, ipo, simpo, orpo, kto or an online objective (grpo, ...) for now"
     return [("train.objective", name, reason)]
+
+
+def _vision_online_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
+    """What online RL of a vision-language model does not do yet: generation with another backend than
+    transformers (vLLM would need the images in its requests), and tools or environments in the loop
+    (their inserted turns would need the images re-rendered around them)."""
+    spec = OBJECTIVES[recipe.train.objective]
+    if spec.kind != "online" or not ok(spec.section) or getattr(recipe, spec.section) is None:
+        return []
+    settings, section, problems = getattr(recipe, spec.section), spec.section, []
+    if settings.generation_backend != "transformers":
+        reason = "a vision-language model's rollouts generate with the transformers backend for now: set transformers"
+        problems.append((f"{section}.generation_backend", settings.generation_backend, reason))
+    for name in ("tools", "environment"):
+        if getattr(settings, name, None):
+            reason = "tools and environments in the loop are for text models for now; remove it"
+            problems.append((f"{section}.{name}", "...", reason))
+    return problems
 
 
 def objective_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
