@@ -212,6 +212,7 @@ def _harness(section):
         num_fewshot=section.num_fewshot,
         batch_size=section.batch_size,
         max_length=section.max_length,
+        max_gen_toks=section.max_gen_toks,
         apply_chat_template=section.apply_chat_template,
         bootstrap_iters=section.bootstrap_iters,
         download=section.download,

@@ -39,6 +39,7 @@ class HarnessSettings:
     num_fewshot: int | None = None
     batch_size: int = 8
     max_length: int | None = None
+    max_gen_toks: int | None = None
     apply_chat_template: bool = False
     bootstrap_iters: int = 1000
     download: bool = False
@@ -173,22 +174,39 @@ def check_tasks(settings: HarnessSettings, manager=None):
             try:
                 manager.load([spec])
             except Exception as e:  # any failure to read a task's data is said with the task's name
-                raise _load_error(name, e, settings) from None
+                raise _load_error(name, e, settings, manager) from None
     return manager, specs
 
 
-def _load_error(task: str, error: Exception, settings: HarnessSettings) -> FinetuneError:
+def _load_error(task: str, error: Exception, settings: HarnessSettings, manager) -> FinetuneError:
     text = " ".join(str(error).split())[:300]
+    splits = _splits(manager, task) or {"test": "test"}
+    files = ", ".join(f"{split}: FILE.jsonl" for split in splits)
     how = (
-        f"point it at local files: eval.lm_eval.data_files.{task}: {{test: FILE.jsonl}} (one entry per split "
-        "the task reads: test, and train or validation for few-shot examples), or a task YAML with "
-        "dataset_path: json and dataset_kwargs.data_files in a folder named by eval.lm_eval.include_path"
+        f"point it at local files: eval.lm_eval.data_files.{task}: {{{files}}} (the splits it reads: "
+        f"{', '.join(f'{key} {split}' for split, key in splits.items())}), or a task YAML with dataset_path: json "
+        "and dataset_kwargs.data_files in a folder named by eval.lm_eval.include_path"
     )
     if not settings.download:
         how += "; or set eval.lm_eval.download: true to let datasets download it (needs the network)"
     return FinetuneError(
         f"lm-eval task {task}: its data could not be loaded ({type(error).__name__}: {text}); {how}"
     )
+
+
+def _splits(manager, task: str) -> dict[str, str]:
+    """{split: the task config's key naming it} for the splits a registered task reads ({} if unknown)."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    entry = manager.task_index.get(task)
+    if entry is None or entry.yaml_path is None:
+        return {}
+    config = load_yaml(entry.yaml_path, resolve_func=False, recursive=True)
+    splits: dict[str, str] = {}
+    for key in ("test_split", "validation_split", "training_split", "fewshot_split"):
+        if isinstance(config.get(key), str):
+            splits.setdefault(config[key], key)
+    return splits
 
 
 def run_harness(
@@ -216,6 +234,7 @@ def run_harness(
             limit=settings.limit,
             bootstrap_iters=settings.bootstrap_iters,
             apply_chat_template=settings.apply_chat_template,
+            gen_kwargs={"max_gen_toks": settings.max_gen_toks} if settings.max_gen_toks else None,
             log_samples=False,
         )
     return summarize(out)

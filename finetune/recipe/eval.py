@@ -104,6 +104,11 @@ class LmEvalSection(_Section):
     max_length: int | None = Field(
         None, ge=1, description="Longest context in tokens (null = the model's max_position_embeddings)."
     )
+    max_gen_toks: int | None = Field(
+        None,
+        ge=1,
+        description="Longest answer of generation tasks, in tokens (null = the task's own, else lm-eval's 256).",
+    )
     apply_chat_template: bool = Field(
         False,
         description="Render prompts with the tokenizer's chat template (lm-eval's apply_chat_template).",

@@ -97,10 +97,7 @@ def model_and_tokenizer():
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    # 512 positions: gsm8k generates up to 256 tokens after its prompt
-    return tiny_model(
-        vocab_size=len(tokenizer), initializer_range=0.5, max_position_embeddings=512
-    ).eval(), tokenizer
+    return tiny_model(vocab_size=len(tokenizer), initializer_range=0.5).eval(), tokenizer
 
 
 @SIMPLE_EVALUATE
@@ -181,9 +178,13 @@ def test_a_builtin_task_pointed_at_local_files_runs_offline(tmp_path, model_and_
         data_files={"gsm8k": {"test": str(rows), "train": str(rows)}},
         limit=2,
         num_fewshot=1,
+        max_gen_toks=16,
     )
     manager = task_manager(settings)
-    model, tokenizer = model_and_tokenizer
+    _, tokenizer = model_and_tokenizer
+    # 128 positions: lm-eval refuses gsm8k's default of 256 new tokens on this model, so the task runs
+    # only if max_gen_toks reaches lm-eval.
+    model = tiny_model(vocab_size=len(tokenizer), initializer_range=0.5).eval()
     result = run_harness(model, tokenizer, settings, *check_tasks(settings, manager))["tasks"]["gsm8k"]
     assert result["n"] == 2 and result["n_shot"] == 1
     assert set(result["metrics"]) == {"exact_match,strict-match", "exact_match,flexible-extract"}
@@ -196,7 +197,8 @@ def test_a_builtin_task_pointed_at_local_files_runs_offline(tmp_path, model_and_
     assert time.perf_counter() - started < 10  # huggingface_hub's five retries would take ~25 s
     message = str(caught.value)
     assert message.startswith("lm-eval task gsm8k: its data could not be loaded")
-    assert "eval.lm_eval.data_files.gsm8k: {test: FILE.jsonl}" in message
+    assert "eval.lm_eval.data_files.gsm8k: {test: FILE.jsonl, train: FILE.jsonl}" in message
+    assert "(the splits it reads: test_split test, training_split train)" in message
     assert "eval.lm_eval.include_path" in message and "eval.lm_eval.download: true" in message
 
 
