@@ -224,3 +224,30 @@ def test_a_missing_extra_names_the_pip_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)
     with pytest.raises(FinetuneError, match=r"pip install 'finetune\[eval\]'"):
         import_harness()
+
+
+@SIMPLE_EVALUATE
+def test_finetune_eval_with_lm_eval_writes_both_models_to_eval_json(tasks, tmp_path, monkeypatch, capsys):
+    import yaml
+    from transformers import AutoTokenizer
+
+    from finetune.cli import main
+    from tests.tiny import save_tiny_lora_run
+
+    repo = TOKENIZER.parents[2]
+    demo = repo / "recipes" / "demo" / "tiny_sft_cpu.yaml"
+    config = {
+        k: v for k, v in yaml.safe_load(demo.read_text())["model"]["config_path"].items() if k != "model_type"
+    }
+    run = save_tiny_lora_run(tmp_path / "run", AutoTokenizer.from_pretrained(TOKENIZER), config=config)
+    monkeypatch.chdir(repo)
+    argv = ["eval", str(demo), "--adapter", str(run), "--lm-eval", "tiny_choice", "--lm-eval-limit", "5",
+            "--eval.lm_eval.include_path", f"[{tasks}]", "--eval.lm_eval.bootstrap_iters", "10",
+            "--data.val_set_size", "null", "--eval.generation_sets", "[]", "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads((run / "eval.json").read_text())["results"]
+    assert set(report) == {"base", "tuned"}
+    for name in ("base", "tuned"):
+        task = report[name]["lm_eval"]["tasks"]["tiny_choice"]
+        assert task["n"] == 5 and set(task["metrics"]) == {"acc,none", "acc_norm,none"}
+    assert "lm-eval tiny_choice acc (n=5)" in capsys.readouterr().out
