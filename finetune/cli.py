@@ -149,6 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write eval.json (default: DIR/eval.json, else train.output_dir)",
     )
     evaluate.add_argument("--no-progress", action="store_true", help="no progress bars")
+    evaluate.add_argument(
+        "--lm-eval",
+        metavar="TASKS",
+        help="standard benchmarks through lm-evaluation-harness, comma-separated (gsm8k,arc_easy,hellaswag, "
+        "or tasks of eval.lm_eval.include_path): sets eval.lm_eval.tasks; needs pip install 'finetune[eval]'",
+    )
+    evaluate.add_argument(
+        "--lm-eval-limit",
+        type=positive_int,
+        metavar="N",
+        help="score the first N examples of each lm-eval task only: sets eval.lm_eval.limit",
+    )
 
     talk = sub.add_parser(
         "chat", help="Talk to a model: an adapter or full model folder, a .gguf file or package:// reference."
@@ -196,8 +208,18 @@ def build_parser() -> argparse.ArgumentParser:
         "table and samples, the data manifest, the planner's memory prediction vs the measured peak.",
     )
     report.add_argument("output_dirs", nargs="+", metavar="OUTPUT_DIR", help="a run's train.output_dir")
+    report.add_argument("--output", metavar="FILE", help="the HTML file to write (report.html)")
     report.add_argument(
-        "--output", default="report.html", metavar="FILE", help="the HTML file to write (report.html)"
+        "--serve",
+        action="store_true",
+        help="serve the page on this machine instead of writing it, kept current while the runs log "
+        "(Ctrl-C stops)",
+    )
+    report.add_argument("--port", type=int, metavar="N", help="--serve's port (8765; 0: any free port)")
+    report.add_argument(
+        "--host",
+        metavar="ADDRESS",
+        help="--serve's address (127.0.0.1, this machine only; another address is served with a warning)",
     )
 
     merge = sub.add_parser(
@@ -384,6 +406,7 @@ def check_before_launch(recipe, config: Path | None, launch: dict) -> None:
         model_kind=recipe.model.kind,
         qlora=recipe.lora.enable_qlora,
         cuda_available=torch.cuda.is_available(),
+        lora=recipe.lora.enable_lora,
     )
 
 
@@ -425,6 +448,10 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.command == "report":
         if overrides:
             raise FinetuneError(f"report takes no recipe overrides, got {' '.join(overrides)}")
+        if args.serve:
+            return _serve_report(args)
+        if args.port is not None or args.host is not None:
+            raise FinetuneError("report: --port and --host are for --serve: add --serve, or leave them out")
         from finetune.report import build_report
 
         path = build_report(args.output_dirs, args.output)
@@ -446,6 +473,8 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     if getattr(args, "sequence_len", None):  # plan --sequence-len: the rows' length, packed or not
         n = str(args.sequence_len)
         overrides = [*overrides, "--data.sequence_len", n, "--data.sample_packing_sequence_len", n]
+    if args.command == "eval":
+        overrides = [*overrides, *lm_eval_overrides(args)]
     recipe = load_recipe(args.recipe, overrides)
     if args.command != "train":  # the training process says them itself, once
         from finetune.notices import warn
@@ -511,6 +540,35 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
         return run_supervised(cmd, env)
     raise AssertionError(args.command)
+
+
+def _serve_report(args: argparse.Namespace) -> int:
+    """`finetune report --serve`: the live page until Ctrl-C."""
+    if args.output is not None:
+        raise FinetuneError(
+            "report: --output writes a file, --serve serves the page instead: give one of them"
+        )
+    from finetune.report.serve import DEFAULT_HOST, DEFAULT_PORT, serve_report
+
+    port = DEFAULT_PORT if args.port is None else args.port
+    return serve_report(args.output_dirs, host=args.host or DEFAULT_HOST, port=port)
+
+
+def lm_eval_overrides(args: argparse.Namespace) -> list[str]:
+    """`finetune eval`'s --lm-eval and --lm-eval-limit as the recipe overrides they stand for.
+
+    >>> lm_eval_overrides(argparse.Namespace(lm_eval="gsm8k, arc_easy", lm_eval_limit=50))
+    ['--eval.lm_eval.tasks', '[gsm8k, arc_easy]', '--eval.lm_eval.limit', '50']
+    """
+    overrides = []
+    if args.lm_eval is not None:
+        tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
+        if not tasks:
+            raise FinetuneError("--lm-eval: give lm-eval task names separated by commas, e.g. gsm8k,arc_easy")
+        overrides += ["--eval.lm_eval.tasks", "[" + ", ".join(tasks) + "]"]
+    if args.lm_eval_limit is not None:
+        overrides += ["--eval.lm_eval.limit", str(args.lm_eval_limit)]
+    return overrides
 
 
 def main(argv: list[str] | None = None) -> int:

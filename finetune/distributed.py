@@ -36,10 +36,17 @@ DS_FORBIDDEN_BLOCKS = {
 
 
 def combination_problems(
-    engine: DistributedSetup, train: TrainSection, *, model_kind: str, qlora: bool, cuda_available: bool
+    engine: DistributedSetup,
+    train: TrainSection,
+    *,
+    model_kind: str,
+    qlora: bool,
+    cuda_available: bool,
+    lora: bool = False,
 ) -> list[str]:
     """Why a run with these settings cannot work on this engine here, one sentence each (empty when
-    it can). `model_kind` is model.kind (llm or diffusion), `qlora` lora.enable_qlora."""
+    it can). `model_kind` is model.kind (llm or diffusion), `qlora` lora.enable_qlora, `lora`
+    lora.enable_lora."""
     import importlib.util
 
     problems = []
@@ -87,15 +94,21 @@ def combination_problems(
         )
     from finetune.parallel.sizes import engine_problems
 
-    return problems + engine_problems(engine, train, cuda_available=cuda_available)
+    return problems + engine_problems(engine, train, cuda_available=cuda_available, lora=lora)
 
 
 def check_combination(
-    engine: DistributedSetup, train: TrainSection, *, model_kind: str, qlora: bool, cuda_available: bool
+    engine: DistributedSetup,
+    train: TrainSection,
+    *,
+    model_kind: str,
+    qlora: bool,
+    cuda_available: bool,
+    lora: bool = False,
 ) -> None:
     """Raise FinetuneError listing every `combination_problems` (none: return)."""
     problems = combination_problems(
-        engine, train, model_kind=model_kind, qlora=qlora, cuda_available=cuda_available
+        engine, train, model_kind=model_kind, qlora=qlora, cuda_available=cuda_available, lora=lora
     )
     if problems:
         raise FinetuneError("cannot train with this setup:\n  - " + "\n  - ".join(problems))

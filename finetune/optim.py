@@ -18,21 +18,36 @@ from finetune.recipe.optimizers import (
 )
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float, no_decay_params: list[str]) -> list[dict]:
+def param_groups(
+    model: torch.nn.Module,
+    weight_decay: float,
+    no_decay_params: list[str],
+    lr_by_prefix: dict[str, float] | None = None,
+) -> list[dict]:
     """Two groups: decayed weights, and parameters whose name matches no_decay_params (biases, norms)
-    or that are 1-D, which get no weight decay."""
-    decay, no_decay = [], []
+    or that are 1-D, which get no weight decay. With `lr_by_prefix`, the parameters whose name starts
+    with a prefix get two groups of their own with that `lr` (torch optimizers read a group's lr, and
+    the schedule scales each group's initial lr)."""
+    prefixes = list(lr_by_prefix or {})
+    buckets: dict[tuple[str | None, bool], list] = {}
     patterns = [p.lower() for p in no_decay_params]
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         lowered = name.lower()
-        if param.ndim < 2 or any(p in lowered for p in patterns):
-            no_decay.append(param)
-        else:
-            decay.append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+        decayed = not (param.ndim < 2 or any(p in lowered for p in patterns))
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        buckets.setdefault((prefix, decayed), []).append(param)
+    groups = []
+    for prefix in (None, *prefixes):
+        for decayed in (True, False):
+            params = buckets.get((prefix, decayed))
+            if params:
+                group = {"params": params, "weight_decay": weight_decay if decayed else 0.0}
+                if prefix is not None:
+                    group["lr"] = lr_by_prefix[prefix]
+                groups.append(group)
+    return groups
 
 
 def build_optimizer(
@@ -51,6 +66,7 @@ def build_optimizer(
     warmup_steps: int = 0,
     gradient_accumulation_steps: int = 1,
     loraplus_lr_ratio: float | None = None,
+    lr_by_prefix: dict[str, float] | None = None,
 ) -> torch.optim.Optimizer:
     """adamw (fused kernels with `fused`, for CUDA), muon, or one of transformers' optimizers by name.
 
@@ -68,7 +84,12 @@ def build_optimizer(
     with its settings on PEFT's groups (A matrices at lr, B matrices at lr x ratio, decay on B only as
     PEFT does it with `weight_decay`).
     """
-    groups = param_groups(model, weight_decay, no_decay_params)
+    groups = param_groups(model, weight_decay, no_decay_params, lr_by_prefix)
+    if lr_by_prefix and (loraplus_lr_ratio is not None or name in ("muon", *LOW_RANK_OPTIMIZERS)):
+        raise FinetuneError(
+            f"per-part learning rates ({', '.join(lr_by_prefix)}) need an optimizer that takes finetune's "
+            f"parameter groups; train.optimizer {name} (or LoRA+) makes its own: use adamw or drop them"
+        )
     if not groups:
         raise FinetuneError("the model has no trainable parameters (check lora.lora_target_modules)")
     if cpu_offload:
@@ -286,6 +307,7 @@ def optimizer_for(
     device: torch.device | None = None,
     total_steps: int = 0,
     loraplus_lr_ratio: float | None = None,
+    lr_by_prefix: dict[str, float] | None = None,
 ) -> torch.optim.Optimizer:
     """`build_optimizer` with the recipe's train section (optimizer, lr, decay, Adam settings, optim_args);
     fused AdamW when `device` (where training runs) is a CUDA device. A schedule-free optimizer warms up
@@ -305,6 +327,7 @@ def optimizer_for(
         warmup_steps=int(train.lr_warmup_ratio * total_steps),
         gradient_accumulation_steps=train.gradient_accumulation_steps,
         loraplus_lr_ratio=loraplus_lr_ratio,
+        lr_by_prefix=lr_by_prefix,
     )
 
 

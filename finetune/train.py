@@ -65,6 +65,7 @@ def _main(argv: list[str] | None) -> int:
             model_kind=recipe.model.kind,
             qlora=recipe.lora.enable_qlora,
             compile_model=recipe.model.enable_compile,
+            lora=recipe.lora.enable_lora,
         )
         for line in recipe_warnings(recipe) + context_warnings(recipe):  # said once, first
             warn(line, emit=accelerator.print)

@@ -17,9 +17,10 @@ if TYPE_CHECKING:
     from finetune.recipe import DiffusionSection
 
 
-def load_pipeline(info: PipelineInfo, *, dtype: torch.dtype, device, unet=None):
-    """The full pipeline for sampling, optionally around the denoiser being trained (LoRA active)."""
-    kwargs: dict[str, Any] = {"revision": info.revision, "dtype": dtype}
+def load_pipeline(info: PipelineInfo, *, dtype: torch.dtype, device, unet=None, **components: Any):
+    """The full pipeline for sampling, optionally around the denoiser being trained (LoRA active) and
+    other trained components by their pipeline name (`text_encoder=...`)."""
+    kwargs: dict[str, Any] = {"revision": info.revision, "dtype": dtype, **components}
     if unet is not None:
         kwargs[info.denoiser_name] = unet
     if info.vae_path:

@@ -11,8 +11,9 @@ An objective (finetune/objectives/) is what varies: it builds the model and data
 says what one micro-batch costs. The engine calls it through this narrow interface
 (finetune/engine/objective.py):
 
-* `build(accelerator) -> Parts`: model (unprepared), train loader, manifest. The objective prepares
-  its data here (one process per machine) and registers any extra checkpointed state.
+* `build(accelerator) -> Parts`: model (unprepared), train loader, manifest, and optionally per-part
+  learning rates (`lr_by_prefix`: parameter-name prefix -> lr, e.g. diffusion's text encoders). The
+  objective prepares its data here (one process per machine) and registers any extra checkpointed state.
 * `on_prepared(accelerator, model) -> extra state`: after `accelerator.prepare` (e.g. an EMA of the
   prepared weights, returned so that checkpoints hold it; stored without pickle).
 * `units(batch)`: how many normalisation units a micro-batch holds (trainable tokens for causal-LM

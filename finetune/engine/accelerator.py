@@ -9,12 +9,12 @@ import torch
 from finetune.errors import FinetuneError
 
 
-def make_accelerator(train, *, model_kind: str, qlora: bool, compile_model: bool):
+def make_accelerator(train, *, model_kind: str, qlora: bool, compile_model: bool, lora: bool = False):
     """An Accelerator for the recipe's train section on the engine `accelerate launch` started.
 
-    `model_kind` (model.kind) and `qlora` (lora.enable_qlora) feed the same refusals `finetune train`
-    makes before launch, for `accelerate launch` users; `compile_model` (model.enable_compile) adds
-    the TorchDynamo plugin.
+    `model_kind` (model.kind), `qlora` (lora.enable_qlora) and `lora` (lora.enable_lora) feed the same
+    refusals `finetune train` makes before launch, for `accelerate launch` users; `compile_model`
+    (model.enable_compile) adds the TorchDynamo plugin.
     """
     from finetune.quiet import quiet_third_party
 
@@ -34,7 +34,7 @@ def make_accelerator(train, *, model_kind: str, qlora: bool, compile_model: bool
     check_available(train.report_to)
     engine = setup_from_env()
     check_combination(
-        engine, train, model_kind=model_kind, qlora=qlora, cuda_available=torch.cuda.is_available()
+        engine, train, model_kind=model_kind, qlora=qlora, cuda_available=torch.cuda.is_available(), lora=lora
     )
     kwargs: dict[str, Any] = accelerator_kwargs(train, engine)
     from finetune.parallel.context import parallelism_config

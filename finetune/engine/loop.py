@@ -133,6 +133,7 @@ def setup(objective, accelerator, *, train, hub, recipe_dict: dict) -> Run:
         device=accelerator.device,
         total_steps=total_steps,
         loraplus_lr_ratio=parts.loraplus_lr_ratio,
+        lr_by_prefix=parts.lr_by_prefix,
     )
     scheduler = scheduler_for(optimizer, train, total_steps)
     extra_state = {}

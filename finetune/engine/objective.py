@@ -27,6 +27,9 @@ class Parts:
     loraplus_lr_ratio: float | None = (
         None  # LoRA+: LoRA's B matrices train at lr x this (lora.loraplus_lr_ratio)
     )
+    # Parameters whose name starts with a prefix train at its learning rate (and follow the schedule in
+    # proportion), e.g. diffusion's text encoders: {"text_encoders.": diffusion.text_encoder_lr}.
+    lr_by_prefix: dict[str, float] | None = None
 
 
 class Objective(Protocol):

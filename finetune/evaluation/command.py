@@ -6,7 +6,9 @@
   objectives' loss, rewards and `preferred` on held-out pairs with the base as the reference, the
   online objectives' rewards of greedy completions, a reward model's pair accuracy (the class may say
   how its models load: `load`);
-* its `eval.generation_sets` (finetune.generation.sets).
+* its `eval.generation_sets` (finetune.generation.sets);
+* its `eval.lm_eval` tasks, standard benchmarks run by lm-evaluation-harness on the loaded model
+  (finetune.evaluation.harness).
 The held-out batches are built by the objectives' own loaders, as training builds them.
 """
 
@@ -138,7 +140,8 @@ def run_eval(recipe, args) -> int:
     load = _load_vlm if vision else load_for_inference
 
     has_split = bool(recipe.data.val_set_size or recipe.data.test_datasets)
-    if not has_split and not recipe.eval.generation_sets:
+    benchmarks = recipe.eval.lm_eval.tasks
+    if not has_split and not recipe.eval.generation_sets and not benchmarks:
         raise _nothing_to_evaluate()
     targets = list(adapters or []) or ([model] if model else [])
     flag = "--adapter" if adapters else "--model"
@@ -146,8 +149,14 @@ def run_eval(recipe, args) -> int:
     for target in targets:  # in seconds, before the data is prepared and any model loads
         check_model_location(target, flag=flag, local=bool(adapters))
         check_fits_recipe(target, recipe.model, tokenizer, flag=flag)
+    harness = _harness(recipe.eval.lm_eval) if benchmarks and not vision else None
+    if benchmarks and vision:
+        raise FinetuneError(
+            "eval.lm_eval: the lm-eval benchmarks run on text causal LMs; a model.kind vlm recipe cannot run "
+            "them: leave out --lm-eval / eval.lm_eval.tasks"
+        )
     held_out = _held_out(recipe)
-    if not held_out and not recipe.eval.generation_sets:
+    if not held_out and not recipe.eval.generation_sets and harness is None:
         raise _nothing_to_evaluate()
     load = held_out.get("load", load)  # a reward model loads as one (its score head; finetune.model.reward)
     needs_reference = held_out.get("needs_reference", False)
@@ -178,6 +187,7 @@ def run_eval(recipe, args) -> int:
         image_max_pixels=recipe.data.image_max_pixels,
         base=Path(recipe.source_path).parent if recipe.source_path else None,
         images_outside=recipe.data.allow_image_paths_outside,
+        harness=harness,
     )
     default = Path(targets[-1] if targets else recipe.train.output_dir) / "eval.json"
     path = Path(args.output) if args.output else default
@@ -186,6 +196,30 @@ def run_eval(recipe, args) -> int:
     print(format_table(results))
     print(f"\nfull results and every sample: {path}")
     return 0
+
+
+def _harness(section):
+    """`run(model, tokenizer)` scoring `eval.lm_eval`'s tasks with lm-evaluation-harness. The tasks are
+    loaded here first (their data read, offline unless eval.lm_eval.download), before any model loads:
+    a task without its data fails in seconds, naming itself."""
+    from finetune.evaluation.harness import HarnessSettings, check_tasks, run_harness
+
+    settings = HarnessSettings(
+        tasks=tuple(section.tasks),
+        include_path=tuple(section.include_path),
+        data_files={task: dict(files) for task, files in section.data_files.items()},
+        limit=section.limit,
+        num_fewshot=section.num_fewshot,
+        batch_size=section.batch_size,
+        max_length=section.max_length,
+        max_gen_toks=section.max_gen_toks,
+        apply_chat_template=section.apply_chat_template,
+        bootstrap_iters=section.bootstrap_iters,
+        download=section.download,
+    )
+    _say(f"loading lm-eval tasks {', '.join(settings.tasks)}")
+    manager, specs = check_tasks(settings)
+    return lambda model, tokenizer: run_harness(model, tokenizer, settings, manager, specs)
 
 
 def _load_vlm(path: str, *, tokenizer=None, merge: bool = False):
@@ -200,6 +234,6 @@ def _load_vlm(path: str, *, tokenizer=None, merge: bool = False):
 
 def _nothing_to_evaluate() -> FinetuneError:
     return FinetuneError(
-        "nothing to evaluate: the recipe has no eval split (data.val_set_size or data.test_datasets) and "
-        "no eval.generation_sets"
+        "nothing to evaluate: the recipe has no eval split (data.val_set_size or data.test_datasets), "
+        "no eval.generation_sets and no eval.lm_eval.tasks (--lm-eval)"
     )

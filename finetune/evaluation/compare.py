@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from finetune.evaluation.harness import harness_rows
+
 
 def token_loss(model, batches) -> dict[str, float]:
     """Token-weighted cross-entropy and perplexity of `model` over collated batches (one process)."""
@@ -44,10 +46,12 @@ def evaluate_models(
     image_max_pixels: int | None = None,
     base: Path | None = None,
     images_outside: bool = False,
+    harness: Callable[[Any, Any], dict[str, Any]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Evaluate each model: eval loss on the eval split when `eval_batches(tokenizer)` gives batches,
     `score(name, model, tokenizer)`'s results (preference recipes: the held-out pairs), and every
-    generation set (a set's tool files are looked up in `base`, the recipe's folder, first).
+    generation set (a set's tool files are looked up in `base`, the recipe's folder, first), and
+    `harness(model, tokenizer)`'s standard benchmarks (lm-evaluation-harness, finetune.evaluation.harness).
 
     The models are evaluated one at a time, in order (base first: preference scoring takes it as the
     reference): each loads, moves to `device`, is evaluated and is freed before the next loads, so peak
@@ -87,6 +91,8 @@ def evaluate_models(
         result["generation"] = score_generation_sets(
             backend, sets, rows, batch_size=batch_size, progress=progress, base=base
         )
+        if harness is not None:
+            result["lm_eval"] = harness(model, tokenizer)
         results[name] = result
         del model, backend  # the backend holds the model too
         _free_memory(device)
@@ -160,6 +166,7 @@ def comparison_rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, list[
         for key in first["rewards"]:
             if key != "eval_prompts":
                 rows.append((key, [f"{results[n]['rewards'][key]:.4f}" for n in names]))
+    rows += harness_rows(results)
     for set_name, summary in first["generation"].items():
         if summary["metric"] != "none":
             rows.append(

@@ -211,6 +211,13 @@ def generate_ids(
     kwargs = generation_kwargs(tokenizer, model, max_new_tokens)
     if synced_processes:
         kwargs["synced_gpus"] = True
+    if processor is not None:
+        # A vision-language model never writes image markup: an <image> token in a completion would be one
+        # more image token than the row has pixels for, when the rollout scores it (transformers' own
+        # suppress_tokens, applied before the seeded sampler draws).
+        from finetune.data.formats.encode import image_token_ids
+
+        kwargs["suppress_tokens"] = sorted(image_token_ids(processor))
     stops = set(kwargs["eos_token_id"] or [])
     outputs: list[list[Completion]] = [[] for _ in prompts]
     batches = [order[k : k + batch_size] for k in range(0, len(order), batch_size)]

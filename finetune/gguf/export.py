@@ -24,7 +24,11 @@ GGUFWriter the way llama.cpp's own converter (convert_hf_to_gguf.py) lays out a 
   bos/eos/unk/pad ids, add_bos/add_eos and the chat template.
 
 Mistral is written as `llama` (llama.cpp has no separate Mistral architecture); Qwen2/2.5 as `qwen2`,
-Qwen3 as `qwen3`. The file is written to a temporary name beside the target and renamed into place.
+Qwen3 as `qwen3`; Gemma 2 as `gemma2`, Gemma 3 (text) as `gemma3`, Phi-3 as `phi3` and Qwen3-MoE as
+`qwen3moe`, with what llama.cpp's converter does differently for those in finetune.gguf.arch (Gemma's
+norms plus one, soft-capping and sliding-window keys; Phi-3's fused projections and LongRoPE factors;
+Qwen3-MoE's experts split and stacked). The file is written to a temporary name beside the target and
+renamed into place.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.errors import FinetuneError, write_error, write_failure_reason
+from finetune.gguf import arch as per_arch
 from finetune.notices import warn
 
 if TYPE_CHECKING:
@@ -44,7 +49,13 @@ if TYPE_CHECKING:
 
 
 # transformers model_type -> the GGUF architecture llama.cpp runs it as.
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    **per_arch.ARCHITECTURES,
+}
 
 
 # --outtype values the export writes: the matrices' GGML type (gguf.GGMLQuantizationType[name.upper()]).
@@ -157,6 +168,7 @@ def write_gguf(net, tokenizer, path: Path, *, outtype: str, name: str) -> dict[s
 def _add_hyperparameters(writer, config, name: str, outtype: str) -> None:
     import gguf
 
+    kind = ARCHITECTURES[config.model_type]
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     writer.add_name(name)
@@ -168,21 +180,24 @@ def _add_hyperparameters(writer, config, name: str, outtype: str) -> None:
     writer.add_head_count(heads)
     writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(head_dim)
-    if head_dim != config.hidden_size // heads:  # llama.cpp assumes hidden/heads unless told
+    writer.add_rope_dimension_count(per_arch.rope_dimensions(config, kind, head_dim))
+    # llama.cpp assumes hidden/heads unless told
+    if head_dim != config.hidden_size // heads or per_arch.writes_head_dim(kind):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{outtype.upper()}"])
     if outtype not in ("f16", "bf16"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope = per_arch.rope_parameters(config, kind)
     if "rope_theta" in rope:
         writer.add_rope_freq_base(rope["rope_theta"])
-    _add_rope_scaling(writer, rope, config)
+    _add_rope_scaling(writer, rope, config, kind)
+    per_arch.add_hyperparameters(writer, config, kind)
     window = getattr(config, "sliding_window", None)
     if (
-        window is not None
+        kind not in per_arch.SLIDING
+        and window is not None
         and getattr(config, "use_sliding_window", True)
         and window < config.max_position_embeddings
     ):
@@ -193,18 +208,19 @@ def _add_hyperparameters(writer, config, name: str, outtype: str) -> None:
         )
 
 
-def _add_rope_scaling(writer, rope: dict[str, Any], config) -> None:
+def _add_rope_scaling(writer, rope: dict[str, Any], config, architecture: str) -> None:
     """Rope scaling as llama.cpp reads it: linear and yarn as keys; llama3 as the `rope_freqs` tensor
-    of per-dimension frequency factors, added with the weights (`_rope_freqs`)."""
+    of per-dimension frequency factors, added with the weights (`_rope_freqs`); Phi-3's LongRoPE as
+    its factor tensors and attention factor (finetune.gguf.arch)."""
     import gguf
 
     kind = rope.get("rope_type", "default")
-    if kind == "default":
+    if kind == "default" or (kind == "longrope" and architecture == "phi3"):
         return
     if kind not in ROPE_SCALING:
         raise FinetuneError(
             f"export-gguf: rope scaling {kind!r} (config.rope_parameters) is not exported; supported: "
-            f"none, {', '.join(ROPE_SCALING)}"
+            f"none, {', '.join(ROPE_SCALING)} (and longrope for Phi-3)"
         )
     if kind == "llama3":
         return
@@ -248,26 +264,27 @@ def _add_tensors(writer, net, arch: str, outtype: str) -> dict[str, int]:
     for hf_name, tensor in net.state_dict().items():
         if tied and hf_name == "lm_head.weight":  # llama.cpp reuses token_embd.weight, as its converter
             continue
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None:
-            raise FinetuneError(
-                f"export-gguf: the model's tensor {hf_name!r} has no name in GGUF's {arch} architecture "
-                "(a layer that architecture does not have): this model cannot be exported as it is"
-            )
         data = tensor.detach().float().cpu().numpy()
         if arch == "llama" and hf_name.endswith(_ROTATED):
             kv = ".k_proj." in hf_name
             heads = config.num_attention_heads
             data = permute_for_llama_cpp(data, (config.num_key_value_heads or heads) if kv else heads)
-        qtype = _tensor_type(data, outtype)
-        if data.ndim > 1 and qtype.name != outtype.upper():
-            fallback.append(gguf_name)
-        writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        counts[qtype.name] = counts.get(qtype.name, 0) + 1
+        for gguf_name, part, keep_f32 in per_arch.tensors(hf_name, data, arch, names):
+            if gguf_name is None:
+                raise FinetuneError(
+                    f"export-gguf: the model's tensor {hf_name!r} has no name in GGUF's {arch} architecture "
+                    "(a layer that architecture does not have): this model cannot be exported as it is"
+                )
+            qtype = gguf.GGMLQuantizationType.F32 if keep_f32 else _tensor_type(part, outtype)
+            if part.ndim > 1 and not keep_f32 and qtype.name != outtype.upper():
+                fallback.append(gguf_name)
+            writer.add_tensor(gguf_name, gguf.quants.quantize(part, qtype), raw_dtype=qtype)
+            counts[qtype.name] = counts.get(qtype.name, 0) + 1
+    extra = list(per_arch.extra_tensors(config, arch))
     if (freqs := _rope_freqs(config)) is not None:
-        writer.add_tensor(
-            gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", freqs.astype("float32")
-        )
+        extra.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", freqs.astype("float32")))
+    for gguf_name, data in extra:
+        writer.add_tensor(gguf_name, data)
         counts["F32"] = counts.get("F32", 0) + 1
     if fallback:
         block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[outtype.upper()]][0]

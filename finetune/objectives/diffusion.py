@@ -22,6 +22,9 @@ from finetune.engine.objective import Parts
 from finetune.errors import FinetuneError
 from finetune.notices import warn
 
+# diffusion.adapter -> how messages name it.
+ADAPTER_NAMES = {"lora": "LoRA", "lokr": "LoKr", "loha": "LoHa", "full": "full fine-tuning"}
+
 
 class _DeviceEMA:
     """diffusers' EMAModel as checkpointed extra state (finetune.engine.extra_state: safetensors and
@@ -67,7 +70,8 @@ def report_dropped(accelerator, sampler, buckets: dict, *, micro_batch_size: int
 
 
 class DiffusionObjective:
-    """LoRA on a diffusers pipeline's denoiser (SD 1.x/2.x, SDXL, SD3, Flux)."""
+    """LoRA, LoKr, LoHa or full fine-tuning of a diffusers pipeline's denoiser (SD 1.x/2.x, SDXL, SD3,
+    Flux), optionally with LoRA on its CLIP text encoder(s) (finetune.diffusion.text_encoder)."""
 
     name = "diffusion"
     summary_keys = ("images",)
@@ -88,6 +92,11 @@ class DiffusionObjective:
         self.manifest: dict = {}
         self.pipeline: Any = None  # built at the first validation, kept for the next ones
         self.samples: list = []  # (prompt, path) of the latest validation
+        # diffusion.train_text_encoder: all of the pipeline's tokenizers and encoders (trained and frozen,
+        # in its order) and each cached row's caption by its index, to encode at every step.
+        self.tokenizers: list = []
+        self.encoders: list = []
+        self.captions: dict[int, str] = {}
 
     # ----------------------------------------------------------------------------------- build
 
@@ -100,6 +109,10 @@ class DiffusionObjective:
         self.accelerator = accelerator
         recipe, train, settings = self.recipe, self.train, self.settings
         self.info = pipeline_info(recipe.model.model_path, recipe.model.revision, settings.vae_path)
+        if settings.train_text_encoder:  # refused for SD3 before anything is encoded
+            from finetune.diffusion.text_encoder import trained_encoder_names
+
+            trained_encoder_names(self.info.family, self.info.class_name)
         # One process per machine encodes; the others wait, however long the VAE takes, then load
         # the cache it wrote.
         prepared = prepare_on_main_process(
@@ -109,6 +122,8 @@ class DiffusionObjective:
         self.scaling_factor = prepared.manifest["latents"]["scaling_factor"]
         self.shift_factor = prepared.manifest["latents"].get("shift_factor") or 0.0
         unet = self._denoiser(accelerator)
+        if settings.train_text_encoder:
+            unet = self._with_text_encoders(accelerator, unet, prepared.train)
         self.noise_scheduler = load_noise_scheduler(self.info, settings.prediction_type)
         self._guidance(accelerator)
         # This rank's share of every epoch (the same number of batches on every rank, no image
@@ -129,29 +144,77 @@ class DiffusionObjective:
             micro_batch_size=train.micro_batch_size,
             drop_last=recipe.data.dataloader_drop_last,
         )
-        self._checkpoint_lora_only()
-        return Parts(model=unet, train_loader=train_loader, manifest=prepared.manifest)
+        self._checkpoint_trained_only()
+        return Parts(
+            model=unet,
+            train_loader=train_loader,
+            manifest=prepared.manifest,
+            lr_by_prefix=self._text_encoder_lr(),
+        )
 
     def _denoiser(self, accelerator):
-        from finetune.diffusion.model import add_lora, load_denoiser, weight_dtype
+        from finetune.diffusion.adapters import add_peft_adapter, make_fully_trainable
+        from finetune.diffusion.model import add_lora, load_denoiser, lora_target_names, weight_dtype
 
-        lora = self.recipe.lora
-        self.weight_dtype = weight_dtype(self.recipe.model.torch_dtype, self.train.mixed_precision)
+        lora, adapter = self.recipe.lora, self.settings.adapter
+        # Full fine-tuning trains the weights themselves: fp32 masters (validated: torch_dtype auto/fp32).
+        dtype = "fp32" if adapter == "full" else self.recipe.model.torch_dtype
+        self.weight_dtype = weight_dtype(dtype, self.train.mixed_precision)
         unet = load_denoiser(self.info, self.weight_dtype)
-        trainable = add_lora(
-            unet,
-            rank=lora.lora_rank,
-            alpha=lora.lora_alpha,
-            dropout=lora.lora_dropout,
-            targets=lora.lora_target_modules,
-            gradient_checkpointing=self.train.gradient_checkpointing,
-        )
+        checkpointing = self.train.gradient_checkpointing
+        if adapter == "full":
+            trainable = make_fully_trainable(unet, gradient_checkpointing=checkpointing)
+        elif adapter == "lora":
+            trainable = add_lora(
+                unet, rank=lora.lora_rank, alpha=lora.lora_alpha, dropout=lora.lora_dropout,
+                targets=lora.lora_target_modules, gradient_checkpointing=checkpointing,
+            )  # fmt: skip
+        else:
+            trainable = add_peft_adapter(
+                unet, adapter, rank=lora.lora_rank, alpha=lora.lora_alpha, dropout=lora.lora_dropout,
+                targets=lora_target_names(unet, lora.lora_target_modules), gradient_checkpointing=checkpointing,
+            )  # fmt: skip
         total = sum(p.numel() for p in unet.parameters())
         accelerator.print(
-            f"{self.info.denoiser_name} LoRA: {trainable:,} trainable / {total:,} total parameters "
+            f"{self.info.denoiser_name} {ADAPTER_NAMES[adapter]}: {trainable:,} trainable / {total:,} total parameters "
             f"({self.info.class_name})"
         )
         return unet
+
+    def _with_text_encoders(self, accelerator, unet, rows):
+        """LoRA on the family's CLIP encoder(s), trained with the denoiser as one module; the captions of
+        the cached rows, to encode them at every step."""
+        from finetune.diffusion.model import load_text_encoders
+        from finetune.diffusion.text_encoder import (
+            WithTextEncoders,
+            add_text_encoder_lora,
+            trained_encoder_names,
+        )
+
+        names = trained_encoder_names(self.info.family, self.info.class_name)
+        # Loaded on the CPU; only the trained ones stay and go to the device (Flux's frozen T5 is read
+        # from the cache: its embeddings never change, so it is dropped, not kept in device memory).
+        self.tokenizers, encoders = load_text_encoders(self.info, "cpu")
+        lora, trained = self.recipe.lora, {}
+        for name, encoder in zip(self.info.text_encoder_names, encoders, strict=True):
+            if name in names:
+                count = add_text_encoder_lora(
+                    encoder.to(accelerator.device),
+                    rank=lora.lora_rank,
+                    alpha=lora.lora_alpha,
+                    dropout=lora.lora_dropout,
+                )
+                accelerator.print(f"{name} LoRA: {count:,} trainable parameters")
+                trained[name] = encoder
+        self.encoders = [trained.get(name) for name in self.info.text_encoder_names]
+        self.captions = dict(zip(rows["index"], rows["caption"], strict=True))
+        return WithTextEncoders(unet, trained)
+
+    def _text_encoder_lr(self) -> dict[str, float] | None:
+        """The text encoders' own learning rate (diffusion.text_encoder_lr) as an optimizer group."""
+        if not self.settings.train_text_encoder or self.settings.text_encoder_lr is None:
+            return None
+        return {"text_encoders.": self.settings.text_encoder_lr}
 
     def _guidance(self, accelerator) -> None:
         from finetune.diffusion.model import guidance_embeds
@@ -163,29 +226,58 @@ class DiffusionObjective:
                 f"diffusion.guidance_scale: not used: the transformer of {self.info.path} has no guidance embedding"
             )
 
-    def _checkpoint_lora_only(self) -> None:
-        """Checkpoints hold the LoRA weights (pytorch_lora_weights.safetensors), not the frozen UNet.
+    def _checkpoint_trained_only(self) -> None:
+        """Checkpoints hold what trains, in the format the final save uses, not the frozen weights.
 
         accelerate's save_state would otherwise write the whole UNet (3.4 GB for SD 1.5 in fp32) at
         every checkpoint. The hooks take the models out of accelerate's hands and save/load the
-        adapter in the diffusers format instead.
+        adapters (diffusers' LoRA file with any text-encoder LoRA, or PEFT's LoKr / LoHa folder) or, for
+        full fine-tuning, the whole denoiser.
         """
-        from finetune.diffusion.model import load_lora_into_unet, save_lora
-
-        acc, info = self.accelerator, self.info
+        acc = self.accelerator
 
         def save_hook(models, weights, output_dir):
             if acc.is_main_process:
                 for model in models:
-                    save_lora(info, acc.unwrap_model(model), output_dir)
+                    self._write_trained(acc.unwrap_model(model), Path(output_dir))
             weights.clear()  # nothing left for accelerate to save
 
         def load_hook(models, input_dir):
             while models:
-                load_lora_into_unet(acc.unwrap_model(models.pop()), input_dir, prefix=info.denoiser_name)
+                self._read_trained(acc.unwrap_model(models.pop()), Path(input_dir))
 
         acc.register_save_state_pre_hook(save_hook)
         acc.register_load_state_pre_hook(load_hook)
+
+    def _write_trained(self, model, folder: Path) -> None:
+        from finetune.diffusion.adapters import save_denoiser, save_peft_adapter
+        from finetune.diffusion.model import save_lora
+        from finetune.diffusion.text_encoder import split, text_encoder_lora_layers
+
+        denoiser, encoders = split(model)
+        adapter, name = self.settings.adapter, self.info.denoiser_name
+        if adapter == "lora":
+            save_lora(self.info, denoiser, folder, **text_encoder_lora_layers(encoders, self.info.family))
+        elif adapter == "full":
+            save_denoiser(denoiser, folder / name)
+        else:
+            save_peft_adapter(denoiser, folder / name)
+
+    def _read_trained(self, model, folder: Path) -> None:
+        from finetune.diffusion.adapters import load_denoiser_weights, load_peft_adapter
+        from finetune.diffusion.model import load_lora_into_unet
+        from finetune.diffusion.text_encoder import load_text_encoder_lora, split
+
+        denoiser, encoders = split(model)
+        adapter, name = self.settings.adapter, self.info.denoiser_name
+        if adapter == "lora":
+            load_lora_into_unet(denoiser, folder, prefix=name)
+            if encoders:
+                load_text_encoder_lora(encoders, folder)
+        elif adapter == "full":
+            load_denoiser_weights(denoiser, folder / name)
+        else:
+            load_peft_adapter(denoiser, folder / name)
 
     def on_prepared(self, accelerator, model) -> dict[str, Any]:
         from accelerate.utils import set_seed
@@ -217,6 +309,14 @@ class DiffusionObjective:
         from finetune.diffusion.objective import diffusion_loss
 
         settings = self.settings
+        if self.encoders:  # text-encoder LoRA: this step's CLIP embeddings replace the cached ones
+            from finetune.diffusion.text_encoder import trainable_embeds
+
+            captions = [self.captions[int(i)] for i in batch["index"]]
+            batch = {
+                **batch,
+                **trainable_embeds(self.info.family, self.tokenizers, self.encoders, captions, batch),
+            }
         common = dict(
             scaling_factor=self.scaling_factor,
             prior_loss_weight=settings.prior_loss_weight,
@@ -280,17 +380,20 @@ class DiffusionObjective:
         acc.wait_for_everyone()
         fields: dict[str, Any] = {"event": "samples"}
         if acc.is_main_process:
-            unet = acc.unwrap_model(model)
-            params = [p for p in unet.parameters() if p.requires_grad]
+            from finetune.diffusion.text_encoder import split
+
+            trained = acc.unwrap_model(model)
+            params = [p for p in trained.parameters() if p.requires_grad]
             if self.ema is not None:
                 self.ema.store(params)
                 self.ema.copy_to(params)
-            unet.eval()
+            trained.eval()
             t0 = time.perf_counter()
             try:
                 if self.pipeline is None:
+                    unet, encoders = split(trained)
                     self.pipeline = load_pipeline(
-                        self.info, dtype=self.weight_dtype, device=acc.device, unet=unet
+                        self.info, dtype=self.weight_dtype, device=acc.device, unet=unet, **encoders
                     )
                 with acc.autocast():
                     images = generate(
@@ -305,7 +408,7 @@ class DiffusionObjective:
                         max_sequence_length=self.info.sequence_length(settings.max_sequence_length),
                     )
             finally:
-                unet.train()
+                trained.train()
                 if self.ema is not None:
                     self.ema.restore(params)
             folder = Path(self.train.output_dir) / "samples" / f"step-{step}"
@@ -320,20 +423,20 @@ class DiffusionObjective:
     # ------------------------------------------------------------------------------------ save
 
     def save(self, model, metrics: dict[str, Any]) -> list[Path]:
-        """pytorch_lora_weights.safetensors (diffusers format; EMA weights when use_ema) and the card."""
-        from finetune.diffusion.model import save_lora
+        """What trained (EMA weights when use_ema) and the card: pytorch_lora_weights.safetensors
+        (diffusers' format, text-encoder LoRA included), the LoKr / LoHa folder `<denoiser>/` (PEFT's
+        format), or for full fine-tuning the whole pipeline folder `pipeline/`."""
         from finetune.model_card import write_diffusion_model_card
         from finetune.recipe import recipe_to_dict
 
         acc, output_dir = self.accelerator, Path(self.train.output_dir)
         if not acc.is_main_process:
             return []
-        unet = acc.unwrap_model(model)
-        params = [p for p in unet.parameters() if p.requires_grad]
+        trained = acc.unwrap_model(model)
+        params = [p for p in trained.parameters() if p.requires_grad]
         if self.ema is not None:
             self.ema.copy_to(params)
-        save_lora(self.info, unet, output_dir)
-        acc.print(f"LoRA weights saved: {output_dir / 'pytorch_lora_weights.safetensors'}")
+        self._save_final(trained, output_dir)
         write_diffusion_model_card(
             output_dir,
             recipe=recipe_to_dict(self.recipe),
@@ -343,3 +446,17 @@ class DiffusionObjective:
             samples=[(prompt, path.relative_to(output_dir).as_posix()) for prompt, path in self.samples],
         )
         return [path for _, path in self.samples]
+
+    def _save_final(self, trained, output_dir: Path) -> None:
+        from finetune.diffusion.sampling import load_pipeline
+
+        adapter, name = self.settings.adapter, self.info.denoiser_name
+        if adapter != "full":
+            self._write_trained(trained, output_dir)
+            where = "pytorch_lora_weights.safetensors" if adapter == "lora" else f"{name}/ (PEFT format)"
+            self.accelerator.print(f"{ADAPTER_NAMES[adapter]} weights saved: {output_dir / where}")
+            return
+        # The base pipeline's other components around the trained denoiser, saved as one folder.
+        pipeline = load_pipeline(self.info, dtype=self.weight_dtype, device="cpu", unet=trained)
+        pipeline.save_pretrained(str(output_dir / "pipeline"), safe_serialization=True)
+        self.accelerator.print(f"pipeline with the trained {name} saved: {output_dir / 'pipeline'}")

@@ -133,7 +133,7 @@ def build_lm(
         head=head,
         pad_token_id=pad_token_id(tokenizer),
         seed=train.seed,
-        distributed_config=distributed_config(train),
+        distributed_config=distributed_config(train, accelerator.num_processes),
     )
     if lora.enable_lora:
         base_dir = None

@@ -26,6 +26,11 @@ Sharded models (ZeRO-3, FSDP2) generate with their weights gathered whole on eve
 rollout (finetune.distributed.whole_weights; grpo.sharded_generation: layerwise gathers one layer at a
 time instead, for weights that do not fit whole), and a vLLM engine reads them gathered at every sync.
 
+A vision-language model (model.kind vlm) trains the same way on prompts with images: the prompt rows
+carry their images' bytes, the backend generates given them (its processor makes the pixels), and each
+packed micro-batch carries the pixels of its sequences' prompts in order (`rollout.add_pixels`), which
+every log-prob pass (the policy's, the sampling policy's, the reference's) feeds the model.
+
 What was simplified, and why: the sampling policy's log-probs of num_iterations == 1 are the
 policy's own, detached (ratio 1, as TRL does).
 """
@@ -63,6 +68,7 @@ class OnlineObjective:
 
     summary_keys = ("trained_completions",)
     batches_per_window = 1  # one loader item per step: this process's prompts (see `rollout`)
+    processor = None  # a vision-language model's (model.kind vlm, set in build): prompts with images
 
     def __init__(self, recipe):
         from finetune.model.build import check_attention_backend
@@ -110,7 +116,11 @@ class OnlineObjective:
                 f"{self.sharding} shards (gathering them is a collective every process must join at once): set "
                 "async_rollouts: false, or use DDP / ZeRO-1/2"
             )
-        self.tokenizer = load_tokenizer(self.model_settings)
+        if self.model_settings.kind == "vlm":
+            from finetune.model.vlm import load_processor
+
+            self.processor = load_processor(self.model_settings)
+        self.tokenizer = self.processor.tokenizer if self.processor else load_tokenizer(self.model_settings)
         prepared = prepare_on_main_process(self.recipe, accelerator)
         self.manifest = prepared.manifest
         if self.manifest.get("kind") != "prompt":
@@ -119,8 +129,10 @@ class OnlineObjective:
                 f"train.objective {self.name} trains on prompts: use data entries of type prompt and prepare again"
             )
         model, self.flops = lm.build_lm(
-            self.model_settings, self.lora, self.train, self.tokenizer, accelerator
+            self.model_settings, self.lora, self.train, self.tokenizer, accelerator, processor=self.processor
         )
+        if self.processor is not None:
+            _check_packable(model)
         self.reference.attach(model, accelerator)
         self.rewards = ro.rewards_for(
             self.settings, self.tokenizer, recipe_path=_recipe_path(self.recipe), device=accelerator.device,
@@ -179,8 +191,9 @@ class OnlineObjective:
                 generator = copy.deepcopy(unwrapped)  # memory: one more copy of the model
             with whole_weights(self.model, self.accelerator) if self.sharding else contextlib.nullcontext():
                 self.backend = backend_for(
-                    self.settings.generation_backend, generator, self.tokenizer, **options
-                )
+                    self.settings.generation_backend, generator, self.tokenizer, processor=self.processor,
+                    **options,
+                )  # fmt: skip
         return self.backend
 
     def after_update(self, model) -> None:
@@ -291,13 +304,16 @@ class OnlineObjective:
             sampling_logps=self._sampling_logps(completions),
             own=[getattr(c, "own", None) for c in completions],
         )
+        if self.processor is not None:  # each micro-batch's pixels: its sequences' prompts' images
+            per_prompt = ro.prompt_images(prompts) or [[] for _ in prompts]
+            ro.add_pixels(batches, [per_prompt[k // group] for k in range(len(completions))], self.processor)
         if self.ahead is not None:
             sampler = backend.model
             with eval_mode(sampler):
                 for batch in batches:
                     inputs = {
-                        k: batch[k].to(self.accelerator.device)
-                        for k in ("input_ids", "position_ids", "labels")
+                        k: v.to(self.accelerator.device)
+                        for k, v in {**ro.model_inputs(batch), "labels": batch["labels"]}.items()
                     }
                     batch["old_logps"] = self._token_logps(sampler, inputs).cpu()
         return {
@@ -357,7 +373,9 @@ class OnlineObjective:
         if settings.beta == 0 and not old_needed:
             return
         for batch in batches:
-            inputs = {k: batch[k].to(acc.device) for k in ("input_ids", "position_ids", "labels")}
+            inputs = {
+                k: v.to(acc.device) for k, v in {**ro.model_inputs(batch), "labels": batch["labels"]}.items()
+            }
             if old_needed:
                 with torch.no_grad():
                     batch["old_logps"] = self._token_logps(model, inputs).detach().cpu()
@@ -574,13 +592,19 @@ class OnlineObjective:
 
         section = OBJECTIVES[recipe.train.objective].section
         settings, rows = getattr(recipe, section), list(prepared.eval)
+        processor = None  # a vision-language model's: the prompts' images become pixels, as in training
+        if recipe.model.kind == "vlm":
+            from finetune.model.vlm import load_processor
+
+            processor = load_processor(recipe.model)
 
         def score(model_name: str, model, tokenizer) -> dict[str, Any]:
+            tokenizer = processor.tokenizer if processor is not None else tokenizer
             rewards = ro.rewards_for(
                 settings, tokenizer, recipe_path=_recipe_path(recipe), device=inference_device(),
                 prompt_fields=ro.prompt_fields(recipe.data), section=section,
             )  # fmt: skip
-            backend = backend_for("transformers", model, tokenizer)
+            backend = backend_for("transformers", model, tokenizer, processor=processor)
             toolbox = tr.toolbox_for(settings, tokenizer, recipe_path=_recipe_path(recipe), section=section)
             complete = None
             if toolbox is not None:  # the tools in the loop, as in training
@@ -604,6 +628,21 @@ class OnlineObjective:
         """The adapter (or full model) in Hugging Face format, tokenizer and model card."""
         lm.save_final_lm(self, model, metrics, {"objective": self.name, "completions": metrics["units"]})
         return []
+
+
+def _check_packable(model) -> None:
+    """The rollout packs a micro-batch's completions in one row: a vision-language family whose positions
+    come from the images (a multimodal RoPE: Qwen2-VL) would need each sequence's positions computed apart,
+    which the rollout does not do yet."""
+    from finetune.model.families import family_for
+
+    family = family_for(getattr(model, "config", model))
+    if family.rope_per_row:
+        raise FinetuneError(
+            f"model.kind vlm: online RL packs each micro-batch's completions in one row, and {family.name}'s "
+            "multimodal RoPE takes its positions from the whole row's images, which packed sequences would get "
+            "wrong; this family trains with sft, the preference objectives and kto for now"
+        )
 
 
 def _recipe_path(recipe) -> str | None:

@@ -9,7 +9,8 @@ One step's rollout, in the order the objective runs it:
 2. `score`: the rewards (finetune.generation.rewards) of every completion, and their weighted total;
 3. advantages: an estimator of finetune.losses.policy_gradient (`ESTIMATORS`) on the totals;
 4. `pack_completions`: the window's micro-batches, each one padding-free packed row with per-token
-   advantages and the completion each token belongs to;
+   advantages and the completion each token belongs to; a vision-language model's prompts' images go
+   with them (`add_pixels`: each row's pixels, its sequences' images in order);
 5. `token_logps_at`: log-probs of every trained token of a packed row (the reference's, the sampling
    policy's), without gradient, before any update on the rollout.
 
@@ -55,14 +56,25 @@ def sample(
     step: int,
     batch_size: int,
 ) -> list[Completion]:
-    """`params.num_return_sequences` completions of each prompt row (its `input_ids` and `row_index`),
-    flat, group after group, each drawn with its `completion_seed`."""
+    """`params.num_return_sequences` completions of each prompt row (its `input_ids` and `row_index`, and
+    a vision-language prompt's `images`), flat, group after group, each drawn with its `completion_seed`."""
     group = params.num_return_sequences
     seeds = [[completion_seed(seed, step, int(row["row_index"]), j) for j in range(group)] for row in prompts]
     completions = backend.generate(
-        [list(row["input_ids"]) for row in prompts], params, seeds=seeds, batch_size=batch_size
-    )
+        [list(row["input_ids"]) for row in prompts], params, seeds=seeds, batch_size=batch_size,
+        images=prompt_images(prompts),
+    )  # fmt: skip
     return [c for row in completions for c in row]
+
+
+def prompt_images(rows: Sequence[dict]) -> list[list[bytes]] | None:
+    """Each prompt row's images (bytes, in order), or None when no row has any (a text model's prompts).
+
+    >>> prompt_images([{"images": [b"a"]}, {"images": []}]), prompt_images([{"input_ids": [1]}])
+    ([[b'a'], []], None)
+    """
+    per_row = [list(row.get("images") or []) for row in rows]
+    return per_row if any(per_row) else None
 
 
 def score(
@@ -145,6 +157,43 @@ def pack_completions(
     return batches
 
 
+# What pack_completions puts in a micro-batch besides the model's inputs (everything else of a micro-batch,
+# input_ids, position_ids and the pixels of `add_pixels`, goes to the model's forward: `model_inputs`).
+ROLLOUT_KEYS = frozenset(
+    ("labels", "advantages", "seq_index", "num_sequences", "prompt_tokens", "completion_tokens", "old_logps",
+     "ref_logps", "sampling_logps")
+)  # fmt: skip
+
+
+def model_inputs(batch: dict) -> dict:
+    """The model's inputs of a packed micro-batch: its ids and positions, and a vision-language model's
+    pixels (whatever the processor made: pixel_values, pixel_attention_mask, image_grid_thw, ...).
+
+    >>> b = pack_completions([([1], [2], True, 0.0)], per_batch=1, pad_token_id=0)[0]
+    >>> sorted(model_inputs(b))
+    ['input_ids', 'position_ids']
+    """
+    return {k: v for k, v in batch.items() if k not in ROLLOUT_KEYS}
+
+
+def add_pixels(batches: list[dict], per_sequence: Sequence[Sequence[bytes]], processor) -> None:
+    """Each micro-batch's pixels (in place): the images of its sequences (`per_sequence`, in rollout
+    order: each completion's prompt's images, bytes), in order, as one row's images, through the
+    processor's image processor as training's collate makes them (finetune.data.batching.vision.image_inputs).
+    A packed row holds several sequences: the models place the image features at the image tokens in
+    order, so sequence k's features land on sequence k's tokens (a family whose positions come from the
+    images, a multimodal RoPE, is refused before: finetune.objectives.online)."""
+    from finetune.data.batching.vision import image_inputs
+    from finetune.generation.prompts import pictures_of
+
+    start = 0
+    for batch in batches:
+        n = int(batch["num_sequences"].sum())
+        pictures = pictures_of([b for images in per_sequence[start : start + n] for b in images])
+        start += n
+        batch |= image_inputs(processor, [pictures], batch["input_ids"])
+
+
 def completion_sums(batches: list[dict], values) -> torch.Tensor:
     """Per completion, in rollout order over the micro-batches, the sum of `values(batch)` (a per-token
     tensor) over its trained tokens.
@@ -174,9 +223,9 @@ def set_advantages(batches: list[dict], advantages: torch.Tensor) -> None:
 
 
 def token_logps_at(model, batch: dict, *, temperature: float = 1.0) -> torch.Tensor:
-    """log p(token) of every position of a packed row (input_ids, position_ids, labels) at the
-    sampling temperature, 0 where the label is -100."""
-    logits = forward(model, {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}).logits
+    """log p(token) of every position of a packed row (input_ids, position_ids, labels, and a
+    vision-language model's pixels: `model_inputs`) at the sampling temperature, 0 where the label is -100."""
+    logits = forward(model, model_inputs(batch)).logits
     if temperature != 1.0:
         logits = logits / temperature
     return token_logps(logits, batch["labels"])
@@ -241,7 +290,9 @@ def eval_rewards(
     params = SamplingParams(max_new_tokens=max_new_tokens)
     figures = {}
     if complete is None:
-        completions = backend.generate([list(r["input_ids"]) for r in rows], params, batch_size=batch_size)
+        completions = backend.generate(
+            [list(r["input_ids"]) for r in rows], params, batch_size=batch_size, images=prompt_images(rows)
+        )
         flat = [c[0] for c in completions]
     else:
         flat, figures = complete(rows, params)
@@ -292,7 +343,9 @@ def prompt_loader(
         shuffle=shuffle,
         drop_last=drop_last,
     )
-    dataset = with_row_index(rows).select_columns(["input_ids", "row", "row_index"])
+    # A vision-language model's prompts bring their images (bytes) along.
+    kept = ["input_ids", "row", "row_index", *(["images"] if "images" in rows.column_names else [])]
+    dataset = with_row_index(rows).select_columns(kept)
     batches = LookaheadBatchSampler(sampler) if lookahead else RepeatBatchSampler(sampler, repeat)
     return torch.utils.data.DataLoader(
         MarkedRows(dataset) if lookahead else dataset,

@@ -215,8 +215,10 @@ class SFTObjective:
                 total_loss += float(sums.sum())
                 total_count += int(counts.sum())
         model.train()
-        # Processes that read the same rows (tensor, context parallel) gathered the same sums.
-        copies = ranks_sharing_rows(self.train)
+        # Processes that read the same rows gathered the same sums: under tensor parallel every process
+        # reads every eval row (on_prepared), also across data-parallel groups; under context parallel
+        # the processes of a group.
+        copies = acc.num_processes if size_of(self.train, "tensor") > 1 else ranks_sharing_rows(self.train)
         total_loss, total_count = total_loss / copies, total_count // copies
         loss = total_loss / max(total_count, 1)
         metrics = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": total_count}

@@ -45,24 +45,36 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def engine_problems(engine: Any, train: Any, *, cuda_available: bool) -> list[str]:
+def engine_problems(engine: Any, train: Any, *, cuda_available: bool, lora: bool = False) -> list[str]:
     """Why the recipe's splits cannot run on this engine here, one sentence each (empty when they can).
-    `engine` is the DistributedSetup of the accelerate config (or the launched process)."""
+    `engine` is the DistributedSetup of the accelerate config (or the launched process), `lora`
+    lora.enable_lora."""
     problems: list[str] = []
     world, where = engine.num_processes, engine.source
     tp, sp, cp = train.tensor_parallel_size, train.sequence_parallel_size, train.context_parallel_size
     if tp > 1:
-        if tp != world:
+        if world % tp:
             problems.append(
-                f"train.tensor_parallel_size {tp} needs {tp} processes and {where} runs {world}: tensor "
-                "parallel spans every process here (with data parallel beside it, it would need FSDP2's 2-D "
-                "mesh, which transformers 5 loads with its own FSDP: not built); launch with "
-                f"--num-processes {tp} on multi_cpu or multi_gpu, or set tensor_parallel_size {world}"
+                f"train.tensor_parallel_size {tp} does not divide the {world} processes of {where}: each group "
+                f"of {tp} processes splits the weights and the groups run data parallel; use a divisor of "
+                f"{world} ({_divisors(world)}) or --num-processes a multiple of {tp}"
+            )
+        elif lora and world > tp:
+            # transformers wraps the TP model in FSDP2 as it loads it (DistributedConfig fsdp_size), and PEFT
+            # adds the adapters afterwards, outside that wrapping (measured with PEFT 0.21: the first
+            # forward fails in the sharded attention, "shape '[2, 504, 64]' is invalid for input of size
+            # 32256"); transformers marks PEFT under its FSDP as not done yet.
+            problems.append(
+                f"train.tensor_parallel_size {tp} on {world} processes runs data parallel across "
+                f"{world // tp} tensor-parallel groups (transformers' FSDP2 around the TP model), which "
+                f"PEFT's adapters cannot join: train LoRA with tensor parallel over every process "
+                f"(--num-processes {tp}), or fine-tune fully (lora.enable_lora: false) on {world} processes"
             )
         if engine.kind in ("deepspeed", "fsdp"):
             problems.append(
                 f"{where}: tensor parallel runs on the DDP launcher (multi_cpu, multi_gpu), not {engine.label}, "
-                "which would shard the DTensor weights a second time; use multi_gpu (multi_cpu on CPU)"
+                "which would shard the DTensor weights a second time; use multi_gpu (multi_cpu on CPU), with more "
+                "processes than the size for data parallel beside it (transformers' FSDP2 across the TP groups)"
             )
         if train.mixed_precision == "fp16":
             problems.append(

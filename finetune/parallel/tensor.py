@@ -8,6 +8,14 @@ check; transformers 5 builds the TP mesh from its DistributedConfig whatever Acc
 TP model needs from Accelerate is no DDP around it (DDP would average the shards of different weights):
 `prepare_model(evaluation_mode=True)`, Accelerate's way to prepare a model without a distributed wrapper.
 
+Data parallel beside tensor parallel (more processes than train.tensor_parallel_size): transformers'
+DistributedConfig(tp_size, fsdp_size) builds the 2-D mesh (fsdp, tp) and wraps the TP model in torch's
+FSDP2 (`fully_shard` on the fsdp dimension, by the model's FSDP plan) as it loads it, so gradients are
+reduced across the TP groups by FSDP2. Accelerate's own 2-D route cannot run it: ParallelismConfig
+refuses TP with plain replication ("cannot be used with pure data parallelism ... set dp_shard_size >
+1"), its dp_shard needs Accelerate's FSDP plugin, which starts on CUDA only, and the plugin would wrap
+the model transformers has already wrapped.
+
 Why not Accelerate's save_state for the model and optimizer: it writes the model's state dict with
 safetensors (which refuses DTensors) and the optimizer's from the main process only, and every process
 holds different shards of both. torch.distributed.checkpoint (DCP) writes every process's shards and
@@ -26,14 +34,18 @@ SHARDED_STATE = "tp_state"
 """A tensor-parallel checkpoint's folder of DCP files: the trained weights' and the optimizer's shards."""
 
 
-def distributed_config(train: Any):
-    """transformers' DistributedConfig for `from_pretrained` (the model's own TP plan over every process),
-    or None without tensor parallel."""
+def distributed_config(train: Any, num_processes: int = 0):
+    """transformers' DistributedConfig for `from_pretrained`, or None without tensor parallel: the model's
+    own TP plan over train.tensor_parallel_size processes and, on more processes than that, FSDP2 across
+    the TP groups (transformers' 2-D mesh, dims (fsdp, tp), tp innermost as finetune.parallel.sizes lays
+    out ranks): data parallel beside tensor parallel."""
     if train.tensor_parallel_size <= 1:
         return None
     from transformers.distributed import DistributedConfig
 
-    return DistributedConfig(tp_size=train.tensor_parallel_size, tp_plan="auto")
+    tp = train.tensor_parallel_size
+    data_parallel = max(1, num_processes // tp)
+    return DistributedConfig(tp_size=tp, tp_plan="auto", fsdp_size=data_parallel)
 
 
 def is_tensor_parallel(model) -> bool:

@@ -103,6 +103,34 @@ def split_states(parts: list[Part], inv: ModelInventory, split: Split, *, full: 
     return out
 
 
+def tensor_data_parallel(
+    parts: list[Part], gathered: Part | None, inv: ModelInventory, split: Split, num_processes: int
+) -> list[Part]:
+    """`parts` (split_states') under data parallel beside tensor parallel on the DDP launcher: transformers'
+    FSDP2 across the num_processes / t TP groups (finetune.parallel.tensor) shards each rank's TP shards
+    of the weights, gradients and optimizer states over the groups, and gathers them a unit at a time
+    (`gathered`: gathered_bytes' FSDP2 working set of the whole model, of which a rank gathers its TP
+    shard)."""
+    groups = num_processes // split.tensor if split.tensor > 1 else 1
+    if groups <= 1:
+        return parts
+    out = []
+    for part in parts:
+        if part.name in _STATE_PARTS:
+            note = f"{part.note}, /{groups} (FSDP2 across the TP groups)".lstrip(", ")
+            part = replace(
+                part, gpu_bytes=part.gpu_bytes / groups, host_bytes=part.host_bytes / groups, note=note
+            )
+        out.append(part)
+    if gathered is not None:
+        share = planned_fraction(inv)
+        factor = 1 - share + share / split.tensor
+        out.append(
+            replace(gathered, gpu_bytes=gathered.gpu_bytes * factor, note=f"{gathered.note}, TP shards")
+        )
+    return out
+
+
 def with_segments(
     acts: Activations,
     inv: ModelInventory,

@@ -38,6 +38,7 @@ from finetune.plan.parallel import (
     split_note,
     split_of,
     split_states,
+    tensor_data_parallel,
     tensor_view,
     with_segments,
 )
@@ -106,6 +107,12 @@ def estimate(
     layout = model_states(inv, adapter, recipe, engine, checkpointing=checkpointing)
     split = split_of(recipe.train)
     parts = split_states(shard_states(layout.states, engine), inv, split, full=not recipe.lora.enable_lora)
+    if engine.kind == "ddp" and split.tensor > 1:  # TP x DP: transformers' FSDP2 across the TP groups
+        fsdp = DistributedSetup("fsdp", num_processes=engine.num_processes, zero_stage=3)
+        trained = min(1.0, layout.states.trainable_params / inv.total)
+        parts = tensor_data_parallel(
+            parts, gathered_bytes(inv, layout, fsdp, trained), inv, split, engine.num_processes
+        )
     # Tensor parallel runs without DDP (finetune.parallel.tensor): no gradient buckets.
     if engine.kind == "ddp" and engine.num_processes > 1 and split.tensor <= 1:
         note = "gradient_as_bucket_view=False (accelerate's default): a second gradient copy"

@@ -133,10 +133,34 @@ class DiffusionSection(_Section):
         "is trained with, as diffusers' Flux scripts (3.5); ignored, with a message, by transformers "
         "without guidance embeddings (FLUX.1-schnell), where a non-default value is an error.",
     )
+    adapter: Literal["lora", "lokr", "loha", "full"] = Field(
+        "lora",
+        description="What trains on the denoiser (UNet or transformer): lora (saved in diffusers' format, "
+        "pipeline.load_lora_weights loads it), lokr or loha (PEFT's LoKrConfig / LoHaConfig with lora.lora_rank, "
+        "lora_alpha, lora_dropout and lora_target_modules; saved in PEFT's format under output_dir/<denoiser>/, "
+        "loaded with peft.PeftModel.from_pretrained(pipe.<denoiser>, that folder): diffusers' "
+        "load_lora_weights reads LoRA only), or full (every weight of the denoiser trains; the final save is the "
+        "whole pipeline folder, output_dir/pipeline, with the trained (EMA with use_ema) denoiser).",
+    )
+    train_text_encoder: bool = Field(
+        False,
+        description="Also train LoRA on the CLIP text encoder(s) (SD 1.x/2.x: text_encoder; SDXL: both; Flux: "
+        "the CLIP text_encoder only, as diffusers' train_dreambooth_lora_flux.py, its T5 stays frozen and "
+        "cached), with lora.lora_rank / lora_alpha / lora_dropout on q_proj, k_proj, v_proj and out_proj. The "
+        "CLIP embeddings are then computed at every step (the cached latents, and Flux's T5 embeddings, are "
+        "still used). Saved in the same pytorch_lora_weights.safetensors (load_lora_weights loads both). "
+        "Needs adapter: lora; not for SD3.",
+    )
+    text_encoder_lr: float | None = Field(
+        None,
+        gt=0,
+        description="train_text_encoder: the text encoders' learning rate (diffusers' scripts: "
+        "--text_encoder_lr, e.g. 5e-6); null = train.lr. Follows train.lr's schedule.",
+    )
     use_ema: bool = Field(
         False,
-        description="Keep an EMA of the LoRA weights (diffusers EMAModel); checkpoints hold it and the "
-        "final weights and samples use it.",
+        description="Keep an EMA of the trained weights (diffusers EMAModel: the adapters', or the whole "
+        "denoiser's with adapter: full); checkpoints hold it and the final weights and samples use it.",
     )
     ema_decay: float = Field(0.9999, gt=0, lt=1, description="EMA decay.")
     validation_prompts: list[str] = Field(
@@ -182,6 +206,30 @@ class DiffusionSection(_Section):
                 ("validation_steps", self.validation_steps, "set validation_prompts to sample every N steps")
             )
         problems += self._objective_problems(ok)
+        problems += self._training_problems(ok)
+        return problems
+
+    def _training_problems(self, ok: Callable[..., bool]) -> list[Problem]:
+        """What trains: text-encoder LoRA needs a LoRA denoiser adapter (one diffusers LoRA file holds
+        both); text_encoder_lr needs train_text_encoder. (SD3 is refused once the pipeline is known.)"""
+        problems: list[Problem] = []
+        if ok("train_text_encoder", "adapter") and self.train_text_encoder and self.adapter != "lora":
+            problems.append(
+                (
+                    "train_text_encoder",
+                    True,
+                    f"trains text-encoder LoRA saved beside the denoiser's LoRA in diffusers' format, which "
+                    f"adapter {self.adapter} does not write: set adapter: lora or train_text_encoder: false",
+                )
+            )
+        if (
+            ok("text_encoder_lr", "train_text_encoder")
+            and self.text_encoder_lr
+            and not self.train_text_encoder
+        ):
+            problems.append(
+                ("text_encoder_lr", self.text_encoder_lr, "does nothing without train_text_encoder: true")
+            )
         return problems
 
     def _objective_problems(self, ok: Callable[..., bool]) -> list[Problem]:

@@ -74,6 +74,73 @@ class GenerationSet(_Section):
         return problems
 
 
+class LmEvalSection(_Section):
+    """Standard benchmarks through lm-evaluation-harness (finetune.evaluation.harness; pip install
+    'finetune[eval]'), scored by `finetune eval` for the base and each tuned model."""
+
+    tasks: list[str] = Field(
+        default_factory=list,
+        description="lm-eval task or group names (gsm8k, arc_easy, hellaswag, or a task of include_path), "
+        "or paths of task YAMLs; --lm-eval gsm8k,arc_easy sets it.",
+    )
+    include_path: list[str] = Field(
+        default_factory=list,
+        description="Folders of lm-eval task YAMLs (relative to the working directory, as data paths), e.g. tasks on local "
+        "files: dataset_path: json with dataset_kwargs.data_files.",
+    )
+    data_files: dict[str, dict[str, str]] = Field(
+        default_factory=dict,
+        description="Point a task at local files: {task: {split: FILE}} (json/jsonl/csv/parquet, relative to "
+        "the working directory; the splits the task reads, e.g. test and train for few-shot examples). "
+        "The task's own config is used with its dataset replaced.",
+    )
+    limit: int | None = Field(
+        None, ge=1, description="Score the first N examples of each task only (null = all); --lm-eval-limit."
+    )
+    num_fewshot: int | None = Field(
+        None, ge=0, description="Few-shot examples per prompt (null = each task's own default)."
+    )
+    batch_size: int = Field(8, ge=1, description="Requests per forward pass (lm-eval's batch_size).")
+    max_length: int | None = Field(
+        None, ge=1, description="Longest context in tokens (null = the model's max_position_embeddings)."
+    )
+    max_gen_toks: int | None = Field(
+        None,
+        ge=1,
+        description="Longest answer of generation tasks, in tokens (null = the task's own, else lm-eval's 256).",
+    )
+    apply_chat_template: bool = Field(
+        False,
+        description="Render prompts with the tokenizer's chat template (lm-eval's apply_chat_template).",
+    )
+    bootstrap_iters: int = Field(
+        1000,
+        ge=0,
+        description="Bootstrap resamples for the stderr of metrics without a closed form (0 = none).",
+    )
+    download: bool = Field(
+        False,
+        description="Let datasets download tasks' Hub datasets (needs the network). false: offline, so a task "
+        "whose data is not local or cached fails at once, saying how to point it at local files.",
+    )
+
+    def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
+        # A data_files entry for a task that is not run would be ignored: a typo there must not pass.
+        if not (ok("tasks", "data_files") and self.tasks):
+            return []
+        unused = sorted(set(self.data_files) - set(self.tasks))
+        if unused:
+            return [
+                (
+                    "data_files",
+                    unused,
+                    f"no such task in eval.lm_eval.tasks {self.tasks}: name the tasks the files are for "
+                    "(data_files keys must be task names that are run)",
+                )
+            ]
+        return []
+
+
 class EvalSection(_Section):
     generation_sets: list[GenerationSet] = Field(
         default_factory=list, description="Generation sets scored by `finetune eval` and during training."
@@ -81,6 +148,10 @@ class EvalSection(_Section):
     batch_size: int = Field(8, ge=1, description="Prompts generated together (left-padded).")
     during_training: bool = Field(
         True, description="Also score the generation sets every train.eval_steps (and at the end)."
+    )
+    lm_eval: LmEvalSection = Field(
+        default_factory=LmEvalSection,
+        description="Standard benchmarks (lm-evaluation-harness) scored by `finetune eval`.",
     )
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:

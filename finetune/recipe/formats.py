@@ -362,6 +362,14 @@ class PromptEntry(_Entry):
         description="Render a string prompt as a user turn with the model's chat template, ending with its "
         "generation prompt (for instruct models); a prompt that is a list of messages always is.",
     )
+    field_images: str = Field(
+        "images",
+        description="LLaVA style: column holding a prompt's images (paths relative to the data file, bytes, or "
+        "datasets Image values), one per `<image>` placeholder in the prompt's text, in order; completions are "
+        "sampled and scored given them. Read when the data has it or it is set; the prompt's messages may instead "
+        "hold images as parts ({type: image, image: PATH}). Images need model.kind: vlm (see docs/data.md, "
+        "Prompts with images).",
+    )
 
 
 class ImagesEntry(_Entry):

@@ -123,6 +123,13 @@ class Recipe(_Section):
                 value = getattr(owner, name)
                 if value != type(owner).model_fields[name].get_default(call_default_factory=True):
                     found.append((path, value, f"does nothing in a diffusion recipe ({reason})"))
+            if self.diffusion is not None and self.diffusion.adapter == "full":
+                for name in ("lora_rank", "lora_alpha", "lora_dropout"):
+                    value = getattr(self.lora, name)
+                    if value != type(self.lora).model_fields[name].get_default():
+                        found.append(
+                            (f"lora.{name}", value, "does nothing with diffusion.adapter: full (no adapter)")
+                        )
         return found
 
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
@@ -289,6 +296,7 @@ def diffusion_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
                 problems.append((path, value, f"does not apply to a diffusion recipe ({reason}); remove it"))
     if ok("lora.enable_lora") and not recipe.lora.enable_lora:
         problems.append(("lora.enable_lora", False, "diffusion recipes train LoRA adapters: set true"))
+    problems += _full_finetune_problems(recipe, ok)
     if ok("diffusion", "data.datasets") and recipe.diffusion is not None:
         types = {e.type for e in recipe.data.datasets if e is not None}
         settings = recipe.diffusion
@@ -304,6 +312,26 @@ def diffusion_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]
                     "is used by dreambooth datasets only; the images type takes captions from the data",
                 )
             )
+    return problems
+
+
+def _full_finetune_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
+    """diffusion.adapter full trains the denoiser's own weights, which stay fp32 (mixed precision
+    computes in 16-bit). (LoRA sizes it does not read are warnings: Recipe._warnings.)"""
+    problems: list[Problem] = []
+    if not ok("diffusion", "model.torch_dtype") or recipe.diffusion is None:
+        return problems
+    if recipe.diffusion.adapter != "full":
+        return problems
+    if recipe.model.torch_dtype not in ("auto", "fp32"):
+        problems.append(
+            (
+                "model.torch_dtype",
+                recipe.model.torch_dtype,
+                "diffusion.adapter full keeps the trained denoiser in fp32 (train.mixed_precision computes in "
+                "16-bit): use auto or fp32",
+            )
+        )
     return problems
 
 
@@ -355,12 +383,13 @@ def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
                         f"data.{key}.{i}.type",
                         entry.type,
                         "a vision-language recipe reads chat_template rows (messages with image parts, or "
-                        "<image> placeholders and field_images), or preference pairs or kto examples whose "
-                        "prompt holds the images; other types are not supported yet",
+                        "<image> placeholders and field_images), preference pairs or kto examples whose "
+                        "prompt holds the images, or prompts (online RL); other types are not supported yet",
                     )
                 )
     if ok("train.objective"):
         problems += _vision_objective_problems(recipe.train.objective)
+        problems += _vision_online_problems(recipe, ok)
     for i, gen_set in enumerate(recipe.eval.generation_sets if ok("eval.generation_sets") else []):
         if gen_set is not None and not gen_set.use_chat_template:
             reason = "a vision-language model's prompts are rendered with its chat template (where the images go); remove it"
@@ -368,19 +397,37 @@ def vision_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
     return problems
 
 
-VLM_DATASET_TYPES = ("chat_template", "preference", "kto")
+VLM_DATASET_TYPES = ("chat_template", "preference", "kto", "prompt")
 """Data types a vision-language recipe reads: chats for sft, pairs for the paired preference objectives,
-labelled examples for kto."""
+labelled examples for kto, prompts for online RL."""
 
 
 def _vision_objective_problems(name: str) -> list[Problem]:
-    """sft and the offline preference objectives (paired, and kto) train vision-language models; online
-    RL not yet."""
+    """sft, the offline preference objectives (paired, and kto) and online RL train vision-language
+    models; the reward model (a sequence-classification head) does not."""
     spec = OBJECTIVES[name]
-    if spec.name == "sft" or spec.kind in ("paired", "unpaired"):
+    if spec.name == "sft" or spec.kind in ("paired", "unpaired", "online"):
         return []
-    reason = "vision-language models train with sft, dpo, ipo, simpo, orpo or kto for now"
+    reason = "vision-language models train with sft, dpo, ipo, simpo, orpo, kto or an online objective (grpo, ...) for now"
     return [("train.objective", name, reason)]
+
+
+def _vision_online_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:
+    """What online RL of a vision-language model does not do yet: generation with another backend than
+    transformers (vLLM would need the images in its requests), and tools or environments in the loop
+    (their inserted turns would need the images re-rendered around them)."""
+    spec = OBJECTIVES[recipe.train.objective]
+    if spec.kind != "online" or not ok(spec.section) or getattr(recipe, spec.section) is None:
+        return []
+    settings, section, problems = getattr(recipe, spec.section), spec.section, []
+    if settings.generation_backend != "transformers":
+        reason = "a vision-language model's rollouts generate with the transformers backend for now: set transformers"
+        problems.append((f"{section}.generation_backend", settings.generation_backend, reason))
+    for name in ("tools", "environment"):
+        if getattr(settings, name, None):
+            reason = "tools and environments in the loop are for text models for now; remove it"
+            problems.append((f"{section}.{name}", "...", reason))
+    return problems
 
 
 def objective_problems(recipe: Recipe, ok: Callable[..., bool]) -> list[Problem]:

@@ -144,9 +144,10 @@ class TrainSection(_Section):
         1,
         ge=1,
         description="Tensor parallel: each decoder layer's attention and MLP weights split over this many "
-        "processes by the model's own TP plan (transformers' DistributedConfig, DTensor), every process "
-        "reading the same batch. Equal to the number of processes (DDP launcher: multi_cpu, multi_gpu); sft; "
-        "LoRA on the plan's column-wise layers (q/k/v/gate/up for Llama). 1 = off (docs/scale-out.md).",
+        "processes by the model's own TP plan (transformers' DistributedConfig, DTensor), every process of a "
+        "group reading the same batch. Divides the number of processes (DDP launcher: multi_cpu, multi_gpu); "
+        "more processes run data parallel across the groups (transformers' FSDP2, full fine-tuning only); "
+        "sft; LoRA on the plan's column-wise layers (q/k/v/gate/up for Llama). 1 = off (docs/scale-out.md).",
         **FIXED_ON_RESUME,
     )
     sequence_parallel_size: int = Field(

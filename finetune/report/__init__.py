@@ -5,7 +5,9 @@ evaluations, the base-vs-tuned table of `finetune eval` with its samples, the pr
 manifest, and the planner's memory prediction beside the measured peak. The page needs no network:
 charts are inline SVG (finetune.report.charts), there is no script.
 
-Modules: `runs` (what an output_dir holds), `charts` (SVG line charts), `page` (the HTML).
+Modules: `runs` (what an output_dir holds), `charts` (SVG line charts), `page` (the HTML), `serve`
+(`finetune report --serve`: the same page on 127.0.0.1, kept current by server-sent events while the
+runs log; only that page carries a script).
 """
 
 from __future__ import annotations

@@ -46,8 +46,23 @@ margin-right:4px;border-radius:2px}pre{white-space:pre-wrap;margin:0;font:12px/1
 """
 
 
-def render(runs: list[RunData]) -> str:
-    """The whole page for `runs` (at least one)."""
+def render(runs: list[RunData], *, live: str = "", body: str | None = None) -> str:
+    """The whole page for `runs` (at least one). `finetune report --serve` (finetune.report.serve)
+    passes `live`, its status line and script, and its `body`: the body is then wrapped so that the
+    script can replace it."""
+    body = body_html(runs) if body is None else body
+    if live:
+        body = f'{live}<div id="live-body">{body}</div>'
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>finetune report: {escape(', '.join(r.label for r in runs))}</title>"
+        f"<style>{STYLE}</style></head><body>{body}</body></html>\n"
+    )
+
+
+def body_html(runs: list[RunData]) -> str:
+    """The page's content, every section (what the live page replaces on each update)."""
     colors = {run.label: COLORS[i % len(COLORS)] for i, run in enumerate(runs)}
     body = [
         "<h1>finetune report</h1>",
@@ -61,12 +76,7 @@ def render(runs: list[RunData]) -> str:
         data_section(runs),
         memory_section(runs),
     ]
-    return (
-        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>finetune report: {escape(', '.join(r.label for r in runs))}</title>"
-        f"<style>{STYLE}</style></head><body>{''.join(body)}</body></html>\n"
-    )
+    return "".join(body)
 
 
 # ------------------------------------------------------------------------------------------ keys

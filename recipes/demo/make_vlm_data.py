@@ -30,6 +30,12 @@ parts held out (the reverse of the pairs, so the demo's files stay under their s
 
     {"prompt": "<image>What colour is the shape?", "images": ["images/00007.png"], "completion": "red", "label": false}
 
+``data/vlm/prompts_{train,eval}.jsonl``: prompts for the GRPO demo (recipes/demo/tiny_vlm_grpo_cpu.yaml) on the
+same pictures: the colour question alone, the picture's colour in a ``colour`` column that the demo's reward
+reads (recipes/demo/rewards.py:colour_named); LLaVA style in training, image parts held out::
+
+    {"prompt": "<image>What colour is the shape?", "images": ["images/00007.png"], "colour": "blue"}
+
 ``data/vlm/colours.jsonl``: a generation set (eval.generation_sets) of the first held-out pictures,
 each asked "What colour is the shape?", with its colour expected::
 
@@ -168,6 +174,18 @@ def write_kto(out: Path, *, num_train: int, num_eval: int, seed: int) -> None:
     write_colour_rows(out / "kto", example, num_train=num_train, num_eval=num_eval, seed=seed)
 
 
+def write_prompts(out: Path, *, num_train: int, num_eval: int, seed: int) -> None:
+    """GRPO prompts on the pictures write_data made: the colour question, the colour in a column for the
+    reward (see the module docstring)."""
+
+    def prompt(split: str, name: str, colour: str) -> dict:
+        if split == "eval":
+            return {"prompt": parts_prompt(name), "colour": colour}
+        return {"prompt": f"<image>{QUESTIONS['colour']}", "images": [name], "colour": colour}
+
+    write_colour_rows(out / "prompts", prompt, num_train=num_train, num_eval=num_eval, seed=seed)
+
+
 def parts_prompt(name: str) -> list[dict]:
     """The colour question about image `name` as one user message with an image part."""
     return [
@@ -220,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     write_data(args.data, num_train=args.num_train, num_eval=args.num_eval, seed=args.seed)
     write_pairs(args.data, num_train=args.num_train, num_eval=args.num_eval, seed=args.seed)
     write_kto(args.data, num_train=args.num_train, num_eval=args.num_eval, seed=args.seed)
+    write_prompts(args.data, num_train=args.num_train, num_eval=args.num_eval, seed=args.seed)
     print(f"wrote {args.processor} and {args.num_train} + {args.num_eval} rows to {args.data}")
 
 

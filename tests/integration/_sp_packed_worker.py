@@ -1,8 +1,9 @@
 """Worker of test_sequence_parallel.py (torchrun, 2 gloo processes): one packed 4,096-token row holding two
 sequences whose boundary falls inside the first shard, trained through finetune's sequence parallel
 (DeepSpeed's Ulysses attention and loader adapter, registered by finetune.parallel.sequence) and finetune's
-loss; the loss summed over the two shards and the gradients summed over the processes are written to
-$OUT (torch.save) for the test to compare with one process's whole row."""
+loss, for a tiny Llama and a tiny Qwen2 in turn; per model type, the loss summed over the two shards and
+the gradients summed over the processes are written to $OUT (torch.save) for the test to compare with one
+process's whole row."""
 
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/ (torchrun
 
 from finetune.losses.causal_lm import forward, trainable_tokens
 from finetune.parallel.sequence import SequenceShards, register_sequence_parallel
-from tests.integration._sp_rows import MODEL, packed_row
-from tests.tiny import tiny_model
+from tests.integration._sp_rows import MODEL_TYPES, packed_row, row_model
 
 
 def saved_bytes(model, batch: dict, total: torch.Tensor) -> int:
@@ -42,9 +42,21 @@ def saved_bytes(model, batch: dict, total: torch.Tensor) -> int:
 
 def main(out: str) -> None:
     dist.init_process_group("gloo")
+    # DeepSpeed registers Ulysses once per process (its groups are global, its attention replaces SDPA
+    # for the head counts given); the tiny Qwen2 has the Llama's heads, so it runs through the same.
+    groups = register_sequence_parallel(
+        row_model("llama"), size=2, micro_batch_size=1, attn_implementation="sdpa"
+    )
+    results = {model_type: split_row(model_type, groups) for model_type in MODEL_TYPES}
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def split_row(model_type: str, groups) -> dict:
+    """The loss, gradients, token counts and saved bytes of the packed row split over the 2 processes."""
     rank = dist.get_rank()
-    model = tiny_model(**MODEL)
-    groups = register_sequence_parallel(model, size=2, micro_batch_size=1, attn_implementation="sdpa")
+    model = row_model(model_type)
     # Each process reads its own rows; the adapter hands both the shards of process 0's row first.
     rows = [packed_row(), packed_row(seed=1)]
     shards = SequenceShards([rows[rank]], groups, device=torch.device("cpu"))
@@ -60,10 +72,13 @@ def main(out: str) -> None:
     for grad in grads.values():
         dist.all_reduce(grad)
     saved = saved_bytes(model, batch, total)
-    if rank == 0:
-        result = {"loss": summed, "grads": grads, "tokens": int(total), "shard": batch["input_ids"].shape[1]}
-        torch.save({**result, "saved": saved}, out)
-    dist.destroy_process_group()
+    return {
+        "loss": summed,
+        "grads": grads,
+        "tokens": int(total),
+        "shard": batch["input_ids"].shape[1],
+        "saved": saved,
+    }
 
 
 if __name__ == "__main__":

@@ -10,6 +10,22 @@ LENGTH, BOUNDARY, PROMPT = 4096, 1500, 10
 # The tiny Llama's settings: initial weights larger than the default, so attention is sharp enough that
 # attending across the boundary changes the loss (by 0.5%, measured) far beyond the tolerance.
 MODEL = {"initializer_range": 0.2}
+# The architectures the row is split for: Llama, and Qwen2 (biases on q/k/v, the same Ulysses attention).
+MODEL_TYPES = ("llama", "qwen2")
+
+
+def row_model(model_type: str = "llama") -> torch.nn.Module:
+    """The tiny model of the packed-row test (tests.tiny's Llama, or a Qwen2 of the same sizes), the same
+    weights on every call."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from tests.tiny import TINY_LLAMA, tiny_model
+
+    if model_type == "llama":
+        return tiny_model(**MODEL)
+    torch.manual_seed(0)
+    config = Qwen2Config(**TINY_LLAMA, **MODEL)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
 
 
 def packed_row(seed: int = 0) -> dict[str, torch.Tensor]:

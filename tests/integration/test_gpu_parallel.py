@@ -5,13 +5,18 @@ one; docs/scale-out.md):
   backward with gradient checkpointing by about what the planner says it moves, with the same gradients;
 - context parallel (ring attention through Accelerate's cp_size, FSDP2) on 2 GPUs gives the one-GPU
   run's losses to bf16 precision; on one GPU a context_parallel_size of 2 is refused before training;
-- tensor parallel on 2 GPUs trains and reports its throughput beside one GPU's.
+- tensor parallel on 2 GPUs trains and reports its throughput beside one GPU's;
+- sequence parallel (Ulysses) under ZeRO-1, ZeRO-3 and FSDP2 on 2 GPUs gives the one-GPU run's losses
+  (the engines that shard on GPUs only: on CPU, Accelerate runs DeepSpeed as one process and FSDP not at
+  all, so the CPU tests run sequence parallel under DDP);
+- activation offloading under ZeRO-3 and FSDP2 and with LoRA trains to the losses of the same run without it.
 
 Run on a GPU machine with `pytest -m gpu tests/integration/test_gpu_parallel.py`.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -119,3 +124,40 @@ def test_tensor_parallel_throughput_on_two_gpus(tmp_path):
     print(f"tokens/s per process: TP=2 {rates['tp']:.0f}, one GPU {rates['one']:.0f}")
     losses = step_losses(progress(tmp_path / "tp"))
     assert losses[4] < losses[1]
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("config", ["zero1", "zero3", "fsdp2"])
+def test_sequence_parallel_under_sharded_engines_matches_one_gpu(tmp_path, config):
+    """SP=2 on 2 GPUs against one GPU under the same engine, packed rows, fp32 (the split changes only
+    the order of sums)."""
+    if config.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed")
+    prepared, fp32 = tmp_path / "prepared", ["--train.mixed_precision", "no", "--data.sample_packing", "true"]
+    sp = train(tmp_path / "sp", prepared, config, 2, *fp32, "--train.sequence_parallel_size", "2")
+    assert sp.returncode == 0, sp.stdout[-3000:] + sp.stderr[-6000:]
+    one = train(tmp_path / "one", prepared, config, 1, *fp32)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-6000:]
+    split, whole = step_losses(progress(tmp_path / "sp")), step_losses(progress(tmp_path / "one"))
+    assert sorted(split) == [1, 2, 3, 4] and split[4] < split[1]
+    for step in split:
+        assert abs(split[step] - whole[step]) <= 1e-4 * abs(whole[step]), (split, whole)
+
+
+@pytest.mark.parametrize(
+    ("config", "extra"),
+    [("zero3", []), ("fsdp2", []), ("single_gpu", ["--lora.enable_lora", "true"])],
+    ids=["zero3", "fsdp2", "lora"],
+)
+def test_activation_offloading_trains_to_the_same_losses(tmp_path, config, extra):
+    """Offloading moves saved tensors and back, unchanged: the losses equal the run without it."""
+    if config.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed")
+    prepared = tmp_path / "prepared"
+    flags = ["--train.gradient_checkpointing", "true", *extra]
+    moved = train(tmp_path / "moved", prepared, config, 1, *flags, "--train.activation_offloading", "true")
+    assert moved.returncode == 0, moved.stdout[-3000:] + moved.stderr[-6000:]
+    plain = train(tmp_path / "plain", prepared, config, 1, *flags)
+    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-6000:]
+    a, b = step_losses(progress(tmp_path / "moved")), step_losses(progress(tmp_path / "plain"))
+    assert sorted(a) == [1, 2, 3, 4] and a == pytest.approx(b, rel=1e-3), (a, b)

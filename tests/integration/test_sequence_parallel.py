@@ -2,7 +2,8 @@
 DeepSpeed's UlyssesSPAttentionHF and UlyssesSPDataLoaderAdapter (ALST), registered by
 finetune.parallel.sequence, and give one process's losses:
 
-- a packed 4,096-token row of two sequences whose boundary falls inside a shard: the loss normalised over
+- a packed 4,096-token row of two sequences whose boundary falls inside a shard, for a tiny Llama and a
+  tiny Qwen2 (one launch): the loss normalised over
   the whole row and the gradients equal the whole row's on one process, and differ from the row with
   the boundary ignored (so attention across it would be seen); the planner's per-rank activation term
   is what autograd saves on a rank;
@@ -13,11 +14,14 @@ finetune.parallel.sequence, and give one process's losses:
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from finetune.plan.activations import activation_bytes
 from finetune.plan.inventory import inventory_of
@@ -32,7 +36,7 @@ from tests.integration._run import (
     step_grad_norms,
     step_losses,
 )
-from tests.integration._sp_rows import BOUNDARY, LENGTH, MODEL, packed_row
+from tests.integration._sp_rows import BOUNDARY, LENGTH, MODEL, MODEL_TYPES, packed_row, row_model
 from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.slow
@@ -46,9 +50,9 @@ def torchrun(script: Path, *args: str):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
-def whole_row(row: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def whole_row(row: dict, model_type: str = "llama") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss (sum over trained tokens / their count) and gradients of one row on one process."""
-    model = tiny_model(**MODEL)
+    model = row_model(model_type)
     count = (row["labels"][:, 1:] != -100).sum()
     loss = model(**row, use_cache=False, num_items_in_batch=count).loss
     loss.backward()
@@ -58,15 +62,19 @@ def whole_row(row: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 def test_packed_row_split_over_two_processes_matches_the_whole_row(tmp_path):
     out = tmp_path / "sp.pt"
     torchrun(REPO / "tests" / "integration" / "_sp_packed_worker.py", str(out))
-    split = torch.load(out)
+    results = torch.load(out)
     row = packed_row()
-    assert split["shard"] == LENGTH // 2 and BOUNDARY < LENGTH // 2  # the boundary is inside shard 0
-    assert split["tokens"] == int((row["labels"][:, 1:] != -100).sum())  # trained tokens of the whole row
-    loss, grads = whole_row(row)
-    assert abs(split["loss"] - loss) <= TOLERANCE * loss, (split["loss"], loss)
-    for name, grad in grads.items():
-        gap = (split["grads"][name] - grad).abs().max()
-        assert gap <= TOLERANCE * max(1.0, float(grad.abs().max())), (name, gap)
+    assert sorted(results) == sorted(MODEL_TYPES)  # a tiny Llama and a tiny Qwen2, in one launch
+    for model_type, split in results.items():
+        assert split["shard"] == LENGTH // 2 and BOUNDARY < LENGTH // 2  # the boundary is inside shard 0
+        assert split["tokens"] == int((row["labels"][:, 1:] != -100).sum())  # trained tokens of the row
+        loss, grads = whole_row(row, model_type)
+        assert abs(split["loss"] - loss) <= TOLERANCE * loss, (model_type, split["loss"], loss)
+        assert any(name.endswith("q_proj.bias") for name in grads) == (model_type == "qwen2")
+        for name, grad in grads.items():
+            gap = (split["grads"][name] - grad).abs().max()
+            assert gap <= TOLERANCE * max(1.0, float(grad.abs().max())), (model_type, name, gap)
+    split, loss = results["llama"], whole_row(row)[0]
     # The planner's activation term for one rank (its tokens, no mask, finetune.plan.parallel) against what
     # autograd saved on process 0 (measured: 0.15% under).
     inv = inventory_of(tiny_model(**MODEL))
@@ -152,6 +160,28 @@ def test_sp2_lora_matches_one_process(tmp_path, demo_prepared):
     lora = ["--lora.enable_lora", "true", "--train.max_steps", "3", "--train.save_steps", "0"]
     train(tmp_path / "sp2", demo_prepared, *lora, sp=2)
     train(tmp_path / "sp1", demo_prepared, *lora)
+    split, whole = progress(tmp_path / "sp2"), progress(tmp_path / "sp1")
+    assert sorted(step_losses(split)) == [1, 2, 3]
+    assert close(step_losses(split), step_losses(whole)), (step_losses(split), step_losses(whole))
+    assert close(step_grad_norms(split), step_grad_norms(whole))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="QLoRA needs bitsandbytes")
+def test_sp2_qlora_matches_one_process(tmp_path, demo_prepared):
+    """QLoRA (nf4, bitsandbytes' CPU kernels) under SP=2: the 4-bit base quantized alike on every process,
+    DeepSpeed's Ulysses attention around the 4-bit layers; the losses and gradient norms of one process."""
+    base = tmp_path / "base"
+    config = dict(yaml.safe_load(DEMO.read_text())["model"]["config_path"])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(config.pop("model_type"), **config)
+    ).save_pretrained(base)
+    qlora = ["--model.model_path", str(base), "--model.config_path", "null", "--lora.enable_lora", "true"]
+    qlora += ["--lora.enable_qlora", "true", "--lora.quant_type", "nf4", "--lora.modules_to_save", "[]"]
+    qlora += ["--train.max_steps", "3", "--train.save_steps", "0"]
+    train(tmp_path / "sp2", demo_prepared, *qlora, sp=2)
+    assert "- qlora" in (tmp_path / "sp2" / "README.md").read_text()  # the card of a 4-bit base's adapter
+    train(tmp_path / "sp1", demo_prepared, *qlora)
     split, whole = progress(tmp_path / "sp2"), progress(tmp_path / "sp1")
     assert sorted(step_losses(split)) == [1, 2, 3]
     assert close(step_losses(split), step_losses(whole)), (step_losses(split), step_losses(whole))

@@ -4,13 +4,16 @@ multi_cpu --train.tensor_parallel_size 2`, torchrun) split each decoder layer by
 gradient norms over 6 steps, for a tiny Llama and a tiny Qwen2, full fine-tuning and LoRA; a run resumed
 from its step-3 checkpoint (the shards through torch.distributed.checkpoint) continues exactly; the final
 folder is a plain Hugging Face one that loads in transformers (PEFT for the adapter) on one process and
-gives the one-process run's logits.
+gives the one-process run's logits. With data parallel beside it, 4 gloo processes (TP=2 x DP=2:
+transformers' FSDP2 across the two TP groups) give the losses and gradient norms of one process with the
+same global batch, and resume exactly.
 
 The one-process runs they are compared with run in this process (tests/inprocess.py).
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -155,3 +158,55 @@ def test_tp2_lora_on_row_wise_layers_is_refused_naming_the_column_wise_ones(full
     assert "beside column-wise layers" in result.stderr + result.stdout
     assert "[q_proj, k_proj, v_proj, gate_proj, up_proj]" in result.stderr + result.stdout
     assert "Traceback" not in result.stderr
+
+
+# ------------------------------------------------------------------- tensor parallel x data parallel
+
+TP_DP_STEPS = ["--train.max_steps", "4", "--train.save_steps", "2"]
+
+
+def train_2d(out: Path, prepared: Path, *args: str) -> subprocess.CompletedProcess:
+    """TP=2 x DP=2 on 4 gloo processes: micro batch 2 per data-parallel group, 4 rows a step."""
+    cmd = ["train", str(DEMO), *short_run(), *FULL, *TP_DP_STEPS, "--train.micro_batch_size", "2", *args]
+    cmd += ["--train.output_dir", str(out), "--data.dataset_prepared_path", str(prepared)]
+    cmd += ["--accelerate-config", "multi_cpu", "--num-processes", "4", "--train.tensor_parallel_size", "2"]
+    result = run([sys.executable, "-m", "finetune.cli", *cmd])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+def test_tp2_dp2_on_four_processes_matches_one_process_and_resumes_exactly(tmp_path, demo_prepared):
+    """The 2-D mesh (transformers' DistributedConfig tp_size 2, fsdp_size 2: FSDP2 across the two TP
+    groups) gives the losses and gradient norms of one process with the same global batch (micro batch 4)
+    over 4 steps, evaluates each eval row once, exports a plain folder with the same logits, and a run
+    resumed from its step-2 checkpoint (the 2-D shards through DCP) continues exactly."""
+    result = train_2d(tmp_path / "tp2dp2", demo_prepared)
+    one = tmp_path / "one"
+    cmd = ["train", str(DEMO), *short_run(), *FULL, *TP_DP_STEPS, "--train.micro_batch_size", "4"]
+    cmd += ["--train.output_dir", str(one), "--data.dataset_prepared_path", str(demo_prepared)]
+    assert cli_here(*cmd).returncode == 0
+    split_log, whole_log = progress(tmp_path / "tp2dp2"), progress(one)
+    losses = step_losses(split_log)
+    assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
+    assert close(losses, step_losses(whole_log)), (losses, step_losses(whole_log))
+    assert close(step_grad_norms(split_log), step_grad_norms(whole_log))
+    # Two data-parallel groups: the run's rate is two processes' (the two of a TP group compute together).
+    rates = [r for r in split_log if r.get("tokens_per_sec")]
+    assert rates and all(r["tokens_per_sec_total"] == pytest.approx(2 * r["tokens_per_sec"]) for r in rates)
+    (split_eval,) = [r for r in split_log if r.get("event") == "eval"]
+    (whole_eval,) = [r for r in whole_log if r.get("event") == "eval"]
+    assert split_eval["eval_tokens"] == whole_eval["eval_tokens"]
+    assert split_eval["eval_loss"] == pytest.approx(whole_eval["eval_loss"], rel=TOLERANCE)
+    assert "process 3: 4 steps" in result.stdout + result.stderr
+    assert torch.allclose(logits_of(tmp_path / "tp2dp2"), logits_of(one), atol=1e-4, rtol=0)
+
+    checkpoint = tmp_path / "tp2dp2" / "checkpoints" / "step-2"
+    assert (checkpoint / "tp_state" / ".metadata").is_file()
+    resumed = tmp_path / "resumed"
+    train_2d(resumed, demo_prepared, "--train.load_checkpoint_path", str(checkpoint))
+    again = step_losses(progress(resumed))
+    assert sorted(again) == [3, 4]
+    assert close(again, {k: losses[k] for k in again}), (again, losses)
+    norms = step_grad_norms(split_log)
+    assert close(step_grad_norms(progress(resumed)), {k: norms[k] for k in again})
+    assert torch.allclose(logits_of(resumed), logits_of(tmp_path / "tp2dp2"), atol=1e-5, rtol=0)

@@ -327,3 +327,34 @@ def test_muon_arguments_it_refuses_are_a_clear_error(args):
             eps=1e-8,
             muon_args=args,
         )
+
+
+def test_lr_by_prefix_gives_a_part_its_own_lr_that_the_schedule_scales():
+    """diffusion.text_encoder_lr: the prefixed parameters form their own decay / no-decay groups at their
+    lr; torch's AdamW and transformers' schedule treat each group's lr as its own peak."""
+    model = torch.nn.ModuleDict({"denoiser": torch.nn.Linear(4, 4), "text_encoders": torch.nn.Linear(4, 4)})
+    groups = param_groups(model, 0.1, [], {"text_encoders.": 1e-5})
+    assert [(len(g["params"]), g["weight_decay"], g.get("lr")) for g in groups] == [
+        (1, 0.1, None), (1, 0.0, None), (1, 0.1, 1e-5), (1, 0.0, 1e-5)
+    ]  # fmt: skip
+    optimizer = build_optimizer(
+        model, name="adamw", lr=1e-3, weight_decay=0.1, no_decay_params=[], betas=(0.9, 0.999), eps=1e-8,
+        lr_by_prefix={"text_encoders.": 1e-5},
+    )  # fmt: skip
+    assert optimizer.param_groups[2]["params"][0] is model["text_encoders"].weight
+    scheduler = build_scheduler(
+        optimizer, style="cosine", num_warmup_steps=2, num_training_steps=10, lr=1e-3, lr_min=0.0
+    )
+    optimizer.step()
+    scheduler.step()
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    assert lrs[0] == pytest.approx(0.5e-3) and lrs[2] == pytest.approx(0.5e-5)
+
+
+def test_lr_by_prefix_is_refused_where_the_optimizer_makes_its_own_groups():
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "text_encoders": torch.nn.Linear(4, 4)})
+    with pytest.raises(FinetuneError, match="per-part learning rates"):
+        build_optimizer(
+            model, name="muon", lr=1e-3, weight_decay=0.0, no_decay_params=[], betas=(0.9, 0.999), eps=1e-8,
+            lr_by_prefix={"text_encoders.": 1e-5},
+        )  # fmt: skip

@@ -137,22 +137,52 @@ def test_offloading_without_checkpointing_is_a_warning_not_an_error():
 
 def problems(train: dict, engine: DistributedSetup, *, cuda: bool = False, **sections) -> list[str]:
     r = recipe(train, **sections)
-    return combination_problems(engine, r.train, model_kind="llm", qlora=False, cuda_available=cuda)
+    return combination_problems(
+        engine, r.train, model_kind="llm", qlora=False, cuda_available=cuda, lora=r.lora.enable_lora
+    )
 
 
 DDP2 = DistributedSetup(kind="ddp", num_processes=2, use_cpu=True, source="multi_cpu.yaml")
 DDP4 = DistributedSetup(kind="ddp", num_processes=4, source="multi_gpu.yaml")
 
 
-def test_tensor_parallel_spans_every_process():
+DDP3 = DistributedSetup(kind="ddp", num_processes=3, use_cpu=True, source="multi_cpu.yaml")
+DDP4_CPU = DistributedSetup(kind="ddp", num_processes=4, use_cpu=True, source="multi_cpu.yaml")
+
+
+def test_tensor_parallel_size_must_divide_the_processes():
+    """TP over every process, or TP groups with data parallel across them (the 2-D mesh)."""
     assert problems({"tensor_parallel_size": 2}, DDP2) == []
-    (message,) = problems({"tensor_parallel_size": 2}, DDP4, cuda=True)
-    assert "needs 2 processes and multi_gpu.yaml runs 4" in message and "--num-processes 2" in message
+    assert problems({"tensor_parallel_size": 2}, DDP4, cuda=True) == []
+    assert problems({"tensor_parallel_size": 2}, DDP4_CPU) == []
+    (message,) = problems({"tensor_parallel_size": 2}, DDP3)
+    assert "train.tensor_parallel_size 2 does not divide the 3 processes of multi_cpu.yaml" in message
+    assert "use a divisor of 3 (1, 3) or --num-processes a multiple of 2" in message
 
 
-def test_tensor_parallel_runs_on_the_ddp_launcher_only():
-    zero3 = DistributedSetup(kind="deepspeed", num_processes=2, zero_stage=3, source="zero3.yaml")
-    found = problems({"tensor_parallel_size": 2}, zero3, cuda=True)
+def test_lora_under_tensor_and_data_parallel_is_refused_naming_what_works():
+    """transformers wraps a TP model with data parallel beside it in its own FSDP2 at load; PEFT's adapters,
+    added after, stay outside it (the forward fails, measured). TP over every process takes LoRA."""
+    lora = {"lora_target_modules": ["q_proj"]}
+    assert problems({"tensor_parallel_size": 2}, DDP2, lora={"enable_lora": True, **lora}) == []
+    (message,) = problems({"tensor_parallel_size": 2}, DDP4_CPU, lora={"enable_lora": True, **lora})
+    assert "runs data parallel across 2 tensor-parallel groups" in message
+    assert "--num-processes 2" in message and "lora.enable_lora: false" in message
+    assert problems({"tensor_parallel_size": 2}, DDP4_CPU, lora={"enable_lora": False}) == []
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        DistributedSetup(kind="deepspeed", num_processes=2, zero_stage=3, source="zero3.yaml"),
+        DistributedSetup(kind="fsdp", num_processes=4, source="fsdp2.yaml"),
+    ],
+    ids=["zero3", "fsdp2"],
+)
+def test_tensor_parallel_runs_on_the_ddp_launcher_only(engine):
+    """Under ZeRO or Accelerate's FSDP the split weights would be sharded a second time; data parallel
+    beside TP comes from transformers' own FSDP2 on the DDP launcher."""
+    found = problems({"tensor_parallel_size": 2}, engine, cuda=True)
     assert any("use multi_gpu (multi_cpu on CPU)" in line for line in found)
 
 

@@ -72,6 +72,23 @@ def test_tensor_parallel_divides_the_planned_weights_and_their_states():
     assert split["logits + loss"].gpu_bytes == whole["logits + loss"].gpu_bytes  # the head gathers them
 
 
+def test_tensor_parallel_with_data_parallel_shards_the_states_over_the_groups():
+    """TP=2 on 8 processes: transformers' FSDP2 shards each rank's TP shards over the 4 groups (weights,
+    gradients, optimizer states / 4) and gathers one unit at a time (FSDP2's working set, TP-split)."""
+    tp = recipe({"tensor_parallel_size": 2})
+    alone, beside = parts(tp, DistributedSetup("ddp", num_processes=2)), parts(tp, DDP8)
+    for name in ("weights", "gradients", "optimizer states"):
+        assert beside[name].gpu_bytes == pytest.approx(alone[name].gpu_bytes / 4)
+        assert "FSDP2 across the TP groups" in beside[name].note
+    assert "gathered params" in beside and "gathered params" not in alone
+    inv = inspect_model(tp.model)
+    whole = parts(recipe({"loss_chunk_size": 0}), FSDP8)["gathered params"].gpu_bytes
+    share = planned_fraction(inv)
+    # transformers' FSDP2 has no mixed-precision policy by default (DistributedConfig
+    # fsdp_mixed_precision False): it gathers the fp32 weights, where Accelerate's under bf16 gathers bf16.
+    assert beside["gathered params"].gpu_bytes == pytest.approx(2 * whole * (1 - share + share / 2))
+
+
 def test_tensor_view_divides_heads_and_columns():
     inv = inspect_model(recipe().model)
     view = tensor_view(inv, Split(tensor=4))

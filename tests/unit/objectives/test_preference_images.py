@@ -359,7 +359,7 @@ def test_precomputed_reference_log_probs_see_the_images(tmp_path, processor, pai
             )
 
 
-def test_vision_language_recipes_take_the_offline_preference_objectives_and_refuse_online_rl():
+def test_vision_language_recipes_take_the_preference_objectives_and_online_rl_and_refuse_the_reward_model():
     from pydantic import ValidationError
 
     from finetune.recipe import Recipe
@@ -377,10 +377,16 @@ def test_vision_language_recipes_take_the_offline_preference_objectives_and_refu
         assert validate_recipe(recipe(name)).data.sample_packing is False
     # kto too, unpacked: its KL rows are built over the split (finetune.data.batching.vision).
     assert validate_recipe(recipe("kto", "kto")).data.sample_packing is False
+    # online RL on prompts with images (tests/unit/objectives/test_online_images.py)
+    online = recipe("grpo", "prompt") | {"grpo": {"num_generations": 2, "rewards": [{"name": "length"}]}}
+    online["train"] |= {"micro_batch_size": 2}
+    assert validate_recipe(online).grpo.num_generations == 2
     with pytest.raises(ValidationError) as info:
-        validate_recipe(recipe("grpo", "prompt"))
+        validate_recipe(recipe("reward"))
     message = format_validation_error(info.value, Recipe)
-    assert "train.objective" in message and "train with sft, dpo, ipo, simpo, orpo or kto" in message
+    assert (
+        "train.objective" in message and "train with sft, dpo, ipo, simpo, orpo, kto or an online" in message
+    )
     with pytest.raises(ValidationError) as info:
         validate_recipe(
             {

@@ -110,6 +110,18 @@ def test_image_sources_need_diffusion_kind_and_the_section_needs_it_too(tmp_path
         ({"data": {"push_dataset_to_hub": "me/x"}}, "data.push_dataset_to_hub", "not supported yet"),
         ({"diffusion": {"snr_gamma": 0}}, "diffusion.snr_gamma", "greater than 0"),
         (
+            {"diffusion": {"train_text_encoder": True, "adapter": "lokr"}},
+            "diffusion.train_text_encoder",
+            "adapter lokr does not write",
+        ),
+        ({"diffusion": {"text_encoder_lr": 1e-5}}, "diffusion.text_encoder_lr", "without train_text_encoder"),
+        (
+            {"diffusion": {"adapter": "full"}, "model": {"torch_dtype": "bf16"}},
+            "model.torch_dtype",
+            "keeps the trained denoiser in fp32",
+        ),
+        ({"diffusion": {"adapter": "dora"}}, "diffusion.adapter", "'lora', 'lokr', 'loha' or 'full'"),
+        (
             {"diffusion": {"prediction_type": "flow"}},
             "diffusion.prediction_type",
             "'epsilon', 'v_prediction' or 'flow_matching'",
@@ -132,3 +144,18 @@ def test_overrides_reach_the_diffusion_section(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(BASE))
     recipe = load_recipe(path, ["--diffusion.snr_gamma", "5", "--diffusion.validation_prompts", "[a, b]"])
     assert recipe.diffusion.snr_gamma == 5.0 and recipe.diffusion.validation_prompts == ["a", "b"]
+
+
+def test_training_modes_resolve() -> None:
+    recipe = validate_recipe(with_changes(diffusion={"train_text_encoder": True, "text_encoder_lr": 5e-6}))
+    assert recipe.diffusion.adapter == "lora" and recipe.diffusion.text_encoder_lr == 5e-6
+    full = validate_recipe(with_changes(diffusion={"adapter": "full", "use_ema": True}))
+    assert full.diffusion.adapter == "full" and full.diffusion.use_ema
+
+
+def test_lora_sizes_with_full_finetuning_are_warnings() -> None:
+    recipe = validate_recipe(with_changes(diffusion={"adapter": "full"}, lora={"lora_rank": 8}))
+    assert any(
+        path == "lora.lora_rank" and "diffusion.adapter: full" in reason
+        for path, _, reason in recipe._warnings()
+    )

@@ -441,3 +441,19 @@ def test_an_override_of_another_types_field_names_the_flag(tmp_path: Path) -> No
     # A field no type has is refused as an override, with a did-you-mean over every type's fields.
     with pytest.raises(RecipeError, match=r"did you mean 'data\.datasets\.0\.field_chosen'\?"):
         load_recipe(write(tmp_path, MINIMAL), ["--data.datasets.0.field_chosn", "c"])
+
+
+def test_lm_eval_data_files_for_a_task_not_run_is_named(tmp_path: Path):
+    raw = {
+        "model": {"model_path": "org/base"},
+        "data": {"datasets": [{"path": "a.jsonl", "type": "alpaca"}]},
+        "train": {"output_dir": "out"},
+        "eval": {"lm_eval": {"tasks": ["gsm8k"], "data_files": {"gsm8kk": {"test": "t.jsonl"}}}},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(RecipeError, match=r"eval\.lm_eval\.data_files(.|\n)*gsm8kk(.|\n)*no such task"):
+        load_recipe(path)
+    raw["eval"]["lm_eval"]["data_files"] = {"gsm8k": {"test": "t.jsonl"}}
+    path.write_text(yaml.safe_dump(raw))
+    assert load_recipe(path).eval.lm_eval.data_files == {"gsm8k": {"test": "t.jsonl"}}

@@ -179,3 +179,19 @@ def test_a_run_whose_loss_reached_the_largest_floats_still_gets_its_page(tmp_pat
     (run / "recipe.resolved.yaml").write_text("train:\n  objective: sft\n")
     assert main(["report", str(run), "--output", str(tmp_path / "page.html")]) == 0
     assert "<svg" in (tmp_path / "page.html").read_text()
+
+
+def test_lm_eval_benchmarks_are_in_the_eval_table(tmp_path):
+    run = write_run(tmp_path / "bench", sft_records(2))
+    metrics = {"base": (0.25, 0.0791), "tuned": (0.5, 0.0913)}
+    (run / "eval.json").write_text(json.dumps({
+        "models": {"base": "b", "tuned": str(run)},
+        "results": {
+            name: {"generation": {}, "lm_eval": {"lm_eval_version": "0.4.13", "tasks": {"gsm8k": {
+                "n": 30, "n_shot": 0, "metrics": {"exact_match,strict-match": {"value": v, "stderr": se}}}}}}
+            for name, (v, se) in metrics.items()
+        },
+    }))  # fmt: skip
+    page = render(tmp_path, run)
+    assert "lm-eval gsm8k exact_match,strict-match (n=30)" in page
+    assert "0.2500 ± 0.0791" in page and "0.5000 ± 0.0913" in page

@@ -25,6 +25,7 @@ PINNED = {
     "tiny_sft_stream_cpu.yaml": ("1c9adb602626b907", "57ea59dd10261b44"),
     "tiny_vlm_cpu.yaml": ("19e6f86afb0bce94", "6ceb58aa20fc8e94"),
     "tiny_vlm_dpo_cpu.yaml": ("afb53e8e723e52ac", "0017fede09df8a72"),
+    "tiny_vlm_grpo_cpu.yaml": ("caed553609236417", "550ca9379ae8c4c6"),
     "tiny_vlm_kto_cpu.yaml": ("4c22a312ef53dfd4", "a8e0f8786229e67b"),
 }
 
