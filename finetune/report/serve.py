@@ -27,6 +27,7 @@ import ipaddress
 import secrets
 import shutil
 import socket
+import signal
 import threading
 import time
 from html import escape
@@ -265,6 +266,11 @@ def serve_report(output_dirs: list[str], host: str = DEFAULT_HOST, port: int = D
         )
     print(f"serving the report of {len(server.paths)} run(s) at {server.url} (updates as they log; "
           "Ctrl-C stops)", flush=True)  # fmt: skip
+    # Python leaves SIGINT ignored when the process started with it ignored (a background job of a
+    # non-interactive shell, nohup): Ctrl-C / kill -INT would then never stop the server. Say it
+    # explicitly, as the training loop does (engine.loop.StopFlag); SIGTERM stops it the same way.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -116,13 +116,19 @@ def test_the_live_page_follows_a_training_run_in_chromium(tmp_path, record_prope
     assert colors is not None and len(colors) > 50  # text and charts drawn, not a blank page
 
 
-def test_ctrl_c_stops_the_server_cleanly(tmp_path):
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_ctrl_c_stops_the_server_cleanly(tmp_path, inherited):
+    """Also when started with SIGINT ignored, as a background job of a non-interactive shell (or nohup)
+    starts it: Python would then leave SIGINT ignored (CI ran the suite that way and the server never
+    stopped)."""
+    ignore = signal.SIG_IGN if inherited == "ignored" else signal.SIG_DFL
     run = tmp_path / "run"
     run.mkdir()
     (run / "progress.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     server = subprocess.Popen(
         [sys.executable, "-m", "finetune.cli", "report", str(run), "--serve", "--port", "0"],
         cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, ignore),
     )  # fmt: skip
     try:
         line = server.stdout.readline()
