@@ -26,8 +26,8 @@ import errno
 import ipaddress
 import secrets
 import shutil
-import socket
 import signal
+import socket
 import threading
 import time
 from html import escape

@@ -118,7 +118,9 @@ def tok():
 
 def test_shipped_files_are_small():
     total = sum(p.stat().st_size for d in ("data", "tokenizer") for p in (DEMO / d).rglob("*") if p.is_file())
-    assert total < 1_000_000
+    # The budget of every demo's data and tokenizer together: 1 MB until the GRPO-on-images demo's prompt
+    # files (57 kB: 540 one-line prompts naming images the other VLM demos already ship) came in.
+    assert total < 1_100_000
     assert sum(p.stat().st_size for p in TOKENIZER_DIR.rglob("*") if p.is_file()) < 300_000
 
 

@@ -108,7 +108,7 @@ def test_packing_is_refused_with_its_reason_and_off_by_default():
 
 def test_what_vision_language_recipes_cannot_do_yet_is_refused_with_the_reason():
     recipe = _recipe()
-    recipe["train"]["objective"] = "grpo"  # online RL: not for vision-language models yet
+    recipe["train"]["objective"] = "reward"  # a sequence-classification head: not for vision-language models
     with pytest.raises(ValidationError) as info:
         validate_recipe(recipe)
     message = format_validation_error(info.value, Recipe)
