@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from finetune.diffusion.model import attach_adapter
 from finetune.errors import FinetuneError
 
 PEFT_ADAPTERS = ("lokr", "loha")
@@ -36,23 +37,12 @@ def add_peft_adapter(
     """Freeze the denoiser, add a LoKr or LoHa adapter (lora.lora_dropout as its rank_dropout), keep its
     weights in fp32; returns the number of trainable parameters. PEFT's default init: the adapter starts
     as a no-op (LoKr's w2 / LoHa's hada_w1_b at zero)."""
-    from diffusers.training_utils import cast_training_params
     from peft import LoHaConfig, LoKrConfig
 
     cls = {"lokr": LoKrConfig, "loha": LoHaConfig}[kind]
     denoiser.requires_grad_(False)
     config = cls(r=rank, alpha=alpha, rank_dropout=dropout, target_modules=targets)
-    try:
-        denoiser.add_adapter(config)
-    except ValueError as exc:
-        raise FinetuneError(f"lora.lora_target_modules: {exc}") from exc
-    cast_training_params(denoiser, dtype=torch.float32)
-    if gradient_checkpointing:
-        denoiser.enable_gradient_checkpointing()
-    trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
-    if trainable == 0:
-        raise FinetuneError(f"lora.lora_target_modules: {targets} matched no module of the denoiser")
-    return trainable
+    return attach_adapter(denoiser, config, targets, gradient_checkpointing, "the denoiser")
 
 
 def save_peft_adapter(denoiser: torch.nn.Module, folder: str | Path) -> Path:

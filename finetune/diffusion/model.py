@@ -396,7 +396,6 @@ def add_lora(
     Returns the number of trainable parameters. fp32 LoRA weights are what fp16 loss scaling needs
     (GradScaler refuses fp16 gradients) and keep bf16 updates from rounding away.
     """
-    from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
 
     unet.requires_grad_(False)
@@ -407,16 +406,28 @@ def add_lora(
         init_lora_weights="gaussian",
         target_modules=lora_target_names(unet, targets),
     )
+    return attach_adapter(unet, config, targets, gradient_checkpointing, "the UNet")
+
+
+def attach_adapter(
+    denoiser: torch.nn.Module, config, targets, gradient_checkpointing: bool, what: str
+) -> int:
+    """Add a PEFT adapter `config` to a frozen denoiser (diffusers' PEFT integration), its weights in
+    fp32, gradient checkpointing if asked; returns the number of trainable parameters. `what` names the
+    denoiser in the error when `targets` matched nothing. LoRA (add_lora) and LoKr/LoHa
+    (diffusion.adapters) share it."""
+    from diffusers.training_utils import cast_training_params
+
     try:
-        unet.add_adapter(config)
+        denoiser.add_adapter(config)
     except ValueError as exc:
         raise FinetuneError(f"lora.lora_target_modules: {exc}") from exc
-    cast_training_params(unet, dtype=torch.float32)
+    cast_training_params(denoiser, dtype=torch.float32)
     if gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
-    trainable = sum(p.numel() for p in unet.parameters() if p.requires_grad)
+        denoiser.enable_gradient_checkpointing()
+    trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
     if trainable == 0:
-        raise FinetuneError(f"lora.lora_target_modules: {targets} matched no module of the UNet")
+        raise FinetuneError(f"lora.lora_target_modules: {targets} matched no module of {what}")
     return trainable
 
 
