@@ -57,11 +57,15 @@ Not matched (each tool's own design, measured as it is):
   from its own seeded generator, one torch.multinomial per completion per token, so a resumed run
   samples the same completions; TRL uses transformers' sampling (one draw for the batch, the global
   RNG). Both use transformers' generate with the KV cache on the training (PEFT) model, unmerged;
-* the training layout: finetune packs a micro-batch's completions into one row without padding
-  (position_ids restart per sequence) and computes logits over the whole row; TRL pads
+* the training layout: finetune packs a micro-batch's completions into one row without padding, each
+  prompt once with its completions after it (grpo.share_prompts: a tree-shaped attention mask; the
+  `finetune-copied` tool turns it off: a prompt copy per completion, position_ids restarting per
+  sequence), and projects only the completion positions on the vocabulary (logits_to_keep); TRL pads
   prompt + completion per completion (left-padded prompts, right-padded completions, attention mask)
   and keeps only the completion positions' logits (logits_to_keep), and also computes each token's
   entropy (for its logs);
+* the prompt forward of generation: finetune's transformers backend computes each prompt's KV cache
+  once and repeats it for the prompt's completions; TRL's generate call runs every completion's prompt;
 * bookkeeping: finetune logs its rollout statistics; TRL gathers its metrics; both log every step,
   and both steps leave their logging time out.
 Not covered: GPUs and vLLM generation (the issue asks for them when a GPU is lent).
@@ -191,7 +195,9 @@ def write_prompts(args, folder: Path, work: Path) -> tuple[Path, Path, float]:
 # --------------------------------------------------------------------------------------- finetune
 
 
-def finetune_recipe(args, folder: Path, data: Path, out: Path, *, merged: bool = False) -> dict:
+def finetune_recipe(
+    args, folder: Path, data: Path, out: Path, *, merged: bool = False, share_prompts: bool = True
+) -> dict:
     return {
         "model": {"model_path": str(folder), "torch_dtype": "fp32", "attn_implementation": "sdpa"},
         "data": {
@@ -243,6 +249,7 @@ def finetune_recipe(args, folder: Path, data: Path, out: Path, *, merged: bool =
             "generation_batch_size": args.prompts_per_step,  # one generate call per step, as TRL
             "log_completions": 0,
             "merged_generation": merged,  # LoRA merged for each generate call (off by default)
+            "share_prompts": share_prompts,  # each prompt once per micro-batch (the default)
             "rewards": [{"function": f"{Path(__file__).resolve()}:exact_match_reward"}],
         },
         "lora": {
@@ -255,14 +262,14 @@ def finetune_recipe(args, folder: Path, data: Path, out: Path, *, merged: bool =
     }
 
 
-def run_finetune(args, folder: Path, data: Path, work: Path, index: int, *, merged: bool = False) -> dict:
+def run_finetune(args, folder: Path, data: Path, work: Path, index: int, *, name: str = "finetune") -> dict:
     import yaml
 
-    name = "finetune-merged" if merged else "finetune"
+    merged, share_prompts = name == "finetune-merged", name != "finetune-copied"
     out = work / f"{name}-{index}"
     shutil.rmtree(out, ignore_errors=True)
     path = work / f"{name}-{index}.yaml"
-    recipe = finetune_recipe(args, folder, data, out, merged=merged)
+    recipe = finetune_recipe(args, folder, data, out, merged=merged, share_prompts=share_prompts)
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     # Prepare first, so the timed run only trains (cached after the first run).
     _run(
@@ -485,6 +492,7 @@ def print_report(args, runs: dict[str, list[dict]], prompt_tokens: float) -> dic
     names = {
         "finetune": "finetune",
         "finetune-merged": "finetune, grpo.merged_generation true",
+        "finetune-copied": "finetune, grpo.share_prompts false",
         "trl": "TRL GRPOTrainer",
     }
     median = {tool: medians(done) for tool, done in runs.items()}
@@ -533,9 +541,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tools",
         nargs="+",
-        choices=["finetune", "finetune-merged", "trl"],
+        choices=["finetune", "finetune-merged", "finetune-copied", "trl"],
         default=["finetune", "trl"],
-        help="finetune-merged: finetune with grpo.merged_generation true (LoRA merged for each generate call)",
+        help="finetune-merged: finetune with grpo.merged_generation true (LoRA merged for each generate call); "
+        "finetune-copied: finetune with grpo.share_prompts false (a prompt copy per completion in training)",
     )
     parser.add_argument("--steps", type=int, help="optimizer steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the means")
@@ -581,7 +590,7 @@ def main() -> None:
 
     def run(tool: str, index: int) -> dict:
         if tool.startswith("finetune"):
-            return run_finetune(args, folder, ours, work, index, merged=tool == "finetune-merged")
+            return run_finetune(args, folder, ours, work, index, name=tool)
         return run_trl(args, folder, theirs, work, index)
 
     def describe(result: dict) -> str:

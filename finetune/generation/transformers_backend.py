@@ -22,9 +22,14 @@ from typing import Any
 
 import torch
 from transformers import LogitsProcessor
+from transformers.generation import utils as generation_utils
 
 from finetune.generation.prompts import pictures_of, stop_token_ids
 from finetune.generation.protocol import Completion, SamplingParams
+from finetune.model.forward import base_model, keeps_logits
+
+# generate's name for a cache handed in: `cache` from transformers 5.2x on (past_key_values deprecated)
+CACHE_KWARG = "cache" if "cache" in getattr(generation_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
 
 
 class TransformersBackend:
@@ -225,6 +230,9 @@ def generate_ids(
     with eval_mode(model):
         for batch in tqdm(batches, desc="generating", unit="batch", disable=not progress):
             rows = [prompts[k] for k in batch for _ in range(num_return_sequences)]
+            # Each prompt's KV cache computed once for its completions where nothing else differs per row
+            # (a vision-language prompt's pixels go through generate's own first step).
+            repeats = num_return_sequences if processor is None and not synced_processes else 1
             extra = {}
             if sampling:
                 generators = [
@@ -241,7 +249,14 @@ def generate_ids(
                 ]
             if stop_patterns:  # inline tools: a row pauses where its text ends with a trigger's match
                 extra["stopping_criteria"] = [pattern_stop(tokenizer, stop_patterns, rows, stops)]
-            new_ids = generate_batch(model, rows, {**kwargs, **extra}, processor=processor, pictures=pictures)
+            new_ids = generate_batch(
+                model,
+                rows[::repeats],
+                {**kwargs, **extra},
+                processor=processor,
+                pictures=pictures,
+                repeats=repeats,
+            )
             paused = extra["stopping_criteria"][0].stopped_at if stop_patterns else {}
             for r, row in enumerate(new_ids.tolist()):
                 end = next((t for t, token in enumerate(row) if token in stops), None)
@@ -262,10 +277,17 @@ def pattern_stop(tokenizer, patterns: Sequence[str], rows: list[list[int]], stop
 
 
 def generate_batch(
-    model, batch: list[list[int]], kwargs: dict[str, Any], *, processor=None, pictures=None
+    model, batch: list[list[int]], kwargs: dict[str, Any], *, processor=None, pictures=None, repeats: int = 1
 ) -> torch.Tensor:
-    """The generated ids (batch x new tokens) of left-padded prompts; with a vision-language model's
-    `processor`, `pictures` holds each row's PIL images (finetune.data.batching.vision.image_inputs)."""
+    """The generated ids ((batch x repeats) x new tokens) of left-padded prompts, each row repeated `repeats`
+    times in place (a prompt's completions); with a vision-language model's `processor`, `pictures` holds
+    each row's PIL images (finetune.data.batching.vision.image_inputs).
+
+    With repeats > 1 the prompts' KV cache is computed once per distinct prompt, then repeated for its
+    completions and handed to `generate`, which runs only the prompts' last token and the new ones: the
+    prompt's tokens go through the model once instead of once per completion. generate's positions for
+    left-padded rows (transformers: the attention mask's running count) are the ones the cache was
+    made with, so the completions are the ones of a full prefill (tested equal, greedy and sampled)."""
     width = max(len(ids) for ids in batch)
     pad = kwargs["pad_token_id"]
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])
@@ -276,8 +298,33 @@ def generate_batch(
 
         inputs |= image_inputs(processor, pictures, input_ids)
     device = _device(model)
-    out = model.generate(**{k: _on(v, device, model) for k, v in inputs.items()}, **kwargs)
+    inputs = {k: _on(v, device, model) for k, v in inputs.items()}
+    if repeats > 1 and width > 1 and keeps_logits(model):
+        inputs[CACHE_KWARG] = _prompt_cache(model, inputs["input_ids"], inputs["attention_mask"], repeats)
+    if repeats > 1:
+        inputs["input_ids"] = inputs["input_ids"].repeat_interleave(repeats, dim=0)
+        inputs["attention_mask"] = inputs["attention_mask"].repeat_interleave(repeats, dim=0)
+    out = model.generate(**inputs, **kwargs)
     return out[:, width:].cpu()
+
+
+def _prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, repeats: int):
+    """The KV cache of every prompt token but the last (left-padded rows, positions counted over the
+    attention mask as generate counts them), each row's repeated `repeats` times in place."""
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    # The forward generate runs: PEFT's generate calls the transformers model under it (adapters
+    # injected), not the PEFT model's forward (which Accelerate may have wrapped in autocast).
+    out = base_model(model)(
+        input_ids=input_ids[:, :-1],
+        attention_mask=attention_mask[:, :-1],
+        position_ids=positions[:, :-1],
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    # transformers >= 5.2x names it cache (reading past_key_values there warns)
+    cache = out["cache"] if "cache" in out else out.past_key_values  # noqa: SIM401
+    cache.batch_repeat_interleave(repeats)
+    return cache
 
 
 def stream_answer(

@@ -115,6 +115,16 @@ def _row_chunks(logits: torch.Tensor) -> list[slice]:
     return [slice(start, start + rows) for start in range(0, logits.shape[0], rows)]
 
 
+def label_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[label] of each row of `logits` (N x V) and its label (N), in float32 (float64 for
+    float64 logits), without keeping a log-softmax copy of the logits for backward (`_LabelLogProb`).
+
+    >>> label_logps(torch.zeros(2, 4), torch.tensor([0, 3])).exp()
+    tensor([0.2500, 0.2500])
+    """
+    return _LabelLogProb.apply(logits, labels)
+
+
 def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Log-probability of each label under the causal LM's logits, aligned with `labels`.
 

@@ -303,6 +303,7 @@ class OnlineObjective:
             mask_truncated=settings.mask_truncated_completions,
             sampling_logps=self._sampling_logps(completions),
             own=[getattr(c, "own", None) for c in completions],
+            share_prompts=self._share_prompts(),
         )
         if self.processor is not None:  # each micro-batch's pixels: its sequences' prompts' images
             per_prompt = ro.prompt_images(prompts) or [[] for _ in prompts]
@@ -311,10 +312,7 @@ class OnlineObjective:
             sampler = backend.model
             with eval_mode(sampler):
                 for batch in batches:
-                    inputs = {
-                        k: v.to(self.accelerator.device)
-                        for k, v in {**ro.model_inputs(batch), "labels": batch["labels"]}.items()
-                    }
+                    inputs = ro.logp_inputs(batch, self.accelerator.device)
                     batch["old_logps"] = self._token_logps(sampler, inputs).cpu()
         return {
             "batches": batches,
@@ -333,6 +331,12 @@ class OnlineObjective:
             if tools
             else [],
         }
+
+    def _share_prompts(self) -> bool:
+        """grpo.share_prompts where the model's attention takes the tree mask (rollout.shares_prompts);
+        a vision-language model's rows keep a prompt copy (and its pixels) per completion."""
+        model = getattr(self, "model", None)  # None before on_prepared (and in unit tests without a build)
+        return self.settings.share_prompts and self.processor is None and ro.shares_prompts(model)
 
     def _sampling_logps(self, completions) -> list[list[float]] | None:
         """The engine's sampling log-probs, kept for the importance-sampling correction (vLLM); None
@@ -373,9 +377,7 @@ class OnlineObjective:
         if settings.beta == 0 and not old_needed:
             return
         for batch in batches:
-            inputs = {
-                k: v.to(acc.device) for k, v in {**ro.model_inputs(batch), "labels": batch["labels"]}.items()
-            }
+            inputs = ro.logp_inputs(batch, acc.device)
             if old_needed:
                 with torch.no_grad():
                     batch["old_logps"] = self._token_logps(model, inputs).detach().cpu()

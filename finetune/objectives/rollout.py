@@ -9,10 +9,12 @@ One step's rollout, in the order the objective runs it:
 2. `score`: the rewards (finetune.generation.rewards) of every completion, and their weighted total;
 3. advantages: an estimator of finetune.losses.policy_gradient (`ESTIMATORS`) on the totals;
 4. `pack_completions`: the window's micro-batches, each one padding-free packed row with per-token
-   advantages and the completion each token belongs to; a vision-language model's prompts' images go
-   with them (`add_pixels`: each row's pixels, its sequences' images in order);
+   advantages and the completion each token belongs to, a group's prompt once with its completions after
+   it where the attention takes a tree mask (grpo.share_prompts, `shares_prompts`); a vision-language
+   model's prompts' images go with them (`add_pixels`: each row's pixels, its sequences' images in order);
 5. `token_logps_at`: log-probs of every trained token of a packed row (the reference's, the sampling
-   policy's), without gradient, before any update on the rollout.
+   policy's), without gradient, before any update on the rollout; only the positions that predict a
+   completion token go through the output layer.
 
 Around it: the prompts' loader (`prompt_loader`), the rewards of a recipe (`rewards_for`), the
 held-out rewards of greedy completions (`eval_rewards`), the logged figures (`rollout_fields`), and
@@ -34,7 +36,8 @@ from finetune.generation.protocol import Completion, GenerationBackend, Sampling
 from finetune.generation.rewards import build_rewards, score_rewards
 from finetune.generation.tools import completion_text, environment_reward, with_environment_rewards
 from finetune.losses.causal_lm import forward
-from finetune.losses.preference import token_logps
+from finetune.losses.preference import label_logps, token_logps
+from finetune.model.forward import attention_implementation, keeps_logits
 
 
 def completion_seed(seed: int, step: int, row: int, index: int) -> int:
@@ -98,6 +101,7 @@ def pack_completions(
     mask_truncated: bool = False,
     sampling_logps: list[list[float]] | None = None,
     own: Sequence[list[bool] | None] | None = None,
+    share_prompts: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Micro-batches of `per_batch` (prompt ids, completion ids, finished, advantage) sequences, each
     one packed row: position_ids restart at every sequence, labels are the completion tokens (-100 on
@@ -110,28 +114,62 @@ def pack_completions(
     their place in the row but get label -100 and no completion index, so no loss and no log-prob of the
     ratio covers them.
 
+    Every row also says where each completion token's logits come from (`logit_source`: the row position
+    whose output predicts it, -1 elsewhere), so the log-prob passes project only those positions on the
+    vocabulary (`token_logps_at`). With `share_prompts`, a sequence whose prompt equals the one before it
+    in the micro-batch (a group's completions) does not repeat it: its completion follows the others, at
+    the positions it would have after its prompt, and attends to the prompt's one copy through a
+    tree-shaped mask (`segment`: each token's span; `segment_prompt`: the span of its prompt, which it
+    also sees; `tree_mask`). The log-probs are the ones of a copy per sequence, for fewer tokens through
+    the model.
+
     >>> b = pack_completions([([1, 2], [3, 4], True, 0.5), ([1], [5], False, -1.0)], per_batch=2, pad_token_id=0)
     >>> b[0]["labels"].tolist(), b[0]["seq_index"].tolist(), b[0]["position_ids"].tolist()
     ([[-100, -100, 3, 4, -100, 5]], [[-1, -1, 0, 0, -1, 1]], [[0, 1, 2, 3, 0, 1]])
+    >>> b[0]["logit_source"].tolist()
+    [[-1, -1, 1, 2, -1, 4]]
+    >>> s = pack_completions([([1, 2], [3, 4], True, 0.5), ([1, 2], [5], True, -1.0)], per_batch=2, pad_token_id=0,
+    ...                      share_prompts=True)[0]
+    >>> s["input_ids"].tolist(), s["position_ids"].tolist(), s["logit_source"].tolist()
+    ([[1, 2, 3, 4, 5]], [[0, 1, 2, 3, 2]], [[-1, -1, 1, 2, 1]])
+    >>> s["segment"].tolist(), s["segment_prompt"].tolist()
+    ([[0, 0, 1, 1, 2]], [[0, 0, 0, 0, 0]])
     """
     batches = []
     for start in range(0, len(sequences), per_batch):
         ids, labels, positions, advantages, owners, sampled = [], [], [], [], [], []
+        sources, segments, segment_prompts = [], [], []
         prompt_tokens = completion_tokens = 0
         chunk = sequences[start : start + per_batch]
+        shared = None  # (prompt ids, its segment, the row position of its last token) when sharing
         for k, (prompt, completion, finished, advantage) in enumerate(chunk):
-            if sampling_logps is not None:
-                sampled += [math.nan] * len(prompt) + list(sampling_logps[start + k])
             trained = finished or not mask_truncated
             mine = (own[start + k] if own is not None else None) or [True] * len(completion)
-            ids += prompt + completion
-            labels += [IGNORE_INDEX] * len(prompt) + [
-                t if trained and m else IGNORE_INDEX for t, m in zip(completion, mine, strict=True)
-            ]
-            positions += list(range(len(prompt) + len(completion)))
-            advantages += [0.0] * len(prompt) + [advantage if m else 0.0 for m in mine]
-            owners += [-1] * len(prompt) + [k if trained and m else -1 for m in mine]
-            prompt_tokens += len(prompt)
+            if not (share_prompts and shared is not None and shared[0] == prompt):
+                segment = len(segments) and segments[-1] + 1
+                shared = (prompt, segment, len(ids) + len(prompt) - 1)
+                ids += prompt
+                labels += [IGNORE_INDEX] * len(prompt)
+                positions += list(range(len(prompt)))
+                advantages += [0.0] * len(prompt)
+                owners += [-1] * len(prompt)
+                sources += [-1] * len(prompt)
+                segments += [segment] * len(prompt)
+                segment_prompts += [segment] * len(prompt)
+                if sampling_logps is not None:
+                    sampled += [math.nan] * len(prompt)
+                prompt_tokens += len(prompt)
+            if sampling_logps is not None:
+                sampled += list(sampling_logps[start + k])
+            first = len(ids)
+            ids += completion
+            labels += [t if trained and m else IGNORE_INDEX for t, m in zip(completion, mine, strict=True)]
+            positions += list(range(len(prompt), len(prompt) + len(completion)))
+            advantages += [advantage if m else 0.0 for m in mine]
+            owners += [k if trained and m else -1 for m in mine]
+            sources += [shared[2], *range(first, first + len(completion) - 1)][: len(completion)]
+            segments += [segments[-1] + 1] * len(completion)
+            segment_prompts += [shared[1]] * len(completion)
             completion_tokens += len(completion)
         pad = -len(ids) % pad_to_multiple_of
         ids += [pad_token_id] * pad
@@ -139,6 +177,9 @@ def pack_completions(
         positions += list(range(pad))
         advantages += [0.0] * pad
         owners += [-1] * pad
+        sources += [-1] * pad
+        segments += [(segments[-1] + 1) if segments else 0] * pad
+        segment_prompts += segments[len(segment_prompts) :]
         batch = {
             "input_ids": torch.tensor([ids]),
             "labels": torch.tensor([labels]),
@@ -148,7 +189,13 @@ def pack_completions(
             "num_sequences": torch.tensor([len(chunk)]),
             "prompt_tokens": torch.tensor([prompt_tokens]),
             "completion_tokens": torch.tensor([completion_tokens]),
+            "logit_source": torch.tensor([sources]),
         }
+        if share_prompts:
+            batch["segment"], batch["segment_prompt"] = (
+                torch.tensor([segments]),
+                torch.tensor([segment_prompts]),
+            )
         batch["old_logps"] = torch.zeros_like(batch["advantages"])
         batch["ref_logps"] = torch.zeros_like(batch["advantages"])
         if sampling_logps is not None:
@@ -161,7 +208,7 @@ def pack_completions(
 # input_ids, position_ids and the pixels of `add_pixels`, goes to the model's forward: `model_inputs`).
 ROLLOUT_KEYS = frozenset(
     ("labels", "advantages", "seq_index", "num_sequences", "prompt_tokens", "completion_tokens", "old_logps",
-     "ref_logps", "sampling_logps")
+     "ref_logps", "sampling_logps", "logit_source", "segment", "segment_prompt")
 )  # fmt: skip
 
 
@@ -174,6 +221,22 @@ def model_inputs(batch: dict) -> dict:
     ['input_ids', 'position_ids']
     """
     return {k: v for k, v in batch.items() if k not in ROLLOUT_KEYS}
+
+
+# The keys of a micro-batch that `token_logps_at` reads besides the model's inputs.
+LOGP_KEYS = ("labels", "logit_source", "segment", "segment_prompt")
+
+
+def logp_inputs(batch: dict, device) -> dict:
+    """What `token_logps_at` needs of a micro-batch (the model's inputs, the labels and the row's layout),
+    on `device`.
+
+    >>> b = pack_completions([([1], [2], True, 0.0)], per_batch=1, pad_token_id=0)[0]
+    >>> sorted(logp_inputs(b, "cpu"))
+    ['input_ids', 'labels', 'logit_source', 'position_ids']
+    """
+    keys = {**model_inputs(batch), **{k: batch[k] for k in LOGP_KEYS if k in batch}}
+    return {k: v.to(device) for k, v in keys.items()}
 
 
 def add_pixels(batches: list[dict], per_sequence: Sequence[Sequence[bytes]], processor) -> None:
@@ -224,11 +287,59 @@ def set_advantages(batches: list[dict], advantages: torch.Tensor) -> None:
 
 def token_logps_at(model, batch: dict, *, temperature: float = 1.0) -> torch.Tensor:
     """log p(token) of every position of a packed row (input_ids, position_ids, labels, and a
-    vision-language model's pixels: `model_inputs`) at the sampling temperature, 0 where the label is -100."""
-    logits = forward(model, model_inputs(batch)).logits
+    vision-language model's pixels: `model_inputs`) at the sampling temperature, 0 where the label is -100.
+
+    With the row's `logit_source` (pack_completions) and a model that takes transformers' `logits_to_keep`,
+    only the positions that predict a scored token go through the output layer (a completion's tokens are
+    a fraction of a row that holds its prompt: the vocabulary projection and its softmax are the largest
+    single cost of the pass on a small model); a row with shared prompts attends through its `tree_mask`.
+    """
+    labels = batch["labels"]
+    if "logit_source" not in batch or not keeps_logits(model):
+        logits = forward(model, model_inputs(batch)).logits
+        if temperature != 1.0:
+            logits = logits / temperature
+        return token_logps(logits, labels)
+    scored = labels != IGNORE_INDEX
+    inputs = model_inputs(batch)
+    if "segment" in batch:
+        inputs["attention_mask"] = tree_mask(batch["segment"], batch["segment_prompt"], model)
+    sources = batch["logit_source"][scored].view(1, -1)
+    logits = model(**inputs, use_cache=False, logits_to_keep=sources).logits.view(sources.shape[1], -1)
     if temperature != 1.0:
         logits = logits / temperature
-    return token_logps(logits, batch["labels"])
+    picked = label_logps(logits, labels[scored])
+    out = torch.zeros(labels.shape, dtype=picked.dtype, device=picked.device)
+    return out.masked_scatter(scored, picked)
+
+
+def tree_mask(segment: torch.Tensor, segment_prompt: torch.Tensor, model) -> torch.Tensor:
+    """The 4-D attention mask (batch x 1 x T x T) of packed rows with shared prompts: a token sees the
+    tokens before it in its own span and in its prompt's span (`pack_completions(share_prompts=True)`).
+    Boolean for SDPA (True: attend); eager attention adds its mask, so it gets 0 / the dtype's minimum.
+
+    >>> tree_mask(torch.tensor([[0, 0, 1, 2]]), torch.tensor([[0, 0, 0, 0]]), None)[0, 0].int().tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]
+    """
+    length = segment.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segment.device).tril()
+    same = segment[:, :, None] == segment[:, None, :]
+    prompt = segment_prompt[:, :, None] == segment[:, None, :]
+    mask = ((same | prompt) & causal)[:, None]
+    if attention_implementation(model) == "eager":
+        dtype = getattr(model, "dtype", torch.float32)
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(dtype).min
+        )
+    return mask
+
+
+def shares_prompts(model) -> bool:
+    """Whether a model's packed rows can share their prompts (`tree_mask`): a text causal LM whose attention
+    takes a 4-D mask (SDPA, eager) and whose forward takes `logits_to_keep` (the first token of each
+    completion is predicted from its prompt's last position, not the row position before it).
+    Flash attention reads only sequence boundaries, which a tree does not have."""
+    return attention_implementation(model) in ("sdpa", "eager") and keeps_logits(model)
 
 
 def rollout_fields(interval: dict[str, float], rewards) -> dict[str, float]:

@@ -76,11 +76,19 @@ class Generation:
     prefill: float  # the prompt forward's activations (one layer at a time) and the prompts' ids
     autocast_copies: float  # 16-bit casts of trainable fp32 weights autocast keeps through a forward
     merged_weights: float = 0.0  # LoRA merged into new copies of the adapted weights (grpo.merged_generation)
+    # autocast's casts made after the decoder layers' peak (the output head's, the last down_proj's): alive
+    # with the others when a step's logits come out of the head inside autocast
+    late_autocast_copies: float = 0.0
+    head_logits: float = 0.0  # one step's logits as the head makes them (compute dtype), under autocast
 
     @property
     def decode_peak(self) -> float:
         forward = self.kv_growth + self.held_scores + self.step_activations + self.autocast_copies
-        return self.merged_weights + self.kv_cache + self.ids + max(forward, self.step_logits)
+        head = 0.0
+        if self.autocast_copies:  # the head's moment inside autocast: every cast alive, the logits made
+            head = self.held_scores + self.step_activations + self.autocast_copies + self.late_autocast_copies
+            head += self.head_logits
+        return self.merged_weights + self.kv_cache + self.ids + max(forward, self.step_logits, head)
 
     @property
     def prefill_peak(self) -> float:
@@ -105,6 +113,7 @@ def generation_bytes(
     top_p: float = 1.0,
     autocast_copies: float = 0.0,
     fp32_lora: tuple[str, ...] = (),
+    distinct_prompts: int = 0,
 ) -> Generation:
     """One `generate` call (finetune.generation.transformers_backend.generate_ids) of N sequences:
     left-padded prompts of up to P tokens, each sampled to M new tokens, with transformers' DynamicCache.
@@ -132,9 +141,12 @@ def generation_bytes(
     adapters run in fp32 on c-byte activations (PEFT's generate bypasses Accelerate's autocast): each casts
     its input to fp32 (4 x in) and adds its fp32 output to the promoted base output (c + 12 bytes x out
     at once), the prompt forward's largest moments (`_prefill_layer`). The peak is the last step's or the
-    prompt forward's, whichever is larger.
+    prompt forward's, whichever is larger. `distinct_prompts` u > 0: the prompts' cache is made once per
+    prompt (transformers_backend.generate_batch: u rows of P - 1 tokens, then repeated for the N
+    sequences), so the prompt forward is u x (P - 1) tokens; the repeated cache is the last step's less.
     """
     n, p = sequences, prompt_tokens
+    rows, fed = (distinct_prompts, p - 1) if distinct_prompts and p > 1 else (n, p)  # the prompt forward's
     cached = p + max_new_tokens - 1
     r, c = residual_bytes, compute_bytes
     k = max(r, c)
@@ -153,11 +165,11 @@ def generation_bytes(
     def streams_of(tokens: int) -> float:  # the residual streams, normed input and rotary tables
         return tokens * (streams * r * h + r * h) + 2 * r * tokens * d
 
-    mask = (r if eager else 1) * n * p * p if attn_implementation in ("sdpa", "eager") else 0
+    mask = (r if eager else 1) * rows * fed * fed if attn_implementation in ("sdpa", "eager") else 0
     layer = _prefill_layer(
-        inv, n, p, r=r, c=c, k=k, attn_implementation=attn_implementation, fp32_lora=fp32_lora
+        inv, rows, fed, r=r, c=c, k=k, attn_implementation=attn_implementation, fp32_lora=fp32_lora
     )
-    prefill = streams_of(n * p) + layer + mask + 16 * n * p
+    prefill = streams_of(rows * fed) + layer + mask + 16 * rows * fed
     return Generation(
         sequences=n,
         prompt_tokens=p,
@@ -168,7 +180,7 @@ def generation_bytes(
         held_scores=held,
         step_activations=streams_of(n),
         step_logits=step,
-        prompt_kv=per_token * n * p,
+        prompt_kv=per_token * rows * fed,
         prefill=prefill,
         autocast_copies=autocast_copies,
     )
@@ -362,8 +374,22 @@ def generation_of(
         top_p=settings.top_p,
         autocast_copies=generation_autocast_copies(inv, recipe, layout),
         fp32_lora=fp32_lora,
+        distinct_prompts=prompts if prefills_once(recipe, engine) else 0,
     )
-    return dataclasses.replace(gen, merged_weights=merged)
+    late = late_autocast_copies(inv, recipe, layout) if gen.autocast_copies else 0.0
+    head = gen.sequences * inv.vocab_size * c if late else 0.0
+    return dataclasses.replace(gen, merged_weights=merged, late_autocast_copies=late, head_logits=head)
+
+
+def prefills_once(recipe, engine: DistributedSetup) -> bool:
+    """Whether the transformers backend computes each prompt's cache once for its completions
+    (transformers_backend.generate_ids): several completions a prompt, a text model, and not generating
+    layer by layer across processes (grpo.sharded_generation layerwise on sharded weights)."""
+    settings = online_section(recipe)
+    layerwise = settings.sharded_generation == "layerwise" and _weights_sharded(engine)
+    return (
+        settings.num_generations > 1 and getattr(recipe.model, "kind", "causal_lm") != "vlm" and not layerwise
+    )
 
 
 def merges_for_generation(recipe, engine: DistributedSetup) -> bool:
@@ -491,7 +517,18 @@ def generation_autocast_copies(inv: ModelInventory, recipe, layout: Layout) -> f
     late = [m for m in inv.linears() if m.layer is None]
     last = inv.num_layers - 1
     late += [m for m in inv.linears() if m.layer == last and m.name.endswith("down_proj")]
-    return max(0.0, layout.autocast_copies - 2.0 * sum(m.num_params for m in late))
+    return max(0.0, layout.autocast_copies - late_autocast_copies(inv, recipe, layout))
+
+
+def late_autocast_copies(inv: ModelInventory, recipe, layout: Layout) -> float:
+    """The casts `generation_autocast_copies` leaves out (the output head's and the last layer's
+    down_proj): alive with the others when a decode step's logits are made."""
+    if not layout.autocast or layout.compute_bytes == 4 or recipe.lora.enable_lora:
+        return 0.0
+    late = [m for m in inv.linears() if m.layer is None]
+    last = inv.num_layers - 1
+    late += [m for m in inv.linears() if m.layer == last and m.name.endswith("down_proj")]
+    return min(layout.autocast_copies, 2.0 * sum(m.num_params for m in late))
 
 
 def logprob_autocast_copies(inv: ModelInventory, adapter: Adapter, recipe, layout: Layout) -> float:
@@ -585,9 +622,36 @@ def reference_part(inv: ModelInventory, recipe, *, needed: bool, what: str) -> P
 
 def training_tokens(micro_batch_size: int, recipe, settings) -> int:
     """Tokens of one online training micro-batch: its micro_batch_size completions packed in one row
-    (finetune.objectives.rollout.pack_completions), each a prompt (at most data.sequence_len) and its
-    completion (at most max_new_tokens)."""
-    return micro_batch_size * (recipe.data.sequence_len + settings.max_new_tokens)
+    (finetune.objectives.rollout.pack_completions), each a completion (at most max_new_tokens) after its
+    prompt (at most data.sequence_len): one prompt copy per completion, or with grpo.share_prompts (SDPA or
+    eager attention, a text model) one per group the micro-batch holds a part of (the most over the step's
+    micro-batches).
+
+    >>> from types import SimpleNamespace as NS
+    >>> recipe = NS(data=NS(sequence_len=100), model=NS(kind="causal_lm", attn_implementation="sdpa"),
+    ...             train=NS(gradient_accumulation_steps=2))
+    >>> training_tokens(8, recipe, NS(max_new_tokens=50, num_generations=8, share_prompts=True))
+    500
+    >>> training_tokens(6, recipe, NS(max_new_tokens=50, num_generations=4, share_prompts=True))  # 2 groups each
+    500
+    >>> training_tokens(8, recipe, NS(max_new_tokens=50, num_generations=8, share_prompts=False))
+    1200
+    """
+    copies = micro_batch_size
+    if prompts_shared(recipe, settings):
+        group, window = settings.num_generations, micro_batch_size
+        step = window * recipe.train.gradient_accumulation_steps
+        copies = max(len({k // group for k in range(s, s + window)}) for s in range(0, step, window))
+    return copies * recipe.data.sequence_len + micro_batch_size * settings.max_new_tokens
+
+
+def prompts_shared(recipe, settings) -> bool:
+    """Whether the online rollout packs a prompt once for its group (finetune.objectives.rollout.shares_prompts)."""
+    return (
+        getattr(settings, "share_prompts", False)
+        and getattr(recipe.model, "kind", "causal_lm") != "vlm"
+        and recipe.model.attn_implementation in ("sdpa", "eager")
+    )
 
 
 def online_assumptions(
@@ -602,9 +666,16 @@ def online_assumptions(
         f"online RL (train.objective {recipe.train.objective}): a step's peak is the larger of the rollout's "
         f"and the training step's; through both stay only {kept}, the reference and the CUDA allowance "
         "(the engine sets gradients to None after every update)",
-        f"training micro-batch: micro_batch_size completions packed in one row of up to micro_batch_size x "
-        f"(data.sequence_len {recipe.data.sequence_len} + grpo.max_new_tokens {settings.max_new_tokens}) "
-        "tokens; its log-probs' loss counted as full logits (never chunked)",
+        (
+            f"training micro-batch: micro_batch_size completions of up to grpo.max_new_tokens {settings.max_new_tokens} "
+            f"tokens packed in one row after one copy of each group's prompt (grpo.share_prompts; up to "
+            f"data.sequence_len {recipe.data.sequence_len} tokens each)"
+            if prompts_shared(recipe, settings)
+            else f"training micro-batch: micro_batch_size completions packed in one row of up to micro_batch_size x "
+            f"(data.sequence_len {recipe.data.sequence_len} + grpo.max_new_tokens {settings.max_new_tokens}) tokens"
+        )
+        + "; the log-probs' logits counted over the whole row (an upper bound: only completion positions are "
+        "projected on the vocabulary), never chunked",
     ]
     if settings.beta > 0 and recipe.lora.enable_lora:
         out.append("reference: the policy with its adapters disabled (no second copy of the weights)")

@@ -210,6 +210,16 @@ class GrpoSection(_Section):
         "per process sharing its GPU, synced with the trained weights after every update; pip install -e "
         '".[vllm]").',
     )
+    share_prompts: bool = Field(
+        True,
+        description="Pack each prompt once per micro-batch with its completions after it, each completion attending "
+        "to the prompt's one copy through a tree-shaped attention mask, instead of one prompt copy per completion: "
+        "the same log-probs (tested equal to the copy-per-completion rows and to TRL's padded batches) for fewer "
+        "tokens through the model in the training and log-prob passes (about half on the SmolLM2 word problems: "
+        "benchmarks/RESULTS.md). Used with SDPA and eager attention on text models; flash attention (which reads "
+        "only sequence boundaries) and vision-language models keep a copy per completion. (Generation is apart: "
+        "the transformers backend always computes a prompt's KV cache once for its num_generations completions.)",
+    )
     merged_generation: bool = Field(
         False,
         description="transformers: with LoRA, generate from the adapters merged into a copy of the adapted weights "

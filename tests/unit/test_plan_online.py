@@ -14,7 +14,7 @@ from finetune.accelerate_config import DistributedSetup
 from finetune.cli import main
 from finetune.plan import GiB, estimate, format_plan, inventory_of, make_plan
 from finetune.plan.activations import activation_bytes
-from finetune.plan.rollout import logprob_pass_bytes
+from finetune.plan.rollout import generation_bytes, logprob_pass_bytes, training_tokens
 from finetune.recipe import Recipe, validate_recipe
 from tests.memory import peak_allocated_bytes
 from tests.tiny import tiny_model
@@ -98,19 +98,32 @@ def test_generation_parts_by_hand():
     assert gen.ids == 3 * 8 * 16 * 48  # input_ids + attention mask (int64) + one growing copy
     assert gen.step_logits == 16 * 97 * (4 + 8 + 12)  # logits, fp32 copy, previous scores, sampler
     assert gen.held_scores == 8 * 16 * 97
-    assert gen.prompt_kv == 2 * 2 * 2 * 16 * 4 * 16 * 16
-    tokens = 16 * 16
+    # each of the 4 prompts' cache made once, all but its last token (then repeated for its 4 completions)
+    assert gen.prompt_kv == 2 * 2 * 2 * 16 * 4 * 4 * 15
+    tokens = 4 * 15
     # embeddings, layer input, residual, normed input; the MLP's three intermediates beat attention's
     # q, repeated k and v and output; rotary cos/sin; sdpa's bool padding mask; the prompts' ids
     assert (
         gen.prefill
-        == tokens * 4 * 4 * 64 + 3 * 4 * tokens * 128 + 2 * 4 * tokens * 16 + 16 * 16 * 16 + 16 * tokens
+        == tokens * 4 * 4 * 64 + 3 * 4 * tokens * 128 + 2 * 4 * tokens * 16 + 4 * 15 * 15 + 16 * tokens
     )
     assert gen.step_activations == 16 * 4 * 4 * 64 + 2 * 4 * 16 * 16  # one new token's streams and rotary
-    assert gen.prefill_peak == 827_392 and gen.decode_peak == 512_128 + gen.step_activations
+    assert gen.decode_peak == 512_128 + gen.step_activations > gen.prefill_peak
     names = [p.name for p in est.rollout.parts]
-    assert names == ["KV cache (generate, prompts)", "prompt forward (generate)"]
-    assert est.rollout.total_gpu == est.rollout.resident + gen.prefill_peak
+    assert names == ["KV cache (generate)", "scores + ids (generate)"]
+    assert est.rollout.total_gpu == est.rollout.resident + gen.decode_peak
+    # a prompt per completion (no shared cache: e.g. layer-by-layer generation across processes)
+    copied = generation_bytes(
+        inventory_of(_net()), sequences=16, prompt_tokens=16, max_new_tokens=32, residual_bytes=4,
+        compute_bytes=4, autocast=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    tokens = 16 * 16
+    assert copied.prompt_kv == 2 * 2 * 2 * 16 * 4 * 16 * 16
+    assert (
+        copied.prefill
+        == tokens * 4 * 4 * 64 + 3 * 4 * tokens * 128 + 2 * 4 * tokens * 16 + 16 * 16 * 16 + 16 * tokens
+    )
+    assert copied.prefill_peak == 827_392
     # nothing else runs in the rollout: no reference, no old log-probs, nothing gathered
     assert est.rollout.other == () and "reference model" not in [p.name for p in est.parts]
 
@@ -130,14 +143,18 @@ def test_online_training_step_is_one_packed_row_of_completions():
     recipe = _recipe()
     inv, est = _single(recipe)
     layout = est.layout
+    # 8 completions a micro-batch, 4 of each prompt: two prompt copies (grpo.share_prompts)
+    assert training_tokens(8, recipe, recipe.grpo) == 2 * 16 + 8 * 32
     expected = activation_bytes(
-        inv, micro_batch_size=1, seq_len=8 * (16 + 32), attn_implementation="sdpa",
+        inv, micro_batch_size=1, seq_len=2 * 16 + 8 * 32, attn_implementation="sdpa",
         residual_bytes=layout.residual_bytes, compute_bytes=layout.compute_bytes, autocast=False,
         rotary_rows=1,
     )  # fmt: skip
     assert est.activations == expected
     plan = make_plan(recipe, inventory=inv, gpu_memory="24GiB")
-    assert plan.seq_len == 8 * 48
+    assert plan.seq_len == 2 * 16 + 8 * 32
+    copied = _recipe(grpo={"share_prompts": False})
+    assert make_plan(copied, inventory=inv, gpu_memory="24GiB").seq_len == 8 * 48
     assert est.total_gpu == max(est.training_gpu, est.rollout.total_gpu)
 
 
@@ -237,8 +254,8 @@ def test_predicted_generation_peak_matches_cpu(fresh_accelerator_state, config, 
     rollout()  # lazy initialisations out of the way
     measured = peak_allocated_bytes(rollout)
     if lora:  # CPU only: the prompt forward's last-position logits through a frozen bf16 head make one copy
-        # of its weight per sequence (bmm of a strided input on CPU); here they stay below the peak
-        assert gen.sequences * inv.vocab_size * inv.hidden_size * 2 < gen.peak / 2
+        # of its weight per prompt (bmm of a strided input on CPU); here they stay below the peak
+        assert est.rollout.prompts_per_call * inv.vocab_size * inv.hidden_size * 2 < gen.peak / 2
     print(f"generation peak predicted / measured: {gen.peak:,.0f} / {measured:,} = {gen.peak / measured:.4f}")
     assert gen.peak == pytest.approx(measured, rel=0.02)
 
@@ -285,7 +302,7 @@ def test_logprob_passes_and_the_reference():
     passes = [p for p in est.rollout.parts + est.rollout.other if p.name == "log-prob passes (rollout)"]
     assert len(passes) == 1 and "reference's" in passes[0].note and "num_iterations 2" in passes[0].note
     assert passes[0].gpu_bytes == logprob_pass_bytes(
-        inv, tokens=8 * 48, residual_bytes=4, compute_bytes=4, autocast=False, attn_implementation="sdpa",
+        inv, tokens=2 * 16 + 8 * 32, residual_bytes=4, compute_bytes=4, autocast=False, attn_implementation="sdpa",
         temperature=1.0,
     )  # fmt: skip
     _, lora = _single(_recipe(grpo={"beta": 0.04}, lora={"enable_lora": True}))
@@ -339,8 +356,8 @@ def test_vllm_share_is_not_training_s():
     """With vLLM the engine's share (vllm_gpu_memory_utilization x the device) is its own: the training
     step and the rollout must fit in the rest; with sleep mode the training step has the whole device
     (the engine is asleep), the rollout the rest; an engine share too small for its weights and one
-    sequence does not fit. A 32k vocabulary makes the training step's logits larger than the rollout."""
-    vocab = {"vocab_size": 32000}
+    sequence does not fit. A 64k vocabulary makes the training step's logits larger than the rollout."""
+    vocab = {"vocab_size": 64000}
     recipe = _recipe(vocab, grpo={"generation_backend": "vllm", "vllm_gpu_memory_utilization": 0.3})
     inv, est = _single(recipe)
     training, rollout = est.training_gpu, est.rollout.total_gpu
@@ -406,7 +423,7 @@ def test_cli_plan_online_demo(capsys, monkeypatch):
         online["training_step_gpu_bytes"], online["rollout"]["total_gpu_bytes"]
     )
     assert online["rollout"]["generation"]["sequences"] == 16  # 4 prompts a step x 4 completions
-    assert plan["batch"]["seq_len"] == 8 * (64 + 12)
+    assert plan["batch"]["seq_len"] == 2 * 64 + 8 * 12  # 2 prompts x 4 completions, each prompt once
     assert main(["plan", "recipes/demo/tiny_grpo_cpu.yaml"]) == 0
     text = capsys.readouterr().out
     assert "total (training step)" in text and "total (rollout)" in text and "KV cache" in text
@@ -443,9 +460,7 @@ def test_the_run_report_shows_the_rollout_beside_the_training_step(tmp_path):
     )
     page = build_report([str(run)], str(tmp_path / "report.html")).read_text()
     memory = page.split('<section id="memory">')[1].split("</section>")[0]
-    assert (
-        "rollout: KV cache (generate, prompts)" in memory and "rollout: stays through the rollout" in memory
-    )
+    assert "rollout: KV cache (generate)" in memory and "rollout: stays through the rollout" in memory
     assert "training step" in memory and "total predicted per device" in memory
 
 

@@ -248,3 +248,35 @@ def test_merged_adapters_sample_what_the_adapters_sample_without_running_them(to
     assert all(torch.equal(p, weights[name]) for name, p in peft_model.named_parameters())
     plain = TransformersBackend(tiny, tokenizer).generate(encoded, params, seeds=seeds)
     assert [[c.ids for c in row] for row in plain] != [[c.ids for c in row] for row in merged]  # trained
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_each_prompt_is_prefilled_once_for_all_its_completions(
+    tokenizer, tiny, temperature, monkeypatch
+) -> None:
+    """num_return_sequences > 1: the prompts (left-padded, of different lengths) go through the model once
+    each, their cache repeated for the completions, which are the ones of a prefill per completion."""
+    from finetune.generation import transformers_backend as tb
+
+    encoded = [prompt_ids(tokenizer, p) for p in PROMPTS]
+    seeds = [[10 * k + j for j in range(3)] for k in range(len(PROMPTS))] if temperature else None
+    options = {"max_new_tokens": 10, "temperature": temperature, "num_return_sequences": 3, "seeds": seeds}
+    widths: list[tuple[int, int]] = []
+    hook = tiny.model.embed_tokens.register_forward_hook(
+        lambda _m, args, _out: widths.append(tuple(args[0].shape))
+    )
+    try:
+        shared = generate_ids(tiny, tokenizer, encoded, batch_size=2, **options)
+        first_calls = list(widths)
+        monkeypatch.setattr(tb, "keeps_logits", lambda model: False)  # the prefill per completion
+        widths.clear()
+        copied = generate_ids(tiny, tokenizer, encoded, batch_size=2, **options)
+    finally:
+        hook.remove()
+    assert [[c.ids for c in row] for row in shared] == [[c.ids for c in row] for row in copied]
+    longest = max(len(ids) for ids in encoded)  # batches go longest first
+    assert first_calls[0] == (
+        2,
+        longest - 1,
+    )  # the first batch's two prompts, once each, all but their last token
+    assert widths[0] == (6, longest)  # without: each prompt once per completion

@@ -38,6 +38,20 @@ def sequences(n: int = 6, seed: int = 0) -> list[tuple[list[int], list[int], boo
     return out
 
 
+def grouped_sequences(
+    groups: int = 2, group: int = 3, seed: int = 0
+) -> list[tuple[list[int], list[int], bool, float]]:
+    """A rollout's shape: `group` completions of each prompt, one after the other (the prompts of different lengths)."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prompt = [1] + [rng.randrange(3, VOCAB) for _ in range(2 + 3 * g)]
+        for k in range(group):
+            completion = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 6))]
+            out.append((prompt, completion, (g + k) % 3 != 2, rng.uniform(-1, 1)))
+    return out
+
+
 def objective(loss_type: str, **settings) -> OnlineObjective:
     obj = OnlineObjective.__new__(OnlineObjective)  # the parts `loss` and `units` read, without a build
     obj.ahead = None
@@ -70,14 +84,21 @@ def padded_loss(model, seqs, loss_type: str, settings: GrpoSection) -> torch.Ten
     return total / units
 
 
+@pytest.mark.parametrize("share", [False, True], ids=["prompt_per_completion", "shared_prompts"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
-def test_a_packed_rollout_gives_the_padded_layouts_loss_and_gradients(loss_type):
-    seqs = sequences()
+def test_a_packed_rollout_gives_the_padded_layouts_loss_and_gradients(loss_type, share):
+    seqs = sequences() + grouped_sequences()
     policy = tiny_llama()
     padded_model = copy.deepcopy(policy)
     obj = objective(loss_type)
-    (batch,) = pack_completions(seqs, per_batch=len(seqs), pad_token_id=0, pad_to_multiple_of=16)
+    (batch,) = pack_completions(
+        seqs, per_batch=len(seqs), pad_token_id=0, pad_to_multiple_of=16, share_prompts=share
+    )
     assert batch["input_ids"].shape[1] % 16 == 0
+    real = int(batch["prompt_tokens"]) + int(batch["completion_tokens"])
+    copies = sum(len(p) for p, *_ in seqs)
+    once = sum(len(p) for k, (p, *_) in enumerate(seqs) if k == 0 or seqs[k - 1][0] != p)
+    assert real == sum(len(c) for _, c, *_ in seqs) + (once if share else copies)
     loss, metrics = obj.loss(policy, batch, obj.units(batch))
     loss.backward()
     expected = padded_loss(padded_model, seqs, loss_type, obj.settings)
@@ -94,8 +115,9 @@ def test_a_packed_rollout_gives_the_padded_layouts_loss_and_gradients(loss_type)
     }
 
 
+@pytest.mark.parametrize("share", [False, True], ids=["prompt_per_completion", "shared_prompts"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
-def test_a_packed_rollout_that_clips_and_pays_kl_gives_trls_loss_and_gradients(loss_type, tmp_path):
+def test_a_packed_rollout_that_clips_and_pays_kl_gives_trls_loss_and_gradients(loss_type, share, tmp_path):
     """The objective's loss on a packed rollout against TRL's GRPOTrainer._compute_loss on the padded
     layout, in the setting where the packing could go wrong unseen: num_iterations 2 (old log-probs of
     the policy before the update, perturbed so that ratios clip on both sides), beta > 0 with reference
@@ -112,6 +134,7 @@ def test_a_packed_rollout_that_clips_and_pays_kl_gives_trls_loss_and_gradients(l
         "completion_mask": (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long(),
         "advantages": torch.tensor([0.9, -1.2, 0.4, -0.7, 1.5, -0.3]),  # both signs: both clips act
     }
+    data["prompt_ids"] = data["prompt_ids"][[0, 0, 0, 3, 3, 3]]  # two groups of three completions
     data["completion_ids"] = (
         torch.randint(3, VOCAB, (num, width), generator=generator) * data["completion_mask"]
     )
@@ -148,7 +171,9 @@ def test_a_packed_rollout_that_clips_and_pays_kl_gives_trls_loss_and_gradients(l
         )
         for k in range(num)
     ]
-    (batch,) = pack_completions(seqs, per_batch=num, pad_token_id=0, pad_to_multiple_of=16)
+    (batch,) = pack_completions(
+        seqs, per_batch=num, pad_token_id=0, pad_to_multiple_of=16, share_prompts=share
+    )
     trained = batch["labels"] != -100
     for key, padded in (("old_logps", old), ("ref_logps", ref)):  # each completion token's, in packed order
         batch[key] = torch.zeros(batch["labels"].shape)
@@ -165,19 +190,74 @@ def test_a_packed_rollout_that_clips_and_pays_kl_gives_trls_loss_and_gradients(l
     assert metrics["kl"] > 0
 
 
-def test_accumulated_micro_batches_equal_one_batch_for_the_window_units():
-    """Two micro-batches normalised by the window's units give the one-batch loss (dapo: tokens)."""
-    seqs = sequences(8, seed=3)
+@pytest.mark.parametrize("share", [False, True], ids=["prompt_per_completion", "shared_prompts"])
+def test_accumulated_micro_batches_equal_one_batch_for_the_window_units(share):
+    """Two micro-batches normalised by the window's units give the one-batch loss (dapo: tokens); with
+    shared prompts, a group split over the two micro-batches has its prompt in each."""
+    seqs = sequences(2, seed=3) + grouped_sequences(2, 3, seed=3)
     policy = tiny_llama()
     obj = objective("dapo")
-    whole = pack_completions(seqs, per_batch=8, pad_token_id=0)
-    halves = pack_completions(seqs, per_batch=4, pad_token_id=0)
+    whole = pack_completions(seqs, per_batch=8, pad_token_id=0, share_prompts=share)
+    halves = pack_completions(seqs, per_batch=4, pad_token_id=0, share_prompts=share)
     units = sum(obj.units(b) for b in halves)
     assert units == obj.units(whole[0])
     split = sum(obj.loss(policy, b, units)[0] for b in halves)
     torch.testing.assert_close(
         split, obj.loss(policy, whole[0], obj.units(whole[0]))[0], rtol=1e-5, atol=1e-6
     )
+
+
+def test_a_shared_prompt_row_scores_like_one_copy_per_completion_with_eager_attention_too():
+    """The tree mask in both forms (SDPA's boolean, eager's additive) and the positions projected on the
+    vocabulary: the log-probs of a shared-prompt row equal the copy-per-completion row's."""
+    from finetune.objectives.rollout import shares_prompts, token_logps_at
+
+    seqs = grouped_sequences(3, 4, seed=5)
+    for attn in ("sdpa", "eager"):
+        model = loss_test_model(attn)
+        assert shares_prompts(model)
+        copied, shared = (
+            pack_completions(seqs, per_batch=len(seqs), pad_token_id=0, share_prompts=share)[0]
+            for share in (False, True)
+        )
+        assert shared["input_ids"].shape[1] < copied["input_ids"].shape[1]
+        with torch.no_grad():
+            full = token_logps(
+                forward(
+                    model, {"input_ids": copied["input_ids"], "position_ids": copied["position_ids"]}
+                ).logits,
+                copied["labels"],
+            )
+            ours = token_logps_at(model, shared)
+        torch.testing.assert_close(
+            ours[shared["labels"] != -100], full[copied["labels"] != -100], rtol=1e-5, atol=1e-5
+        )
+
+
+def test_prompts_are_shared_only_where_the_attention_takes_the_tree_mask():
+    """Flash attention reads sequence boundaries only: its rows keep a prompt copy per completion, as
+    do models without transformers' logits_to_keep; a PEFT or DDP-wrapped model is read underneath."""
+    from finetune.model.adapters import apply_lora
+    from finetune.objectives.rollout import shares_prompts
+    from finetune.recipe import LoraSection
+
+    model = loss_test_model("sdpa")
+    wrapped = SimpleNamespace(
+        module=apply_lora(
+            copy.deepcopy(model), LoraSection(enable_lora=True, lora_rank=2), gradient_checkpointing=False
+        )
+    )
+    assert shares_prompts(model) and shares_prompts(wrapped)
+    model.config._attn_implementation = "flash_attention_2"
+    assert not shares_prompts(model)
+
+    class NoKeep(torch.nn.Module):
+        config = SimpleNamespace(_attn_implementation="sdpa")
+
+        def forward(self, input_ids, position_ids=None):
+            return input_ids
+
+    assert not shares_prompts(NoKeep()) and not shares_prompts(None)
 
 
 def test_masked_truncated_completions_train_nothing_but_still_count():
