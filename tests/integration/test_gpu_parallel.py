@@ -91,12 +91,40 @@ def test_activation_offloading_lowers_the_peak_at_16k_tokens():
     assert plain - moved >= 0.5 * predicted, (plain, moved, predicted)
 
 
+def saved_base(folder: Path) -> Path:
+    """The demo model's config with random weights, saved: QLoRA quantizes weights it loads from disk."""
+    import yaml
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(yaml.safe_load(DEMO.read_text())["model"]["config_path"])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(config.pop("model_type"), **config)
+    ).save_pretrained(folder)
+    return folder
+
+
+def adapters(kind: str, tmp_path: Path) -> list[str]:
+    """The flags of full fine-tuning (none), LoRA, or QLoRA (nf4 on a saved base)."""
+    if kind == "full":
+        return []
+    flags = ["--lora.enable_lora", "true", "--lora.modules_to_save", "[]"]
+    if kind == "qlora":
+        base = saved_base(tmp_path / "base")
+        flags += ["--model.model_path", str(base), "--model.config_path", "null"]
+        flags += ["--lora.enable_qlora", "true", "--lora.quant_type", "nf4"]
+    return flags
+
+
 @TWO_GPUS
-def test_context_parallel_on_two_gpus_matches_one(tmp_path):
-    prepared = tmp_path / "prepared"
-    cp = train(tmp_path / "cp", prepared, "fsdp2", 2, "--train.context_parallel_size", "2")
+@pytest.mark.parametrize("kind", ["full", "lora", "qlora"])
+def test_context_parallel_on_two_gpus_matches_one(tmp_path, kind):
+    """CP=2 (ring attention over FSDP2) against one GPU: full fine-tuning, LoRA adapters beside the split
+    attention, and QLoRA (4-bit base layers, bitsandbytes' CUDA kernels, under FSDP2's sharding)."""
+    prepared, extra = tmp_path / "prepared", adapters(kind, tmp_path)
+    cp = train(tmp_path / "cp", prepared, "fsdp2", 2, *extra, "--train.context_parallel_size", "2")
     assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-6000:]
-    one = train(tmp_path / "one", prepared, "fsdp2", 1)
+    one = train(tmp_path / "one", prepared, "fsdp2", 1, *extra)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-6000:]
     split, whole = step_losses(progress(tmp_path / "cp")), step_losses(progress(tmp_path / "one"))
     assert sorted(split) == [1, 2, 3, 4]
@@ -145,19 +173,43 @@ def test_sequence_parallel_under_sharded_engines_matches_one_gpu(tmp_path, confi
 
 
 @pytest.mark.parametrize(
-    ("config", "extra"),
-    [("zero3", []), ("fsdp2", []), ("single_gpu", ["--lora.enable_lora", "true"])],
-    ids=["zero3", "fsdp2", "lora"],
+    ("config", "kind"),
+    [("zero3", "full"), ("fsdp2", "full"), ("single_gpu", "lora"), ("single_gpu", "qlora")],
+    ids=["zero3", "fsdp2", "lora", "qlora"],
 )
-def test_activation_offloading_trains_to_the_same_losses(tmp_path, config, extra):
-    """Offloading moves saved tensors and back, unchanged: the losses equal the run without it."""
+def test_activation_offloading_trains_to_the_same_losses(tmp_path, config, kind):
+    """Offloading moves saved tensors and back, unchanged: the losses equal the run without it (QLoRA:
+    the 4-bit layers' saved inputs move like any other)."""
     if config.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("DeepSpeed is not installed")
     prepared = tmp_path / "prepared"
-    flags = ["--train.gradient_checkpointing", "true", *extra]
+    flags = ["--train.gradient_checkpointing", "true", *adapters(kind, tmp_path)]
     moved = train(tmp_path / "moved", prepared, config, 1, *flags, "--train.activation_offloading", "true")
     assert moved.returncode == 0, moved.stdout[-3000:] + moved.stderr[-6000:]
     plain = train(tmp_path / "plain", prepared, config, 1, *flags)
     assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-6000:]
     a, b = step_losses(progress(tmp_path / "moved")), step_losses(progress(tmp_path / "plain"))
     assert sorted(a) == [1, 2, 3, 4] and a == pytest.approx(b, rel=1e-3), (a, b)
+
+
+@TWO_GPUS
+def test_activation_offloading_beside_sequence_parallel_trains_to_the_same_losses(tmp_path):
+    """Offloading combines with a split: SP=2 on 2 GPUs with the saved tensors offloaded equals SP=2 without."""
+    prepared = tmp_path / "prepared"
+    flags = [
+        "--train.gradient_checkpointing",
+        "true",
+        "--train.mixed_precision",
+        "no",
+        "--data.sample_packing",
+        "true",
+    ]
+    flags += ["--train.sequence_parallel_size", "2"]
+    moved = train(
+        tmp_path / "moved", prepared, "multi_gpu", 2, *flags, "--train.activation_offloading", "true"
+    )
+    assert moved.returncode == 0, moved.stdout[-3000:] + moved.stderr[-6000:]
+    plain = train(tmp_path / "plain", prepared, "multi_gpu", 2, *flags)
+    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-6000:]
+    a, b = step_losses(progress(tmp_path / "moved")), step_losses(progress(tmp_path / "plain"))
+    assert sorted(a) == [1, 2, 3, 4] and a == pytest.approx(b, rel=1e-5), (a, b)
