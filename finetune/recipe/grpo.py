@@ -225,9 +225,9 @@ class GrpoSection(_Section):
         description="transformers: with LoRA, generate from the adapters merged into a copy of the adapted weights "
         "(PEFT's safe merge; the original weights are put back bit for bit after every generate call): decoding "
         "runs the plain layers, for one more copy of the adapted weights while it samples (the planner counts it) "
-        "and a pass over them per call. On CPU it gained nothing measurable (benchmarks/RESULTS.md); it is meant "
-        "for GPUs, where every adapter's extra kernels weigh on each decoded token. Ignored where PEFT cannot "
-        "merge that way (QLoRA's 4-bit base, DoRA, sharded weights).",
+        "and a pass over them per call. In a GRPO run on 2 CPU cores the rollout took 14% less time "
+        "(benchmarks/RESULTS.md, GRPO step time); off by default for the memory of the copy. Ignored where PEFT "
+        "cannot merge that way (QLoRA's 4-bit base, DoRA, sharded weights).",
     )
     vllm_gpu_memory_utilization: float = Field(
         0.3,
