@@ -168,17 +168,9 @@ class SeededSampler(LogitsProcessor):
         for warper in self.warpers:
             scores = warper(input_ids, scores)
         probs = torch.softmax(scores, dim=-1)
-        # Inverse-CDF sampling: one uniform draw per row from its generator, found in the row's cumulative
-        # probabilities (float64), exactly the row's distribution. torch.multinomial with a generator draws
-        # one exponential variate per vocabulary entry and row instead: with a 49k vocabulary that was a
-        # tenth of a decode step on CPU (benchmarks/RESULTS.md, GRPO step time).
-        cdf = probs.double().cumsum(dim=-1)
-        draws = torch.stack(
-            [torch.rand((), generator=g, dtype=torch.float64, device=g.device) for g in self.generators]
+        picked = torch.cat(
+            [torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.generators)]
         )
-        # right=True: the first entry whose cumulative mass exceeds the draw, never a zero-probability one
-        picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True).squeeze(1)
-        picked = picked.clamp(max=scores.shape[-1] - 1)
         out = torch.full_like(scores, float("-inf"))
         out[torch.arange(len(picked), device=out.device), picked] = 0.0
         return out
