@@ -5,6 +5,7 @@ transformers generation backend decide their layouts from these."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 
@@ -22,10 +23,14 @@ def attention_implementation(model) -> str | None:
 
 
 def keeps_logits(model) -> bool:
-    """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs do)."""
-    if model is None:
-        return False
-    forward_fn = getattr(base_model(model), "forward", None)
+    """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs do). Read once per
+    model class: the rollout asks for every micro-batch and every generate call."""
+    return model is not None and _class_keeps_logits(type(base_model(model)))
+
+
+@functools.cache
+def _class_keeps_logits(cls: type) -> bool:
+    forward_fn = getattr(cls, "forward", None)
     try:
         return forward_fn is not None and "logits_to_keep" in inspect.signature(forward_fn).parameters
     except (TypeError, ValueError):  # a builtin or C-implemented forward: no signature to read

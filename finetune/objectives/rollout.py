@@ -305,7 +305,7 @@ def token_logps_at(model, batch: dict, *, temperature: float = 1.0) -> torch.Ten
     if "segment" in batch:
         inputs["attention_mask"] = tree_mask(batch["segment"], batch["segment_prompt"], model)
     sources = batch["logit_source"][scored].view(1, -1)
-    logits = model(**inputs, use_cache=False, logits_to_keep=sources).logits.view(sources.shape[1], -1)
+    logits = forward(model, {**inputs, "logits_to_keep": sources}).logits.view(sources.shape[1], -1)
     if temperature != 1.0:
         logits = logits / temperature
     picked = label_logps(logits, labels[scored])

@@ -514,10 +514,7 @@ def generation_autocast_copies(inv: ModelInventory, recipe, layout: Layout) -> f
     if not layout.autocast or layout.compute_bytes == 4 or recipe.lora.enable_lora:
         return 0.0
     # full fine-tuning: every matmul weight trains (finetune.plan.states._autocast_copies)
-    late = [m for m in inv.linears() if m.layer is None]
-    last = inv.num_layers - 1
-    late += [m for m in inv.linears() if m.layer == last and m.name.endswith("down_proj")]
-    return max(0.0, layout.autocast_copies - late_autocast_copies(inv, recipe, layout))
+    return layout.autocast_copies - late_autocast_copies(inv, recipe, layout)
 
 
 def late_autocast_copies(inv: ModelInventory, recipe, layout: Layout) -> float:
