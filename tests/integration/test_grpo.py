@@ -194,18 +194,30 @@ def test_two_process_ddp_trains_on_the_same_completions_as_one_process(tmp_path,
         assert two[step]["grad_norm"] == pytest.approx(one[step]["grad_norm"], rel=1e-6), step
 
 
+ZERO3_COMMON = ["--lora.enable_lora", "false", "--train.max_steps", "2", "--train.eval_steps", "2",
+                "--train.log_steps", "1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def plain_full_run(tmp_path_factory, prepared) -> Path:
+    """The plain (one process, no engine) full fine-tuning run both ZeRO-3 generation modes compare with."""
+    plain = tmp_path_factory.mktemp("plain-full") / "out"
+    finetune("train", plain, prepared, *ZERO3_COMMON)
+    return plain
+
+
 @slow
 @pytest.mark.parametrize("generation", ["gather", "layerwise"])
-def test_zero3_generates_from_its_gathered_weights_what_one_process_does(tmp_path, prepared, generation):
+def test_zero3_generates_from_its_gathered_weights_what_one_process_does(
+    tmp_path, prepared, plain_full_run, generation
+):
     """GRPO under DeepSpeed ZeRO-3 (one CPU process, full fine-tuning): the rollout and the held-out
     rewards generate from the weights gathered whole (or one layer at a time). ZeRO-3 computes its
     linear layers with its own autograd function, whose float rounding differs from torch's F.linear
     in the last bits, so a sampled token can flip where two are nearly tied: the greedy held-out
     completions, their rewards and the training losses match a plain run, sampled completions mostly."""
-    common = ["--lora.enable_lora", "false", "--train.max_steps", "2", "--train.eval_steps", "2",
-              "--train.log_steps", "1", "--grpo.sharded_generation", generation]  # fmt: skip
-    plain, sharded = tmp_path / "plain", tmp_path / "zero3"
-    finetune("train", plain, prepared, *common)
+    common = [*ZERO3_COMMON, "--grpo.sharded_generation", generation]
+    plain, sharded = plain_full_run, tmp_path / "zero3"
     cmd = command("train", sharded, prepared, *common, "--accelerate-config", "zero3", "--num-processes", "1")
     result = run(cmd, unset=("ACCELERATE_USE_CPU",))  # DeepSpeed picks its CPU accelerator itself
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
