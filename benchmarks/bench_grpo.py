@@ -56,7 +56,10 @@ Not matched (each tool's own design, measured as it is):
 * how a token is drawn: finetune's SeededSampler (a logits processor) draws each completion's token
   from its own seeded generator, one torch.multinomial per completion per token, so a resumed run
   samples the same completions; TRL uses transformers' sampling (one draw for the batch, the global
-  RNG). Both use transformers' generate with the KV cache on the training (PEFT) model, unmerged;
+  RNG). Both use transformers' generate with the KV cache on the training (PEFT) model, unmerged
+  (the `finetune-bf16` tool instead samples from a bfloat16 copy with the adapters merged,
+  grpo.generation_dtype, its log-prob gap corrected by importance weights: other numerics than TRL's
+  float32 sampling, so it is a row of its own, not the matched comparison);
 * the training layout: finetune packs a micro-batch's completions into one row without padding, each
   prompt once with its completions after it (grpo.share_prompts: a tree-shaped attention mask; the
   `finetune-copied` tool turns it off: a prompt copy per completion, position_ids restarting per
@@ -196,7 +199,14 @@ def write_prompts(args, folder: Path, work: Path) -> tuple[Path, Path, float]:
 
 
 def finetune_recipe(
-    args, folder: Path, data: Path, out: Path, *, merged: bool = False, share_prompts: bool = True
+    args,
+    folder: Path,
+    data: Path,
+    out: Path,
+    *,
+    merged: bool = False,
+    share_prompts: bool = True,
+    generation_dtype: str | None = None,
 ) -> dict:
     return {
         "model": {"model_path": str(folder), "torch_dtype": "fp32", "attn_implementation": "sdpa"},
@@ -250,6 +260,7 @@ def finetune_recipe(
             "log_completions": 0,
             "merged_generation": merged,  # LoRA merged for each generate call (off by default)
             "share_prompts": share_prompts,  # each prompt once per micro-batch (the default)
+            "generation_dtype": generation_dtype,  # None: sample with the fp32 training weights (the default)
             "rewards": [{"function": f"{Path(__file__).resolve()}:exact_match_reward"}],
         },
         "lora": {
@@ -266,10 +277,13 @@ def run_finetune(args, folder: Path, data: Path, work: Path, index: int, *, name
     import yaml
 
     merged, share_prompts = name == "finetune-merged", name != "finetune-copied"
+    dtype = "bfloat16" if name == "finetune-bf16" else None
     out = work / f"{name}-{index}"
     shutil.rmtree(out, ignore_errors=True)
     path = work / f"{name}-{index}.yaml"
-    recipe = finetune_recipe(args, folder, data, out, merged=merged, share_prompts=share_prompts)
+    recipe = finetune_recipe(
+        args, folder, data, out, merged=merged, share_prompts=share_prompts, generation_dtype=dtype
+    )
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     # Prepare first, so the timed run only trains (cached after the first run).
     _run(
@@ -493,6 +507,7 @@ def print_report(args, runs: dict[str, list[dict]], prompt_tokens: float) -> dic
         "finetune": "finetune",
         "finetune-merged": "finetune, grpo.merged_generation true",
         "finetune-copied": "finetune, grpo.share_prompts false",
+        "finetune-bf16": "finetune, grpo.generation_dtype bfloat16",
         "trl": "TRL GRPOTrainer",
     }
     median = {tool: medians(done) for tool, done in runs.items()}
@@ -541,10 +556,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tools",
         nargs="+",
-        choices=["finetune", "finetune-merged", "finetune-copied", "trl"],
+        choices=["finetune", "finetune-merged", "finetune-copied", "finetune-bf16", "trl"],
         default=["finetune", "trl"],
         help="finetune-merged: finetune with grpo.merged_generation true (LoRA merged for each generate call); "
-        "finetune-copied: finetune with grpo.share_prompts false (a prompt copy per completion in training)",
+        "finetune-copied: finetune with grpo.share_prompts false (a prompt copy per completion in training); "
+        "finetune-bf16: finetune sampling from a bfloat16 copy (grpo.generation_dtype, importance-corrected)",
     )
     parser.add_argument("--steps", type=int, help="optimizer steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the means")

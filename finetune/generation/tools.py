@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -220,6 +221,8 @@ class _Episode:
     key: str
     ids: list[int] = field(default_factory=list)
     own: list[bool] = field(default_factory=list)
+    # the sampler's log-prob of each id (NaN where inserted); None once a segment came without them
+    logprobs: list[float] | None = field(default_factory=list)
     segment: int = 0  # continuations so far
     segment_start: int = 0  # where the model's current segment starts in ids
     turn_start: int = 0  # where the current assistant turn starts in ids
@@ -298,7 +301,9 @@ def generate_with_tools(
         for e in episodes:
             toolbox.runner.request({"op": "env_close", "episode": e.key})
     out = [
-        ToolCompletion(e.ids, e.finished, e.own if not all(e.own) else None, e.prompt, e.calls, e.reward)
+        ToolCompletion(
+            e.ids, e.finished, e.own if not all(e.own) else None, e.prompt, e.calls, e.reward, e.logprobs
+        )
         for e in episodes
     ]
     return [out[k * n : (k + 1) * n] for k in range(len(prompts))]
@@ -327,6 +332,8 @@ def _insert(e: _Episode, ids: list[int], limit: int) -> bool:
     room = limit - len(e.ids)
     e.ids += ids[:room]
     e.own += [False] * min(len(ids), room)
+    if e.logprobs is not None:
+        e.logprobs += [math.nan] * min(len(ids), room)
     e.segment_start = len(e.ids)
     if len(ids) >= room:
         e.done, e.finished = True, False
@@ -340,6 +347,7 @@ def _advance(e: _Episode, c: Completion, limit: int, toolbox: Toolbox, backend, 
     room = limit - len(e.ids)
     e.ids += list(c.ids[:room])
     e.own += [True] * min(len(c.ids), room)
+    e.logprobs = None if e.logprobs is None or c.logprobs is None else e.logprobs + list(c.logprobs[:room])
     e.segment += 1
     if len(c.ids) > room:  # out of budget
         e.done, e.finished = True, False
@@ -378,6 +386,8 @@ def _inline_call(e: _Episode, found, limit: int, toolbox: Toolbox, backend, stat
     if match.end() < len(text):
         e.ids.pop()
         e.own.pop()
+        if e.logprobs is not None:
+            e.logprobs.pop()
         inserted = text[before : match.end()]
     result = _run(e, toolbox, tool, {"op": "call", "args": list(match.groups())}, stats)
     inserted += result.text + tool.close

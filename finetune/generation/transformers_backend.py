@@ -39,12 +39,18 @@ class TransformersBackend:
     name = "transformers"
     copies_weights = False  # it generates with the training model's own parameters
 
-    def __init__(self, model, tokenizer, *, processor=None, merge_adapters: bool = False):
+    def __init__(
+        self, model, tokenizer, *, processor=None, merge_adapters: bool = False, dtype: str | None = None
+    ):
         self.model, self.tokenizer, self.processor = model, tokenizer, processor
         # LoRA merged into the weights for each generate call and taken out bit for bit after
         # (finetune.model.adapters.merged_adapters): the plain layers decode faster, for one more copy
         # of the adapted weights while generating.
         self.merge_adapters = merge_adapters
+        # grpo.generation_dtype: sample from a merged copy of the weights in this dtype (made for each
+        # call), each sampled token's log-prob kept (Completion.logprobs) for the importance-sampling
+        # correction of the gap to the trainer's float32 log-probs, as with vLLM.
+        self.dtype = getattr(torch, dtype) if dtype else None
         # Every process runs each generate step together (transformers' synced_gpus): set for a model
         # whose layers are gathered one at a time across processes (ZeRO-3 without a whole gather).
         self.synced_processes = False
@@ -65,7 +71,8 @@ class TransformersBackend:
     ) -> list[list[Completion]]:
         from finetune.model.adapters import merged_adapters
 
-        merging = merged_adapters(self.model) if self.merge_adapters else contextlib.nullcontext()
+        merge = self.merge_adapters or self.dtype is not None
+        merging = merged_adapters(self.model, self.dtype) if merge else contextlib.nullcontext()
         with merging:
             return self._generate(prompts, params, seeds, batch_size, images, progress)
 
@@ -86,6 +93,7 @@ class TransformersBackend:
             images=images,
             synced_processes=self.synced_processes,
             stop_patterns=params.stop_patterns,
+            sampling_logprobs=self.dtype is not None,
         )
 
     def stream(self, inputs: Mapping[str, torch.Tensor], params: SamplingParams) -> Iterator[str]:
@@ -150,13 +158,24 @@ class SeededSampler(LogitsProcessor):
     the other rows of its batch. Here the logits are tempered and filtered with transformers' own
     warpers, each row draws its token from its generator, and every other token gets -inf: greedy
     decoding then picks exactly the drawn token. Rows that already stopped keep drawing (their draws
-    are discarded), which changes nothing for the rows still running.
+    are discarded), which changes nothing for the rows still running. With `record`, the drawn tokens'
+    log-probs under the distribution they were drawn from (tempered and filtered) are kept in `logprobs`
+    (one tensor per step).
     """
 
-    def __init__(self, generators: list[torch.Generator], *, temperature: float, top_p: float, top_k: int):
+    def __init__(
+        self,
+        generators: list[torch.Generator],
+        *,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        record: bool = False,
+    ):
         from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
         self.generators = generators
+        self.logprobs: list[torch.Tensor] | None = [] if record else None
         self.warpers = [TemperatureLogitsWarper(temperature)]
         if top_k:
             self.warpers.append(TopKLogitsWarper(top_k))
@@ -171,6 +190,9 @@ class SeededSampler(LogitsProcessor):
         picked = torch.cat(
             [torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.generators)]
         )
+        if self.logprobs is not None:
+            rows = torch.arange(len(picked), device=scores.device)
+            self.logprobs.append(torch.log_softmax(scores, dim=-1)[rows, picked])  # on device: no sync
         out = torch.full_like(scores, float("-inf"))
         out[torch.arange(len(picked), device=out.device), picked] = 0.0
         return out
@@ -193,6 +215,7 @@ def generate_ids(
     images: Sequence[Sequence[Any]] | None = None,
     synced_processes: bool = False,
     stop_patterns: Sequence[str] = (),
+    sampling_logprobs: bool = False,
 ) -> list[list[Completion]]:
     """For each prompt (token ids, e.g. from `prompt_ids`), its `num_return_sequences` completions.
 
@@ -205,7 +228,8 @@ def generate_ids(
     its `processor` turns into the batch's pixels as training's collate does. `synced_processes`: every
     process calls this with as many prompts and runs each generate step together until all are done.
     `stop_patterns` (inline tool triggers): a row also stops, unfinished, where its text ends with a match
-    (finetune.generation.pattern_stop).
+    (finetune.generation.pattern_stop). `sampling_logprobs` (sampling only): each completion carries the
+    log-prob each of its tokens was drawn with (Completion.logprobs).
     """
     from tqdm.auto import tqdm
 
@@ -233,12 +257,14 @@ def generate_ids(
             # Each prompt's KV cache computed once for its completions where nothing else differs per row
             # (a vision-language prompt's pixels go through generate's own first step).
             repeats = num_return_sequences if processor is None and not synced_processes else 1
-            extra = {}
+            extra, sampler = {}, None
             if sampling:
                 generators = [
                     torch.Generator(device=device).manual_seed(int(seed)) for k in batch for seed in seeds[k]
                 ]
-                sampler = SeededSampler(generators, temperature=temperature, top_p=top_p, top_k=top_k)
+                sampler = SeededSampler(
+                    generators, temperature=temperature, top_p=top_p, top_k=top_k, record=sampling_logprobs
+                )
                 extra["logits_processor"] = [sampler]
             pictures = None
             if processor is not None:
@@ -258,11 +284,14 @@ def generate_ids(
                 repeats=repeats,
             )
             paused = extra["stopping_criteria"][0].stopped_at if stop_patterns else {}
+            drawn = torch.stack(sampler.logprobs, 1).cpu().tolist() if sampler and sampler.logprobs else None
             for r, row in enumerate(new_ids.tolist()):
                 end = next((t for t, token in enumerate(row) if token in stops), None)
-                completion = Completion(row if end is None else row[: end + 1], end is not None)
+                length = len(row) if end is None else end + 1
                 if r in paused:  # its trigger matched: cut there, not finished (the tool loop continues it)
-                    completion = Completion(row[: paused[r]], False)
+                    length = paused[r]
+                logprobs = drawn[r][:length] if drawn is not None else None
+                completion = Completion(row[:length], end is not None and r not in paused, logprobs)
                 outputs[batch[r // num_return_sequences]].append(completion)
     return outputs
 

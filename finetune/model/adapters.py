@@ -298,29 +298,49 @@ def unmergeable(net) -> str | None:
 
 
 @contextlib.contextmanager
-def merged_adapters(net) -> Iterator[bool]:
+def merged_adapters(net, dtype: torch.dtype | None = None) -> Iterator[bool]:
     """Inside, `net`'s LoRA adapters are merged into its base weights, so a forward runs the plain layers
     (PEFT skips a merged adapter): generation decodes token by token, where every adapter's two extra
     matmuls cost as much as the layer's own. On exit the base weights are the very tensors they were,
     bit for bit. Yields whether it merged (`unmergeable` says why not; then nothing changes).
 
+    With `dtype` (grpo.generation_dtype), every floating-point parameter is also replaced by a copy in
+    that dtype (the merged weights cast as they are made, so the full-precision merged copy does not
+    stay), and put back on exit: the model samples in bfloat16 while training keeps its float32 weights.
+    Where the adapters cannot merge (DoRA), the adapters' own weights are cast too (merged, they are
+    left as they are: unused).
+
     Written here because PEFT's merge_adapter / unmerge_adapter pair adds the adapter's product to the
     weight and subtracts it again, which rounds: the base would drift a little at every call, and a
     resumed run, which reloads the base, would no longer match an uninterrupted one. PEFT's safe merge
     writes each merged weight into a new tensor instead; the originals are kept and put back, and PEFT's
-    record of what is merged is cleared. The cost: one more copy of the adapted weights while inside."""
+    record of what is merged is cleared. The cost: one more copy of the adapted weights while inside
+    (in `dtype`, one copy of every weight in it)."""
     from peft.tuners.lora import LoraLayer
 
-    if unmergeable(net) is not None:
-        yield False
-        return
-    layers = [m for m in net.modules() if isinstance(m, LoraLayer)]
+    mergeable = unmergeable(net) is None
+    layers = [m for m in net.modules() if isinstance(m, LoraLayer)] if mergeable else []
     originals = [layer.get_base_layer().weight.data for layer in layers]
+    # merged, the adapters' own weights are not used: left as they are (no copy)
+    adapters = {id(p) for layer in layers for name, p in layer.named_parameters() if "lora_" in name}
+    cast = [
+        p
+        for p in net.parameters()
+        if dtype is not None and p.is_floating_point() and p.dtype != dtype and id(p) not in adapters
+    ]
+    kept = [p.data for p in cast]
     try:
         for layer in layers:
             layer.merge(safe_merge=True)
-        yield True
+            if dtype is not None:  # cast as it is made: the float32 merged copy is dropped at once
+                weight = layer.get_base_layer().weight
+                weight.data = weight.data.to(dtype)
+        for p in cast:
+            p.data = p.data.to(dtype)  # the merged weights are in dtype already: no copy
+        yield mergeable
     finally:
+        for p, data in zip(cast, kept, strict=True):
+            p.data = data
         for layer, weight in zip(layers, originals, strict=True):
             layer.get_base_layer().weight.data = weight
             layer.merged_adapters.clear()

@@ -116,6 +116,19 @@ class OnlineObjective:
                 f"{self.sharding} shards (gathering them is a collective every process must join at once): set "
                 "async_rollouts: false, or use DDP / ZeRO-1/2"
             )
+        dtype = getattr(self.settings, "generation_dtype", None)
+        if dtype is not None and self.sharding is not None:
+            raise FinetuneError(
+                f"{self.section}.generation_dtype {dtype}: the copy in {dtype} is made from whole weights, which "
+                f"{self.sharding} shards: remove generation_dtype, or use DDP / ZeRO-1/2 (or generation_backend: "
+                "vllm, which loads its own copy)"
+            )
+        if dtype is not None and self.lora.enable_qlora:
+            raise FinetuneError(
+                f"{self.section}.generation_dtype {dtype}: QLoRA's 4-bit base weights cannot be copied to {dtype} "
+                "(they are dequantized on the fly already): remove generation_dtype, or train LoRA on a "
+                "bf16/fp32 base"
+            )
         if self.model_settings.kind == "vlm":
             from finetune.model.vlm import load_processor
 
@@ -339,8 +352,9 @@ class OnlineObjective:
         return self.settings.share_prompts and self.processor is None and ro.shares_prompts(model)
 
     def _sampling_logps(self, completions) -> list[list[float]] | None:
-        """The engine's sampling log-probs, kept for the importance-sampling correction (vLLM); None
-        where the training model sampled (its log-probs are the trainer's) or the correction is off."""
+        """The engine's sampling log-probs, kept for the importance-sampling correction (vLLM, or the
+        transformers backend's copy in grpo.generation_dtype); None where the training model sampled
+        (its log-probs are the trainer's) or the correction is off."""
         corrected = getattr(self.settings, "vllm_importance_sampling_correction", False)
         if not corrected or any(c.logprobs is None for c in completions):
             return None

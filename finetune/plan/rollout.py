@@ -80,6 +80,7 @@ class Generation:
     # with the others when a step's logits come out of the head inside autocast
     late_autocast_copies: float = 0.0
     head_logits: float = 0.0  # one step's logits as the head makes them (compute dtype), under autocast
+    compute_dtype_copy: bool = False  # merged_weights is grpo.generation_dtype's copy of every weight
 
     @property
     def decode_peak(self) -> float:
@@ -362,6 +363,10 @@ def generation_of(
         elif layout.lora_bytes == 4 and c != 4 and not fsdp_mixed:
             first = [m for m in adapter.targets if m.layer is not None and m.kind == "linear"]
             fp32_lora = tuple(m.name.rsplit(".", 1)[-1] for m in first if m.layer == first[0].layer)
+    cast = getattr(settings, "generation_dtype", None) is not None
+    if cast:  # grpo.generation_dtype: a 16-bit copy of every weight (adapters merged), 16-bit activations
+        r = c = 2
+        autocast, fp32_lora, merged = False, (), float(inv.total * 2)
     gen = generation_bytes(
         inv,
         sequences=prompts * settings.num_generations,
@@ -372,13 +377,15 @@ def generation_of(
         autocast=autocast,
         attn_implementation=recipe.model.attn_implementation,
         top_p=settings.top_p,
-        autocast_copies=generation_autocast_copies(inv, recipe, layout),
+        autocast_copies=0.0 if cast else generation_autocast_copies(inv, recipe, layout),
         fp32_lora=fp32_lora,
         distinct_prompts=prompts if prefills_once(recipe, engine) else 0,
     )
     late = late_autocast_copies(inv, recipe, layout) if gen.autocast_copies else 0.0
     head = gen.sequences * inv.vocab_size * c if late else 0.0
-    return dataclasses.replace(gen, merged_weights=merged, late_autocast_copies=late, head_logits=head)
+    return dataclasses.replace(
+        gen, merged_weights=merged, late_autocast_copies=late, head_logits=head, compute_dtype_copy=cast
+    )
 
 
 def prefills_once(recipe, engine: DistributedSetup) -> bool:
@@ -461,7 +468,10 @@ def _merged_part(gen: Generation) -> list[Part]:
         "the adapted weights with LoRA merged in, new copies while generating (grpo.merged_generation; "
         "false: none, the adapters computed at every token)"
     )
-    return [Part("merged LoRA weights (generate)", gen.merged_weights, note=note)]
+    name = "merged LoRA weights (generate)"
+    if gen.compute_dtype_copy:
+        name, note = "weights in generation_dtype (generate)", "every weight copied to 2 B, LoRA merged in"
+    return [Part(name, gen.merged_weights, note=note)]
 
 
 def _copies_part(gen: Generation) -> Part:

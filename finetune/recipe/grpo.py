@@ -229,6 +229,16 @@ class GrpoSection(_Section):
         "(benchmarks/RESULTS.md, GRPO step time); off by default for the memory of the copy. Ignored where PEFT "
         "cannot merge that way (QLoRA's 4-bit base, DoRA, sharded weights).",
     )
+    generation_dtype: Literal["bfloat16", "float16"] | None = Field(
+        None,
+        description="transformers: sample the rollouts (and the in-run held-out answers) from a copy of the "
+        "weights in this dtype, the adapters merged in, made for every generate call while training keeps its "
+        "own dtype: on a CPU with AVX-512 BF16 the decode step reads half the bytes (benchmarks/RESULTS.md, GRPO "
+        "step time). The sampler's log-probs are kept and the gap to the trainer's is corrected by the "
+        "vllm_importance_sampling_* settings, as for vLLM (logged as sampling/logp_gap). A copy of every weight "
+        "in this dtype while sampling; refused for QLoRA's 4-bit base and for weights sharded by ZeRO-3 / FSDP. "
+        "null: sample with the training weights' own dtype.",
+    )
     vllm_gpu_memory_utilization: float = Field(
         0.3,
         gt=0,
@@ -315,7 +325,7 @@ class GrpoSection(_Section):
     def backend_options(self) -> dict:
         """The generation backend's own settings (finetune.generation.backends.backend_for)."""
         if self.generation_backend != "vllm":
-            return {"merge_adapters": self.merged_generation}
+            return {"merge_adapters": self.merged_generation, "dtype": self.generation_dtype}
         return {
             "gpu_memory_utilization": self.vllm_gpu_memory_utilization,
             "max_model_len": self.vllm_max_model_len,
@@ -358,7 +368,11 @@ class GrpoSection(_Section):
     def _problems(self, ok: Callable[..., bool]) -> list[Problem]:
         problems: list[Problem] = []
         if ok("generation_backend") and self.generation_backend != "vllm":
+            # generation_dtype samples with other numerics than the trainer's: the correction applies
+            corrected = ok("generation_dtype") and self.generation_dtype is not None
             for name in VLLM_FIELDS:
+                if corrected and name.startswith("vllm_importance_sampling"):
+                    continue
                 value, default = getattr(self, name), type(self).model_fields[name].default
                 if ok(name) and value != default:
                     problems.append(
@@ -369,6 +383,15 @@ class GrpoSection(_Section):
                         )
                     )
         vllm = self.generation_backend == "vllm"
+        if ok("generation_dtype", "generation_backend") and vllm and self.generation_dtype is not None:
+            problems.append(
+                (
+                    "generation_dtype",
+                    self.generation_dtype,
+                    "is read by generation_backend: transformers only (vLLM loads the weights in its own "
+                    "dtype); remove it",
+                )
+            )
         if ok("merged_generation", "generation_backend") and vllm and self.merged_generation:
             problems.append(
                 (
@@ -403,9 +426,9 @@ class GrpoSection(_Section):
                 ("kl_in_reward", False, "loss_type rloo has no per-token KL term: set kl_in_reward: true")
             )
         if (
-            ok("loss_type", "generation_backend", "vllm_importance_sampling_mode")
+            ok("loss_type", "generation_backend", "generation_dtype", "vllm_importance_sampling_mode")
             and self.loss_type == "rloo"
-            and self.generation_backend == "vllm"
+            and (self.generation_backend == "vllm" or self.generation_dtype is not None)
             and self.vllm_importance_sampling_correction
             and self.vllm_importance_sampling_mode.startswith("token")
         ):

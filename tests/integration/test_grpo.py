@@ -260,3 +260,50 @@ def test_async_rollouts_resume_exactly_with_the_rollout_made_ahead(tmp_path, pre
         assert after[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-6), step
         assert after[step]["reward"] == pytest.approx(expected[step]["reward"], abs=1e-6), step
         assert after[step]["completions_sample"] == expected[step]["completions_sample"], step
+
+
+def test_generation_dtype_samples_in_bfloat16_corrects_the_gap_and_resumes_exactly(tmp_path, prepared):
+    """grpo.generation_dtype bfloat16: the rollouts come from a bfloat16 copy of the float32 policy, each
+    step logs the sampler/trainer log-prob gap and the importance weights that correct it, and a run
+    resumed from its step-2 checkpoint trains steps 3-4 on the same completions and losses."""
+    args = ["--train.max_steps", "4", "--train.save_steps", "2", "--train.eval_steps", "null",
+            "--train.log_steps", "1", "--grpo.generation_dtype", "bfloat16"]  # fmt: skip
+    straight = tmp_path / "straight"
+    finetune("train", straight, prepared, *args)
+    expected = steps_of(straight)
+    assert sorted(expected) == [1, 2, 3, 4]
+    for record in expected.values():
+        # bfloat16 sampling is not the trainer's float32: a gap, small, and weights around 1
+        assert 0 < record["sampling/logp_gap"] < 0.5, record
+        assert 0.5 < record["sampling/importance_weight"] < 1.5, record
+    plain = tmp_path / "float32"
+    finetune("train", plain, prepared, *args[:-2], "--train.max_steps", "1")
+    assert "sampling/logp_gap" not in steps_of(plain)[1]  # the training model sampled: nothing to correct
+    resumed = tmp_path / "resumed"
+    finetune(
+        "train",
+        resumed,
+        prepared,
+        *args,
+        "--train.load_checkpoint_path",
+        str(straight / "checkpoints" / "step-2"),
+    )
+    after = steps_of(resumed)
+    assert sorted(after) == [3, 4]
+    for step in (3, 4):
+        assert after[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-6), step
+        assert after[step]["reward"] == pytest.approx(expected[step]["reward"], abs=1e-6), step
+        assert after[step]["sampling/logp_gap"] == pytest.approx(
+            expected[step]["sampling/logp_gap"], abs=1e-6
+        )
+
+
+def test_generation_dtype_with_qlora_is_refused_at_start(tmp_path, prepared):
+    result = cli_here(
+        *command("train", tmp_path / "out", prepared, "--lora.enable_qlora", "true",
+                 "--grpo.generation_dtype", "bfloat16")[3:]
+    )  # fmt: skip
+    assert result.returncode != 0
+    said = result.stdout + result.stderr
+    assert "grpo.generation_dtype bfloat16: QLoRA's 4-bit base weights cannot be copied" in said, said[-2000:]
+    assert "Traceback" not in said

@@ -199,6 +199,11 @@ MEASURED = {  # id: model config, grpo, sequence_len, mixed precision (bf16: LoR
         {"hidden_size": 128, "intermediate_size": 384, "vocab_size": 256},
         {"max_new_tokens": 24, "merged_generation": True}, 32, "bf16",
     ),
+    # LoRA on fp32 weights sampled from a bfloat16 copy (grpo.generation_dtype): the copy, 16-bit activations
+    "lora-fp32-generation-bf16": (
+        {"hidden_size": 128, "intermediate_size": 384, "vocab_size": 256},
+        {"max_new_tokens": 24, "generation_dtype": "bfloat16"}, 32, "lora-fp32",
+    ),
 }  # fmt: skip
 
 
@@ -216,9 +221,14 @@ def test_predicted_generation_peak_matches_cpu(fresh_accelerator_state, config, 
     from finetune.generation.transformers_backend import TransformersBackend
     from finetune.model.adapters import apply_lora
 
-    lora = {"enable_lora": True} if mixed == "bf16" else {}
-    model = {"no": {}, "bf16": {"torch_dtype": "bf16"}, "bf16-full": {"torch_dtype": "auto"}}[mixed]
-    precision = mixed.removesuffix("-full")
+    lora = {"enable_lora": True} if mixed in ("bf16", "lora-fp32") else {}
+    model = {
+        "no": {},
+        "bf16": {"torch_dtype": "bf16"},
+        "bf16-full": {"torch_dtype": "auto"},
+        "lora-fp32": {},
+    }[mixed]
+    precision = "no" if mixed == "lora-fp32" else mixed.removesuffix("-full")
     recipe = _recipe(
         config,
         grpo=grpo,
@@ -227,7 +237,7 @@ def test_predicted_generation_peak_matches_cpu(fresh_accelerator_state, config, 
         model=model,
         lora=lora,
     )
-    net = _net({**config, "dtype": torch.bfloat16} if lora else config)
+    net = _net({**config, "dtype": torch.bfloat16} if mixed == "bf16" else config)
     inv = inventory_of(net)
     est = estimate(inv, recipe, DistributedSetup(), micro_batch_size=8, checkpointing=False)
     if lora:
@@ -253,7 +263,9 @@ def test_predicted_generation_peak_matches_cpu(fresh_accelerator_state, config, 
 
     rollout()  # lazy initialisations out of the way
     measured = peak_allocated_bytes(rollout)
-    if lora:  # CPU only: the prompt forward's last-position logits through a frozen bf16 head make one copy
+    if (
+        mixed == "bf16"
+    ):  # CPU only: the prompt forward's last-position logits through a frozen bf16 head make one copy
         # of its weight per prompt (bmm of a strided input on CPU); here they stay below the peak
         assert est.rollout.prompts_per_call * inv.vocab_size * inv.hidden_size * 2 < gen.peak / 2
     print(f"generation peak predicted / measured: {gen.peak:,.0f} / {measured:,} = {gen.peak / measured:.4f}")

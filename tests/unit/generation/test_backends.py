@@ -150,3 +150,24 @@ def test_vllm_settings_without_the_vllm_backend_are_recipe_errors():
         "max_model_len": 512,
         "enable_sleep_mode": False,
     }
+
+
+def test_generation_dtype_is_the_transformers_backend_s_and_takes_the_importance_sampling_settings():
+    """grpo.generation_dtype samples with other numerics than the trainer's, like vLLM: the
+    vllm_importance_sampling_* settings apply to it; with the vLLM backend it is an error (vLLM has its
+    own dtype), and RLOO's whole-completion loss needs a sequence-level correction, as with vLLM."""
+    from pydantic import ValidationError
+
+    rewards = [{"name": "length"}]
+    settings = GrpoSection(rewards=rewards, generation_dtype="bfloat16", vllm_importance_sampling_cap=2.0)
+    assert settings.backend_options == {"merge_adapters": False, "dtype": "bfloat16"}
+    with pytest.raises(
+        ValidationError, match=r"vllm_importance_sampling_cap.*read by generation_backend: vllm"
+    ):
+        GrpoSection(rewards=rewards, vllm_importance_sampling_cap=2.0)  # nothing to correct without it
+    with pytest.raises(ValidationError, match=r"generation_dtype.*transformers only"):
+        GrpoSection(rewards=rewards, generation_backend="vllm", generation_dtype="bfloat16")
+    with pytest.raises(ValidationError, match=r"loss_type rloo weighs whole completions"):
+        GrpoSection(rewards=rewards, loss_type="rloo", scale_rewards="none", generation_dtype="bfloat16")
+    with pytest.raises(ValidationError, match="generation_dtype"):
+        GrpoSection(rewards=rewards, generation_dtype="float32")  # the training weights' own: leave it null

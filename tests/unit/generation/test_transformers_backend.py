@@ -250,6 +250,65 @@ def test_merged_adapters_sample_what_the_adapters_sample_without_running_them(to
     assert [[c.ids for c in row] for row in plain] != [[c.ids for c in row] for row in merged]  # trained
 
 
+def test_the_sampler_records_each_drawn_token_s_log_prob_under_the_distribution_it_drew_from() -> None:
+    """record=True (grpo.generation_dtype): the log-prob kept per row is log softmax(logits / T) of the
+    drawn token, renormalised over the top_p nucleus: the sampling log-prob the correction compares with
+    the trainer's."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]]))
+    gens = [torch.Generator().manual_seed(s) for s in (0, 1)]
+    sampler = SeededSampler(gens, temperature=0.5, top_p=0.9, top_k=0, record=True)
+    picked = sampler(torch.zeros(2, 1, dtype=torch.long), logits.clone()).argmax(-1)
+    tempered = torch.softmax(logits / 0.5, -1)
+    nucleus = [[0, 1], [1, 2, 3]]  # the 0.9 nucleus of each row (transformers keeps mass above 1 - top_p)
+    for row, tokens in enumerate(nucleus):
+        assert int(picked[row]) in tokens
+        expected = torch.log(tempered[row, picked[row]] / tempered[row, tokens].sum())
+        assert float(sampler.logprobs[0][row]) == pytest.approx(float(expected), abs=1e-6)
+    assert SeededSampler(gens, temperature=1.0, top_p=1.0, top_k=0).logprobs is None  # off by default
+
+
+def test_generation_dtype_samples_from_a_bfloat16_merged_copy_and_keeps_the_log_probs(
+    tokenizer, tiny
+) -> None:
+    """TransformersBackend(dtype="bfloat16") samples what a bfloat16 copy of the merged model samples with
+    the same seeds, gives each completion the log-prob of every token under that copy (the scores it
+    drew from, aligned with the ids), and leaves the float32 training weights as they were."""
+    import copy
+
+    peaked = copy.deepcopy(tiny)
+    with torch.no_grad():
+        peaked.lm_head.weight.mul_(8)  # peaked distributions: a log-prob off by one token is far off
+    peft_model = apply_lora(peaked, LoraSection(enable_lora=True, lora_rank=4), gradient_checkpointing=False)
+    torch.manual_seed(3)
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    encoded = [prompt_ids(tokenizer, p) for p in PROMPTS]
+    seeds = [[10 * k + j for j in range(2)] for k in range(len(PROMPTS))]
+    params = SamplingParams(max_new_tokens=8, temperature=0.7, num_return_sequences=2)
+    weights = {name: p.detach().clone() for name, p in peft_model.named_parameters()}
+    cast = TransformersBackend(peft_model, tokenizer, dtype="bfloat16").generate(encoded, params, seeds=seeds)
+    assert all(torch.equal(p, weights[name]) for name, p in peft_model.named_parameters())
+    copy16 = copy.deepcopy(peft_model).merge_and_unload()
+    for param in copy16.parameters():
+        param.data = param.data.to(torch.bfloat16)
+    expected = TransformersBackend(copy16, tokenizer).generate(encoded, params, seeds=seeds)
+    assert [[c.ids for c in row] for row in cast] == [[c.ids for c in row] for row in expected]
+    full = TransformersBackend(peft_model, tokenizer).generate(encoded, params, seeds=seeds)
+    assert all(c.logprobs is None for row in full for c in row)  # float32 sampling keeps none
+    gaps = []
+    for prompt, row in zip(encoded, cast, strict=True):
+        for c in row:
+            assert len(c.logprobs) == len(c.ids)
+            ids = torch.tensor([prompt + c.ids])
+            with torch.no_grad():
+                logits = copy16(ids).logits[0, len(prompt) - 1 : -1].float() / 0.7
+            forced = torch.log_softmax(logits, -1)[torch.arange(len(c.ids)), torch.tensor(c.ids)]
+            gaps.append((forced - torch.tensor(c.logprobs)).abs().max())
+    # teacher-forced in one pass vs decoded with the cache: bfloat16 rounding apart, the same log-probs
+    assert max(gaps) < 0.05, max(gaps)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_each_prompt_is_prefilled_once_for_all_its_completions(
     tokenizer, tiny, temperature, monkeypatch

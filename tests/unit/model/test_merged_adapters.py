@@ -78,3 +78,29 @@ def test_what_it_leaves_unmerged_and_why():
     net = lora_model()
     net.merge_adapter()
     assert unmergeable(net) == "the adapters are merged already"
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+def test_a_dtype_gives_a_16_bit_merged_copy_inside_and_the_float32_weights_back_after(use_dora):
+    """grpo.generation_dtype: inside, every weight is a bfloat16 copy (the adapters merged where PEFT can
+    merge them, DoRA's kept and cast), so the model computes what PEFT's merged model cast to bfloat16
+    computes; after, every parameter is its float32 tensor again, bit for bit."""
+    net = lora_model(use_dora=use_dora)
+    merged_copy = copy.deepcopy(net).merge_and_unload()
+    for param in merged_copy.parameters():  # the parameters only: buffers (rotary inv_freq) stay float32
+        param.data = param.data.to(torch.bfloat16)
+    with torch.no_grad():
+        reference = merged_copy(IDS).logits
+    before = {name: (p.data_ptr(), p.detach().clone()) for name, p in net.named_parameters()}
+    with merged_adapters(net, torch.bfloat16) as merged, torch.no_grad():
+        assert merged is (not use_dora)
+        used = {p.dtype for name, p in net.named_parameters() if use_dora or "lora_" not in name}
+        assert used == {torch.bfloat16}  # merged, the adapters' own weights are unused: not copied
+        inside = net(IDS).logits
+    assert inside.dtype == torch.bfloat16
+    # DoRA's magnitudes run unmerged in bfloat16: close to the merged copy, not equal to it
+    torch.testing.assert_close(inside, reference, rtol=0, atol=0.05 if use_dora else 0.0)
+    for name, p in net.named_parameters():
+        storage, value = before[name]
+        assert p.data_ptr() == storage and torch.equal(p.data, value), name
+    assert {p.dtype for p in net.parameters()} == {torch.float32}
