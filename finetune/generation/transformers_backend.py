@@ -192,7 +192,8 @@ class SeededSampler(LogitsProcessor):
         )
         if self.logprobs is not None:
             rows = torch.arange(len(picked), device=scores.device)
-            self.logprobs.append(torch.log_softmax(scores, dim=-1)[rows, picked])  # on device: no sync
+            # from the probabilities at hand (a drawn token has p > 0), on device: no sync
+            self.logprobs.append(torch.log(probs[rows, picked]))
         out = torch.full_like(scores, float("-inf"))
         out[torch.arange(len(picked), device=out.device), picked] = 0.0
         return out

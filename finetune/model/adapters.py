@@ -320,7 +320,7 @@ def merged_adapters(net, dtype: torch.dtype | None = None) -> Iterator[bool]:
 
     mergeable = unmergeable(net) is None
     layers = [m for m in net.modules() if isinstance(m, LoraLayer)] if mergeable else []
-    originals = [layer.get_base_layer().weight.data for layer in layers]
+    bases = [layer.get_base_layer().weight for layer in layers]
     # merged, the adapters' own weights are not used: left as they are (no copy)
     adapters = {id(p) for layer in layers for name, p in layer.named_parameters() if "lora_" in name}
     cast = [
@@ -328,19 +328,18 @@ def merged_adapters(net, dtype: torch.dtype | None = None) -> Iterator[bool]:
         for p in net.parameters()
         if dtype is not None and p.is_floating_point() and p.dtype != dtype and id(p) not in adapters
     ]
-    kept = [p.data for p in cast]
+    # every parameter whose tensor changes inside, with that tensor: what is put back
+    kept = {id(p): (p, p.data) for p in [*bases, *cast]}
     try:
-        for layer in layers:
+        for layer, weight in zip(layers, bases, strict=True):
             layer.merge(safe_merge=True)
             if dtype is not None:  # cast as it is made: the float32 merged copy is dropped at once
-                weight = layer.get_base_layer().weight
                 weight.data = weight.data.to(dtype)
         for p in cast:
             p.data = p.data.to(dtype)  # the merged weights are in dtype already: no copy
         yield mergeable
     finally:
-        for p, data in zip(cast, kept, strict=True):
+        for p, data in kept.values():
             p.data = data
-        for layer, weight in zip(layers, originals, strict=True):
-            layer.get_base_layer().weight.data = weight
+        for layer in layers:
             layer.merged_adapters.clear()

@@ -58,6 +58,7 @@ from finetune.generation.backends import backend_for
 from finetune.generation.protocol import SamplingParams
 from finetune.generation.transformers_backend import eval_mode
 from finetune.losses import policy_gradient as pg
+from finetune.notices import warn
 from finetune.objectives.ahead import AheadRollout, copy_trained_weights, split_lookahead
 from finetune.objectives.reference import Reference, reference_source
 from finetune.recipe.objectives import OBJECTIVES
@@ -184,11 +185,26 @@ class OnlineObjective:
         self.model = model
         self.flops["config"] = accelerator.unwrap_model(model).config
         self.reference.to(accelerator.device)
+        self._warn_generation_dtype_unused(accelerator.unwrap_model(model), accelerator)
         # A rollout reused over num_iterations steps, or made ahead for the next step, is part of the
         # run's state: a resume continues it.
         if self.ahead is not None:
             return {"rollout_ahead": self.ahead}
         return {"rollout": self.buffer} if self.settings.num_iterations > 1 else None
+
+    def _warn_generation_dtype_unused(self, unwrapped, accelerator) -> None:
+        """generation_dtype on weights already in that dtype without LoRA copies nothing: sampling is as
+        without it, and the correction weights only measure a gap of zero."""
+        dtype = getattr(self.settings, "generation_dtype", None)
+        if dtype is None or self.lora.enable_lora:
+            return
+        if all(p.dtype == getattr(torch, dtype) for p in unwrapped.parameters() if p.is_floating_point()):
+            warn(
+                f"{self.section}.generation_dtype {dtype}: the weights are in {dtype} already, so sampling is "
+                f"unchanged (nothing is copied); remove generation_dtype, or load the model in float32 "
+                f"(model.torch_dtype fp32) to sample from a {dtype} copy",
+                emit=accelerator.print,
+            )
 
     def _backend(self):
         """The generation backend, made on first use: after a resume has loaded the trained weights, so an

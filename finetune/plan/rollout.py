@@ -364,9 +364,9 @@ def generation_of(
             first = [m for m in adapter.targets if m.layer is not None and m.kind == "linear"]
             fp32_lora = tuple(m.name.rsplit(".", 1)[-1] for m in first if m.layer == first[0].layer)
     cast = getattr(settings, "generation_dtype", None) is not None
-    if cast:  # grpo.generation_dtype: a 16-bit copy of every weight (adapters merged), 16-bit activations
+    if cast:  # grpo.generation_dtype: 16-bit activations, and a 16-bit copy of the weights (adapters merged)
         r = c = 2
-        autocast, fp32_lora, merged = False, (), float(inv.total * 2)
+        autocast, fp32_lora, merged = False, (), generation_dtype_copy(inv, recipe, adapter)
     gen = generation_bytes(
         inv,
         sequences=prompts * settings.num_generations,
@@ -386,6 +386,24 @@ def generation_of(
     return dataclasses.replace(
         gen, merged_weights=merged, late_autocast_copies=late, head_logits=head, compute_dtype_copy=cast
     )
+
+
+def generation_dtype_copy(inv: ModelInventory, recipe, adapter: Adapter) -> float:
+    """Bytes of the copy grpo.generation_dtype makes while generating (finetune.model.adapters.merged_adapters):
+    every weight in 2 bytes when the weights are in another dtype; weights already in that dtype are used as
+    they are, and only the merged LoRA weights are new (DoRA, which does not merge: its adapters cast)."""
+    import torch
+
+    from finetune.model.build import weight_dtype
+
+    dtype = getattr(torch, online_section(recipe).generation_dtype)
+    if weight_dtype(recipe.model, recipe.lora, recipe.train.mixed_precision) != dtype:
+        return float(inv.total * 2)
+    if not recipe.lora.enable_lora:
+        return 0.0
+    if recipe.lora.use_dora:
+        return float(adapter.lora_params * 2)
+    return float(sum(m.in_features * m.out_features for m in adapter.targets) * 2)
 
 
 def prefills_once(recipe, engine: DistributedSetup) -> bool:
@@ -470,7 +488,10 @@ def _merged_part(gen: Generation) -> list[Part]:
     )
     name = "merged LoRA weights (generate)"
     if gen.compute_dtype_copy:
-        name, note = "weights in generation_dtype (generate)", "every weight copied to 2 B, LoRA merged in"
+        name, note = (
+            "weights in generation_dtype (generate)",
+            "weights copied to 2 B (or only the merged ones where already), LoRA merged in",
+        )
     return [Part(name, gen.merged_weights, note=note)]
 
 

@@ -307,3 +307,24 @@ def test_generation_dtype_with_qlora_is_refused_at_start(tmp_path, prepared):
     said = result.stdout + result.stderr
     assert "grpo.generation_dtype bfloat16: QLoRA's 4-bit base weights cannot be copied" in said, said[-2000:]
     assert "Traceback" not in said
+
+
+def test_generation_dtype_on_weights_already_in_it_warns_that_it_changes_nothing(tmp_path, prepared):
+    """Full fine-tuning of bfloat16 weights with generation_dtype bfloat16: nothing to copy, said once at the
+    start; the run trains."""
+    result = cli_here(
+        *command("train", tmp_path / "out", prepared, "--lora.enable_lora", "false", "--model.torch_dtype", "bf16",
+                 "--train.max_steps", "1", "--train.eval_steps", "null", "--grpo.generation_dtype", "bfloat16")[3:]
+    )  # fmt: skip
+    said = result.stdout + result.stderr
+    assert result.returncode == 0, said[-2000:]
+    assert "warning: grpo.generation_dtype bfloat16: the weights are in bfloat16 already" in said, said[
+        -2000:
+    ]
+    lora = cli_here(
+        *command("train", tmp_path / "lora", prepared, "--train.max_steps", "1", "--train.eval_steps", "null",
+                 "--grpo.generation_dtype", "bfloat16")[3:]
+    )  # fmt: skip
+    assert (
+        lora.returncode == 0 and "generation_dtype bfloat16: the weights are" not in lora.stdout + lora.stderr
+    )

@@ -204,6 +204,11 @@ MEASURED = {  # id: model config, grpo, sequence_len, mixed precision (bf16: LoR
         {"hidden_size": 128, "intermediate_size": 384, "vocab_size": 256},
         {"max_new_tokens": 24, "generation_dtype": "bfloat16"}, 32, "lora-fp32",
     ),
+    # the same on weights already in bfloat16: used as they are, only the merged LoRA weights are new copies
+    "lora-bf16-generation-bf16": (
+        {"hidden_size": 128, "intermediate_size": 384, "vocab_size": 256},
+        {"max_new_tokens": 24, "generation_dtype": "bfloat16"}, 32, "bf16",
+    ),
 }  # fmt: skip
 
 
