@@ -35,7 +35,9 @@ picks one by its row in the objective table (finetune.recipe.objectives: `estima
 
 * ``group``: the reward against its group's mean, scaled by a std (GRPO; `group_advantages`);
 * ``leave_one_out``: the reward against the mean of the other completions of its group (RLOO,
-  Ahmadian et al. 2024; `leave_one_out_advantages`).
+  Ahmadian et al. 2024; `leave_one_out_advantages`);
+* ``whitened``: the reward against its group's mean, then whitened over the whole step's completion
+  tokens (REINFORCE++-baseline, Hu et al. 2025; `whitened_advantages`).
 
 >>> import torch
 >>> out = per_token_loss(torch.zeros(2), torch.zeros(2), torch.tensor([1.0, -1.0]), epsilon_low=0.2, epsilon_high=0.2)
@@ -295,11 +297,46 @@ def leave_one_out_advantages(
     return advantages, torch.isclose(group_std, torch.zeros_like(group_std))
 
 
+def whitened_advantages(
+    rewards: torch.Tensor,
+    *,
+    num_generations: int,
+    scale_rewards: Literal["group", "batch", "none"],
+    batch_std: torch.Tensor | None = None,
+    tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, whether each completion's group has zero reward spread), REINFORCE++-baseline's
+    (Hu et al. 2025; OpenRLHF's `reinforce_baseline` estimator): each reward minus its group's mean,
+    then, with scale_rewards batch, whitened over the step as OpenRLHF whitens: minus the mean of the
+    advantages of every trained token (a completion's tokens share its advantage; `tokens`: each
+    completion's trained-token count, None weighs completions alike), times 1 / sqrt of their variance
+    (over the tokens, not Bessel-corrected, at least 1e-8). Unlike GRPO's batch scale (the std of the raw
+    rewards) the spread is the centred advantages', and long completions weigh more in it. group and none
+    are GRPO's (`group_advantages`). Written here: OpenRLHF (Ray, vLLM) is not a library to import.
+
+    >>> adv, flat = whitened_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), num_generations=2,
+    ...                                 scale_rewards="batch", tokens=torch.tensor([1.0, 3.0, 2.0, 2.0]))
+    >>> [round(a, 4) for a in adv.tolist()], flat.tolist()
+    ([1.8898, -1.1339, 0.378, 0.378], [False, False, True, True])
+    """
+    if scale_rewards != "batch":
+        return group_advantages(rewards, num_generations=num_generations, scale_rewards=scale_rewards)
+    centred, flat = group_advantages(rewards, num_generations=num_generations, scale_rewards="none")
+    weights = torch.ones_like(centred) if tokens is None else tokens.to(centred)
+    count = weights.sum().clamp(min=1)  # no trained token at all: nothing is trained on these advantages
+    mean = (centred * weights).sum() / count
+    var = ((centred - mean) ** 2 * weights).sum() / count
+    return (centred - mean) * var.clamp(min=1e-8).rsqrt(), flat
+
+
 Estimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ESTIMATORS: dict[str, Estimator] = {
     "group": group_advantages,
     "leave_one_out": leave_one_out_advantages,
+    "whitened": whitened_advantages,
 }
+TOKEN_WEIGHTED = frozenset({whitened_advantages})
+"""Estimators that weigh each completion by its trained tokens (called with `tokens=`)."""
 """Advantage estimators by name: each is called as fn(rewards, num_generations=..., scale_rewards=...,
 batch_std=...) on rewards laid out group after group, and returns (advantages, whether each
 completion's group has zero reward spread)."""

@@ -280,7 +280,10 @@ class OnlineObjective:
         total = made["total"].nan_to_num(0.0)
         per_reward = made["per_reward"].nan_to_num(0.0)
         trained_reward = total if kl is None else total - settings.beta * kl
-        advantages, flat_groups = self._advantages(trained_reward)
+        tokens = None  # an estimator weighing completions by their trained tokens gets their counts
+        if self.estimator in pg.TOKEN_WEIGHTED:
+            tokens = ro.completion_sums(batches, lambda b: (b["labels"] != IGNORE_INDEX).float())
+        advantages, flat_groups = self._advantages(trained_reward, tokens)
         if failed.any():
             group = settings.num_generations
             advantages = advantages.masked_fill(failed.view(-1, group).any(1).repeat_interleave(group), 0.0)
@@ -381,16 +384,24 @@ class OnlineObjective:
 
         return pad_token_id(self.tokenizer)
 
-    def _advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The estimator's advantages of this process's completions. With scale_rewards batch, over the
-        step's rewards on all processes (gathered in process order, every process's share equal: a sync
-        point), then this process's slice."""
+    def _advantages(
+        self, rewards: torch.Tensor, tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The estimator's advantages of this process's completions (`tokens`: their trained-token counts,
+        for an estimator that weighs by them). With scale_rewards batch, over the step's rewards on all
+        processes (gathered in process order, every process's share equal: a sync point), then this
+        process's slice."""
         settings, acc = self.settings, self.accelerator
         everyone = settings.scale_rewards == "batch" and acc.num_processes > 1
-        values = acc.gather(rewards.to(acc.device)).float().cpu() if everyone else rewards
+
+        def gathered(values: torch.Tensor) -> torch.Tensor:
+            return acc.gather(values.to(acc.device)).float().cpu() if everyone else values
+
+        extra = {} if tokens is None else {"tokens": gathered(tokens)}
         advantages, flat = self.estimator(
-            values, num_generations=settings.num_generations, scale_rewards=settings.scale_rewards
-        )
+            gathered(rewards), num_generations=settings.num_generations, scale_rewards=settings.scale_rewards,
+            **extra,
+        )  # fmt: skip
         if everyone:
             mine = slice(acc.process_index * len(rewards), (acc.process_index + 1) * len(rewards))
             advantages, flat = advantages[mine], flat[mine]

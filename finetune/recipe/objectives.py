@@ -101,6 +101,14 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
             section_defaults=(("loss_type", "rloo"), ("scale_rewards", "none"), ("kl_in_reward", True)),
         ),
         ObjectiveSpec(
+            "reinforce_pp", "online", "prompt", "completions", False, (),
+            "REINFORCE++-baseline (Hu et al. 2025, OpenRLHF's reinforce_baseline): each reward against its "
+            "group's mean, whitened over the step's completion tokens, PPO's clipped token loss, the KL to the "
+            "reference paid out of the reward",
+            section="grpo", estimator="whitened",
+            section_defaults=(("scale_rewards", "batch"), ("kl_in_reward", True)),
+        ),
+        ObjectiveSpec(
             "reward", "reward", _PREFERENCE, "pairs", False, ("reward.center_rewards_coefficient",),
             "A reward model: a one-output score head on the base, trained on preference pairs with the "
             "Bradley-Terry loss (TRL's RewardTrainer); a GRPO reward afterwards (grpo.rewards[].model)",

@@ -163,13 +163,15 @@ def test_sigkill_then_resume_gives_the_same_completions_rewards_and_losses(tmp_p
 @slow
 @pytest.mark.parametrize(
     "variant",
-    [["--grpo.loss_type", t] for t in ("dapo", "grpo", "dr_grpo", "bnpo")] + [["--train.objective", "rloo"]],
-    ids=["dapo", "grpo", "dr_grpo", "bnpo", "rloo"],
+    [["--grpo.loss_type", t] for t in ("grpo", "dr_grpo", "bnpo")]
+    + [["--train.objective", "rloo"], ["--train.objective", "reinforce_pp"]],
+    ids=["grpo", "dr_grpo", "bnpo", "rloo", "reinforce_pp"],
 )
 def test_two_process_ddp_trains_on_the_same_completions_as_one_process(tmp_path, prepared, variant):
     """2 processes x 8 completions == 1 process x 8 completions x accumulation 2: the same 4 prompts a
     step, each group on one rank, the loss normalised over the global batch, for every loss type (and
-    RLOO's sequence-level loss with its unscaled leave-one-out advantages)."""
+    RLOO's sequence-level loss with its unscaled leave-one-out advantages) and every estimator:
+    REINFORCE++-baseline's whitening over every process's tokens, with the demo's dapo loss."""
     args = [
         "--train.max_steps",
         "2",
@@ -181,6 +183,8 @@ def test_two_process_ddp_trains_on_the_same_completions_as_one_process(tmp_path,
     ]
     if variant[-1] == "rloo":  # the demo writes GRPO's choices: RLOO's own defaults
         args += ["--grpo.loss_type", "rloo", "--grpo.scale_rewards", "none"]
+    if variant[-1] == "reinforce_pp":
+        args += ["--grpo.scale_rewards", "batch"]
     ddp, single = tmp_path / "ddp", tmp_path / "single"
     finetune("train", ddp, prepared, "--accelerate-config", "multi_cpu", *args,
              "--train.gradient_accumulation_steps", "1")  # fmt: skip

@@ -44,8 +44,8 @@ def _train(tmp, *extra: str) -> subprocess.CompletedProcess:
     return run([sys.executable, str(REPO / "finetune" / "train.py"), str(RECIPE), *_args(tmp, *extra)])
 
 
-# 6 steps, a checkpoint every 2 and all kept, LoRA dropout on (an exact resume needs the RNG state back).
-STEPS = ["--train.max_steps", "6", "--train.save_steps", "2", "--train.save_total_limit", "null",
+# 4 steps, a checkpoint every 2 and all kept, LoRA dropout on (an exact resume needs the RNG state back).
+STEPS = ["--train.max_steps", "4", "--train.save_steps", "2", "--train.save_total_limit", "null",
          "--lora.lora_dropout", "0.1"]  # fmt: skip
 
 
@@ -88,8 +88,8 @@ def test_a_sigkilled_run_resumes_to_the_same_losses(trained):
         step_losses(progress(trained / "out")),
         step_losses(progress(kill / "out")),
     )
-    assert sorted(after) == list(range(1, 7))
-    for step in range(1, 7):
+    assert sorted(after) == list(range(1, 5))
+    for step in range(1, 5):
         # The claim (docs/checkpoints.md) is 1e-6; measured here: equal to the last bit.
         assert after[step] == pytest.approx(before[step], rel=1e-6, abs=0), (step, before, after)
 

@@ -396,3 +396,35 @@ def test_rloo_advantages_and_reward_kl_equal_trls(normalize, tmp_path):
     )
     torch.testing.assert_close(ours, out["advantages"].cpu().float(), rtol=1e-5, atol=1e-6)
     assert (kl.abs() > 1e-3).all()  # the reference differs: the KL term moves the advantages
+
+
+def test_whitened_advantages_are_reinforce_pp_baseline_s_over_the_tokens():
+    """REINFORCE++-baseline (OpenRLHF's reinforce_baseline): the group's mean subtracted, then every trained
+    token's advantage whitened together (mean and population variance over the tokens, torch's own mean and
+    var on the token layout here); equal token counts make it GRPO's centred advantages over their std.
+    OpenRLHF needs Ray and vLLM to import, so it is not in the test extra: the token layout is computed
+    directly."""
+    rewards = torch.tensor([1.0, 0.0, 0.5, 2.0, 2.0, 2.0, 0.0, 3.0, 1.0])
+    tokens = torch.tensor([4, 1, 2, 3, 3, 5, 2, 2, 7])
+    ours, flat = pg.whitened_advantages(
+        rewards, num_generations=3, scale_rewards="batch", tokens=tokens.float()
+    )
+    centred, _ = pg.group_advantages(rewards, num_generations=3, scale_rewards="none")
+    per_token = centred.repeat_interleave(tokens)
+    expected = (per_token - per_token.mean()) / per_token.var(correction=0).sqrt()
+    torch.testing.assert_close(ours.repeat_interleave(tokens), expected)
+    assert flat.tolist() == [False] * 3 + [True] * 3 + [False] * 3
+    assert not torch.allclose(
+        ours, pg.whitened_advantages(rewards, num_generations=3, scale_rewards="batch")[0]
+    )
+    same, _ = pg.whitened_advantages(rewards, num_generations=3, scale_rewards="batch")
+    torch.testing.assert_close(same, centred / centred.std(correction=0))
+    # group and none are GRPO's own scales
+    for scale in ("group", "none"):
+        torch.testing.assert_close(
+            pg.whitened_advantages(rewards, num_generations=3, scale_rewards=scale, tokens=tokens.float())[0],
+            pg.group_advantages(rewards, num_generations=3, scale_rewards=scale)[0],
+        )
+    # no trained token at all (every completion masked): finite
+    zero, _ = pg.whitened_advantages(rewards, num_generations=3, scale_rewards="batch", tokens=torch.zeros(9))
+    assert torch.isfinite(zero).all()

@@ -556,6 +556,33 @@ def test_rloo_rolls_out_leave_one_out_advantages_with_the_kl_paid_from_the_rewar
     assert "kl" not in metrics and torch.isfinite(loss)  # the KL is in the reward, not the loss
 
 
+def test_reinforce_pp_whitens_group_centred_rewards_over_the_trained_tokens():
+    """train.objective reinforce_pp: the table row's estimator and defaults reach the rollout; the
+    advantages are the group-centred rewards whitened over the trained tokens of the step, the token counts
+    read from the packed rows (a truncated completion masked by mask_truncated_completions weighs nothing)."""
+    from transformers import AutoTokenizer
+
+    from finetune.recipe.defaults import resolve_defaults
+
+    tokenizer = AutoTokenizer.from_pretrained("recipes/demo/tokenizer")
+    digits = [tokenizer(f" {n}", add_special_tokens=False)["input_ids"] for n in (7, 13, 7)]
+    section = resolve_defaults({"train": {"objective": "reinforce_pp"}, "grpo": {"beta": 0.0}})["grpo"]
+    assert section == {"beta": 0.0, "scale_rewards": "batch", "kl_in_reward": True}
+    # the second completion of each group is cut at max_new_tokens (no eos) and masked
+    completions = [[*digits[0], 2], digits[1], [*digits[2], 2]]
+    obj = online_objective(tokenizer, completions, **section, mask_truncated_completions=True)
+    obj.estimator = pg.ESTIMATORS[OBJECTIVES["reinforce_pp"].estimator]
+    batches, _ = obj.rollout(torch.nn.Identity(), [PROMPTS], step=1)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    tokens = torch.tensor([len(digits[0]) + 1, 0, len(digits[2]) + 1] * 2, dtype=torch.float32)
+    expected, _ = pg.whitened_advantages(rewards, num_generations=3, scale_rewards="batch", tokens=tokens)
+    trained = torch.cat([b["advantages"][b["seq_index"] >= 0] for b in batches])
+    torch.testing.assert_close(trained, expected.repeat_interleave(tokens.long()))
+    # weighing every completion alike (the masked ones too) would give other advantages
+    alike, _ = pg.whitened_advantages(rewards, num_generations=3, scale_rewards="batch")
+    assert not torch.allclose(alike, expected)
+
+
 def test_async_rollouts_sample_the_next_step_with_one_step_old_weights():
     """grpo.async_rollouts: the rollout of step n starts the next step's in the background, on the
     policy copy as it is at step n; the update of step n does not reach it (the copy is synced after the
