@@ -335,8 +335,8 @@ ESTIMATORS: dict[str, Estimator] = {
     "leave_one_out": leave_one_out_advantages,
     "whitened": whitened_advantages,
 }
-TOKEN_WEIGHTED = frozenset({whitened_advantages})
-"""Estimators that weigh each completion by its trained tokens (called with `tokens=`)."""
 """Advantage estimators by name: each is called as fn(rewards, num_generations=..., scale_rewards=...,
 batch_std=...) on rewards laid out group after group, and returns (advantages, whether each
 completion's group has zero reward spread)."""
+TOKEN_WEIGHTED = frozenset({whitened_advantages})
+"""Estimators that weigh each completion by its trained tokens (called with `tokens=` as well)."""
