@@ -190,12 +190,12 @@ class SeededSampler(LogitsProcessor):
         picked = torch.cat(
             [torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.generators)]
         )
+        rows = torch.arange(len(picked), device=scores.device)
         if self.logprobs is not None:
-            rows = torch.arange(len(picked), device=scores.device)
             # from the probabilities at hand (a drawn token has p > 0), on device: no sync
             self.logprobs.append(torch.log(probs[rows, picked]))
         out = torch.full_like(scores, float("-inf"))
-        out[torch.arange(len(picked), device=out.device), picked] = 0.0
+        out[rows, picked] = 0.0
         return out
 
 

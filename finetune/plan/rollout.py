@@ -359,7 +359,7 @@ def generation_of(
         c, autocast = r, False
         fsdp_mixed = engine.kind == "fsdp" and recipe.train.mixed_precision != "no"  # LoRA cast to bf16
         if merges_for_generation(recipe, engine):  # the plain layers run: no adapter arithmetic
-            merged = float(sum(m.in_features * m.out_features for m in adapter.targets) * r)
+            merged = float(adapted_weights(adapter) * r)
         elif layout.lora_bytes == 4 and c != 4 and not fsdp_mixed:
             first = [m for m in adapter.targets if m.layer is not None and m.kind == "linear"]
             fp32_lora = tuple(m.name.rsplit(".", 1)[-1] for m in first if m.layer == first[0].layer)
@@ -403,7 +403,12 @@ def generation_dtype_copy(inv: ModelInventory, recipe, adapter: Adapter) -> floa
         return 0.0
     if recipe.lora.use_dora:
         return float(adapter.lora_params * 2)
-    return float(sum(m.in_features * m.out_features for m in adapter.targets) * 2)
+    return float(adapted_weights(adapter) * 2)
+
+
+def adapted_weights(adapter: Adapter) -> int:
+    """Elements of the adapted layers' weights: what merging LoRA into new copies of them makes."""
+    return sum(m.in_features * m.out_features for m in adapter.targets)
 
 
 def prefills_once(recipe, engine: DistributedSetup) -> bool:
