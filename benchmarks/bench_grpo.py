@@ -54,12 +54,15 @@ Not matched (each tool's own design, measured as it is):
   length of each run so a difference in length is visible (a generate call lasts as long as its
   longest completion);
 * how a token is drawn: finetune's SeededSampler (a logits processor) draws each completion's token
-  from its own seeded generator, one torch.multinomial per completion per token, so a resumed run
-  samples the same completions; TRL uses transformers' sampling (one draw for the batch, the global
-  RNG). Both use transformers' generate with the KV cache on the training (PEFT) model, unmerged
-  (the `finetune-bf16` tool instead samples from a bfloat16 copy with the adapters merged,
-  grpo.generation_dtype, its log-prob gap corrected by importance weights: other numerics than TRL's
-  float32 sampling, so it is a row of its own, not the matched comparison);
+  from its own seeded generator (two exponential races, over blocks of the vocabulary then inside the
+  block: finetune.generation.transformers_backend.draw), so a resumed run samples the same completions;
+  TRL uses transformers' sampling (torch.multinomial over the batch, the global RNG). Both use
+  transformers' generate with the KV cache on the training (PEFT) model, in float32. finetune merges
+  the LoRA adapters into a copy of the adapted weights for each generate call on CPU (its default,
+  grpo.merged_generation null; the `finetune-unmerged` tool turns it off: the adapters computed at every
+  token, as TRL does); the `finetune-bf16` tool instead samples from a bfloat16 copy with the adapters
+  merged (grpo.generation_dtype, its log-prob gap corrected by importance weights: other numerics than
+  TRL's float32 sampling, so it is a row of its own, not the matched comparison);
 * the training layout: finetune packs a micro-batch's completions into one row without padding, each
   prompt once with its completions after it (grpo.share_prompts: a tree-shaped attention mask; the
   `finetune-copied` tool turns it off: a prompt copy per completion, position_ids restarting per
@@ -204,7 +207,7 @@ def finetune_recipe(
     data: Path,
     out: Path,
     *,
-    merged: bool = False,
+    merged: bool | None = None,
     share_prompts: bool = True,
     generation_dtype: str | None = None,
 ) -> dict:
@@ -258,7 +261,7 @@ def finetune_recipe(
             "scale_rewards": "group",
             "generation_batch_size": args.prompts_per_step,  # one generate call per step, as TRL
             "log_completions": 0,
-            "merged_generation": merged,  # LoRA merged for each generate call (off by default)
+            "merged_generation": merged,  # None (the default): LoRA merged for each generate call on CPU
             "share_prompts": share_prompts,  # each prompt once per micro-batch (the default)
             "generation_dtype": generation_dtype,  # None: sample with the fp32 training weights (the default)
             "rewards": [{"function": f"{Path(__file__).resolve()}:exact_match_reward"}],
@@ -276,7 +279,7 @@ def finetune_recipe(
 def run_finetune(args, folder: Path, data: Path, work: Path, index: int, *, name: str = "finetune") -> dict:
     import yaml
 
-    merged, share_prompts = name == "finetune-merged", name != "finetune-copied"
+    merged, share_prompts = (False if name == "finetune-unmerged" else None), name != "finetune-copied"
     dtype = "bfloat16" if name == "finetune-bf16" else None
     out = work / f"{name}-{index}"
     shutil.rmtree(out, ignore_errors=True)
@@ -505,7 +508,7 @@ def versions() -> str:
 def print_report(args, runs: dict[str, list[dict]], prompt_tokens: float) -> dict[str, dict]:
     names = {
         "finetune": "finetune",
-        "finetune-merged": "finetune, grpo.merged_generation true",
+        "finetune-unmerged": "finetune, grpo.merged_generation false",
         "finetune-copied": "finetune, grpo.share_prompts false",
         "finetune-bf16": "finetune, grpo.generation_dtype bfloat16",
         "trl": "TRL GRPOTrainer",
@@ -556,9 +559,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tools",
         nargs="+",
-        choices=["finetune", "finetune-merged", "finetune-copied", "finetune-bf16", "trl"],
+        choices=["finetune", "finetune-unmerged", "finetune-copied", "finetune-bf16", "trl"],
         default=["finetune", "trl"],
-        help="finetune-merged: finetune with grpo.merged_generation true (LoRA merged for each generate call); "
+        help="finetune-unmerged: finetune with grpo.merged_generation false (the adapters computed at every "
+        "token, as TRL; the default merges them for each generate call on CPU); "
         "finetune-copied: finetune with grpo.share_prompts false (a prompt copy per completion in training); "
         "finetune-bf16: finetune sampling from a bfloat16 copy (grpo.generation_dtype, importance-corrected)",
     )

@@ -16,6 +16,7 @@ for the prompts it is given; a sharded model (FSDP, ZeRO-3) would need every ran
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -40,12 +41,19 @@ class TransformersBackend:
     copies_weights = False  # it generates with the training model's own parameters
 
     def __init__(
-        self, model, tokenizer, *, processor=None, merge_adapters: bool = False, dtype: str | None = None
+        self,
+        model,
+        tokenizer,
+        *,
+        processor=None,
+        merge_adapters: bool | None = False,
+        dtype: str | None = None,
     ):
         self.model, self.tokenizer, self.processor = model, tokenizer, processor
         # LoRA merged into the weights for each generate call and taken out bit for bit after
         # (finetune.model.adapters.merged_adapters): the plain layers decode faster, for one more copy
-        # of the adapted weights while generating.
+        # of the adapted weights while generating. None: merged where the model is on the CPU (measured
+        # faster there, benchmarks/RESULTS.md; on a GPU the copy's memory is the scarcer thing).
         self.merge_adapters = merge_adapters
         # grpo.generation_dtype: sample from a merged copy of the weights in this dtype (made for each
         # call), each sampled token's log-prob kept (Completion.logprobs) for the importance-sampling
@@ -54,6 +62,14 @@ class TransformersBackend:
         # Every process runs each generate step together (transformers' synced_gpus): set for a model
         # whose layers are gathered one at a time across processes (ZeRO-3 without a whole gather).
         self.synced_processes = False
+
+    @property
+    def merges(self) -> bool:
+        """Whether a generate call merges the LoRA adapters (`merge_adapters`, None resolved on the model's
+        device); a model that cannot merge (no LoRA, QLoRA, DoRA, sharded weights) runs as it is."""
+        if self.merge_adapters is None:
+            return _device(self.model).type == "cpu"
+        return self.merge_adapters
 
     @property
     def stops(self) -> list[int]:
@@ -71,7 +87,7 @@ class TransformersBackend:
     ) -> list[list[Completion]]:
         from finetune.model.adapters import merged_adapters
 
-        merge = self.merge_adapters or self.dtype is not None
+        merge = self.merges or self.dtype is not None
         merging = merged_adapters(self.model, self.dtype) if merge else contextlib.nullcontext()
         with merging:
             return self._generate(prompts, params, seeds, batch_size, images, progress)
@@ -156,8 +172,8 @@ class SeededSampler(LogitsProcessor):
 
     transformers' own sampling draws every row from the global RNG, so a completion would depend on
     the other rows of its batch. Here the logits are tempered and filtered with transformers' own
-    warpers, each row draws its token from its generator, and every other token gets -inf: greedy
-    decoding then picks exactly the drawn token. Rows that already stopped keep drawing (their draws
+    warpers, each row draws its token from its generator (`draw`), and every other token gets -inf:
+    greedy decoding then picks exactly the drawn token. Rows that already stopped keep drawing (their draws
     are discarded), which changes nothing for the rows still running. With `record`, the drawn tokens'
     log-probs under the distribution they were drawn from (tempered and filtered) are kept in `logprobs`
     (one tensor per step).
@@ -187,9 +203,7 @@ class SeededSampler(LogitsProcessor):
         for warper in self.warpers:
             scores = warper(input_ids, scores)
         probs = torch.softmax(scores, dim=-1)
-        picked = torch.cat(
-            [torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.generators)]
-        )
+        picked = draw(probs, self.generators)
         rows = torch.arange(len(picked), device=scores.device)
         if self.logprobs is not None:
             # from the probabilities at hand (a drawn token has p > 0), on device: no sync
@@ -197,6 +211,39 @@ class SeededSampler(LogitsProcessor):
         out = torch.full_like(scores, float("-inf"))
         out[rows, picked] = 0.0
         return out
+
+
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row of `probs` (rows x vocabulary, each row summing to 1), row i drawn with
+    `generators[i]` alone: exactly P(token) = probs[i, token], in two exponential races.
+
+    Written here because torch.multinomial (the same race: argmax of p / E with E ~ Exp(1)) draws one
+    exponential per vocabulary entry, and it takes a call per row for the rows to have generators of their
+    own: at SmolLM2's 49152 entries that was 1 ms a row, a tenth of a CPU decode step of 16 rows
+    (benchmarks/RESULTS.md). Here the vocabulary is cut into about sqrt(V) blocks of about sqrt(V) tokens:
+    the race over the blocks' sums picks block b with probability S_b, the race inside it picks the token
+    with probability p / S_b, so about 2 sqrt(V) draws a row (444 at 49152) and one vectorised pass over the
+    probabilities for every row. Races, not a cumulative sum: a rounding difference in the logits (another
+    matmul order) moves the outcome only where two candidates nearly tie, as it does for torch.multinomial,
+    not wherever a running total crosses the draw. The uniforms are float64 (E = -log U), as torch's own
+    exponentials are; a zero probability never wins."""
+    rows, vocab = probs.shape
+    width = math.isqrt(vocab - 1) + 1  # ceil(sqrt(V)): blocks of `width` tokens, the last one shorter
+    full, blocks = vocab // width, -(-vocab // width)
+    uniforms = torch.stack(
+        [
+            torch.rand(blocks + width, generator=g, dtype=torch.float64, device=probs.device)
+            for g in generators
+        ]
+    )
+    races = -torch.log(uniforms)
+    sums = probs[:, : full * width].reshape(rows, full, width).sum(-1)  # a view: no copy of the rows
+    if blocks > full:
+        sums = torch.cat([sums, probs[:, full * width :].sum(-1, keepdim=True)], -1)
+    block = (sums / races[:, :blocks]).argmax(-1)
+    tokens = block[:, None] * width + torch.arange(width, device=probs.device)
+    inside = probs.gather(1, tokens.clamp(max=vocab - 1)).masked_fill(tokens >= vocab, 0.0)
+    return tokens.gather(1, (inside / races[:, blocks:]).argmax(-1, keepdim=True)).squeeze(1)
 
 
 def generate_ids(

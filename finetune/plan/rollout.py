@@ -423,14 +423,14 @@ def prefills_once(recipe, engine: DistributedSetup) -> bool:
 
 
 def merges_for_generation(recipe, engine: DistributedSetup) -> bool:
-    """Whether the transformers backend generates from merged LoRA weights (grpo.merged_generation, as
-    finetune.model.adapters.merged_adapters decides on the model: not a 4-bit base, DoRA or sharded
-    weights)."""
+    """Whether the transformers backend generates from merged LoRA weights (grpo.merged_generation; null:
+    on CPU processes, as the backend decides on the model's device; as finetune.model.adapters.merged_adapters
+    decides on the model: not a 4-bit base, DoRA or sharded weights)."""
     settings, lora = online_section(recipe), recipe.lora
     sharded = engine.kind == "fsdp" or (engine.kind == "deepspeed" and engine.zero_stage == 3)
+    asked = engine.use_cpu if settings.merged_generation is None else settings.merged_generation
     return bool(
-        settings.merged_generation and lora.enable_lora and not lora.enable_qlora and not lora.use_dora
-        and not sharded
+        asked and lora.enable_lora and not lora.enable_qlora and not lora.use_dora and not sharded
     )  # fmt: skip
 
 
@@ -488,8 +488,8 @@ def _merged_part(gen: Generation) -> list[Part]:
     if not gen.merged_weights:
         return []
     note = (
-        "the adapted weights with LoRA merged in, new copies while generating (grpo.merged_generation; "
-        "false: none, the adapters computed at every token)"
+        "the adapted weights with LoRA merged in, new copies while generating (grpo.merged_generation, "
+        "by default on CPU processes; false: none, the adapters computed at every token)"
     )
     name = "merged LoRA weights (generate)"
     if gen.compute_dtype_copy:

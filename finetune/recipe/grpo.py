@@ -220,14 +220,15 @@ class GrpoSection(_Section):
         "only sequence boundaries) and vision-language models keep a copy per completion. (Generation is apart: "
         "the transformers backend always computes a prompt's KV cache once for its num_generations completions.)",
     )
-    merged_generation: bool = Field(
-        False,
+    merged_generation: bool | None = Field(
+        None,
         description="transformers: with LoRA, generate from the adapters merged into a copy of the adapted weights "
         "(PEFT's safe merge; the original weights are put back bit for bit after every generate call): decoding "
         "runs the plain layers, for one more copy of the adapted weights while it samples (the planner counts it) "
-        "and a pass over them per call. In a GRPO run on 2 CPU cores the rollout took 14% less time "
-        "(benchmarks/RESULTS.md, GRPO step time); off by default for the memory of the copy. Ignored where PEFT "
-        "cannot merge that way (QLoRA's 4-bit base, DoRA, sharded weights).",
+        "and a pass over them per call. null (default): merged where the model is on the CPU, where the rollout "
+        "took 7-14% less time in a GRPO run on 2 cores (benchmarks/RESULTS.md, GRPO step time), not on a GPU, "
+        "for the memory of the copy; true / false: always / never. Ignored where PEFT cannot merge that way "
+        "(QLoRA's 4-bit base, DoRA, sharded weights).",
     )
     generation_dtype: Literal["bfloat16", "float16"] | None = Field(
         None,

@@ -193,7 +193,10 @@ MEASURED = {  # id: model config, grpo, sequence_len, mixed precision (bf16: LoR
         {"max_new_tokens": 16}, 32, "bf16-full",
     ),
     # the vocabulary keeps CPU's copies of a frozen bf16 head below the peak (see the test)
-    "lora-bf16": ({"hidden_size": 128, "intermediate_size": 384, "vocab_size": 256}, {"max_new_tokens": 24}, 32, "bf16"),
+    "lora-bf16": (
+        {"hidden_size": 128, "intermediate_size": 384, "vocab_size": 256},
+        {"max_new_tokens": 24, "merged_generation": False}, 32, "bf16",
+    ),
     # merged for the call (grpo.merged_generation): the merged copies instead of the adapters' fp32 arithmetic
     "lora-bf16-merged": (
         {"hidden_size": 128, "intermediate_size": 384, "vocab_size": 256},
@@ -364,6 +367,20 @@ def test_sharded_generation_gather_and_layerwise(kind):
     assert any(p.name == "merged LoRA weights (generate)" for p in merged.rollout.parts)  # whole: it merges
     _, sharded = _single(merging, engine)
     assert not any(p.name == "merged LoRA weights (generate)" for p in sharded.rollout.parts)  # shards: not
+
+
+def test_merged_generation_by_default_on_cpu_processes_only():
+    """grpo.merged_generation null (the default) merges where the backend runs on the CPU: the planner
+    counts the merged copies for CPU processes, not for GPUs; false never, true on a GPU too."""
+    lora = {"enable_lora": True}
+
+    def merges(grpo, engine):
+        _, est = _single(_recipe(lora=lora, grpo=grpo), engine)
+        return any(p.name == "merged LoRA weights (generate)" for p in est.rollout.parts)
+
+    cpu, gpu = DistributedSetup(use_cpu=True), DistributedSetup()
+    assert merges({}, cpu) and not merges({}, gpu)
+    assert not merges({"merged_generation": False}, cpu) and merges({"merged_generation": True}, gpu)
 
 
 # -------------------------------------------------------------------------------------- vLLM's share

@@ -160,7 +160,7 @@ def test_generation_dtype_is_the_transformers_backend_s_and_takes_the_importance
 
     rewards = [{"name": "length"}]
     settings = GrpoSection(rewards=rewards, generation_dtype="bfloat16", vllm_importance_sampling_cap=2.0)
-    assert settings.backend_options == {"merge_adapters": False, "dtype": "bfloat16"}
+    assert settings.backend_options == {"merge_adapters": None, "dtype": "bfloat16"}
     with pytest.raises(
         ValidationError, match=r"vllm_importance_sampling_cap.*read by generation_backend: vllm"
     ):
