@@ -16,6 +16,7 @@ for the prompts it is given; a sharded model (FSDP, ZeRO-3) would need every ran
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -136,6 +137,48 @@ def eval_mode(model):
             yield model
     finally:
         model.train(was_training)
+
+
+@contextlib.contextmanager
+def onednn_linears(model):
+    """Inside (no autograd), `model`'s float32 `torch.nn.Linear` layers on the CPU compute with oneDNN's
+    linear (torch.ops.mkldnn._linear_pointwise, what torch.compile's CPU backend calls) instead of
+    torch's default MKL sgemm; on exit they are the plain layers again.
+
+    Written here because torch picks oneDNN for 16-bit CPU matmuls only: a decode step multiplies a few
+    rows (the sequences of the batch) by every weight, where MKL's sgemm ran SmolLM2's 30 layers and head
+    at 16 rows in 70 ms a step against oneDNN's 52 (the weights streamed from memory, 2 cores;
+    benchmarks/RESULTS.md). The products agree to float32 rounding, not bit for bit: the sampled tokens
+    can differ from an MKL decode's where two candidates tie to the last bit, as between any two kernels,
+    and every generate call takes the same path (the training forward is torch's own). Layers whose
+    forward someone else replaced (Accelerate's offload hooks), other dtypes and devices are left as
+    they are, and a call under autocast (mixed precision: Accelerate's bf16 casts) or with autograd is
+    torch's own linear; without oneDNN in the build nothing changes."""
+    op = (
+        getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    )
+    layers = [
+        m
+        for m in model.modules()
+        if op is not None
+        and type(m) is torch.nn.Linear
+        and "forward" not in vars(m)
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype == torch.float32
+    ]
+
+    def onednn(layer, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
+            return torch.nn.functional.linear(x, layer.weight, layer.bias)
+        return op(x, layer.weight, layer.bias, "none", [], "")
+
+    for layer in layers:
+        layer.forward = functools.partial(onednn, layer)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
 
 
 def _device(model) -> torch.device:
@@ -299,7 +342,7 @@ def generate_ids(
     outputs: list[list[Completion]] = [[] for _ in prompts]
     batches = [order[k : k + batch_size] for k in range(0, len(order), batch_size)]
     device = _device(model)
-    with eval_mode(model):
+    with eval_mode(model), onednn_linears(model):
         for batch in tqdm(batches, desc="generating", unit="batch", disable=not progress):
             rows = [prompts[k] for k in batch for _ in range(num_return_sequences)]
             # Each prompt's KV cache computed once for its completions where nothing else differs per row

@@ -226,6 +226,39 @@ def test_draw_gives_each_row_the_token_of_its_own_generator() -> None:
     assert other.tolist() != together.tolist()
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_generation_runs_float32_cpu_linears_through_onednn_and_gives_them_back() -> None:
+    """Inside onednn_linears (every generate call), a float32 CPU nn.Linear computes with oneDNN's linear
+    (the same bits as calling it), within float32 rounding of torch's own; a bfloat16 layer and one whose
+    forward was already replaced are left alone; with autograd or under autocast it is torch's own; on exit (an error
+    included) every layer is the plain one again."""
+    from finetune.generation.transformers_backend import onednn_linears
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Linear(16, 4, bias=False), torch.nn.Linear(4, 4)
+    )
+    net[2].to(torch.bfloat16)
+    hooked = torch.nn.Linear(8, 8)
+    hooked.forward = lambda x: x  # e.g. Accelerate's offload hook
+    net.append(hooked)
+    x = torch.randn(3, 5, 8)
+    with torch.no_grad(), onednn_linears(net):
+        assert "forward" in vars(net[0]) and "forward" in vars(net[1])
+        assert "forward" not in vars(net[2]) and vars(hooked)["forward"](x) is x
+        got = net[0](x)
+        onednn = torch.ops.mkldnn._linear_pointwise(x, net[0].weight, net[0].bias, "none", [], "")
+        assert torch.equal(got, onednn)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, net[0].weight, net[0].bias))
+    with onednn_linears(net):
+        assert net[0](x).grad_fn is not None  # autograd: torch's own linear
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), onednn_linears(net):
+        assert net[0](x).dtype == torch.bfloat16  # mixed precision: autocast's cast, as without
+    with pytest.raises(RuntimeError), onednn_linears(net):
+        raise RuntimeError
+    assert all("forward" not in vars(m) for m in net[:3]) and "forward" in vars(hooked)
+
+
 def test_completions_say_whether_they_stopped_and_keep_the_stop_token(tokenizer, tiny) -> None:
     stops = set(stop_token_ids(tokenizer, tiny))
     rows = _sample(tiny, tokenizer, PROMPTS, [[1, 2]] * len(PROMPTS), max_new_tokens=6)
