@@ -226,7 +226,7 @@ class GrpoSection(_Section):
         "(PEFT's safe merge; the original weights are put back bit for bit after every generate call): decoding "
         "runs the plain layers, for one more copy of the adapted weights while it samples (the planner counts it) "
         "and a pass over them per call. null (default): merged where the model is on the CPU, where the rollout "
-        "took 7-14% less time in a GRPO run on 2 cores (benchmarks/RESULTS.md, GRPO step time), not on a GPU, "
+        "took 7-21% less time in GRPO runs on 2 cores (benchmarks/RESULTS.md, GRPO step time), not on a GPU, "
         "for the memory of the copy; true / false: always / never. Ignored where PEFT cannot merge that way "
         "(QLoRA's 4-bit base, DoRA, sharded weights).",
     )

@@ -172,7 +172,7 @@ def _exact_match_rows(table: list[str]) -> dict[str, list[str]]:
 
 @pytest.mark.skipif(
     os.environ.get("FINETUNE_TOOL_DEMO") != "1",
-    reason="opt-in (FINETUNE_TOOL_DEMO=1): the calculator demo end to end is SFT + GRPO + eval, about "
+    reason="opt-in (FINETUNE_TOOL_DEMO=1): the calculator demo end to end is SFT + GRPO + eval, 13 to "
     "25 minutes on 2 cores, more than CI's budget; tests/unit/test_readme.py checks README's figures "
     "against RESULTS.md on every run",
 )
